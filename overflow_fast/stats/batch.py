@@ -1,0 +1,54 @@
+"""StatsBatch: the device-resident result of one ``tensor_stats`` call."""
+
+import torch
+
+from .layout import decode_row, is_finite_row
+
+
+class StatsBatch:
+    """Statistics of a list of tensors, kept on the tensors' devices until ``tolist()``.
+
+    ``groups`` is a list of ``(indices, values)``: ``values`` is an ``[len(indices), 8]`` int64
+    tensor (see ``layout``) holding the rows of the tensors at ``indices`` in the input list.
+    There is one group per (device, backend) that the input touched.
+    """
+
+    __slots__ = ("dtypes", "groups")
+
+    def __init__(self, dtypes, groups):
+        self.dtypes = list(dtypes)
+        self.groups = list(groups)
+
+    def __len__(self):
+        return len(self.dtypes)
+
+    def __repr__(self):
+        devices = sorted({str(values.device) for _, values in self.groups})
+        return f"StatsBatch({len(self)} tensors on {', '.join(devices) or 'no device'})"
+
+    @property
+    def values(self) -> torch.Tensor:
+        """All rows as one ``[N, 8]`` int64 tensor on the device, without a host sync.
+
+        Only defined when every tensor lives on one device (one group in input order).
+        """
+        if len(self.groups) == 1:
+            return self.groups[0][1]
+        if not self.groups:
+            return torch.zeros((0, 8), dtype=torch.int64)
+        raise ValueError("StatsBatch.values needs all tensors on one device; use tolist()")
+
+    def host_rows(self):
+        """Rows as lists of Python ints, in input order: one device-to-host copy per group."""
+        rows = [None] * len(self.dtypes)
+        for indices, values in self.groups:
+            for index, row in zip(indices, values.tolist()):
+                rows[index] = row
+        return rows
+
+    def tolist(self):
+        """One dict per tensor with keys abs_min, abs_max, nan, posinf, neginf, zero, subnormal, numel."""
+        return [decode_row(row, dtype) for row, dtype in zip(self.host_rows(), self.dtypes)]
+
+    def all_finite(self) -> bool:
+        return all(is_finite_row(row) for row in self.host_rows())

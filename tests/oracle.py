@@ -1,0 +1,143 @@
+"""An independent float64 / exact-integer reference for tensor_stats, and test-data makers.
+
+It shares nothing with the engine: magnitudes come from Python floats and ints element by
+element, and the smallest-normal thresholds are written out again here from the spec table.
+Keep inputs small (it walks every element in Python).
+"""
+
+import math
+
+import torch
+
+FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64) + FLOAT8
+COMPLEX_DTYPES = (torch.complex64, torch.complex128)
+INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+ALL_DTYPES = FLOAT_DTYPES + COMPLEX_DTYPES + INT_DTYPES + (torch.bool,)
+
+_TINY = {
+    torch.float16: 2.0**-14,
+    torch.bfloat16: 2.0**-126,
+    torch.float32: 2.0**-126,
+    torch.float64: 2.0**-1022,
+    torch.float8_e4m3fn: 2.0**-6,
+    torch.float8_e5m2: 2.0**-14,
+    torch.complex64: 2.0**-126,
+    torch.complex128: 2.0**-1022,
+}
+_SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def reference_stats(x: torch.Tensor) -> dict:
+    """The statistics of SPEC §3, element by element in Python floats / ints."""
+    dtype = x.dtype
+    flat = x.detach().reshape(-1)
+    numel = flat.numel()
+    if dtype.is_complex:
+        values = [complex(v) for v in flat.tolist()]
+        if dtype == torch.complex64:
+            # the magnitude of a complex64 is defined in float32 (torch's abs, C hypotf)
+            mags = flat.abs().double().tolist()
+        else:
+            mags = [math.hypot(v.real, v.imag) for v in values]
+        nan = sum(math.isnan(m) for m in mags)
+        posinf = sum(math.isinf(m) for m in mags)
+        neginf = 0
+        values = mags
+    elif dtype.is_floating_point:
+        # float64 holds every value of every narrower float dtype exactly
+        values = flat.to(torch.float64).tolist() if dtype not in FLOAT8 else flat.float().double().tolist()
+        mags = [abs(v) for v in values]
+        nan = sum(math.isnan(v) for v in values)
+        posinf = sum(v == math.inf for v in values)
+        neginf = sum(v == -math.inf for v in values)
+    else:
+        values = [int(v) for v in flat.tolist()]
+        mags = [abs(v) for v in values]
+        nan = posinf = neginf = 0
+    if numel == 0:
+        abs_min = abs_max = None
+    elif nan or any(isinstance(m, float) and math.isnan(m) for m in mags):
+        abs_min = abs_max = math.nan
+    else:
+        abs_min, abs_max = min(mags), max(mags)
+        if dtype == torch.bool or dtype.is_floating_point or dtype.is_complex:
+            abs_min, abs_max = float(abs_min), float(abs_max)
+    tiny = _TINY.get(dtype)
+    subnormal = sum(0 < m < tiny for m in mags) if tiny is not None else 0
+    return {
+        "abs_min": abs_min,
+        "abs_max": abs_max,
+        "nan": nan,
+        "posinf": posinf,
+        "neginf": neginf,
+        "zero": sum(m == 0 for m in mags),
+        "subnormal": subnormal,
+        "numel": numel,
+    }
+
+
+def same_stats(got: dict, want: dict) -> bool:
+    """Exact equality, NaN equal to NaN, and the value types must agree (int vs float)."""
+    if set(got) != set(want):
+        return False
+    for key, w in want.items():
+        g = got[key]
+        if isinstance(w, float) and math.isnan(w):
+            if not (isinstance(g, float) and math.isnan(g)):
+                return False
+        elif type(g) is not type(w) or g != w:
+            return False
+    return True
+
+
+def assert_stats_equal(got: list, tensors: list, label=""):
+    assert len(got) == len(tensors)
+    for i, (g, t) in enumerate(zip(got, tensors)):
+        want = reference_stats(t)
+        assert same_stats(g, want), f"{label} tensor {i} ({t.dtype}, shape {tuple(t.shape)}): got {g}, want {want}"
+
+
+def random_bits(dtype: torch.dtype, shape, generator=None) -> torch.Tensor:
+    """Every bit pattern equally likely: NaNs, infinities, subnormals, zeros of both signs, extremes."""
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=generator).bool()
+    size = torch.empty((), dtype=dtype).element_size()
+    if dtype.is_complex:
+        part = torch.float32 if dtype == torch.complex64 else torch.float64
+        real = random_bits(part, tuple(shape) + (2,), generator)
+        return torch.view_as_complex(real.contiguous())
+    ints = torch.randint(-(2**62), 2**62, tuple(shape), generator=generator, dtype=torch.int64)
+    ints = ints ^ (torch.randint(0, 2, tuple(shape), generator=generator, dtype=torch.int64) << 63)
+    raw = ints.to(_SAME_WIDTH_INT[size]) if size < 8 else ints
+    if size == 1:
+        raw = (ints & 0xFF).to(torch.uint8)
+    return raw.view(dtype) if dtype != raw.dtype else raw
+
+
+def special_values(dtype: torch.dtype) -> torch.Tensor:
+    """The values each dtype can get wrong: NaN, ±inf, ±0, subnormals, the smallest normal, max finite."""
+    if dtype == torch.bool:
+        return torch.tensor([True, False, True])
+    if dtype.is_floating_point or dtype.is_complex:
+        base = torch.float32 if dtype == torch.complex64 else torch.float64 if dtype.is_complex else dtype
+        info = torch.finfo(base)
+        values = [0.0, -0.0, 1.0, -1.0, info.max, -info.max, info.tiny, -info.tiny]
+        if info.smallest_normal > 0 and base not in FLOAT8:
+            values += [info.tiny / 2, -info.tiny / 4]
+        values += [math.nan, math.inf, -math.inf]
+        if dtype.is_complex:
+            reals = torch.tensor(values, dtype=torch.float64)
+            out = torch.complex(reals, reals.flip(0)).to(dtype)
+            return out
+        if dtype == torch.float8_e4m3fn:
+            # no infinities: build from raw bytes (0x7F is NaN, 0x7E max finite, 0x01 min subnormal)
+            return torch.tensor([0x00, 0x80, 0x38, 0xB8, 0x7E, 0xFE, 0x08, 0x88, 0x01, 0x87, 0x7F, 0xFF],
+                                dtype=torch.uint8).view(dtype)
+        if dtype == torch.float8_e5m2:
+            # 0x7C +inf, 0xFC -inf, 0x7E NaN, 0x7B max finite, 0x04 smallest normal, 0x01 min subnormal
+            return torch.tensor([0x00, 0x80, 0x3C, 0xBC, 0x7B, 0xFB, 0x04, 0x84, 0x01, 0x83, 0x7C, 0xFC, 0x7E],
+                                dtype=torch.uint8).view(dtype)
+        return torch.tensor(values, dtype=torch.float64).to(dtype)
+    info = torch.iinfo(dtype)
+    return torch.tensor([0, 1, info.max, info.min, info.min + 1 if info.min else 2, 7], dtype=dtype)
