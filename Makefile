@@ -1,0 +1,34 @@
+# Quick start: `make demo` and `make test` each set up .venv from nothing, then run.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.overflow_fast-installed
+TORCH_PIN := torch==2.13.0
+export MAX_JOBS ?= 2
+
+.PHONY: setup test demo bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+
+# Reinstall (and rebuild the C++ kernel) whenever the build inputs change.
+$(STAMP): $(PY) pyproject.toml setup.py requirements-dev.txt $(wildcard csrc/*.cpp csrc/*.h)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet $(TORCH_PIN)
+	$(PY) -m pip install --quiet -r requirements-dev.txt
+	$(PY) -m pip install --quiet --no-build-isolation -e .
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+test: setup
+	$(PY) -m pytest -q tests
+
+demo: setup
+	$(PY) -m overflow_fast.demo
+
+bench: setup
+	$(PY) benchmarks/bench_cpu_kernel.py
+
+clean:
+	rm -rf build *.egg-info overflow_fast/*.so
