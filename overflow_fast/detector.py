@@ -1,0 +1,421 @@
+"""The drop-in ``DebugUnderflowOverflow``: a forward hook on every module records a frame of
+statistics per call, and the last frames are printed when a nan/inf appears.
+
+It reproduces transformers' detector byte for byte, but each frame's statistics come from one
+``tensor_stats`` call, the ring keeps raw numbers (text is built only when printed), and with
+``check="batch"`` no hook waits for the device: statistics go to a preallocated device buffer
+that is read once, at the end of the top-level forward.
+"""
+
+import collections
+
+import torch
+
+from . import report
+from .report import NONE, NOT_A_TENSOR, TENSOR, UNREADABLE
+from .stats import tensor_stats, unreadable_reason
+from .stats.dispatch import check_backend_name
+from .stats.layout import NAN, NEGINF, NUM_COLUMNS, POSINF
+
+CHECK_MODES = ("module", "batch")
+DEFAULT_BUFFER_ROWS = 1 << 16
+
+
+class Frame:
+    """One hook call: the module, its entries, and their statistics rows (raw, not text)."""
+
+    __slots__ = ("lead", "module_name", "class_name", "entries", "dtypes", "rows")
+
+    def __init__(self, module_name, class_name, entries, dtypes):
+        self.lead = []  # lines the reference had pending in `self.frame` (batch markers)
+        self.module_name = module_name
+        self.class_name = class_name
+        self.entries = entries  # (kind, ctx, payload): payload is a row index for TENSOR
+        self.dtypes = dtypes
+        self.rows = None  # host rows; None while they are still on the device
+
+    def __str__(self):
+        return report.frame_text(self)
+
+
+class _Call:
+    """A hook call as the reference's state machine sees it, replayed once its rows are known."""
+
+    __slots__ = ("frame", "trace_mode", "first_call", "last_frame_of_batch", "batch_before",
+                 "batch_after", "total_calls", "device", "start")
+
+    def __init__(self, frame, trace_mode, first_call, last_frame_of_batch, batch_before, batch_after,
+                 total_calls):
+        self.frame = frame
+        self.trace_mode = trace_mode
+        self.first_call = first_call
+        self.last_frame_of_batch = last_frame_of_batch
+        self.batch_before = batch_before
+        self.batch_after = batch_after
+        self.total_calls = total_calls
+        self.device = None  # where its rows wait, with check="batch"
+        self.start = 0
+
+
+def _has_overflow(row):
+    return row[NAN] or row[POSINF] or row[NEGINF]
+
+
+class DebugUnderflowOverflow:
+    """Detect the first inf/nan in a model's weights, inputs and outputs, and print the frames
+    that led to it. Same arguments, attributes, text and errors as
+    ``transformers.debug_utils.DebugUnderflowOverflow``, plus:
+
+    - ``check="module"`` (default) decides at each module, as the reference does, with one host
+      sync per hook; ``check="batch"`` never syncs in a hook and decides once per forward of the
+      top-level model (or when its buffer fills), printing exactly the same report.
+    - ``backend``: the ``tensor_stats`` backend (None picks the fastest per device).
+    - ``remove()`` and use as a context manager take the hooks off again.
+    """
+
+    def __init__(self, model, max_frames_to_save=21, trace_batch_nums=None, abort_after_batch_num=None,
+                 check="module", backend=None, buffer_rows=DEFAULT_BUFFER_ROWS):
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if isinstance(max_frames_to_save, bool) or not isinstance(max_frames_to_save, int):
+            raise TypeError(f"max_frames_to_save must be an int, got {type(max_frames_to_save).__name__}")
+        if max_frames_to_save < 0:
+            raise ValueError(f"max_frames_to_save must be >= 0, got {max_frames_to_save}")
+        if trace_batch_nums is None:
+            trace_batch_nums = []
+        if isinstance(trace_batch_nums, (str, bytes)) or not hasattr(trace_batch_nums, "__contains__"):
+            raise TypeError(
+                f"trace_batch_nums must be a list of batch numbers, got {type(trace_batch_nums).__name__}"
+            )
+        if abort_after_batch_num is not None and (
+            isinstance(abort_after_batch_num, bool) or not isinstance(abort_after_batch_num, int)
+        ):
+            raise TypeError(
+                f"abort_after_batch_num must be an int or None, got {type(abort_after_batch_num).__name__}"
+            )
+        if check not in CHECK_MODES:
+            raise ValueError(f"check must be one of {CHECK_MODES}, got {check!r}")
+        if isinstance(buffer_rows, bool) or not isinstance(buffer_rows, int) or buffer_rows < 1:
+            raise ValueError(f"buffer_rows must be a positive int, got {buffer_rows!r}")
+
+        self.model = model
+        self.trace_batch_nums = trace_batch_nums
+        self.abort_after_batch_num = abort_after_batch_num
+        self.check = check
+        self.backend = check_backend_name(backend)
+
+        # The reference swaps its deque for an unbounded list after tracing or a dump; this stays bounded.
+        self.frames = collections.deque([], max_frames_to_save)
+        self.frame = []
+        self.batch_number = 0
+        self.total_calls = 0
+        self.detected_overflow = False
+        self.prefix = report.PREFIX
+
+        self._handles = []
+        self._pending = []  # _Call records whose rows wait in the device buffers (check="batch")
+        self._buffer_rows = buffer_rows
+        self._buffers = {}  # device -> [int64 buffer of shape (buffer_rows, 8), rows used]
+        self.analyse_model()
+        self.register_forward_hook()
+
+    # -- the reference's methods ------------------------------------------------------------
+
+    def save_frame(self, frame=None):
+        if frame is not None:
+            self.expand_frame(frame)
+        self.frames.append("\n".join(self.frame))
+        self.frame = []
+
+    def expand_frame(self, line):
+        self.frame.append(line)
+
+    def trace_frames(self):
+        print("\n".join(str(frame) for frame in self.frames))
+        self.frames.clear()
+
+    def reset_saved_frames(self):
+        self.frames.clear()
+
+    def dump_saved_frames(self):
+        print(report.dump_text(self.batch_number, self.frames))
+        self.frames.clear()
+
+    def analyse_model(self):
+        # first name wins for a module reachable under several names
+        self.module_names = {m: name for name, m in self.model.named_modules()}
+
+    def analyse_variable(self, var, ctx):
+        """Add one line for ``var`` to the frame being built, printing its nan/inf lines at once."""
+        if isinstance(var, torch.Tensor):
+            self.expand_frame(get_abs_min_max(var, ctx))
+            if detect_overflow(var, ctx):
+                self.detected_overflow = True
+        elif var is None:
+            self.expand_frame(report.entry_line(NONE, ctx, None))
+        else:
+            self.expand_frame(report.entry_line(NOT_A_TENSOR, ctx, None))
+
+    def batch_start_frame(self):
+        self.frame.extend(report.batch_start_lines(self.batch_number))
+
+    def batch_end_frame(self):
+        self.expand_frame(report.batch_end_line(self.batch_number - 1))
+
+    def create_frame(self, module, input, output):
+        """Build, check and save the frame of one hook call right away (one host sync)."""
+        frame, tensors = self._new_frame(module, input, output)
+        self._resolve_now(frame, tensors)
+        self._save(frame)
+
+    def register_forward_hook(self):
+        self.model.apply(self._register_forward_hook)
+        if self.check == "batch":
+            # always_call: runs even when the forward raises, so pending checks still print
+            self._handles.append(
+                self.model.register_forward_hook(self._flush_after_forward, always_call=True)
+            )
+
+    def _register_forward_hook(self, module):
+        # a module shared by two parents is visited twice and so hooked twice, like the reference
+        self._handles.append(module.register_forward_hook(self.forward_hook))
+
+    def forward_hook(self, module, input, output):
+        trace_mode = self.batch_number in self.trace_batch_nums
+        first_call = self.total_calls == 0
+        batch_before = self.batch_number
+        self.total_calls += 1
+        last_frame_of_batch = module is self.model
+        if last_frame_of_batch:
+            self.batch_number += 1
+        frame, tensors = self._new_frame(module, input, output)
+        call = _Call(frame, trace_mode, first_call, last_frame_of_batch, batch_before, self.batch_number,
+                     self.total_calls)
+
+        if self.check == "batch" and not trace_mode and not self.detected_overflow:
+            self._defer(call, tensors)
+            if last_frame_of_batch:
+                self.flush()
+        else:
+            self.flush()  # earlier calls first: one of them may be the first bad one
+            self._resolve_now(frame, tensors)
+            self._replay(call)
+
+        if self.abort_after_batch_num is not None and self.batch_number > self.abort_after_batch_num:
+            self.flush()
+            raise ValueError(report.abort_error(self.batch_number, self.abort_after_batch_num))
+
+    # -- additions --------------------------------------------------------------------------
+
+    def remove(self):
+        """Take every hook off the model, after running any check still pending."""
+        handles, self._handles = self._handles, []
+        for handle in handles:
+            handle.remove()
+        self.flush()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.remove()
+            return
+        try:
+            self.remove()
+        except ValueError:
+            pass  # the report is printed; the error already propagating is the one to see
+
+    def flush(self):
+        """Read the pending statistics (one host sync per device) and replay their calls in order.
+
+        Raises the reference's ValueError if one of them holds a nan/inf.
+        """
+        if not self._pending:
+            return
+        for device, state in self._buffers.items():
+            used = state[1]
+            if used:
+                host = state[0][:used].tolist()
+                state[1] = 0
+                for call in self._pending:
+                    if call.device == device:
+                        count = len(call.frame.dtypes)
+                        call.frame.rows = host[call.start:call.start + count]
+        pending, self._pending = self._pending, []
+        for call in pending:
+            self._replay(call)  # raises at the first bad call: those after it never happened
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _new_frame(self, module, input, output):
+        entries = []
+        tensors = []
+
+        def add(var, ctx):
+            if isinstance(var, torch.Tensor):
+                reason = unreadable_reason(var)
+                if reason is None:
+                    entries.append((TENSOR, ctx, len(tensors)))
+                    tensors.append(var)
+                else:
+                    entries.append((UNREADABLE, ctx, reason))
+            elif var is None:
+                entries.append((NONE, ctx, None))
+            else:
+                entries.append((NOT_A_TENSOR, ctx, None))
+
+        for name, parameter in module.named_parameters(recurse=False):
+            add(parameter, name)
+        if isinstance(input, tuple):
+            for i, x in enumerate(input):
+                add(x, f"input[{i}]")
+        else:
+            add(input, "input")
+        if isinstance(output, tuple):
+            for i, x in enumerate(output):
+                if isinstance(x, tuple):
+                    for j, y in enumerate(x):
+                        add(y, f"output[{i}][{j}]")
+                else:
+                    add(x, f"output[{i}]")
+        else:
+            add(output, "output")
+
+        frame = Frame(self.module_names.get(module, "?"), module.__class__.__name__, entries,
+                      [t.dtype for t in tensors])
+        return frame, tensors
+
+    def _stats(self, frame, tensors):
+        """The frame's StatsBatch, or None with ``frame.rows`` set on the host when the engine
+        failed (then only the tensors it cannot read lose their line)."""
+        try:
+            return tensor_stats(tensors, self.backend)
+        except Exception:
+            pass
+        # one tensor at a time on the portable backend, so only the culprit loses its line
+        rows = []
+        for index, tensor in enumerate(tensors):
+            try:
+                rows.append(tensor_stats([tensor], "torch").host_rows()[0])
+            except Exception as error:
+                rows.append([0] * NUM_COLUMNS)
+                self._mark_unreadable(frame, index, f"{type(error).__name__}: {error}")
+        frame.rows = rows
+        return None
+
+    @staticmethod
+    def _mark_unreadable(frame, index, reason):
+        for position, (kind, ctx, payload) in enumerate(frame.entries):
+            if kind == TENSOR and payload == index:
+                frame.entries[position] = (UNREADABLE, ctx, reason)
+
+    def _resolve_now(self, frame, tensors):
+        if not tensors:
+            frame.rows = []
+            return
+        batch = self._stats(frame, tensors)
+        if batch is not None:
+            frame.rows = batch.host_rows()
+
+    def _defer(self, call, tensors):
+        frame = call.frame
+        count = len(tensors)
+        if count == 0:
+            frame.rows = []
+            self._pending.append(call)
+            return
+        batch = self._stats(frame, tensors)
+        if batch is None:  # already on the host (the engine failed on something)
+            self._pending.append(call)
+            return
+        try:
+            values = batch.values
+        except ValueError:  # tensors on several devices: read this frame now
+            frame.rows = batch.host_rows()
+            self._pending.append(call)
+            return
+        if count > self._buffer_rows:
+            frame.rows = batch.host_rows()
+            self._pending.append(call)
+            return
+        device = values.device
+        state = self._buffers.get(device)
+        if state is None:
+            state = self._buffers[device] = [
+                torch.empty((self._buffer_rows, NUM_COLUMNS), dtype=torch.int64, device=device), 0
+            ]
+        if state[1] + count > self._buffer_rows:
+            self.flush()  # a full buffer is read early (a submodule run alone still gets checked)
+        state[0][state[1]:state[1] + count].copy_(values)
+        call.device, call.start = device, state[1]
+        state[1] += count
+        self._pending.append(call)
+
+    def _replay(self, call):
+        """The reference's bookkeeping for one hook call whose rows are on the host."""
+        frame = call.frame
+        if call.trace_mode:
+            self.reset_saved_frames()
+        if call.first_call:
+            self.frame.extend(report.batch_start_lines(call.batch_before))
+        self._save(frame)
+        if call.trace_mode:
+            self.trace_frames()
+        if call.last_frame_of_batch:
+            self.frame.extend(report.batch_start_lines(call.batch_after))
+        if self.detected_overflow and not call.trace_mode:
+            # with check="batch" later calls may have run: report the state of this one
+            self.batch_number = call.batch_after
+            self.total_calls = call.total_calls
+            self._discard_pending()
+            self.dump_saved_frames()
+            raise ValueError(report.OVERFLOW_ERROR)
+
+    def _save(self, frame):
+        """Attach the pending lead lines, print the nan/inf lines, keep the frame in the ring."""
+        frame.lead, self.frame = self.frame, []
+        for kind, ctx, payload in frame.entries:
+            if kind == TENSOR and _has_overflow(frame.rows[payload]):
+                for line in report.overflow_lines(frame.rows[payload], ctx):
+                    print(line)
+                self.detected_overflow = True
+        self.frames.append(frame)
+
+    def _discard_pending(self):
+        self._pending = []
+        for state in self._buffers.values():
+            state[1] = 0
+
+    def _flush_after_forward(self, module, input, output):
+        # Reached with nothing pending after a normal forward (forward_hook flushed already); with
+        # work pending only when the forward raised: print the report, let that error propagate.
+        if not self._pending:
+            return
+        try:
+            self.flush()
+        except ValueError:
+            pass
+
+
+def get_abs_min_max(var, ctx):
+    """``"{abs min:8.2e} {abs max:8.2e} {ctx}"`` for a tensor, as the reference formats it."""
+    if not isinstance(var, torch.Tensor):
+        raise TypeError(f"get_abs_min_max expects a tensor, got {type(var).__name__}")
+    reason = unreadable_reason(var)
+    if reason is not None:
+        return report.entry_line(UNREADABLE, ctx, reason)
+    row = tensor_stats([var]).host_rows()[0]
+    return report.tensor_line(row, var.dtype, ctx)
+
+
+def detect_overflow(var, ctx):
+    """Print ``"{ctx} has nans"`` / ``"{ctx} has infs"`` and return True if ``var`` holds any."""
+    if not isinstance(var, torch.Tensor):
+        raise TypeError(f"detect_overflow expects a tensor, got {type(var).__name__}")
+    if unreadable_reason(var) is not None:
+        return False
+    row = tensor_stats([var]).host_rows()[0]
+    for line in report.overflow_lines(row, ctx):
+        print(line)
+    return bool(_has_overflow(row))

@@ -1,0 +1,89 @@
+"""Text of the reference detector, built from raw statistics only when something is printed.
+
+Nothing here runs a torch kernel: it formats host rows (see ``stats.layout``) and frame records.
+"""
+
+from .stats.layout import NAN, NEGINF, NUMEL, POSINF, decode_row
+
+PREFIX = " " * 17
+COLUMN_HEADER = f"{'abs min':8} {'abs max':8} metadata"
+
+# What a frame entry holds: a tensor's statistics row, None, another object, or a tensor the
+# engine cannot read (the reference would crash on it).
+TENSOR, NONE, NOT_A_TENSOR, UNREADABLE = range(4)
+
+
+def tensor_line(row, dtype, ctx: str) -> str:
+    if row[NUMEL] == 0:
+        return f"{'empty tensor':>17} {ctx}"
+    stats = decode_row(row, dtype)
+    return f"{stats['abs_min']:8.2e} {stats['abs_max']:8.2e} {ctx}"
+
+
+def overflow_lines(row, ctx: str):
+    """The reference's immediate "has nans" / "has infs" lines for one tensor."""
+    lines = []
+    if row[NAN]:
+        lines.append(f"{ctx} has nans")
+    if row[POSINF] or row[NEGINF]:
+        lines.append(f"{ctx} has infs")
+    return lines
+
+
+def entry_line(kind: int, ctx: str, payload) -> str:
+    """The line of a non-tensor entry (``payload`` is the reason for UNREADABLE)."""
+    if kind == NONE:
+        return f"{'None':>17} {ctx}"
+    if kind == NOT_A_TENSOR:
+        return f"{'not a tensor':>17} {ctx}"
+    return f"{'unreadable':>17} {ctx} ({payload})"
+
+
+def frame_header(module_name: str, class_name: str) -> str:
+    return f"{PREFIX} {module_name} {class_name}"
+
+
+def batch_start_lines(batch_number: int):
+    return [f"\n\n{PREFIX} *** Starting batch number={batch_number} ***", COLUMN_HEADER]
+
+
+def batch_end_line(batch_number: int) -> str:
+    return f"{PREFIX} *** Finished batch number={batch_number} ***\n\n"
+
+
+def dump_text(batch_number: int, frames) -> str:
+    """What the reference prints on detection (four print() calls, joined)."""
+    return "\n".join(
+        [
+            f"\nDetected inf/nan during batch_number={batch_number}",
+            f"Last {len(frames)} forward frames:",
+            COLUMN_HEADER,
+            "\n".join(str(frame) for frame in frames),
+            "\n\n",
+        ]
+    )
+
+
+OVERFLOW_ERROR = (
+    "DebugUnderflowOverflow: inf/nan detected, aborting as there is no point running further. "
+    "Please scroll up above this traceback to see the activation values prior to this event."
+)
+
+
+def abort_error(batch_number: int, abort_after_batch_num) -> str:
+    return (
+        f"DebugUnderflowOverflow: aborting after {batch_number} batches due to"
+        f" `abort_after_batch_num={abort_after_batch_num}` arg"
+    )
+
+
+def frame_text(frame) -> str:
+    """One frame as the reference stores it: optional batch-start lines, the header, one line per entry."""
+    lines = list(frame.lead)
+    lines.append(frame_header(frame.module_name, frame.class_name))
+    for kind, ctx, payload in frame.entries:
+        if kind == TENSOR:
+            lines.append(tensor_line(frame.rows[payload], frame.dtypes[payload], ctx))
+        else:
+            lines.append(entry_line(kind, ctx, payload))
+    return "\n".join(lines)

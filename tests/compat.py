@@ -1,0 +1,66 @@
+"""Run the same script against the reference detector and ours and capture everything they show."""
+
+import contextlib
+import copy
+import io
+
+import torch
+from transformers.debug_utils import DebugUnderflowOverflow as ReferenceDetector
+
+from overflow_fast import DebugUnderflowOverflow
+
+
+def run(detector_cls, model, batches, steps, **kwargs):
+    """Attach ``detector_cls`` to ``model``, run ``steps(model, batch)`` for each batch.
+
+    Returns (stdout text, list of (exception type name, message) or None per batch, detector).
+    An exception raised while building the detector counts as the first outcome.
+    """
+    out = io.StringIO()
+    outcomes = []
+    with contextlib.redirect_stdout(out):
+        try:
+            detector = detector_cls(model, **kwargs)
+        except Exception as error:  # noqa: BLE001 - the outcome itself is compared
+            return out.getvalue(), [(type(error).__name__, str(error))], None
+        for batch in batches:
+            try:
+                steps(model, batch)
+                outcomes.append(None)
+            except Exception as error:  # noqa: BLE001
+                outcomes.append((type(error).__name__, str(error)))
+    return out.getvalue(), outcomes, detector
+
+
+def forward(model, batch):
+    with torch.no_grad():
+        if isinstance(batch, dict):
+            model(**batch)
+        else:
+            model(*batch) if isinstance(batch, tuple) else model(batch)
+
+
+def compare(model, batches, steps=forward, check="module", **kwargs):
+    """Run the reference and overflow_fast on identical copies of ``model``; return both captures."""
+    reference_model = copy.deepcopy(model)
+    ours_model = copy.deepcopy(model)
+    want = run(ReferenceDetector, reference_model, batches, steps, **kwargs)
+    got = run(DebugUnderflowOverflow, ours_model, batches, steps, check=check, **kwargs)
+    return want, got
+
+
+def assert_identical(model, batches, steps=forward, check="module", **kwargs):
+    (want_out, want_outcomes, _), (got_out, got_outcomes, detector) = compare(
+        model, batches, steps, check=check, **kwargs
+    )
+    assert got_outcomes == want_outcomes
+    assert got_out == want_out, _first_difference(got_out, want_out)
+    return got_out, got_outcomes, detector
+
+
+def _first_difference(got, want):
+    got_lines, want_lines = got.splitlines(), want.splitlines()
+    for i, (g, w) in enumerate(zip(got_lines, want_lines)):
+        if g != w:
+            return f"line {i}: got {g!r}, want {w!r}"
+    return f"lengths differ: got {len(got_lines)} lines, want {len(want_lines)}"

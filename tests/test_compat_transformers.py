@@ -1,0 +1,122 @@
+"""Byte-for-byte comparison with transformers' DebugUnderflowOverflow on real model classes
+built from small configs with random weights, in both check modes."""
+
+import pytest
+import torch
+
+import models
+from compat import assert_identical
+
+CHECKS = ["module", "batch"]
+
+
+def seq2seq_batch(seed):
+    ids = models.token_batch(seed)
+    return {"input_ids": ids, "decoder_input_ids": ids[:, :4]}
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_t5_fp16_real_overflow(check):
+    # the second block's feed-forward output passes fp16's 65504: the report ends at that Linear
+    model = models.t5(torch.float16, overflow_scale=6e4)
+    out, outcomes, _ = assert_identical(model, [seq2seq_batch(0), seq2seq_batch(1)], check=check)
+    assert "output has infs" in out and "DenseReluDense.wo Linear" in out
+    assert outcomes[0][0] == "ValueError"
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_t5_fp16_trace_then_overflow(check):
+    model = models.t5(torch.float16, overflow_scale=6e4)
+    batches = [seq2seq_batch(i) for i in range(3)]
+    out, outcomes, _ = assert_identical(model, batches, check=check, trace_batch_nums=[0])
+    assert "*** Starting batch number=0 ***" in out
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_gpt2_clean_run_with_trace_and_abort(check):
+    model = models.gpt2()
+    batches = [models.token_batch(i) for i in range(4)]
+    out, outcomes, _ = assert_identical(
+        model, batches, check=check, trace_batch_nums=[1, 2], abort_after_batch_num=2, max_frames_to_save=1000
+    )
+    assert outcomes[:2] == [None, None] and outcomes[2][0] == "ValueError"
+    assert "not a tensor output" in out  # a ModelOutput is printed as the reference prints it
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_gpt2_tuple_outputs_fp16_overflow(check):
+    model = models.gpt2(torch.float16)
+    with torch.no_grad():
+        model.transformer.h[1].mlp.c_fc.weight.mul_(1e5)
+        model.transformer.h[1].mlp.c_proj.weight.mul_(1e3)  # the MLP output overflows fp16
+    batches = [(models.token_batch(i), None, None) for i in range(2)]
+
+    def steps(m, batch):
+        with torch.no_grad():
+            m(batch[0], return_dict=False)
+
+    out, outcomes, _ = assert_identical(model, batches, steps=steps, check=check, max_frames_to_save=7)
+    assert outcomes[0] is not None
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_bert_traced_batches(check):
+    model = models.bert()
+    batches = [models.token_batch(i) for i in range(3)]
+    out, outcomes, _ = assert_identical(model, batches, check=check, trace_batch_nums=[0, 2])
+    assert outcomes == [None, None, None]
+    assert "pooler.dense Linear" in out
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_bert_bf16_nan_in_weight(check):
+    model = models.bert(torch.bfloat16)
+    with torch.no_grad():
+        model.encoder.layer[1].attention.self.value.weight[0, 0] = float("nan")
+    out, outcomes, _ = assert_identical(model, [models.token_batch(0)], check=check)
+    assert "weight has nans" in out
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_llama_fp16_overflow(check):
+    model = models.llama(torch.float16)
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight.mul_(2e3)
+        model.model.layers[0].mlp.gate_proj.weight.mul_(2e3)  # gate * up overflows fp16
+    batches = [models.token_batch(i) for i in range(2)]
+    out, outcomes, _ = assert_identical(model, batches, check=check)
+    assert outcomes[0] is not None and "has infs" in out
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_llama_training_steps(check):
+    # forward + backward + optimizer step: the hooks see parameters change between batches
+    model = models.llama()
+    model.train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def steps(m, batch):
+        optimizer.zero_grad()
+        loss = m(input_ids=batch, labels=batch).loss
+        loss.backward()
+        optimizer.step()
+
+    batches = [models.token_batch(i) for i in range(3)]
+    # the optimizer above belongs to the original model, so run each copy with its own optimizer
+    import copy
+
+    from compat import ReferenceDetector, run
+    from overflow_fast import DebugUnderflowOverflow
+
+    results = []
+    for cls, kwargs in ((ReferenceDetector, {}), (DebugUnderflowOverflow, {"check": check})):
+        m = copy.deepcopy(model)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+
+        def step(mm, batch, opt=opt):
+            opt.zero_grad()
+            mm(input_ids=batch, labels=batch).loss.backward()
+            opt.step()
+
+        results.append(run(cls, m, batches, step, trace_batch_nums=[2], **kwargs)[:2])
+    assert results[0] == results[1]
