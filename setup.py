@@ -1,18 +1,92 @@
 """Build of the optional C++ CPU kernel (csrc/) through torch's BuildExtension and ninja.
 
 Set OVERFLOW_FAST_NO_EXTENSION=1 to install the pure-Python package only.
+
+The kernel is compiled twice, into the same extension: once for a safe baseline (no ISA flags) and,
+on x86-64, once more with AVX2 flags; the binding picks one at run time, so the build works, and
+the module runs, on any x86-64 CPU.
 """
 
+import hashlib
 import os
+import platform
+from pathlib import Path
 
 from setuptools import setup
+
+HERE = Path(__file__).resolve().parent
+CSRC = "csrc"
+
+
+def source_hash(folder: Path) -> str:
+    """Hash of the kernel's sources; the module records it so that a stale build is detected.
+
+    overflow_fast/stats/cpu_backend.py computes the same hash; keep the two in step.
+    """
+    digest = hashlib.sha256()
+    for path in sorted(folder.glob("*")):
+        if path.suffix in (".cpp", ".h"):
+            digest.update(path.name.encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
 
 ext_modules = []
 cmdclass = {}
 
 if os.environ.get("OVERFLOW_FAST_NO_EXTENSION") != "1":
-    from torch.utils.cpp_extension import BuildExtension
+    import torch
+    from torch.utils.cpp_extension import BuildExtension, CppExtension
 
-    cmdclass = {"build_ext": BuildExtension.with_options(use_ninja=True)}
+    class BuildExtensionPerFileFlags(BuildExtension):
+        """BuildExtension gives every source the same flags; this compiles the sources listed in
+        an extension's ``per_file_flags`` ({source: extra flags}) on their own, with their flags,
+        and links the objects in after the other sources. The AVX2 object goes last on the link
+        line so that, for any inline function emitted by several objects, the linker keeps the
+        baseline copy."""
+
+        def build_extension(self, ext):
+            objects = []
+            for source, flags in getattr(ext, "per_file_flags", {}).items():
+                cxx = list(ext.extra_compile_args["cxx"]) + list(flags)
+                objects += self.compiler.compile(
+                    [source],
+                    output_dir=self.build_temp,
+                    macros=ext.define_macros,
+                    include_dirs=ext.include_dirs,
+                    debug=self.debug,
+                    extra_postargs={"cxx": cxx},
+                    depends=ext.depends,
+                )
+            ext.extra_objects = list(getattr(ext, "extra_objects", []) or []) + objects
+            super().build_extension(ext)
+
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    # -fopenmp in both compile and link: without it at::parallel_for runs single-threaded.
+    # -fwrapv: the baseline Vectorized<int> negates the most negative integer; make it wrap.
+    common = ["-O3", "-fopenmp", "-fwrapv"]
+    extension = CppExtension(
+        name="overflow_fast._C",
+        sources=[f"{CSRC}/kernel_default.cpp", f"{CSRC}/complex.cpp"],
+        depends=[f"{CSRC}/stats.h", f"{CSRC}/kernel.h"],
+        extra_compile_args={"cxx": common},
+        extra_link_args=["-fopenmp"],
+    )
+    # Only the binding sees the build's identity, so that editing a kernel rebuilds just the
+    # objects that changed plus the (small) binding.
+    extension.per_file_flags = {
+        f"{CSRC}/binding.cpp": [
+            f'-DOVERFLOW_FAST_TORCH_VERSION="{torch.__version__}"',
+            f'-DOVERFLOW_FAST_SOURCE_HASH="{source_hash(HERE / CSRC)}"',
+        ] + (["-DOVERFLOW_FAST_HAVE_AVX2"] if x86 else []),
+    }
+    if x86:
+        # CPU_CAPABILITY names the inline namespace of at::vec and of our kernel, so the two
+        # builds of the same templates never share a symbol.
+        extension.per_file_flags[f"{CSRC}/kernel_avx2.cpp"] = [
+            "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma", "-mf16c",
+        ]
+    ext_modules = [extension]
+    cmdclass = {"build_ext": BuildExtensionPerFileFlags.with_options(use_ninja=True)}
 
 setup(ext_modules=ext_modules, cmdclass=cmdclass)

@@ -1,17 +1,77 @@
-"""The C++ backend (csrc/): not built yet."""
+"""The C++ backend (csrc/, the extension ``overflow_fast._C``): one pass per tensor, many tensors
+per call, SIMD and threads.
+
+The extension is optional. When it is missing, fails to load, was built against another torch
+or from other sources, ``unavailable_reason()`` says why and dispatch falls back to the torch
+backend with one warning; importing this module never raises.
+"""
+
+import hashlib
+from pathlib import Path
 
 import torch
 
 NAME = "cpu"
 
+# Must equal kAbiVersion in csrc/binding.cpp.
+ABI_VERSION = 1
+
+SUPPORTED_DTYPES = frozenset({
+    torch.float64, torch.float32, torch.float16, torch.bfloat16,
+    torch.float8_e4m3fn, torch.float8_e5m2,
+    torch.complex64, torch.complex128,
+    torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool,
+})
+
+_REBUILD = "rebuild it with `make setup` (or `pip install --no-build-isolation -e .`)"
+
+try:
+    from overflow_fast import _C
+    _load_error = None
+except Exception as error:  # ImportError, or OSError/undefined symbols from a mismatched torch
+    _C = None
+    _load_error = f"{type(error).__name__}: {error}"
+
+
+def _source_hash(folder: Path) -> str:
+    """The hash setup.py records at build time (keep the two in step)."""
+    digest = hashlib.sha256()
+    for path in sorted(folder.glob("*")):
+        if path.suffix in (".cpp", ".h"):
+            digest.update(path.name.encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _check():
+    if _C is None:
+        return f"the C++ extension overflow_fast._C could not be loaded ({_load_error}); {_REBUILD}"
+    if getattr(_C, "ABI_VERSION", None) != ABI_VERSION:
+        return (f"overflow_fast._C has interface version {getattr(_C, 'ABI_VERSION', None)}, "
+                f"this package expects {ABI_VERSION}; {_REBUILD}")
+    built_with = getattr(_C, "TORCH_VERSION", None)
+    if built_with != torch.__version__:
+        return f"overflow_fast._C was built against torch {built_with}, not {torch.__version__}; {_REBUILD}"
+    # In a source checkout, a module built from older sources is stale.
+    csrc = Path(__file__).resolve().parents[2] / "csrc"
+    if (csrc / "binding.cpp").is_file() and _source_hash(csrc) != getattr(_C, "SOURCE_HASH", None):
+        return f"overflow_fast._C is stale: csrc/ changed since it was built; {_REBUILD}"
+    return None
+
+
+_reason = _check()
+
 
 def unavailable_reason():
-    return "the C++ extension overflow_fast._C is not built"
+    return _reason
 
 
 def supports(tensor: torch.Tensor) -> bool:
-    return tensor.device.type == "cpu"
+    return tensor.device.type == "cpu" and tensor.dtype in SUPPORTED_DTYPES
 
 
-def compute(tensors):
-    raise RuntimeError(unavailable_reason())
+def compute(tensors) -> torch.Tensor:
+    """Statistics rows, ``[len(tensors), 8]`` int64 on the CPU, in one call to the kernel."""
+    if _reason is not None:
+        raise RuntimeError(f"overflow_fast: the 'cpu' backend is unavailable: {_reason}")
+    return _C.compute(tensors if isinstance(tensors, list) else list(tensors))

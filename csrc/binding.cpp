@@ -1,0 +1,362 @@
+// overflow_fast._C: the statistics of a list of CPU tensors in one call (SPEC §3).
+//
+// Each tensor is planned as rows of contiguous elements read in place; the whole call's bytes
+// are split evenly between threads (small calls stay on one thread), each thread scans its share
+// with the kernel picked for this CPU, and the per-thread partials are merged into one
+// [n, 8] int64 row per tensor (layout.py). Min, max and counts are exact, so the result does not
+// depend on how the work was split.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <c10/util/SmallVector.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "stats.h"
+
+#ifndef OVERFLOW_FAST_TORCH_VERSION
+#define OVERFLOW_FAST_TORCH_VERSION "unknown"
+#endif
+#ifndef OVERFLOW_FAST_SOURCE_HASH
+#define OVERFLOW_FAST_SOURCE_HASH "unknown"
+#endif
+
+namespace overflow_fast {
+namespace {
+
+// Bumped whenever the Python side must change with the module (cpu_backend.py checks it).
+constexpr int kAbiVersion = 1;
+
+// Columns of a row (overflow_fast/stats/layout.py).
+enum Column : int64_t { ABS_MIN, ABS_MAX, NAN_COUNT, POSINF, NEGINF, ZERO, SUBNORMAL, NUMEL, NUM_COLUMNS };
+
+// A call with less work than this per thread stays on the calling thread: waking the OpenMP
+// team costs several microseconds, as much as reading this many bytes.
+constexpr int64_t kMinBytesPerThread = 256 * 1024;
+// hypot costs far more per byte than the SIMD path; weigh complex work up so threads get even shares.
+constexpr int64_t kComplexCostFactor = 16;
+
+// The kernel for this CPU; a plain function pointer (no initializer runs at load time).
+ScanFn g_scan = nullptr;
+const char* g_capability = "default";
+
+#ifdef OVERFLOW_FAST_HAVE_AVX2
+bool cpu_has_avx2() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+#endif
+
+void set_capability(const std::string& name) {
+  if (name == "default") {
+    g_scan = scan_default;
+    g_capability = "default";
+    return;
+  }
+#ifdef OVERFLOW_FAST_HAVE_AVX2
+  if (name == "avx2") {
+    TORCH_CHECK(cpu_has_avx2(), "overflow_fast._C: this CPU has no AVX2");
+    g_scan = scan_avx2;
+    g_capability = "avx2";
+    return;
+  }
+#endif
+  TORCH_CHECK(false, "overflow_fast._C: unknown or unavailable capability '", name, "'");
+}
+
+// The best kernel for this CPU, unless ATEN_CPU_CAPABILITY=default asks torch (and us) for the baseline.
+void choose_capability() {
+  const char* env = std::getenv("ATEN_CPU_CAPABILITY");
+  const bool forced_default = env != nullptr && std::string(env) == "default";
+#ifdef OVERFLOW_FAST_HAVE_AVX2
+  if (!forced_default && cpu_has_avx2()) {
+    set_capability("avx2");
+    return;
+  }
+#endif
+  (void)forced_default;
+  set_capability("default");
+}
+
+std::optional<Kind> kind_of(at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kDouble: return Kind::F64;
+    case at::kFloat: return Kind::F32;
+    case at::kHalf: return Kind::F16;
+    case at::kBFloat16: return Kind::BF16;
+    case at::kFloat8_e4m3fn: return Kind::F8E4M3FN;
+    case at::kFloat8_e5m2: return Kind::F8E5M2;
+    case at::kChar: return Kind::I8;
+    case at::kShort: return Kind::I16;
+    case at::kInt: return Kind::I32;
+    case at::kLong: return Kind::I64;
+    case at::kByte: return Kind::U8;
+    case at::kBool: return Kind::BOOL;
+    case at::kComplexFloat: return Kind::C64;
+    case at::kComplexDouble: return Kind::C128;
+    default: return std::nullopt;
+  }
+}
+
+bool is_complex(Kind kind) { return kind == Kind::C64 || kind == Kind::C128; }
+
+bool is_floating(Kind kind) {
+  return kind == Kind::F64 || kind == Kind::F32 || kind == Kind::F16 || kind == Kind::BF16 ||
+         kind == Kind::F8E4M3FN || kind == Kind::F8E5M2;
+}
+
+// How to read one tensor: `rows` rows of `row_len` contiguous elements; row r starts at
+// base + offset(r) elements, where offset decomposes r over the outer sizes and strides.
+struct Plan {
+  int64_t row = 0;  // output row
+  Kind kind = Kind::F32;
+  const char* base = nullptr;
+  int64_t itemsize = 0;
+  int64_t row_len = 1;
+  int64_t rows = 1;
+  c10::SmallVector<int64_t, 6> outer_sizes;    // outermost first
+  c10::SmallVector<int64_t, 6> outer_strides;  // in elements
+  int64_t repeat = 1;  // every element read stands for this many (stride-0, broadcast dimensions)
+  int64_t cost = 0;    // cost units of one element
+  int64_t cost_begin = 0;
+  int64_t cost_end = 0;
+  at::Tensor copy;  // holds the contiguous copy, for the layouts that need one
+};
+
+// Statistics do not depend on element order, so dimensions can be reordered and merged freely:
+// drop size-1 dimensions, read stride-0 dimensions once (scaling the counts), sort the rest by
+// stride and merge those that are contiguous with each other. A dense tensor (contiguous,
+// transposed, permuted) becomes one row; a slice becomes rows; only a layout whose smallest
+// stride is not 1 (e.g. x[:, ::2]) is copied.
+Plan make_plan(const at::Tensor& t, int64_t row, Kind kind) {
+  Plan plan;
+  plan.row = row;
+  plan.kind = kind;
+  plan.itemsize = static_cast<int64_t>(t.element_size());
+  c10::SmallVector<std::pair<int64_t, int64_t>, 6> dims;  // (size, stride)
+  for (int64_t d = 0; d < t.dim(); d++) {
+    const int64_t size = t.size(d);
+    const int64_t stride = t.stride(d);
+    if (size == 1) {
+      continue;
+    }
+    if (stride == 0) {
+      plan.repeat *= size;
+      continue;
+    }
+    dims.emplace_back(size, stride);
+  }
+  std::stable_sort(dims.begin(), dims.end(),
+                   [](const auto& a, const auto& b) { return a.second > b.second; });
+  c10::SmallVector<std::pair<int64_t, int64_t>, 6> merged;
+  for (const auto& [size, stride] : dims) {
+    if (!merged.empty() && merged.back().second == size * stride) {
+      merged.back() = {merged.back().first * size, stride};
+    } else {
+      merged.emplace_back(size, stride);
+    }
+  }
+  plan.base = static_cast<const char*>(t.const_data_ptr());
+  if (!merged.empty() && merged.back().second != 1) {
+    // no contiguous innermost run: read a compact copy of the distinct elements
+    std::vector<int64_t> sizes, strides;
+    for (const auto& [size, stride] : merged) {
+      sizes.push_back(size);
+      strides.push_back(stride);
+    }
+    plan.copy = t.as_strided(sizes, strides).contiguous();
+    plan.base = static_cast<const char*>(plan.copy.const_data_ptr());
+    plan.row_len = plan.copy.numel();
+  } else if (!merged.empty()) {
+    plan.row_len = merged.back().first;
+    for (size_t d = 0; d + 1 < merged.size(); d++) {
+      plan.outer_sizes.push_back(merged[d].first);
+      plan.outer_strides.push_back(merged[d].second);
+      plan.rows *= merged[d].first;
+    }
+  }
+  plan.cost = plan.itemsize * (is_complex(kind) ? kComplexCostFactor : 1);
+  return plan;
+}
+
+void scan_elements(const Plan& plan, int64_t begin, int64_t end, Partial& acc) {
+  const ScanFn scan = is_complex(plan.kind) ? scan_complex : g_scan;
+  int64_t r = begin / plan.row_len;
+  int64_t col = begin % plan.row_len;
+  while (begin < end) {
+    const int64_t len = std::min(plan.row_len - col, end - begin);
+    int64_t offset = 0;
+    int64_t rest = r;
+    for (int64_t d = static_cast<int64_t>(plan.outer_sizes.size()) - 1; d >= 0; d--) {
+      offset += (rest % plan.outer_sizes[d]) * plan.outer_strides[d];
+      rest /= plan.outer_sizes[d];
+    }
+    scan(plan.kind, plan.base + (offset + col) * plan.itemsize, len, acc);
+    begin += len;
+    col = 0;
+    r++;
+  }
+}
+
+int64_t double_bits(double value) {
+  int64_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  return bits;
+}
+
+// The magnitude a floating key (abs bit pattern) stands for.
+double float_of_key(Kind kind, int64_t key) {
+  switch (kind) {
+    case Kind::F64: {
+      double v;
+      std::memcpy(&v, &key, sizeof(v));
+      return v;
+    }
+    case Kind::F32: {
+      const uint32_t bits = static_cast<uint32_t>(key);
+      float v;
+      std::memcpy(&v, &bits, sizeof(v));
+      return v;
+    }
+    case Kind::F16:
+      return static_cast<float>(c10::Half(static_cast<uint16_t>(key), c10::Half::from_bits()));
+    case Kind::BF16:
+      return static_cast<float>(c10::BFloat16(static_cast<uint16_t>(key), c10::BFloat16::from_bits()));
+    case Kind::F8E4M3FN:
+      return static_cast<float>(
+          c10::Float8_e4m3fn(static_cast<uint8_t>(key), c10::Float8_e4m3fn::from_bits()));
+    case Kind::F8E5M2:
+      return static_cast<float>(
+          c10::Float8_e5m2(static_cast<uint8_t>(key), c10::Float8_e5m2::from_bits()));
+    default:
+      TORCH_INTERNAL_ASSERT(false, "not a floating kind");
+  }
+}
+
+void write_row(const Plan& plan, const Partial& p, bool negated, int64_t numel, int64_t* out) {
+  out[NUMEL] = numel;
+  out[ZERO] = p.zero * plan.repeat;
+  const Kind kind = plan.kind;
+  if (is_floating(kind) || is_complex(kind)) {
+    out[NAN_COUNT] = p.nan * plan.repeat;
+    // a negative view (x._neg_view()) reads the same bits as x with the signs swapped
+    out[negated ? NEGINF : POSINF] = p.posinf * plan.repeat;
+    out[negated ? POSINF : NEGINF] = p.neginf * plan.repeat;
+    out[SUBNORMAL] = (p.small - p.zero) * plan.repeat;
+    if (p.nan > 0) {
+      // torch's abs().min()/max() propagate NaN
+      out[ABS_MIN] = out[ABS_MAX] = double_bits(std::numeric_limits<double>::quiet_NaN());
+    } else if (is_complex(kind)) {
+      out[ABS_MIN] = p.kmin;  // already float64 bits
+      out[ABS_MAX] = p.kmax;
+    } else {
+      out[ABS_MIN] = double_bits(float_of_key(kind, p.kmin));
+      out[ABS_MAX] = double_bits(float_of_key(kind, p.kmax));
+    }
+  } else if (kind == Kind::U8 || kind == Kind::BOOL) {
+    // key = x ^ 0x80 read as int8
+    const uint64_t lo = static_cast<uint8_t>(p.kmin) ^ 0x80u;
+    const uint64_t hi = static_cast<uint8_t>(p.kmax) ^ 0x80u;
+    if (kind == Kind::BOOL) {
+      out[ABS_MIN] = double_bits(lo != 0 ? 1.0 : 0.0);
+      out[ABS_MAX] = double_bits(hi != 0 ? 1.0 : 0.0);
+    } else {
+      out[ABS_MIN] = static_cast<int64_t>(lo);
+      out[ABS_MAX] = static_cast<int64_t>(hi);
+    }
+  } else {
+    // key = -|x|: the largest key is the smallest magnitude; negate in uint64 (|INT64_MIN| = 2^63)
+    out[ABS_MIN] = static_cast<int64_t>(uint64_t(0) - static_cast<uint64_t>(p.kmax));
+    out[ABS_MAX] = static_cast<int64_t>(uint64_t(0) - static_cast<uint64_t>(p.kmin));
+  }
+}
+
+at::Tensor compute(const std::vector<at::Tensor>& tensors) {
+  const int64_t n = static_cast<int64_t>(tensors.size());
+  at::Tensor result = at::zeros({n, NUM_COLUMNS}, at::TensorOptions().dtype(at::kLong));
+  int64_t* out = result.data_ptr<int64_t>();
+
+  std::vector<Plan> plans;
+  plans.reserve(tensors.size());
+  int64_t total_cost = 0;
+  for (int64_t i = 0; i < n; i++) {
+    const at::Tensor& t = tensors[i];
+    TORCH_CHECK(t.defined(), "overflow_fast._C.compute: tensors[", i, "] is undefined");
+    TORCH_CHECK(t.device().is_cpu(), "overflow_fast._C.compute: tensors[", i, "] is on ",
+                t.device(), ", not the CPU");
+    TORCH_CHECK(t.layout() == at::kStrided && !t.is_quantized(),
+                "overflow_fast._C.compute: tensors[", i, "] is not a plain strided tensor");
+    const std::optional<Kind> kind = kind_of(t.scalar_type());
+    TORCH_CHECK(kind.has_value(), "overflow_fast._C.compute: tensors[", i, "] has unsupported dtype ",
+                t.scalar_type());
+    if (t.numel() == 0) {
+      continue;  // a row of zeros
+    }
+    Plan plan = make_plan(t, i, *kind);
+    plan.cost_begin = total_cost;
+    total_cost += plan.rows * plan.row_len * plan.cost;
+    plan.cost_end = total_cost;
+    plans.push_back(std::move(plan));
+  }
+  if (plans.empty()) {
+    return result;
+  }
+
+  // Thread p reads the elements whose cost offsets fall in [total*p/parts, total*(p+1)/parts).
+  const int64_t num_plans = static_cast<int64_t>(plans.size());
+  const int64_t parts = std::max<int64_t>(
+      1, std::min<int64_t>(at::get_num_threads(), total_cost / kMinBytesPerThread));
+  std::vector<Partial> partials(parts * num_plans);
+  at::parallel_for(0, parts, 1, [&](int64_t part_begin, int64_t part_end) {
+    for (int64_t part = part_begin; part < part_end; part++) {
+      const int64_t lo = total_cost / parts * part + total_cost % parts * part / parts;
+      const int64_t hi = total_cost / parts * (part + 1) + total_cost % parts * (part + 1) / parts;
+      auto it = std::upper_bound(plans.begin(), plans.end(), lo,
+                                 [](int64_t value, const Plan& p) { return value < p.cost_end; });
+      for (; it != plans.end() && it->cost_begin < hi; ++it) {
+        const int64_t count = it->rows * it->row_len;
+        // element j belongs to the part holding its cost offset cost_begin + j * cost
+        auto first_at_or_after = [&](int64_t offset) {
+          const int64_t d = offset - it->cost_begin;
+          return d <= 0 ? 0 : std::min(count, (d + it->cost - 1) / it->cost);
+        };
+        scan_elements(*it, first_at_or_after(lo), first_at_or_after(hi),
+                      partials[part * num_plans + (it - plans.begin())]);
+      }
+    }
+  });
+
+  for (int64_t k = 0; k < num_plans; k++) {
+    Partial total;
+    for (int64_t part = 0; part < parts; part++) {
+      total.merge(partials[part * num_plans + k]);
+    }
+    const Plan& plan = plans[k];
+    const at::Tensor& t = tensors[plan.row];
+    write_row(plan, total, t.is_neg(), t.numel(), out + plan.row * NUM_COLUMNS);
+  }
+  return result;
+}
+
+}  // namespace
+}  // namespace overflow_fast
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  overflow_fast::choose_capability();
+  m.doc() = "overflow_fast's CPU statistics kernel (SPEC §3): one pass per tensor, many tensors per call";
+  m.def("compute", &overflow_fast::compute, py::arg("tensors"), py::call_guard<py::gil_scoped_release>(),
+        "Statistics rows [len(tensors), 8] int64 (layout.py) of a list of CPU tensors");
+  m.def("capability", []() { return std::string(overflow_fast::g_capability); },
+        "The kernel build in use: 'avx2' or 'default'");
+  m.def("set_capability", &overflow_fast::set_capability, py::arg("name"),
+        "Use the 'avx2' or 'default' kernel (for tests and benchmarks)");
+  m.attr("ABI_VERSION") = overflow_fast::kAbiVersion;
+  m.attr("TORCH_VERSION") = OVERFLOW_FAST_TORCH_VERSION;
+  m.attr("SOURCE_HASH") = OVERFLOW_FAST_SOURCE_HASH;
+}
