@@ -1,11 +1,14 @@
 """Byte-for-byte comparison with transformers' DebugUnderflowOverflow on real model classes
 built from small configs with random weights, in both check modes."""
 
+import copy
+
 import pytest
 import torch
 
 import models
-from compat import assert_identical
+from compat import ReferenceDetector, assert_identical, run
+from overflow_fast import DebugUnderflowOverflow
 
 CHECKS = ["module", "batch"]
 
@@ -90,33 +93,20 @@ def test_llama_fp16_overflow(check):
 
 @pytest.mark.parametrize("check", CHECKS)
 def test_llama_training_steps(check):
-    # forward + backward + optimizer step: the hooks see parameters change between batches
+    # forward + backward + optimizer step: parameters change between batches; batch 2 is traced
     model = models.llama()
     model.train()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-
-    def steps(m, batch):
-        optimizer.zero_grad()
-        loss = m(input_ids=batch, labels=batch).loss
-        loss.backward()
-        optimizer.step()
-
     batches = [models.token_batch(i) for i in range(3)]
-    # the optimizer above belongs to the original model, so run each copy with its own optimizer
-    import copy
-
-    from compat import ReferenceDetector, run
-    from overflow_fast import DebugUnderflowOverflow
-
     results = []
     for cls, kwargs in ((ReferenceDetector, {}), (DebugUnderflowOverflow, {"check": check})):
-        m = copy.deepcopy(model)
-        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        copy_of_model = copy.deepcopy(model)
+        optimizer = torch.optim.SGD(copy_of_model.parameters(), lr=0.1)
 
-        def step(mm, batch, opt=opt):
-            opt.zero_grad()
-            mm(input_ids=batch, labels=batch).loss.backward()
-            opt.step()
+        def step(m, batch, optimizer=optimizer):
+            optimizer.zero_grad()
+            m(input_ids=batch, labels=batch).loss.backward()
+            optimizer.step()
 
-        results.append(run(cls, m, batches, step, trace_batch_nums=[2], **kwargs)[:2])
+        results.append(run(cls, copy_of_model, batches, step, trace_batch_nums=[2], **kwargs)[:2])
     assert results[0] == results[1]
+    assert "*** Starting batch number=2 ***" in results[0][0]

@@ -30,9 +30,6 @@ SMALLEST_NORMAL = {
     torch.complex64: 2.0**-126,
     torch.complex128: 2.0**-1022,
 }
-for _name, _tiny in (("complex32", 2.0**-14), ("chalf", 2.0**-14)):
-    if hasattr(torch, _name):
-        SMALLEST_NORMAL[getattr(torch, _name)] = _tiny
 
 INTEGER_DTYPES = frozenset(
     getattr(torch, name)

@@ -1,0 +1,276 @@
+"""overflow_fast's own behaviour: deliberate differences from the reference, removable hooks,
+bad arguments, and check="batch" (no host sync in hooks, nothing lost when a forward fails)."""
+
+import contextlib
+import io
+
+import pytest
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from compat import ReferenceDetector, run
+from overflow_fast import DebugUnderflowOverflow
+from test_compat_rules import Scaled, batches, make
+
+NAN = float("nan")
+
+
+def capture(fn):
+    out = io.StringIO()
+    error = None
+    with contextlib.redirect_stdout(out):
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001
+            error = e
+    return out.getvalue(), error
+
+
+class EmptyAndBool(nn.Module):
+    def forward(self, x):
+        return x[:0], x > 0, x
+
+
+@pytest.mark.parametrize("check", ["module", "batch"])
+def test_empty_and_bool_tensors_get_a_line_instead_of_a_crash(check):
+    reference_model = EmptyAndBool()
+    ReferenceDetector(reference_model, trace_batch_nums=[0])
+    with pytest.raises(RuntimeError), contextlib.redirect_stdout(io.StringIO()):
+        reference_model(torch.tensor([1.0, -2.0]))  # the reference crashes on the empty tensor
+
+    model = EmptyAndBool()
+    DebugUnderflowOverflow(model, trace_batch_nums=[0], check=check)
+    out, error = capture(lambda: model(torch.tensor([1.0, -2.0])))
+    assert error is None
+    assert "     empty tensor output[0]\n" in out
+    assert "0.00e+00 1.00e+00 output[1]\n" in out
+    assert "1.00e+00 2.00e+00 output[2]\n" in out
+
+
+def test_unreadable_tensor_gets_a_clear_line():
+    class Meta(nn.Module):
+        def forward(self, x):
+            return torch.empty(3, device="meta"), x
+
+    model = Meta()
+    DebugUnderflowOverflow(model, trace_batch_nums=[0])
+    out, error = capture(lambda: model(torch.ones(2)))
+    assert error is None
+    assert "       unreadable output[0] (meta tensors hold no data)" in out
+
+
+def test_engine_failure_does_not_crash_training(monkeypatch):
+    import overflow_fast.detector as detector
+
+    def broken(tensors, backend=None):
+        raise RuntimeError("backend exploded")
+
+    monkeypatch.setattr(detector, "tensor_stats", broken)
+    model = make(Scaled, depth=1)
+    DebugUnderflowOverflow(model, trace_batch_nums=[0])
+    out, error = capture(lambda: model(torch.ones(1, 4)))
+    assert error is None
+    assert "unreadable weight (RuntimeError: backend exploded)" in out
+
+
+def test_ring_stays_bounded_after_tracing():
+    # the reference turns its ring into an unbounded list after a traced batch; we keep the bound
+    data = batches(6)
+    data[5] = data[5].clone()
+    data[5][0, 0] = NAN
+    ref_out, _, _ = run(ReferenceDetector, make(Scaled, depth=2), data, lambda m, b: m(b),
+                        max_frames_to_save=2, trace_batch_nums=[0])
+    out, _, _ = run(DebugUnderflowOverflow, make(Scaled, depth=2), data, lambda m, b: m(b),
+                    max_frames_to_save=2, trace_batch_nums=[0])
+    assert "Last 13 forward frames:" in ref_out  # 4 clean batches of 3 frames, then the bad one
+    assert "Last 2 forward frames:" in out
+
+
+def test_remove_and_context_manager():
+    model = make(Scaled, depth=2)
+    with DebugUnderflowOverflow(model, trace_batch_nums=[0, 1, 2]):
+        out, _ = capture(lambda: model(torch.ones(1, 4)))
+        assert "layers.0 Linear" in out
+    out, _ = capture(lambda: model(torch.ones(1, 4)))
+    assert out == ""
+    assert not model._forward_hooks and not model.layers[0]._forward_hooks
+
+    detector = DebugUnderflowOverflow(model, trace_batch_nums=[0])
+    detector.remove()
+    assert capture(lambda: model(torch.ones(1, 4)))[0] == ""
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        ({"model": "not a module"}, TypeError, "torch.nn.Module"),
+        ({"max_frames_to_save": "21"}, TypeError, "max_frames_to_save"),
+        ({"max_frames_to_save": -1}, ValueError, "max_frames_to_save"),
+        ({"trace_batch_nums": 3}, TypeError, "trace_batch_nums"),
+        ({"trace_batch_nums": "13"}, TypeError, "trace_batch_nums"),
+        ({"abort_after_batch_num": 1.5}, TypeError, "abort_after_batch_num"),
+        ({"check": "step"}, ValueError, "check"),
+        ({"backend": "cuda"}, ValueError, "backend"),
+        ({"backend": 3}, TypeError, "backend"),
+        ({"buffer_rows": 0}, ValueError, "buffer_rows"),
+    ],
+)
+def test_bad_arguments(kwargs, error, message):
+    kwargs = dict(kwargs)
+    model = kwargs.pop("model", nn.Linear(2, 2))
+    with pytest.raises(error, match=message):
+        DebugUnderflowOverflow(model, **kwargs)
+    assert not getattr(model, "_forward_hooks", None)  # nothing was registered
+
+
+def test_helpers_reject_non_tensors():
+    from overflow_fast import detect_overflow, get_abs_min_max
+
+    with pytest.raises(TypeError, match="expects a tensor"):
+        get_abs_min_max([1.0], "x")
+    with pytest.raises(TypeError, match="expects a tensor"):
+        detect_overflow(None, "x")
+
+
+# -- check="batch" ------------------------------------------------------------------------------
+
+_HOST_READS = {"item", "tolist", "__bool__", "__format__", "cpu", "numpy", "__int__", "__float__", "__index__"}
+
+
+class HostReads(TorchFunctionMode):
+    """Records every tensor method that moves data to the host, and where it happened."""
+
+    def __init__(self):
+        super().__init__()
+        self.inside_flush = False
+        self.outside = []
+        self.inside = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in _HOST_READS:
+            if self.inside_flush:
+                self.inside += 1
+            else:
+                self.outside.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def test_batch_mode_hooks_never_read_the_device(monkeypatch):
+    model = make(Scaled, depth=3)
+    detector = DebugUnderflowOverflow(model, check="batch", backend="torch")
+    reads = HostReads()
+    original_flush = DebugUnderflowOverflow.flush
+
+    def flush(self):
+        reads.inside_flush = True
+        try:
+            return original_flush(self)
+        finally:
+            reads.inside_flush = False
+
+    monkeypatch.setattr(DebugUnderflowOverflow, "flush", flush)
+    with reads:
+        for x in batches(3):
+            model(x)
+    assert reads.outside == []
+    assert reads.inside == 3  # one device-to-host read per forward (one device)
+    assert detector.total_calls == 3 * 4
+
+    # the same instrument does see the reads of check="module", one per hook
+    model = make(Scaled, depth=3)
+    DebugUnderflowOverflow(model, check="module", backend="torch")
+    reads = HostReads()
+    with reads:
+        model(batches(1)[0])
+    assert reads.outside.count("tolist") == 4
+
+
+class FailsOnNaN(nn.Module):
+    """A forward whose later op rejects NaN, after the module that produced it."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+        self.second = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.first(x)
+        if torch.isnan(y).any():
+            raise RuntimeError("probabilities contain NaN")
+        return self.second(y)
+
+
+def test_batch_mode_reports_before_the_forward_error_propagates():
+    x = torch.ones(2, 4)
+    x[0, 0] = NAN
+    module_model = make(FailsOnNaN)
+    DebugUnderflowOverflow(module_model, check="module")
+    want_out, want_error = capture(lambda: module_model(x))
+    assert isinstance(want_error, ValueError)
+
+    batch_model = make(FailsOnNaN)
+    DebugUnderflowOverflow(batch_model, check="batch")
+    got_out, got_error = capture(lambda: batch_model(x))
+    assert isinstance(got_error, RuntimeError) and "NaN" in str(got_error)
+    assert got_out == want_out
+
+
+def test_batch_mode_submodule_alone_is_checked_when_the_buffer_fills():
+    x = torch.ones(2, 4)
+    x[1, 2] = NAN
+    module_model = make(Scaled, depth=2)
+    DebugUnderflowOverflow(module_model, check="module")
+    want_out, want_error = capture(lambda: module_model.layers[0](x))
+    assert isinstance(want_error, ValueError)
+
+    model = make(Scaled, depth=2)
+    DebugUnderflowOverflow(model, check="batch", buffer_rows=8)  # 4 rows per call of a Linear
+    got_out, first = capture(lambda: model.layers[0](x))
+    assert first is None and got_out == ""  # nothing read yet
+    more_out, second = capture(lambda: model.layers[0](x))
+    assert first is None and more_out == ""
+    last_out, third = capture(lambda: model.layers[0](x))  # the buffer is full: read it
+    assert isinstance(third, ValueError)
+    assert last_out == want_out
+
+
+def test_batch_mode_remove_runs_the_pending_check():
+    x = torch.ones(2, 4)
+    x[0, 0] = NAN
+    model = make(Scaled, depth=2)
+    detector = DebugUnderflowOverflow(model, check="batch")
+    assert capture(lambda: model.layers[1](x)) == ("", None)
+    out, error = capture(detector.remove)
+    assert isinstance(error, ValueError) and "input[0] has nans" in out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_batch_mode_does_not_sync_on_cuda():
+    model = make(Scaled, depth=3).cuda()
+    DebugUnderflowOverflow(model, check="batch")
+    x = torch.randn(3, 4, device="cuda")
+    model(x)  # warm up: backend loading and the buffer allocation may sync once
+    reads = {"n": 0}
+    original = DebugUnderflowOverflow.flush
+
+    def flush(self):
+        torch.cuda.set_sync_debug_mode(0)
+        try:
+            reads["n"] += 1
+            return original(self)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+
+    DebugUnderflowOverflow.flush = flush
+    try:
+        torch.cuda.set_sync_debug_mode("error")
+        for layer in model.layers:  # submodules alone: hooks only, no flush
+            layer(x)
+        torch.cuda.set_sync_debug_mode(0)
+        model(x)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        DebugUnderflowOverflow.flush = original
+    assert reads["n"] >= 1

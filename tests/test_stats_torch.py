@@ -1,0 +1,124 @@
+"""The portable torch backend against the independent float64 oracle, and tensor_stats' API."""
+
+import math
+import warnings
+
+import pytest
+import torch
+
+import oracle
+from overflow_fast import StatsBatch, tensor_stats
+from overflow_fast.stats import FIELDS, dispatch
+
+
+def layouts(dtype, generator):
+    """Random bit patterns in every layout the engine must read."""
+    base = oracle.random_bits(dtype, (6, 10), generator)
+    return [
+        oracle.special_values(dtype),
+        base,
+        base.t(),  # transposed: dense but not contiguous
+        base[:, ::3],  # strided slice
+        base[1:4, 2:9],  # offset window
+        oracle.random_bits(dtype, (), generator),  # 0-dim
+        oracle.random_bits(dtype, (1,), generator).expand(5),  # stride 0
+        torch.empty(0, 4, dtype=dtype),
+        oracle.random_bits(dtype, (3, 4, 5), generator).permute(2, 0, 1),
+    ]
+
+
+@pytest.mark.parametrize("dtype", oracle.ALL_DTYPES, ids=str)
+def test_exact_against_float64_reference(dtype):
+    generator = torch.Generator().manual_seed(1234)
+    tensors = layouts(dtype, generator)
+    got = tensor_stats(tensors, backend="torch").tolist()
+    oracle.assert_stats_equal(got, tensors, str(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float8_e5m2], ids=str)
+def test_special_values_one_by_one(dtype):
+    # each special value alone, and next to ordinary values, so no statistic can hide behind another
+    values = oracle.special_values(dtype)
+    tensors = [values[i:i + 1] for i in range(values.numel())]
+    tensors += [torch.cat([values[i:i + 1], torch.ones(3, dtype=dtype)]) for i in range(values.numel())]
+    oracle.assert_stats_equal(tensor_stats(tensors, backend="torch").tolist(), tensors, str(dtype))
+
+
+def test_known_values():
+    x = torch.tensor([0.0, -0.0, 1e-40, -3.0, float("inf"), float("-inf"), float("-inf")])
+    (stats,) = tensor_stats([x], backend="torch").tolist()
+    assert stats == {"abs_min": 0.0, "abs_max": math.inf, "nan": 0, "posinf": 1, "neginf": 2, "zero": 2,
+                     "subnormal": 1, "numel": 7}
+    (stats,) = tensor_stats([torch.tensor([-128, 5], dtype=torch.int8)], backend="torch").tolist()
+    assert stats["abs_min"] == 5 and stats["abs_max"] == 128  # no wrap-around at the most negative value
+    (stats,) = tensor_stats([torch.tensor([-(2**63), 1], dtype=torch.int64)], backend="torch").tolist()
+    assert stats["abs_max"] == 2**63
+    (stats,) = tensor_stats([torch.tensor([2.0, float("nan")], dtype=torch.bfloat16)], backend="torch").tolist()
+    assert math.isnan(stats["abs_min"]) and math.isnan(stats["abs_max"]) and stats["nan"] == 1
+    (stats,) = tensor_stats([torch.zeros(0)], backend="torch").tolist()
+    assert stats["abs_min"] is None and stats["abs_max"] is None and stats["numel"] == 0
+    # float8_e4m3fn has no infinity: 0x7F is NaN, 0x7E is 448
+    x = torch.tensor([0x7E, 0x7F, 0xFE], dtype=torch.uint8).view(torch.float8_e4m3fn)
+    (stats,) = tensor_stats([x], backend="torch").tolist()
+    assert stats["nan"] == 1 and stats["posinf"] == 0 and stats["neginf"] == 0 and math.isnan(stats["abs_max"])
+
+
+def test_batch_keeps_results_on_device_and_in_order():
+    tensors = [torch.ones(3), torch.zeros(2, dtype=torch.int32), torch.tensor(True)]
+    batch = tensor_stats(tensors, backend="torch")
+    assert isinstance(batch, StatsBatch) and len(batch) == 3
+    assert batch.values.shape == (3, 8) and batch.values.dtype == torch.int64
+    rows = batch.tolist()
+    assert [tuple(r) for r in rows] == [FIELDS] * 3
+    assert [r["numel"] for r in rows] == [3, 2, 1]
+    assert rows[1]["abs_max"] == 0 and rows[2]["abs_min"] == 1.0
+    assert tensor_stats([], backend="torch").tolist() == []
+
+
+def test_tensors_with_grad_and_parameters():
+    p = torch.nn.Parameter(torch.tensor([-2.0, 1.0]))
+    (stats,) = tensor_stats([p * 3], backend="torch").tolist()
+    assert stats["abs_max"] == 6.0
+
+
+@pytest.mark.parametrize(
+    "args, error, message",
+    [
+        ((torch.ones(2),), TypeError, "wrap a single tensor"),
+        (([torch.ones(2), 3.0],), TypeError, r"tensors\[1\] is a float"),
+        (("abc",), TypeError, "list or tuple"),
+        (([torch.ones(2)], "gpu"), ValueError, "unknown backend"),
+        (([torch.ones(2)], 1), TypeError, "backend"),
+        (([torch.ones(2).to_sparse()],), TypeError, r"tensors\[0\] cannot be read: sparse_coo layout"),
+        (([torch.ones(2, device="meta")],), TypeError, "meta"),
+        (([torch.ones(2, dtype=torch.complex32)],), TypeError, "dtype complex32 is not supported"),
+    ],
+)
+def test_bad_input_gets_a_clear_error(args, error, message):
+    with pytest.raises(error, match=message):
+        tensor_stats(*args)
+
+
+def test_environment_variable_overrides_the_choice(monkeypatch):
+    monkeypatch.setenv("OVERFLOW_FAST_BACKEND", "torch")
+    batch = tensor_stats([torch.ones(2)])
+    assert batch.groups[0][1].shape == (1, 8)
+    monkeypatch.setenv("OVERFLOW_FAST_BACKEND", "fastest")
+    with pytest.raises(ValueError, match="OVERFLOW_FAST_BACKEND"):
+        tensor_stats([torch.ones(2)])
+
+
+def test_broken_backend_warns_once_and_falls_back(monkeypatch):
+    monkeypatch.setitem(dispatch._MODULES, "cpu", "overflow_fast.no_such_module")
+    monkeypatch.setattr(dispatch, "_loaded", {})
+    monkeypatch.setattr(dispatch, "_warned", set())
+    monkeypatch.delenv("OVERFLOW_FAST_BACKEND", raising=False)
+    with pytest.warns(RuntimeWarning, match="'cpu' backend is unavailable"):
+        first = tensor_stats([torch.tensor([-3.0])]).tolist()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        second = tensor_stats([torch.tensor([-3.0])]).tolist()
+    assert first == second and first[0]["abs_max"] == 3.0
+    with pytest.raises(RuntimeError, match="backend='cpu' is unavailable"):
+        tensor_stats([torch.ones(1)], backend="cpu")
+    assert dispatch.backend_status()["cpu"] is not None
