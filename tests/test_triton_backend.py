@@ -1,0 +1,241 @@
+"""The Triton backend against the float64 oracle and the torch backend, bit for bit.
+
+Where CUDA is present the kernels run compiled on CUDA tensors. Without CUDA they run through
+Triton's interpreter on CPU tensors; the interpreter must be chosen before the backend module is
+imported, so unless this process already has TRITON_INTERPRET=1, ``test_interpreter_run`` runs
+this file again in a child process that has it (the other tests skip in the parent). Without
+Triton everything skips except the check that the package imports and falls back.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from oracle import ALL_DTYPES, assert_stats_equal, random_bits, same_stats, special_values
+from overflow_fast import tensor_stats
+from overflow_fast.stats import StatsBatch
+from overflow_fast.stats import triton_backend as tb
+
+_CHILD_ENV = "_OVERFLOW_FAST_TRITON_TEST_CHILD"
+
+if tb.unavailable_reason() is not None:
+    DEVICE = None
+elif tb._INTERPRET:
+    DEVICE = "cpu"
+else:
+    DEVICE = "cuda"
+
+needs_backend = pytest.mark.skipif(
+    DEVICE is None, reason=f"triton backend unavailable here ({tb.unavailable_reason()}); see test_interpreter_run"
+)
+
+DTYPES = [d for d in ALL_DTYPES if not d.is_complex]
+# Small launch shape: chunks of 32 elements, so tensors of a few dozen elements span several
+# chunks and tensor boundaries fall inside the chunk table.
+SMALL = dict(block_size=16, blocks_per_chunk=2)
+
+
+def _gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+def _rows_to_dicts(rows, tensors):
+    return StatsBatch([t.dtype for t in tensors], [(list(range(len(tensors))), rows)]).tolist()
+
+
+def _check(tensors, label, **launch):
+    """Triton rows equal the oracle and the torch backend, through compute() and tensor_stats()."""
+    tensors = [t.to(DEVICE) for t in tensors]
+    want_torch = tensor_stats(tensors, backend="torch").tolist()
+    got = _rows_to_dicts(tb.compute(tensors, **launch), tensors)
+    assert_stats_equal(got, [t.cpu() for t in tensors], label)
+    for i, (g, w) in enumerate(zip(got, want_torch)):
+        assert same_stats(g, w), f"{label} tensor {i} ({tensors[i].dtype}): triton {g}, torch backend {w}"
+    if not launch:
+        assert tensor_stats(tensors, backend="triton").values.device.type == DEVICE
+        dispatched = tensor_stats(tensors, backend="triton").tolist()
+        assert all(same_stats(a, b) for a, b in zip(dispatched, got))
+    return got
+
+
+@needs_backend
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_random_bits_many_tensors(dtype):
+    gen = _gen(1)
+    sizes = [1, 31, 32, 33, 0, 100, 7]
+    tensors = [random_bits(dtype, (n,), gen) for n in sizes]
+    _check(tensors, f"{dtype} small chunks", **SMALL)
+    _check(tensors + [random_bits(dtype, (3, 5000), gen)], f"{dtype} default launch")
+
+
+@needs_backend
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_special_values(dtype):
+    gen = _gen(2)
+    special = special_values(dtype)
+    # each special value also alone, and at the tail of a longer tensor (the masked block)
+    tensors = [special] + [v.reshape(1) for v in special]
+    tail = torch.cat([random_bits(dtype, (45,), gen), special])
+    _check(tensors + [tail], f"{dtype} specials", **SMALL)
+    _check([special, tail], f"{dtype} specials default launch")
+
+
+@needs_backend
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_finite_tensors_and_one_nan_in_a_tail(dtype):
+    # Finite inputs except one special in one tensor's last element: nothing may leak into the
+    # neighbours (they share launches and the partials buffer).
+    gen = _gen(3)
+    if dtype == torch.bool:
+        tensors = [torch.ones(n, dtype=torch.bool) for n in (40, 33, 65)]
+        tensors[1][-1] = False
+    elif dtype.is_floating_point:
+        tensors = [torch.rand(n, generator=gen) * 4 + 0.25 for n in (40, 33, 65)]
+        tensors[0][5] = -tensors[0][5]
+        tensors[1][-1] = float("nan")
+        tensors[2][-1] = float("-inf") if dtype != torch.float8_e4m3fn else 0.0
+        tensors = [t.to(dtype) for t in tensors]
+    else:
+        info = torch.iinfo(dtype)
+        tensors = [torch.randint(max(info.min, -100), 100, (n,), generator=gen).to(dtype) for n in (40, 33, 65)]
+        tensors[1][-1] = info.min
+    got = _check(tensors, f"{dtype} tail", **SMALL)
+    if dtype.is_floating_point:
+        assert got[1]["nan"] == 1 and got[0]["nan"] == 0 and got[2]["nan"] == 0
+
+
+@needs_backend
+def test_empty_and_zero_dim():
+    gen = _gen(4)
+    for dtype in DTYPES:
+        tensors = [torch.empty(0, dtype=dtype), random_bits(dtype, (), gen), torch.empty(3, 0, dtype=dtype)]
+        got = _check(tensors, f"{dtype} empty/0-dim")
+        assert got[0]["abs_min"] is None and got[0]["numel"] == 0 and got[1]["numel"] == 1
+    # a batch of only empty tensors launches no partials kernel
+    _check([torch.empty(0), torch.empty(0, 4)], "only empty")
+    assert tb.compute([]).shape == (0, 8)
+
+
+@needs_backend
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e5m2, torch.int64], ids=str)
+def test_non_contiguous(dtype):
+    gen = _gen(5)
+    base = random_bits(dtype, (6, 10), gen)
+    cube = random_bits(dtype, (3, 4, 5), gen)
+    views = [
+        base.t(),  # dense, read flat over its memory
+        cube.permute(2, 0, 1),  # dense
+        base[:, ::3],  # gapped: copied
+        base[1:4, 2:9],  # gapped: copied
+        base.reshape(-1)[1:],  # contiguous but not 16-byte aligned
+        base[2].reshape(1, 10).expand(4, 10),  # overlapping (stride 0): copied
+        torch.zeros(4, 3, 2, 2, dtype=torch.float32).to(memory_format=torch.channels_last).to(dtype),
+    ]
+    if dtype.is_floating_point and dtype.itemsize > 1:  # torch has no fp8 negation
+        # lazily negated: memory holds the opposite signs, so +inf and -inf would swap
+        signed = torch.tensor([float("inf"), float("inf"), -float("inf"), -1.5, 0.0]).to(dtype)
+        views.append(torch._neg_view(signed))
+    _check(views, f"{dtype} views", **SMALL)
+    _check(views, f"{dtype} views default launch")
+
+
+@needs_backend
+def test_mixed_dtypes_in_one_call():
+    gen = _gen(6)
+    tensors = []
+    for i, dtype in enumerate(DTYPES * 2):
+        tensors.append(random_bits(dtype, (5 + 13 * i,), gen))
+    tensors.insert(3, torch.empty(0, dtype=torch.float16))
+    tensors.append(special_values(torch.float32))
+    _check(tensors, "mixed", **SMALL)
+    _check(tensors, "mixed default launch")
+
+
+@needs_backend
+def test_unsigned_wide_integers_match_torch_backend():
+    # uint16/32/64 are not in the oracle's list; compare with the torch backend and Python ints
+    gen = _gen(7)
+    for name, signed in (("uint16", torch.int16), ("uint32", torch.int32), ("uint64", torch.int64)):
+        dtype = getattr(torch, name, None)
+        if dtype is None:
+            continue
+        raw = torch.cat([random_bits(signed, (40,), gen), torch.tensor([0, -1, 1], dtype=signed)])
+        raw = torch.cat([raw, torch.tensor([torch.iinfo(signed).min], dtype=signed)])
+        x = raw.view(dtype).to(DEVICE)
+        got = _rows_to_dicts(tb.compute([x], **SMALL), [x])[0]
+        want = tensor_stats([x], backend="torch").tolist()[0]
+        assert same_stats(got, want), (name, got, want)
+        mask = (1 << (8 * dtype.itemsize)) - 1
+        values = [v & mask for v in raw.tolist()]
+        assert (got["abs_min"], got["abs_max"]) == (min(values), max(values))
+
+
+@needs_backend
+def test_supports():
+    x = torch.zeros(3, device=DEVICE)
+    assert tb.supports(x)
+    assert not tb.supports(torch.zeros(3, dtype=torch.complex64, device=DEVICE))
+    with pytest.raises(ValueError):
+        tensor_stats([torch.zeros(3, dtype=torch.complex64, device=DEVICE)], backend="triton")
+    assert not tb.supports(torch.zeros(3, device="meta"))
+    if DEVICE == "cuda":
+        assert not tb.supports(x.cpu())  # compiled kernels read device memory only
+
+
+def test_interpreter_run():
+    """Without CUDA and without TRITON_INTERPRET in this process: run this file in a child with it."""
+    if DEVICE is not None or os.environ.get(_CHILD_ENV):
+        pytest.skip("the kernels already run in this process")
+    if tb.triton is None:
+        pytest.skip("triton is not installed")
+    env = dict(os.environ, TRITON_INTERPRET="1", **{_CHILD_ENV: "1"})
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+        env=env, capture_output=True, text=True, timeout=600, cwd=os.path.dirname(os.path.dirname(__file__)),
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-6000:]
+    assert " passed" in output, output[-2000:]
+
+
+def test_imports_and_falls_back_without_triton(tmp_path):
+    """A broken or missing Triton must not break ``import overflow_fast``: the backend says why."""
+    if os.environ.get(_CHILD_ENV):
+        pytest.skip("checked by the parent process")
+    fake = tmp_path / "triton"
+    fake.mkdir()
+    (fake / "__init__.py").write_text('raise ImportError("simulated: no triton here")\n')
+    script = textwrap.dedent(
+        """
+        import warnings
+        import torch
+        import overflow_fast
+        from overflow_fast.stats import dispatch, triton_backend
+        reason = triton_backend.unavailable_reason()
+        assert reason and "simulated" in reason, reason
+        assert not triton_backend.supports(torch.zeros(2))
+        assert dispatch.backend_status()["triton"] == reason
+        x = torch.tensor([1.0, float("nan"), -2.0])
+        assert overflow_fast.tensor_stats([x]).tolist()[0]["nan"] == 1
+        try:
+            overflow_fast.tensor_stats([x], backend="triton")
+        except RuntimeError as error:
+            assert "simulated" in str(error)
+        else:
+            raise AssertionError("backend='triton' should have raised")
+        if torch.cuda.is_available():
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                row = overflow_fast.tensor_stats([x.cuda()]).tolist()[0]
+            assert row["nan"] == 1 and any("falling back" in str(w.message) for w in caught)
+        print("fallback ok")
+        """
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    env.pop("TRITON_INTERPRET", None)
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "fallback ok" in result.stdout, result.stdout + result.stderr
