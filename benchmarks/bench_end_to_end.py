@@ -1,0 +1,136 @@
+"""End-to-end overhead of the detectors on transformers models (issue 5).
+
+GPT-2-style and T5-style models built from configs (random weights), forward (no grad) and a
+training step (forward + backward + SGD), with: no detector, transformers' reference detector,
+overflow_fast check="module" (the drop-in default) and check="batch". Every variant has its own
+copy of the model (the reference's hooks cannot be removed); the variants run round-robin in one
+process and the table reports medians and overheads against "none".
+
+    python benchmarks/bench_end_to_end.py [--device cuda] [--quick] [--repeats N]
+"""
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+
+import torch
+import transformers
+from transformers.debug_utils import DebugUnderflowOverflow as ReferenceDetector
+
+from overflow_fast import DebugUnderflowOverflow
+
+VARIANTS = ("none", "reference", "module", "batch")
+
+
+def gpt2(quick):
+    config = transformers.GPT2Config(
+        vocab_size=2048, n_positions=256, n_embd=256 if not quick else 128, n_layer=4, n_head=4
+    )
+    model = transformers.GPT2LMHeadModel(config)
+    seq = 128 if not quick else 64
+
+    def make_batch(device):
+        ids = torch.randint(0, config.vocab_size, (8, seq), device=device)
+        return {"input_ids": ids, "labels": ids}
+
+    return model, make_batch
+
+
+def t5(quick):
+    config = transformers.T5Config(
+        vocab_size=2048, d_model=256 if not quick else 128, d_kv=32, d_ff=1024 if not quick else 512,
+        num_layers=3, num_decoder_layers=3, num_heads=8,
+    )
+    model = transformers.T5ForConditionalGeneration(config)
+    seq = 128 if not quick else 64
+
+    def make_batch(device):
+        ids = torch.randint(0, config.vocab_size, (8, seq), device=device)
+        return {"input_ids": ids, "labels": ids[:, : seq // 2]}
+
+    return model, make_batch
+
+
+MODELS = {"gpt2": gpt2, "t5": t5}
+
+
+def attach(variant, model):
+    if variant == "reference":
+        ReferenceDetector(model)
+    elif variant in ("module", "batch"):
+        DebugUnderflowOverflow(model, check=variant)
+
+
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure(name, quick, device, repeats, mode):
+    torch.manual_seed(0)
+    base, make_batch = MODELS[name](quick)
+    base = base.to(device)
+    batch = make_batch(device)
+    runs = {}
+    for variant in VARIANTS:
+        model = copy.deepcopy(base)
+        model.train(mode == "train")
+        attach(variant, model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-4) if mode == "train" else None
+
+        def step(model=model, optimizer=optimizer):
+            if optimizer is None:
+                with torch.no_grad():
+                    model(**batch)
+            else:
+                optimizer.zero_grad(set_to_none=True)
+                model(**batch).loss.backward()
+                optimizer.step()
+
+        runs[variant] = step
+    for step in runs.values():  # warm up every variant (allocator, backends, lazy init)
+        step()
+        step()
+    times = {variant: [] for variant in VARIANTS}
+    for _ in range(repeats):
+        for variant, step in runs.items():
+            synchronize(device)
+            start = time.perf_counter()
+            step()
+            synchronize(device)
+            times[variant].append(time.perf_counter() - start)
+    return {variant: statistics.median(values) for variant, values in times.items()}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--quick", action="store_true", help="smaller models and fewer repeats")
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--models", default="gpt2,t5")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    repeats = args.repeats or (5 if args.quick else 15)
+    print(f"torch {torch.__version__}, device {device}, threads {torch.get_num_threads()}, "
+          f"{repeats} round-robin repeats, medians")
+    rows = []
+    for name in args.models.split(","):
+        for mode in ("forward", "train"):
+            medians = measure(name, args.quick, device, repeats, mode)
+            base = medians["none"]
+            rows.append((name, mode, base, {v: medians[v] / base - 1 for v in VARIANTS[1:]}))
+            print(f"  {name} {mode}: " + ", ".join(f"{v} {medians[v] * 1e3:.2f} ms" for v in VARIANTS),
+                  flush=True)
+    print()
+    print(f"| model | step | none (ms) | reference | overflow_fast module | overflow_fast batch |")
+    print(f"|---|---|---|---|---|---|")
+    for name, mode, base, overheads in rows:
+        cells = " | ".join(f"{overheads[v] * 100:+.0f}%" for v in VARIANTS[1:])
+        print(f"| {name} | {mode} | {base * 1e3:.1f} | {cells} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
