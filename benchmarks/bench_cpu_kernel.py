@@ -1,0 +1,140 @@
+"""How much faster is the C++ kernel than the reference's op sequence, and how close to a plain read?
+
+Side by side in one process, each row times, on the same tensors:
+- ref:   the reference's sequence per tensor (transformers' get_abs_min_max + detect_overflow):
+         x.abs(); f"{a.min():8.2e} {a.max():8.2e}"; torch.isnan(x).any().item(); torch.isinf(x).any().item()
+- torch: the torch backend (tensor_stats(..., backend="torch") rows, one host copy)
+- cpu:   the C++ backend (same, backend="cpu")
+- sum:   a plain read, x.sum() per tensor (the floor the kernel is measured against)
+Every figure is the median of repeated runs; GB/s counts each tensor's bytes once.
+
+    .venv/bin/python benchmarks/bench_cpu_kernel.py [--repeats N] [--threads T] [--quick]
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from overflow_fast.stats import cpu_backend, torch_backend
+
+
+def reference_sequence(tensors):
+    for x in tensors:
+        a = x.abs()
+        _ = f"{a.min():8.2e} {a.max():8.2e}"
+        torch.isnan(x).any().item()
+        torch.isinf(x).any().item()
+
+
+def plain_read(tensors):
+    for x in tensors:
+        x.sum()
+
+
+def torch_backend_rows(tensors):
+    torch_backend.compute(tensors).tolist()
+
+
+def cpu_backend_rows(tensors):
+    cpu_backend.compute(tensors).tolist()
+
+
+METHODS = {"ref": reference_sequence, "torch": torch_backend_rows, "cpu": cpu_backend_rows, "sum": plain_read}
+
+
+def median_seconds(fn, tensors, repeats, min_time=0.2):
+    """Median of `repeats` timings, each of enough back-to-back calls to last about min_time/repeats."""
+    fn(tensors)  # warm up (allocator, thread pool)
+    start = time.perf_counter()
+    fn(tensors)
+    once = max(time.perf_counter() - start, 1e-7)
+    inner = max(1, int(min_time / repeats / once))
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(inner):
+            fn(tensors)
+        samples.append((time.perf_counter() - start) / inner)
+    return statistics.median(samples)
+
+
+def interleaved(tensors, repeats):
+    """Median seconds per method, the methods' runs interleaved so that machine noise hits all."""
+    samples = {name: [] for name in METHODS}
+    for _ in range(repeats):
+        for name, fn in METHODS.items():
+            samples[name].append(median_seconds(fn, tensors, 1, min_time=0.05))
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def realistic(numel, dtype, generator):
+    # activations-like values: normal, a few exact zeros; no NaN/inf (the common, fast path)
+    x = torch.randn(numel, generator=generator).mul_(3).to(dtype)
+    x[:: 97] = 0
+    return x
+
+
+def mixed_model(generator, count=300):
+    """A model's worth of tensors: sizes 256..270K elements, fp32/bf16/fp16."""
+    dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    sizes = torch.randint(256, 270_000, (count,), generator=generator).tolist()
+    return [realistic(n, dtypes[i % 3], generator) for i, n in enumerate(sizes)]
+
+
+def row(label, tensors, repeats):
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    t = interleaved(tensors, repeats)
+    return {
+        "case": label,
+        "MB": nbytes / 1e6,
+        **{f"{k}_us": v * 1e6 for k, v in t.items()},
+        "cpu_GBs": nbytes / t["cpu"] / 1e9,
+        "sum_GBs": nbytes / t["sum"] / 1e9,
+        "ref/cpu": t["ref"] / t["cpu"],
+        "torch/cpu": t["torch"] / t["cpu"],
+        "cpu/sum": t["cpu"] / t["sum"],
+    }
+
+
+def print_table(rows):
+    header = (f"{'case':<26}{'MB':>8}{'ref us':>11}{'torch us':>11}{'cpu us':>10}{'sum us':>10}"
+              f"{'cpu GB/s':>10}{'sum GB/s':>10}{'ref/cpu':>9}{'torch/cpu':>10}{'cpu/sum':>9}")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(f"{r['case']:<26}{r['MB']:>8.2f}{r['ref_us']:>11.1f}{r['torch_us']:>11.1f}{r['cpu_us']:>10.1f}"
+              f"{r['sum_us']:>10.1f}{r['cpu_GBs']:>10.2f}{r['sum_GBs']:>10.2f}{r['ref/cpu']:>8.1f}x"
+              f"{r['torch/cpu']:>9.1f}x{r['cpu/sum']:>8.2f}x")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: all)")
+    parser.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    reason = cpu_backend.unavailable_reason()
+    if reason is not None:
+        raise SystemExit(f"the cpu backend is unavailable: {reason}")
+    repeats = 3 if args.quick else args.repeats
+    generator = torch.Generator().manual_seed(0)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, kernel {cpu_backend._C.capability()}, "
+          f"medians of {repeats} interleaved runs")
+    rows = []
+    sizes = (4096, 65536, 1 << 20, 1 << 24) if not args.quick else (4096, 1 << 24)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for numel in sizes:
+            x = realistic(numel, dtype, generator)
+            label = f"{str(dtype).replace('torch.', '')} {numel // 1024}K" if numel < (1 << 20) else \
+                f"{str(dtype).replace('torch.', '')} {numel >> 20}M"
+            rows.append(row(label, [x], repeats))
+    rows.append(row("300 mixed (256..270K)", mixed_model(generator), repeats))
+    print_table(rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,370 @@
+"""The C++ backend (csrc/, overflow_fast._C): exact equality with the float64 oracle and with the
+torch backend, on every dtype, special value, layout and size class, on both kernel builds
+(AVX2 and the portable baseline); and the fallback when the extension cannot be used."""
+
+import importlib
+import sys
+import warnings
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from oracle import ALL_DTYPES, assert_stats_equal, random_bits, reference_stats, same_stats, special_values
+
+from overflow_fast.stats import cpu_backend, dispatch, torch_backend
+from overflow_fast.stats.layout import decode_row
+
+pytestmark = pytest.mark.skipif(
+    cpu_backend.unavailable_reason() is not None,
+    reason=f"C++ extension unavailable: {cpu_backend.unavailable_reason()}",
+)
+
+FLOATING = [d for d in ALL_DTYPES if d.is_floating_point]
+
+
+def capabilities():
+    if cpu_backend._C is None:
+        return ["default"]
+    names = ["default"]
+    try:
+        previous = cpu_backend._C.capability()
+        cpu_backend._C.set_capability("avx2")
+        cpu_backend._C.set_capability(previous)
+        names.append("avx2")
+    except RuntimeError:
+        pass
+    return names
+
+
+@pytest.fixture(params=capabilities())
+def capability(request):
+    """Run the test on each kernel build this CPU can run."""
+    previous = cpu_backend._C.capability()
+    cpu_backend._C.set_capability(request.param)
+    yield request.param
+    cpu_backend._C.set_capability(previous)
+
+
+def cpu_stats(tensors):
+    rows = cpu_backend.compute(list(tensors))
+    assert rows.dtype == torch.int64 and rows.shape == (len(tensors), 8) and rows.device.type == "cpu"
+    return [decode_row(row, t.dtype) for row, t in zip(rows.tolist(), tensors)]
+
+
+def torch_stats(tensors):
+    rows = torch_backend.compute(list(tensors))
+    return [decode_row(row, t.dtype) for row, t in zip(rows.tolist(), tensors)]
+
+
+def check(tensors, label=""):
+    """Equal to the oracle and to the torch backend, field by field, NaN equal to NaN."""
+    got = cpu_stats(tensors)
+    assert_stats_equal(got, tensors, label)
+    for g, w, t in zip(got, torch_stats(tensors), tensors):
+        assert same_stats(g, w), f"{label} {t.dtype} {tuple(t.shape)}: cpu {g} != torch {w}"
+
+
+def ids(dtype):
+    return str(dtype).replace("torch.", "")
+
+
+# Lengths around the vector widths (8..64 lanes), a flush block, and a thread split.
+LENGTHS = [1, 2, 7, 8, 15, 16, 31, 33, 63, 64, 65, 127, 129, 4097, 127 * 32 + 5, 70_001]
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=ids)
+def test_random_bit_patterns(dtype, capability):
+    generator = torch.Generator().manual_seed(1)
+    tensors = [random_bits(dtype, (n,), generator) for n in LENGTHS]
+    check(tensors, capability)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=ids)
+def test_special_values_at_every_position(dtype, capability):
+    generator = torch.Generator().manual_seed(2)
+    specials = special_values(dtype)
+    tensors = [specials]
+    for n in (13, 40, 100, 1000):
+        x = specials[torch.randint(0, len(specials), (n,), generator=generator)]
+        tensors.append(x)
+    # each special value alone, at the end of an otherwise ordinary run
+    ordinary = torch.ones(67, dtype=torch.float32).to(dtype) if dtype != torch.bool else torch.ones(67, dtype=dtype)
+    for value in specials:
+        x = ordinary.clone()
+        x[-1] = value
+        tensors.append(x)
+    check(tensors, capability)
+
+
+@pytest.mark.parametrize("dtype", FLOATING + [torch.complex64, torch.complex128], ids=ids)
+@pytest.mark.parametrize("n", [9, 17, 33, 67, 4096 * 32 + 3, 300_001])
+def test_nan_and_inf_only_in_the_tail(dtype, n, capability):
+    """The elements after the last full vector take the scalar path: it must count them too."""
+    base = torch.full((n,), 0.5).to(dtype)
+    tensors = []
+    for bits in ("nan", "inf", "-inf", "tiny", "zero"):
+        x = base.clone()
+        if bits == "nan":
+            x[-1] = float("nan")
+        elif bits in ("inf", "-inf"):
+            if dtype == torch.float8_e4m3fn:
+                continue
+            x[-1] = float(bits)
+        elif bits == "tiny":
+            x[-1] = torch.finfo(dtype if not dtype.is_complex else torch.float32).tiny / 2 \
+                if dtype not in (torch.float8_e4m3fn, torch.float8_e5m2) else 2.0**-17
+        else:
+            x[-1] = 0
+        tensors.append(x)
+    got = cpu_stats(tensors)
+    for g, w in zip(got, torch_stats(tensors)):
+        assert same_stats(g, w), (g, w)
+    if n < 1000:
+        assert_stats_equal(got, tensors)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=ids)
+def test_empty_and_zero_dim(dtype, capability):
+    generator = torch.Generator().manual_seed(3)
+    tensors = [
+        torch.empty(0, dtype=dtype),
+        torch.empty(3, 0, 2, dtype=dtype),
+        random_bits(dtype, (), generator),
+        special_values(dtype)[0].clone(),
+        special_values(dtype)[-1].clone(),
+    ]
+    got = cpu_stats(tensors)
+    assert got[0]["numel"] == got[1]["numel"] == 0 and got[0]["abs_min"] is None
+    check(tensors, capability)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=ids)
+def test_non_contiguous_layouts(dtype, capability):
+    generator = torch.Generator().manual_seed(4)
+    x = random_bits(dtype, (6, 7, 5), generator)
+    tensors = [
+        x.transpose(0, 2),                # dense: one flat run over its memory
+        x.permute(1, 2, 0),
+        x[:, 1:5],                        # rows
+        x[1:4, 2:, :3],
+        x[..., 2],                        # innermost stride 5: read through a copy
+        x[:, ::2, ::2],
+        x[:, :1].expand(6, 9, 5),         # stride 0: read once, counts scaled
+        x[2, 3, 4].expand(3, 4),
+        x[:1, :1, :].expand(4, 3, 5).transpose(0, 2),
+        x.transpose(0, 1)[:, 1:4],
+        x.reshape(-1).as_strided((5, 4), (3, 1)),  # overlapping rows
+    ]
+    if dtype.is_complex:
+        tensors += [x.conj(), x.transpose(0, 1).conj()]
+    if dtype.is_floating_point and dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):  # no neg kernel
+        tensors += [torch._neg_view(x), torch._neg_view(x[:, 1:5])]
+    check(tensors, capability)
+
+
+def test_many_tensors_in_one_call(capability):
+    """Mixed dtypes and sizes in one call, enough bytes to split across threads mid-tensor."""
+    generator = torch.Generator().manual_seed(5)
+    tensors = []
+    for i in range(120):
+        dtype = ALL_DTYPES[i % len(ALL_DTYPES)]
+        n = [0, 1, 37, 300, 2000][i % 5]
+        tensors.append(random_bits(dtype, (n,), generator))
+    for dtype in (torch.float32, torch.bfloat16, torch.int64):
+        big = random_bits(dtype, (700_003,), generator)
+        tensors.insert(len(tensors) // 2, big)
+    got = cpu_stats(tensors)
+    want = torch_stats(tensors)
+    for g, w, t in zip(got, want, tensors):
+        assert same_stats(g, w), (t.dtype, t.shape, g, w)
+    small = [(g, t) for g, t in zip(got, tensors) if t.numel() <= 2000]
+    assert_stats_equal([g for g, _ in small], [t for _, t in small])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64, torch.float8_e5m2,
+                                   torch.int32, torch.uint8, torch.complex64], ids=ids)
+def test_large_tensors_same_for_any_thread_count(dtype, capability):
+    """Chunk and thread boundaries fall inside tensors; the result must not depend on them."""
+    generator = torch.Generator().manual_seed(6)
+    tensors = [random_bits(dtype, (n,), generator) for n in (1_000_003, 3_000_017)]
+    tensors.append(random_bits(dtype, (1500, 1201), generator)[:, 3:1190])  # many rows
+    previous = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            results.append(cpu_backend.compute(tensors))
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+    for g, w in zip(cpu_stats(tensors), torch_stats(tensors)):
+        assert same_stats(g, w), (g, w)
+
+
+def test_exact_integer_extremes():
+    tensors = [
+        torch.tensor([-(2**63), 5], dtype=torch.int64),
+        torch.full((100,), -(2**31), dtype=torch.int32),
+        torch.tensor([-128] * 40 + [0], dtype=torch.int8),
+        torch.tensor([255] * 70, dtype=torch.uint8),
+    ]
+    got = cpu_stats(tensors)
+    assert got[0]["abs_max"] == 2**63 and got[0]["abs_min"] == 5
+    assert got[1]["abs_min"] == got[1]["abs_max"] == 2**31
+    assert got[2]["abs_max"] == 128 and got[2]["abs_min"] == 0 and got[2]["zero"] == 1
+    assert got[3]["abs_min"] == got[3]["abs_max"] == 255
+    check(tensors)
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+def test_unsupported_inputs():
+    unsupported = [torch.zeros(3, dtype=d) for d in (torch.uint16, torch.uint32, torch.complex32)
+                   if hasattr(torch, str(d).replace("torch.", ""))]
+    for x in unsupported:
+        assert not cpu_backend.supports(x)
+        with pytest.raises(RuntimeError, match="unsupported dtype"):
+            cpu_backend.compute([x])
+    meta = torch.zeros(3, device="meta")
+    assert not cpu_backend.supports(meta)
+    with pytest.raises(RuntimeError, match="not the CPU"):
+        cpu_backend.compute([meta])
+    assert cpu_backend.supports(torch.zeros(3))
+    assert cpu_backend.compute([]).shape == (0, 8)
+
+
+def test_dispatch_prefers_the_cpu_backend():
+    x = torch.tensor([1.0, float("inf"), -2.0])
+    batch = dispatch.tensor_stats([x])
+    assert dispatch.backend_status()["cpu"] is None
+    assert batch.tolist() == dispatch.tensor_stats([x], backend="torch").tolist()
+
+
+# ---------------------------------------------------------------------------------------------
+# Property test: any shape, dtype, layout and mix of special values.
+
+@st.composite
+def tensor_cases(draw):
+    dtype = draw(st.sampled_from(ALL_DTYPES))
+    shape = tuple(draw(st.lists(st.integers(0, 9), min_size=0, max_size=3)))
+    seed = draw(st.integers(0, 2**31 - 1))
+    generator = torch.Generator().manual_seed(seed)
+    x = random_bits(dtype, shape, generator)
+    if x.numel() and draw(st.booleans()):
+        specials = special_values(dtype)
+        picks = torch.randint(0, len(specials), (x.numel(),), generator=generator)
+        keep = torch.rand(x.numel(), generator=generator) < draw(st.floats(0, 1))
+        x = torch.where(keep.reshape(shape), x, specials[picks].reshape(shape))
+    layout = draw(st.sampled_from(["plain", "transpose", "slice", "step", "expand"]))
+    if layout == "transpose" and x.dim() >= 2:
+        x = x.transpose(0, -1)
+    elif layout == "slice" and x.dim() >= 1 and x.shape[-1] > 1:
+        x = x[..., 1:]
+    elif layout == "step" and x.dim() >= 1:
+        x = x[..., ::2]
+    elif layout == "expand":
+        x = x.unsqueeze(0).expand(3, *x.shape)
+    return x
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(tensor_cases(), min_size=1, max_size=4), st.sampled_from(capabilities()))
+def test_property_equal_to_oracle(tensors, capability_name):
+    previous = cpu_backend._C.capability()
+    cpu_backend._C.set_capability(capability_name)
+    try:
+        check(tensors, capability_name)
+    finally:
+        cpu_backend._C.set_capability(previous)
+
+
+# ---------------------------------------------------------------------------------------------
+# Over 2^31 elements: int64 indexing, in one flat run and in rows.
+
+def test_over_two_to_the_31_elements(capability):
+    n = 2**31 + 77
+    try:
+        x = torch.zeros(n, dtype=torch.uint8)
+    except RuntimeError as error:  # not enough memory on this machine
+        pytest.skip(f"cannot allocate {n} bytes: {error}")
+    x[0] = 3
+    x[2**31 - 1] = 200
+    x[2**31 + 5] = 9
+    x[-1] = 250
+    rows = cpu_stats([x, x.view(torch.bool), x[1:].as_strided((2, 2**30 + 30), (2**30 + 38, 1))])
+    assert rows[0] == {"abs_min": 0, "abs_max": 250, "nan": 0, "posinf": 0, "neginf": 0,
+                       "zero": n - 4, "subnormal": 0, "numel": n}
+    assert rows[1]["zero"] == n - 4 and rows[1]["abs_max"] == 1.0 and rows[1]["numel"] == n
+    # rows of 2^30+30 elements from elements 1 and 2^30+39: they hold 2^31-1 (200) and 2^31+5 (9),
+    # not elements 0 and n-1
+    assert rows[2] == {"abs_min": 0, "abs_max": 200, "nan": 0, "posinf": 0, "neginf": 0,
+                       "zero": 2 * (2**30 + 30) - 2, "subnormal": 0, "numel": 2 * (2**30 + 30)}
+    del x
+
+
+# ---------------------------------------------------------------------------------------------
+# Fallback: a missing or mismatched extension warns once and the torch backend answers.
+
+@pytest.fixture
+def fresh_dispatch(monkeypatch):
+    """Reload cpu_backend under the test's patches; restore the real one afterwards."""
+    monkeypatch.setattr(dispatch, "_loaded", {})
+    monkeypatch.setattr(dispatch, "_warned", set())
+    yield
+    monkeypatch.undo()
+    importlib.reload(cpu_backend)
+    dispatch._loaded.clear()
+
+
+def _assert_falls_back(match):
+    x = torch.tensor([1.0, float("nan"), -3.0])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = dispatch.tensor_stats([x]).tolist()
+        second = dispatch.tensor_stats([x]).tolist()
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(messages) == 1, messages
+    assert "falling back" in messages[0] and match in messages[0]
+    assert same_stats(first[0], second[0])
+    assert_stats_equal(first, [x])
+    with pytest.raises(RuntimeError, match="unavailable"):
+        dispatch.tensor_stats([x], backend="cpu")
+
+
+def test_fallback_when_the_extension_is_missing(monkeypatch, fresh_dispatch):
+    import overflow_fast
+
+    monkeypatch.delattr(overflow_fast, "_C")
+    monkeypatch.setitem(sys.modules, "overflow_fast._C", None)  # makes the import raise ImportError
+    importlib.reload(cpu_backend)
+    assert "could not be loaded" in cpu_backend.unavailable_reason()
+    _assert_falls_back("could not be loaded")
+
+
+def test_fallback_when_built_against_another_torch(monkeypatch, fresh_dispatch):
+    monkeypatch.setattr(cpu_backend._C, "TORCH_VERSION", "1.0.0")
+    importlib.reload(cpu_backend)
+    assert "built against torch 1.0.0" in cpu_backend.unavailable_reason()
+    _assert_falls_back("built against torch 1.0.0")
+
+
+def test_fallback_when_stale(monkeypatch, fresh_dispatch):
+    monkeypatch.setattr(cpu_backend._C, "SOURCE_HASH", "0" * 16)
+    importlib.reload(cpu_backend)
+    assert "stale" in cpu_backend.unavailable_reason()
+    _assert_falls_back("stale")
+
+
+def test_fallback_when_loading_raises(monkeypatch, fresh_dispatch):
+    def broken_import(name, *args, **kwargs):
+        if name == "overflow_fast" and args and args[2] and "_C" in args[2]:
+            raise OSError("undefined symbol: _ZN2at6Tensor")
+        return real_import(name, *args, **kwargs)
+
+    real_import = __builtins__["__import__"] if isinstance(__builtins__, dict) else __builtins__.__import__
+    monkeypatch.setattr("builtins.__import__", broken_import)
+    importlib.reload(cpu_backend)
+    monkeypatch.setattr("builtins.__import__", real_import)
+    assert "OSError: undefined symbol" in cpu_backend.unavailable_reason()
+    _assert_falls_back("undefined symbol")
