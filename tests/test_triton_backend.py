@@ -239,3 +239,64 @@ def test_imports_and_falls_back_without_triton(tmp_path):
     env.pop("TRITON_INTERPRET", None)
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and "fallback ok" in result.stdout, result.stdout + result.stderr
+
+
+def _run_gpu_check(code):
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=300, cwd=os.path.join(root, "benchmarks"))
+
+
+@pytest.mark.skipif(tb.triton is None, reason="triton is not installed")
+def test_gpu_check_dry_run_and_mismatch_exit():
+    """benchmarks/gpu_check.py runs without a GPU (--dry-run) and exits 1 on a wrong result."""
+    if os.environ.get(_CHILD_ENV):
+        pytest.skip("checked by the parent process")
+    ok = _run_gpu_check("import sys, gpu_check; sys.exit(gpu_check.main(gpu_check.parse_args(['--dry-run'])))")
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert ok.stdout.rstrip().splitlines()[-1].lstrip().startswith("mixed x"), ok.stdout  # the table is last
+    broken = _run_gpu_check(
+        "import sys, gpu_check\n"
+        "compute = gpu_check.triton_be.compute\n"
+        "def off_by_one(tensors):\n"
+        "    rows = compute(tensors)\n"
+        "    rows[-1, 5] += 1  # one zero count wrong\n"
+        "    return rows\n"
+        "gpu_check.triton_be.compute = off_by_one\n"
+        "sys.exit(gpu_check.main(gpu_check.parse_args(['--dry-run'])))"
+    )
+    assert broken.returncode == 1 and "EXACTNESS MISMATCH" in broken.stdout, broken.stdout + broken.stderr
+
+
+@pytest.mark.skipif(tb.triton is None or tb._INTERPRET, reason="needs triton's compiler (not the interpreter)")
+@pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn, torch.int64, torch.bool], ids=str)
+def test_compiles_for_sm90_without_a_gpu(dtype):
+    """The interpreter accepts code the compiler rejects: compile both kernels for an H100-class
+    target (no GPU needed) and check that full blocks use 16-byte vector loads."""
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+    except ImportError as error:
+        pytest.skip(f"triton's compiler API moved: {error}")
+    args = tb._kernel_args(dtype)
+    constexprs = dict(
+        LOAD_DTYPE=tb._LOAD_DTYPE[dtype], KIND=args["kind"], EXP_BITS=args["exp_bits"],
+        MANT_BITS=args["mant_bits"], HAS_INF=args["has_inf"], KEY_DTYPE=args["key_dtype"],
+        FLIP=args["flip"], ALIGNED=True, BLOCK_SIZE=tb.BLOCK_SIZE, BLOCKS_PER_CHUNK=tb.BLOCKS_PER_CHUNK,
+    )
+    signature = {name: "*i64" for name in ("Ptrs_ptr", "Numel_ptr", "ChunkTensor_ptr", "ChunkStart_ptr", "Partials_ptr")}
+    signature.update({name: "constexpr" for name in constexprs})
+    target = GPUTarget("cuda", 90, 32)
+    try:
+        kernel = tb.triton.compile(ASTSource(tb._stats_partials_kernel, signature, constexprs), target=target,
+                                   options={"num_warps": tb.NUM_WARPS})
+    except FileNotFoundError as error:  # no ptxas in this triton install
+        pytest.skip(str(error))
+    assert "ld.global.v4.b32" in kernel.asm["ptx"] or "ld.global.v2.b64" in kernel.asm["ptx"]
+    combine = {k: constexprs[k] for k in ("KIND", "EXP_BITS", "MANT_BITS", "HAS_INF", "FLIP")}
+    combine["BLOCK_SIZE"] = tb.COMBINE_BLOCK
+    signature = {name: "*i64" for name in ("Partials_ptr", "FirstChunk_ptr", "NumChunks_ptr", "Numel_ptr", "Row_ptr", "Out_ptr")}
+    signature.update({name: "constexpr" for name in combine})
+    tb.triton.compile(ASTSource(tb._stats_combine_kernel, signature, combine), target=target, options={"num_warps": 2})

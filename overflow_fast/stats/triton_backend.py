@@ -339,13 +339,12 @@ def _is_dense(tensor: torch.Tensor) -> bool:
 
 def _flat_source(tensor: torch.Tensor) -> torch.Tensor:
     """A tensor whose memory holds exactly the elements of ``tensor``, flat from data_ptr()."""
-    tensor = tensor.detach()
     if tensor.is_neg():
-        tensor = tensor.resolve_neg()  # the memory holds the values before a lazy negation
+        return tensor.detach().resolve_neg()  # the memory holds the values before a lazy negation
     if tensor.is_contiguous() or _is_dense(tensor):
-        return tensor
+        return tensor  # only its data_ptr() is used: no autograd involved
     # overlapping (expanded) or gapped (sliced) layouts: one device copy, no sync
-    return tensor.contiguous()
+    return tensor.detach().contiguous()
 
 
 def _kernel_args(dtype):
