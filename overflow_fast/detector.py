@@ -8,6 +8,7 @@ that is read once, at the end of the top-level forward.
 """
 
 import collections
+import weakref
 
 import torch
 
@@ -19,6 +20,7 @@ from .stats.layout import NAN, NEGINF, NUM_COLUMNS, POSINF
 
 CHECK_MODES = ("module", "batch")
 DEFAULT_BUFFER_ROWS = 1 << 16
+_MAX_REMEMBERED = 1 << 16
 
 
 class Frame:
@@ -32,7 +34,7 @@ class Frame:
         self.class_name = class_name
         self.entries = entries  # (kind, ctx, payload): payload is a row index for TENSOR
         self.dtypes = dtypes
-        self.rows = None  # host rows; None while they are still on the device
+        self.rows = None  # host rows (while pending with check="batch", some are (device, slot))
 
     def __str__(self):
         return report.frame_text(self)
@@ -42,7 +44,7 @@ class _Call:
     """A hook call as the reference's state machine sees it, replayed once its rows are known."""
 
     __slots__ = ("frame", "trace_mode", "first_call", "last_frame_of_batch", "batch_before",
-                 "batch_after", "total_calls", "device", "start")
+                 "batch_after", "total_calls")
 
     def __init__(self, frame, trace_mode, first_call, last_frame_of_batch, batch_before, batch_after,
                  total_calls):
@@ -53,8 +55,6 @@ class _Call:
         self.batch_before = batch_before
         self.batch_after = batch_after
         self.total_calls = total_calls
-        self.device = None  # where its rows wait, with check="batch"
-        self.start = 0
 
 
 def _has_overflow(row):
@@ -70,11 +70,15 @@ class DebugUnderflowOverflow:
       sync per hook; ``check="batch"`` never syncs in a hook and decides once per forward of the
       top-level model (or when its buffer fills), printing exactly the same report.
     - ``backend``: the ``tensor_stats`` backend (None picks the fastest per device).
+    - ``reuse_stats``: within one forward, a tensor already read (the same object, its version
+      counter unchanged, e.g. one module's output and the next one's input) is not read again.
+      Turn it off if tensors are written through aliases that bypass the version counter.
+    - ``buffer_rows``: rows of the device buffer of ``check="batch"`` (read early when full).
     - ``remove()`` and use as a context manager take the hooks off again.
     """
 
     def __init__(self, model, max_frames_to_save=21, trace_batch_nums=None, abort_after_batch_num=None,
-                 check="module", backend=None, buffer_rows=DEFAULT_BUFFER_ROWS):
+                 check="module", backend=None, buffer_rows=DEFAULT_BUFFER_ROWS, reuse_stats=True):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if isinstance(max_frames_to_save, bool) or not isinstance(max_frames_to_save, int):
@@ -103,6 +107,7 @@ class DebugUnderflowOverflow:
         self.abort_after_batch_num = abort_after_batch_num
         self.check = check
         self.backend = check_backend_name(backend)
+        self.reuse_stats = bool(reuse_stats)
 
         # The reference swaps its deque for an unbounded list after tracing or a dump; this stays bounded.
         self.frames = collections.deque([], max_frames_to_save)
@@ -116,6 +121,7 @@ class DebugUnderflowOverflow:
         self._pending = []  # _Call records whose rows wait in the device buffers (check="batch")
         self._buffer_rows = buffer_rows
         self._buffers = {}  # device -> [int64 buffer of shape (buffer_rows, 8), rows used]
+        self._seen = {}  # id(tensor) -> (weakref, version, host row or (device, slot)), this forward
         self.analyse_model()
         self.register_forward_hook()
 
@@ -201,6 +207,8 @@ class DebugUnderflowOverflow:
             self._resolve_now(frame, tensors)
             self._replay(call)
 
+        if last_frame_of_batch:
+            self._seen.clear()  # the next forward reads everything again (parameters change)
         if self.abort_after_batch_num is not None and self.batch_number > self.abort_after_batch_num:
             self.flush()
             raise ValueError(report.abort_error(self.batch_number, self.abort_after_batch_num))
@@ -233,17 +241,16 @@ class DebugUnderflowOverflow:
         """
         if not self._pending:
             return
+        host = {}
         for device, state in self._buffers.items():
-            used = state[1]
-            if used:
-                host = state[0][:used].tolist()
+            if state[1]:
+                host[device] = state[0][:state[1]].tolist()
                 state[1] = 0
-                for call in self._pending:
-                    if call.device == device:
-                        count = len(call.frame.dtypes)
-                        call.frame.rows = host[call.start:call.start + count]
+        self._seen.clear()  # the buffer slots are reused from here on
         pending, self._pending = self._pending, []
         for call in pending:
+            frame = call.frame
+            frame.rows = [s if isinstance(s, list) else host[s[0]][s[1]] for s in frame.rows]
             self._replay(call)  # raises at the first bad call: those after it never happened
 
     # -- internals --------------------------------------------------------------------------
@@ -286,23 +293,21 @@ class DebugUnderflowOverflow:
                       [t.dtype for t in tensors])
         return frame, tensors
 
-    def _stats(self, frame, tensors):
-        """The frame's StatsBatch, or None with ``frame.rows`` set on the host when the engine
-        failed (then only the tensors it cannot read lose their line)."""
+    def _stats(self, frame, tensors, positions):
+        """The StatsBatch of ``tensors`` (at ``positions`` among the frame's tensors), or their
+        host rows if the engine failed: then only the tensors it cannot read lose their line."""
         try:
             return tensor_stats(tensors, self.backend)
         except Exception:
             pass
-        # one tensor at a time on the portable backend, so only the culprit loses its line
         rows = []
-        for index, tensor in enumerate(tensors):
+        for position, tensor in zip(positions, tensors):
             try:
                 rows.append(tensor_stats([tensor], "torch").host_rows()[0])
             except Exception as error:
                 rows.append([0] * NUM_COLUMNS)
-                self._mark_unreadable(frame, index, f"{type(error).__name__}: {error}")
-        frame.rows = rows
-        return None
+                self._mark_unreadable(frame, position, f"{type(error).__name__}: {error}")
+        return rows
 
     @staticmethod
     def _mark_unreadable(frame, index, reason):
@@ -310,46 +315,80 @@ class DebugUnderflowOverflow:
             if kind == TENSOR and payload == index:
                 frame.entries[position] = (UNREADABLE, ctx, reason)
 
-    def _resolve_now(self, frame, tensors):
-        if not tensors:
-            frame.rows = []
-            return
-        batch = self._stats(frame, tensors)
-        if batch is not None:
-            frame.rows = batch.host_rows()
+    def _lookup(self, tensors):
+        """Each tensor's known source (the same tensor object, unchanged since, was already read
+        in this forward: a module's output is the next one's input and its parent's output), and
+        the positions still to read."""
+        sources = [None] * len(tensors)
+        fresh = []
+        seen = self._seen
+        for position, tensor in enumerate(tensors):
+            entry = seen.get(id(tensor))
+            if entry is not None and entry[0]() is tensor and entry[1] == tensor._version:
+                sources[position] = entry[2]
+            else:
+                fresh.append(position)
+        return sources, fresh
 
-    def _defer(self, call, tensors):
-        frame = call.frame
-        count = len(tensors)
-        if count == 0:
-            frame.rows = []
-            self._pending.append(call)
-            return
-        batch = self._stats(frame, tensors)
-        if batch is None:  # already on the host (the engine failed on something)
-            self._pending.append(call)
-            return
-        try:
-            values = batch.values
-        except ValueError:  # tensors on several devices: read this frame now
-            frame.rows = batch.host_rows()
-            self._pending.append(call)
-            return
-        if count > self._buffer_rows:
-            frame.rows = batch.host_rows()
-            self._pending.append(call)
-            return
-        device = values.device
+    def _remember(self, tensor, source):
+        # inference tensors keep no version counter, so a change to them could not be seen
+        if self.reuse_stats and not tensor.is_inference():
+            if len(self._seen) >= _MAX_REMEMBERED:
+                self._seen.clear()
+            self._seen[id(tensor)] = (weakref.ref(tensor), tensor._version, source)
+
+    def _resolve_now(self, frame, tensors):
+        """Set ``frame.rows`` to host rows: one engine call and one host read for what is new."""
+        sources, fresh = self._lookup(tensors)
+        if fresh:
+            result = self._stats(frame, [tensors[i] for i in fresh], fresh)
+            rows = result if isinstance(result, list) else result.host_rows()
+            for position, row in zip(fresh, rows):
+                sources[position] = row
+                if result is not rows:
+                    self._remember(tensors[position], row)
+        frame.rows = sources
+
+    def _buffer(self, device):
         state = self._buffers.get(device)
         if state is None:
-            state = self._buffers[device] = [
-                torch.empty((self._buffer_rows, NUM_COLUMNS), dtype=torch.int64, device=device), 0
-            ]
-        if state[1] + count > self._buffer_rows:
-            self.flush()  # a full buffer is read early (a submodule run alone still gets checked)
-        state[0][state[1]:state[1] + count].copy_(values)
-        call.device, call.start = device, state[1]
-        state[1] += count
+            buffer = torch.empty((self._buffer_rows, NUM_COLUMNS), dtype=torch.int64, device=device)
+            state = self._buffers[device] = [buffer, 0]
+        return state
+
+    def _defer(self, call, tensors):
+        """Queue a call whose new statistics go to the device buffer; ``frame.rows`` holds, per
+        tensor, a host row or the (device, slot) where its row waits."""
+        frame = call.frame
+        if len(tensors) > self._buffer_rows:
+            self._resolve_now(frame, tensors)
+        elif tensors:
+            state = self._buffer(tensors[0].device)
+            if state[1] + len(tensors) > self._buffer_rows:
+                self.flush()  # a full buffer is read early (a submodule run alone still gets checked)
+            sources, fresh = self._lookup(tensors)
+            if fresh:
+                result = self._stats(frame, [tensors[i] for i in fresh], fresh)
+                values = None
+                if not isinstance(result, list):
+                    try:
+                        values = result.values
+                    except ValueError:  # tensors on several devices: read this frame now
+                        result = result.host_rows()
+                if values is None or values.device != tensors[0].device:
+                    rows = result if values is None else result.host_rows()
+                    for position, row in zip(fresh, rows):
+                        sources[position] = row
+                else:
+                    start = state[1]
+                    state[0][start:start + len(fresh)].copy_(values)
+                    state[1] += len(fresh)
+                    for offset, position in enumerate(fresh):
+                        sources[position] = (values.device, start + offset)
+                        self._remember(tensors[position], sources[position])
+            frame.rows = sources
+        else:
+            frame.rows = []
         self._pending.append(call)
 
     def _replay(self, call):
@@ -384,6 +423,7 @@ class DebugUnderflowOverflow:
 
     def _discard_pending(self):
         self._pending = []
+        self._seen.clear()
         for state in self._buffers.values():
             state[1] = 0
 

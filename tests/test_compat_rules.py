@@ -263,3 +263,32 @@ def test_same_attributes_as_reference():
                    "analyse_model", "analyse_variable", "batch_start_frame", "batch_end_frame", "create_frame",
                    "register_forward_hook", "forward_hook"):
         assert callable(getattr(ours, method)), method
+
+
+class InPlace(nn.Module):
+    """The same tensor object reaches several hooks, changed in place between them."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Identity()
+        self.c = nn.Identity()
+
+    def forward(self, x):
+        y = self.a(x)
+        y = self.b(y)  # Identity returns the very same tensor object
+        y.mul_(1e39)  # overflows float32 in place: same object, new version
+        return self.c(y)
+
+
+@pytest.mark.parametrize("check", CHECKS)
+@pytest.mark.parametrize("reuse_stats", [True, False])
+def test_in_place_change_between_hooks_is_seen(check, reuse_stats):
+    from compat import ReferenceDetector, run
+    from overflow_fast import DebugUnderflowOverflow
+
+    data = batches(2)
+    want = run(ReferenceDetector, make(InPlace), data, forward)[:2]
+    got = run(DebugUnderflowOverflow, make(InPlace), data, forward, check=check, reuse_stats=reuse_stats)[:2]
+    assert got == want
+    assert "c Identity" in got[0] and "input[0] has infs" in got[0]

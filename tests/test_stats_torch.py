@@ -112,6 +112,7 @@ def test_broken_backend_warns_once_and_falls_back(monkeypatch):
     monkeypatch.setitem(dispatch._MODULES, "cpu", "overflow_fast.no_such_module")
     monkeypatch.setattr(dispatch, "_loaded", {})
     monkeypatch.setattr(dispatch, "_warned", set())
+    monkeypatch.setattr(dispatch, "_choices", {})
     monkeypatch.delenv("OVERFLOW_FAST_BACKEND", raising=False)
     with pytest.warns(RuntimeWarning, match="'cpu' backend is unavailable"):
         first = tensor_stats([torch.tensor([-3.0])]).tolist()

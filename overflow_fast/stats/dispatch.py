@@ -24,6 +24,7 @@ _PREFERRED = {"cpu": "cpu", "cuda": "triton"}
 
 _loaded = {}
 _warned = set()
+_choices = {}  # requested backend -> {(device, dtype, layout): backend module}
 
 SUPPORTED_DTYPES = frozenset(SMALLEST_NORMAL) | INTEGER_DTYPES | {torch.bool}
 
@@ -37,6 +38,7 @@ def _load(name):
         except Exception as error:  # a broken optional backend must not break the engine
             module, reason = None, f"{type(error).__name__}: {error}"
         _loaded[name] = (module, reason)
+        _choices.clear()
     return _loaded[name]
 
 
@@ -84,7 +86,8 @@ def _warn_once(key, message):
 
 
 def _module_for(tensor, requested, origin):
-    """The backend module that computes ``tensor``'s statistics."""
+    """The backend module that computes ``tensor``'s statistics. Backends' ``supports()`` may
+    look only at the device, dtype and layout (the choice is cached on them)."""
     if requested is not None:
         module, reason = _load(requested)
         if reason is not None:
@@ -108,6 +111,14 @@ def _module_for(tensor, requested, origin):
     return _load("torch")[0]
 
 
+def _choose(index, tensor, requested, origin):
+    """The backend module for ``tensors[index]``, after checking that the engine can read it."""
+    reason = unreadable_reason(tensor)
+    if reason is not None:
+        raise TypeError(f"tensor_stats: tensors[{index}] cannot be read: {reason}")
+    return _module_for(tensor, requested, origin)
+
+
 def tensor_stats(tensors, backend=None) -> StatsBatch:
     """Statistics of every tensor in ``tensors`` (a list or tuple), kept on their devices.
 
@@ -115,22 +126,36 @@ def tensor_stats(tensors, backend=None) -> StatsBatch:
     +inf, -inf, zero and subnormal elements, and numel. ``backend`` is None (the fastest
     available per device, or ``$OVERFLOW_FAST_BACKEND``), "torch", "cpu" or "triton".
     """
-    if isinstance(tensors, torch.Tensor) or not isinstance(tensors, (list, tuple)):
+    if not isinstance(tensors, (list, tuple)):
         raise TypeError(
             f"tensor_stats expects a list or tuple of tensors, got {type(tensors).__name__}"
             + (" (wrap a single tensor in a list)" if isinstance(tensors, torch.Tensor) else "")
         )
     requested, origin = _requested_backend(backend)
-    groups = {}
+    # Called once per module forward with a few tensors, so the choice of backend is cached per
+    # (device, dtype, layout) (all that readability and supports() look at), and the common case,
+    # one device and one backend, makes a single group without a dict.
+    choices = _choices.setdefault(requested, {})
+    first = None
+    groups = None
     for index, tensor in enumerate(tensors):
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"tensor_stats: tensors[{index}] is a {type(tensor).__name__}, not a tensor")
-        reason = unreadable_reason(tensor)
-        if reason is not None:
-            raise TypeError(f"tensor_stats: tensors[{index}] cannot be read: {reason}")
-        module = _module_for(tensor, requested, origin)
-        groups.setdefault((tensor.device, module.NAME), (module, []))[1].append(index)
-    results = []
-    for module, indices in groups.values():
-        results.append((indices, module.compute([tensors[i] for i in indices])))
-    return StatsBatch([t.dtype for t in tensors], results)
+        key = (tensor.device, tensor.dtype, tensor.layout)
+        module = choices.get(key)
+        if module is None:
+            module = choices[key] = _choose(index, tensor, requested, origin)
+        group = (key[0], module)
+        if first is None:
+            first = group
+        elif groups is None and group != first:
+            groups = {first: list(range(index))}
+        if groups is not None:
+            groups.setdefault(group, []).append(index)
+    dtypes = [t.dtype for t in tensors]
+    if groups is None:
+        return StatsBatch(dtypes, [(range(len(tensors)), first[1].compute(tensors))] if first else [])
+    return StatsBatch(
+        dtypes,
+        [(indices, module.compute([tensors[i] for i in indices])) for (_, module), indices in groups.items()],
+    )
