@@ -39,35 +39,52 @@ struct Consts {
   L tiny = 0;
 };
 
-// The key and counts of one element; the tail of each run (fewer than a vector) takes this path.
+// The scalar loop: the tail of each run (fewer elements than a vector), and the whole run in the
+// baseline build, where at::vec's generic Vectorized (a loop per operation, a memset per compare)
+// is slower than a plain loop that the compiler vectorises with the baseline SSE2.
+// Accumulators are locals, so that the compiler may keep them in registers.
 template <typename L, Mode M>
 inline void scan_scalar(const L* p, int64_t n, const Consts<L>& c, Partial& acc) {
   using U = std::make_unsigned_t<L>;
+  int64_t nan = 0, posinf = 0, neginf = 0, zero = 0, small = 0;
+  L kmin = std::numeric_limits<L>::max();
+  L kmax = std::numeric_limits<L>::lowest();
   for (int64_t i = 0; i < n; i++) {
     const L x = p[i];
     L k;
     if constexpr (M == Mode::Float || M == Mode::FloatNoInf) {
       k = static_cast<L>(x & c.abs_mask);
-      acc.nan += k > c.nan_above;
+      nan += k > c.nan_above;
       if constexpr (M == Mode::Float) {
-        acc.posinf += x == c.pos_inf;
-        acc.neginf += x == c.neg_inf;
+        posinf += x == c.pos_inf;
+        neginf += x == c.neg_inf;
       }
-      acc.zero += k == 0;
-      acc.small += k < c.tiny;
+      zero += k == 0;
+      small += k < c.tiny;
     } else if constexpr (M == Mode::Signed) {
       // -|x| in unsigned arithmetic, so the most negative value maps onto itself without UB
       const L neg = static_cast<L>(U(0) - static_cast<U>(x));
       k = x < neg ? x : neg;
-      acc.zero += x == 0;
+      zero += x == 0;
     } else {
       k = static_cast<L>(x ^ static_cast<L>(0x80));
-      acc.zero += x == 0;
+      zero += x == 0;
     }
-    acc.kmin = std::min<int64_t>(acc.kmin, k);
-    acc.kmax = std::max<int64_t>(acc.kmax, k);
+    kmin = k < kmin ? k : kmin;
+    kmax = k > kmax ? k : kmax;
   }
+  if (n > 0) {
+    acc.kmin = std::min<int64_t>(acc.kmin, kmin);
+    acc.kmax = std::max<int64_t>(acc.kmax, kmax);
+  }
+  acc.nan += nan;
+  acc.posinf += posinf;
+  acc.neginf += neginf;
+  acc.zero += zero;
+  acc.small += small;
 }
+
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
 
 template <typename L>
 inline int64_t lane_sum(const Vectorized<L>& v) {
@@ -81,45 +98,64 @@ inline int64_t lane_sum(const Vectorized<L>& v) {
 }
 
 template <typename L>
-inline void lane_min_max(const Vectorized<L>& vmin, const Vectorized<L>& vmax, Partial& acc) {
-  __at_align__ L lo[Vectorized<L>::size()];
-  __at_align__ L hi[Vectorized<L>::size()];
-  vmin.store(lo);
-  vmax.store(hi);
-  for (int64_t i = 0; i < Vectorized<L>::size(); i++) {
-    acc.kmin = std::min<int64_t>(acc.kmin, lo[i]);
-    acc.kmax = std::max<int64_t>(acc.kmax, hi[i]);
-  }
+inline L lane_max(const Vectorized<L>& v) {
+  __at_align__ L buf[Vectorized<L>::size()];
+  v.store(buf);
+  return *std::max_element(buf, buf + Vectorized<L>::size());
 }
 
-// One pass over n contiguous elements. Per vector: the key (abs bits, -|x| or x^0x80), a running
-// min and max of the key, and one compare per count; a compare gives -1 per matching lane, so
-// subtracting it counts. Lane counters are as narrow as the elements (16 or 32 per vector), so
-// they are moved into int64 every block, before they can overflow.
+template <typename L>
+inline L lane_min(const Vectorized<L>& v) {
+  __at_align__ L buf[Vectorized<L>::size()];
+  v.store(buf);
+  return *std::min_element(buf, buf + Vectorized<L>::size());
+}
+
+// NaN and +-inf counts of whole vectors; only for blocks known to hold some (rare).
+template <typename L, Mode M>
+void count_non_finite(const L* p, int64_t n, const Consts<L>& c, Partial& acc) {
+  using V = Vectorized<L>;
+  const V abs_mask(c.abs_mask), nan_above(c.nan_above), pos_inf(c.pos_inf), neg_inf(c.neg_inf);
+  V nans(L(0)), pinfs(L(0)), ninfs(L(0));
+  for (int64_t i = 0; i < n; i += V::size()) {
+    const V x = V::loadu(p + i);
+    nans = nans - ((x & abs_mask) > nan_above);
+    if constexpr (M == Mode::Float) {
+      pinfs = pinfs - (x == pos_inf);
+      ninfs = ninfs - (x == neg_inf);
+    }
+  }
+  acc.nan += lane_sum(nans);
+  acc.posinf += lane_sum(pinfs);
+  acc.neginf += lane_sum(ninfs);
+}
+
+// One pass over n contiguous elements, a block of vectors at a time. Per vector: the key (abs
+// bits, -|x| or x^0x80), its running min and max, and the counts that are common: a compare
+// gives -1 per matching lane, so subtracting it counts. NaN and inf are rare, so floats do not
+// count them per vector: their abs bits sort above every finite value, so a block whose
+// largest key is finite has none, and only a block that has some is read again to count them.
+// Lane counters are as narrow as the elements, so they move into int64 after every block,
+// before they can overflow (127 vectors for 8-bit lanes).
 template <typename L, Mode M>
 void scan_lanes(const L* p, int64_t n, const Consts<L>& c, Partial& acc) {
   using V = Vectorized<L>;
   constexpr int64_t W = V::size();
-  constexpr int64_t kBlockVectors = sizeof(L) == 1 ? 127 : 4096;
-  const V abs_mask(c.abs_mask), nan_above(c.nan_above), pos_inf(c.pos_inf), neg_inf(c.neg_inf);
-  const V tiny(c.tiny), zero(L(0)), flip(static_cast<L>(0x80));
+  constexpr int64_t kBlockVectors = sizeof(L) == 1 ? 127 : 1024;
+  constexpr bool kFloat = M == Mode::Float || M == Mode::FloatNoInf;
+  const V abs_mask(c.abs_mask), tiny(c.tiny), zero(L(0)), flip(static_cast<L>(0x80));
   V vmin(std::numeric_limits<L>::max());
   V vmax(std::numeric_limits<L>::lowest());
   const int64_t n_vec = n - n % W;
-  int64_t i = 0;
-  while (i < n_vec) {
-    const int64_t block_end = std::min(n_vec, i + kBlockVectors * W);
-    V nans(L(0)), pinfs(L(0)), ninfs(L(0)), zeros(L(0)), smalls(L(0));
-    for (; i < block_end; i += W) {
+  for (int64_t begin = 0; begin < n_vec;) {
+    const int64_t end = std::min(n_vec, begin + kBlockVectors * W);
+    V bmax(std::numeric_limits<L>::lowest());
+    V zeros(L(0)), smalls(L(0));
+    for (int64_t i = begin; i < end; i += W) {
       const V x = V::loadu(p + i);
       V k;
-      if constexpr (M == Mode::Float || M == Mode::FloatNoInf) {
+      if constexpr (kFloat) {
         k = x & abs_mask;
-        nans = nans - (k > nan_above);
-        if constexpr (M == Mode::Float) {
-          pinfs = pinfs - (x == pos_inf);
-          ninfs = ninfs - (x == neg_inf);
-        }
         zeros = zeros - (k == zero);
         smalls = smalls - (tiny > k);
       } else if constexpr (M == Mode::Signed) {
@@ -130,21 +166,34 @@ void scan_lanes(const L* p, int64_t n, const Consts<L>& c, Partial& acc) {
         zeros = zeros - (k == flip);
       }
       vmin = at::vec::minimum(vmin, k);
-      vmax = at::vec::maximum(vmax, k);
-    }
-    if constexpr (M == Mode::Float || M == Mode::FloatNoInf) {
-      acc.nan += lane_sum(nans);
-      acc.posinf += lane_sum(pinfs);
-      acc.neginf += lane_sum(ninfs);
-      acc.small += lane_sum(smalls);
+      bmax = at::vec::maximum(bmax, k);
     }
     acc.zero += lane_sum(zeros);
+    if constexpr (kFloat) {
+      acc.small += lane_sum(smalls);
+      const L largest = lane_max(bmax);
+      if (largest > c.nan_above || (M == Mode::Float && largest == c.pos_inf)) {
+        count_non_finite<L, M>(p + begin, end - begin, c, acc);
+      }
+    }
+    vmax = at::vec::maximum(vmax, bmax);
+    begin = end;
   }
   if (n_vec > 0) {
-    lane_min_max(vmin, vmax, acc);
+    acc.kmin = std::min<int64_t>(acc.kmin, lane_min(vmin));
+    acc.kmax = std::max<int64_t>(acc.kmax, lane_max(vmax));
   }
   scan_scalar<L, M>(p + n_vec, n - n_vec, c, acc);
 }
+
+#else  // the baseline build
+
+template <typename L, Mode M>
+void scan_lanes(const L* p, int64_t n, const Consts<L>& c, Partial& acc) {
+  scan_scalar<L, M>(p, n, c, acc);
+}
+
+#endif
 
 template <typename L>
 inline Consts<L> float_consts(uint64_t inf_bits, uint64_t sign_bit, uint64_t tiny_bits) {

@@ -311,10 +311,13 @@ def fresh_dispatch(monkeypatch):
     """Reload cpu_backend under the test's patches; restore the real one afterwards."""
     monkeypatch.setattr(dispatch, "_loaded", {})
     monkeypatch.setattr(dispatch, "_warned", set())
+    if hasattr(dispatch, "_choices"):  # dispatch caches its choice of backend per dtype
+        monkeypatch.setattr(dispatch, "_choices", {})
     yield
     monkeypatch.undo()
     importlib.reload(cpu_backend)
     dispatch._loaded.clear()
+    getattr(dispatch, "_choices", {}).clear()
 
 
 def _assert_falls_back(match):
