@@ -100,23 +100,23 @@ def test_special_values_at_every_position(dtype, capability):
 
 @pytest.mark.parametrize("dtype", FLOATING + [torch.complex64, torch.complex128], ids=ids)
 @pytest.mark.parametrize("n", [9, 17, 33, 67, 4096 * 32 + 3, 300_001])
-def test_nan_and_inf_only_in_the_tail(dtype, n, capability):
-    """The elements after the last full vector take the scalar path: it must count them too."""
+@pytest.mark.parametrize("where", ["tail", "middle", "first"])
+def test_one_special_value_anywhere(dtype, n, where, capability):
+    """A lone NaN/inf/subnormal/zero in a run of ordinary values: in the scalar tail (after the
+    last full vector), or inside one vector block of many (the kernel counts NaN and inf only
+    in blocks whose largest magnitude is not finite)."""
+    position = {"tail": n - 1, "middle": n // 2, "first": 0}[where]
     base = torch.full((n,), 0.5).to(dtype)
+    tiny = {torch.float8_e4m3fn: 2.0**-8, torch.float8_e5m2: 2.0**-15}.get(
+        dtype, torch.finfo(torch.float32 if dtype == torch.complex64 else
+                           torch.float64 if dtype.is_complex else dtype).tiny / 2)
+    values = [float("nan"), 0.0, tiny, -tiny]
+    if dtype != torch.float8_e4m3fn:
+        values += [float("inf"), float("-inf")]
     tensors = []
-    for bits in ("nan", "inf", "-inf", "tiny", "zero"):
+    for value in values:
         x = base.clone()
-        if bits == "nan":
-            x[-1] = float("nan")
-        elif bits in ("inf", "-inf"):
-            if dtype == torch.float8_e4m3fn:
-                continue
-            x[-1] = float(bits)
-        elif bits == "tiny":
-            x[-1] = torch.finfo(dtype if not dtype.is_complex else torch.float32).tiny / 2 \
-                if dtype not in (torch.float8_e4m3fn, torch.float8_e5m2) else 2.0**-17
-        else:
-            x[-1] = 0
+        x[position] = value
         tensors.append(x)
     got = cpu_stats(tensors)
     for g, w in zip(got, torch_stats(tensors)):
