@@ -3,6 +3,9 @@ torch backend, on every dtype, special value, layout and size class, on both ker
 (AVX2 and the portable baseline); and the fallback when the extension cannot be used."""
 
 import importlib
+import os
+import shutil
+import subprocess
 import sys
 import warnings
 
@@ -11,7 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from oracle import ALL_DTYPES, assert_stats_equal, random_bits, reference_stats, same_stats, special_values
+from oracle import ALL_DTYPES, assert_stats_equal, random_bits, same_stats, special_values
 
 from overflow_fast.stats import cpu_backend, dispatch, torch_backend
 from overflow_fast.stats.layout import decode_row
@@ -371,3 +374,38 @@ def test_fallback_when_loading_raises(monkeypatch, fresh_dispatch):
     monkeypatch.setattr("builtins.__import__", real_import)
     assert "OSError: undefined symbol" in cpu_backend.unavailable_reason()
     _assert_falls_back("undefined symbol")
+
+
+# ---------------------------------------------------------------------------------------------
+# Run-time choice of kernel: never an AVX instruction outside the AVX2 build.
+
+def test_baseline_kernel_when_torch_is_told_so():
+    """ATEN_CPU_CAPABILITY=default (torch's switch for the baseline kernels) selects ours too."""
+    code = "import overflow_fast._C as C; print(C.capability())"
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="default")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "default"
+
+
+def test_avx_instructions_only_in_the_avx2_kernel():
+    """A function outside namespace overflow_fast::AVX2 that used AVX (say, an inline helper the
+    linker took from the AVX2 object) would crash on a CPU without AVX2 before any check."""
+    objdump = shutil.which("objdump")
+    if objdump is None:
+        pytest.skip("objdump not found")
+    library = cpu_backend._C.__file__
+    listing = subprocess.run([objdump, "-d", "-C", "--no-show-raw-insn", library],
+                             capture_output=True, text=True, check=True).stdout
+    function, offenders, avx2_kernel_seen = None, set(), False
+    for line in listing.splitlines():
+        if line.endswith(">:") and " <" in line:
+            function = line.split(" <", 1)[1][:-2]
+        elif "\t" in line:
+            mnemonic = line.split("\t")[1].split(" ")[0] if len(line.split("\t")) > 1 else ""
+            if mnemonic.startswith("v") or "%ymm" in line or "%zmm" in line:
+                if "overflow_fast::AVX2::" not in function:
+                    offenders.add(function)
+                else:
+                    avx2_kernel_seen = True
+    assert not offenders, sorted(offenders)[:10]
+    assert avx2_kernel_seen == ("avx2" in capabilities())
