@@ -245,7 +245,6 @@ void write_row(const Plan& plan, const Partial& p, bool negated, int64_t numel, 
   const Kind kind = plan.kind;
   if (is_floating(kind) || is_complex(kind)) {
     out[NAN_COUNT] = p.nan * plan.repeat;
-    // a negative view (x._neg_view()) reads the same bits as x with the signs swapped
     out[negated ? NEGINF : POSINF] = p.posinf * plan.repeat;
     out[negated ? POSINF : NEGINF] = p.neginf * plan.repeat;
     out[SUBNORMAL] = (p.small - p.zero) * plan.repeat;
@@ -339,7 +338,10 @@ at::Tensor compute(const std::vector<at::Tensor>& tensors) {
     }
     const Plan& plan = plans[k];
     const at::Tensor& t = tensors[plan.row];
-    write_row(plan, total, t.is_neg(), t.numel(), out + plan.row * NUM_COLUMNS);
+    // a negative view (torch._neg_view) holds the bits of -x: its infinities change sign;
+    // a complex magnitude does not
+    const bool negated = t.is_neg() && is_floating(plan.kind);
+    write_row(plan, total, negated, t.numel(), out + plan.row * NUM_COLUMNS);
   }
   return result;
 }

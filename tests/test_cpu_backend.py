@@ -161,7 +161,7 @@ def test_non_contiguous_layouts(dtype, capability):
         x.reshape(-1).as_strided((5, 4), (3, 1)),  # overlapping rows
     ]
     if dtype.is_complex:
-        tensors += [x.conj(), x.transpose(0, 1).conj()]
+        tensors += [x.conj(), x.transpose(0, 1).conj(), torch._neg_view(x)]
     if dtype.is_floating_point and dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):  # no neg kernel
         tensors += [torch._neg_view(x), torch._neg_view(x[:, 1:5])]
     check(tensors, capability)
@@ -204,6 +204,13 @@ def test_large_tensors_same_for_any_thread_count(dtype, capability):
     assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
     for g, w in zip(cpu_stats(tensors), torch_stats(tensors)):
         assert same_stats(g, w), (g, w)
+
+
+def test_parameters_and_tuples():
+    weight = torch.nn.Parameter(torch.tensor([[0.0, -2.0], [float("inf"), 3.0]]))
+    rows = cpu_backend.compute((weight, weight.detach().t()))
+    assert torch.equal(rows[0], rows[1]) and not rows.requires_grad
+    check([weight.detach()])
 
 
 def test_exact_integer_extremes():
@@ -296,6 +303,12 @@ def test_over_two_to_the_31_elements(capability):
     x[2**31 + 5] = 9
     x[-1] = 250
     rows = cpu_stats([x, x.view(torch.bool), x[1:].as_strided((2, 2**30 + 30), (2**30 + 38, 1))])
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)  # the whole tensor in one run of the kernel
+        assert same_stats(cpu_stats([x])[0], rows[0])
+    finally:
+        torch.set_num_threads(previous)
     assert rows[0] == {"abs_min": 0, "abs_max": 250, "nan": 0, "posinf": 0, "neginf": 0,
                        "zero": n - 4, "subnormal": 0, "numel": n}
     assert rows[1]["zero"] == n - 4 and rows[1]["abs_max"] == 1.0 and rows[1]["numel"] == n
