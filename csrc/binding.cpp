@@ -47,9 +47,11 @@ ScanFn g_scan = nullptr;
 const char* g_capability = "default";
 
 #ifdef OVERFLOW_FAST_HAVE_AVX2
+// Everything kernel_avx2.cpp is compiled for (-mavx2 -mfma -mf16c), as the CPU and OS report it.
 bool cpu_has_avx2() {
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+         __builtin_cpu_supports("f16c");
 }
 #endif
 
