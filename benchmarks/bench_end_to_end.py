@@ -41,14 +41,14 @@ def gpt2(quick):
 def t5(quick):
     config = transformers.T5Config(
         vocab_size=2048, d_model=256 if not quick else 128, d_kv=32, d_ff=1024 if not quick else 512,
-        num_layers=3, num_decoder_layers=3, num_heads=8,
+        num_layers=3, num_decoder_layers=3, num_heads=8, decoder_start_token_id=0, pad_token_id=0,
     )
     model = transformers.T5ForConditionalGeneration(config)
     seq = 128 if not quick else 64
 
     def make_batch(device):
         ids = torch.randint(0, config.vocab_size, (8, seq), device=device)
-        return {"input_ids": ids, "labels": ids[:, : seq // 2]}
+        return {"input_ids": ids, "labels": ids[:, : seq // 2].contiguous()}
 
     return model, make_batch
 
