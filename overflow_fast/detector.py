@@ -57,6 +57,29 @@ class _Call:
         self.total_calls = total_calls
 
 
+_CTX_CACHE = 16
+
+
+def _ctx(name, count):
+    return [f"{name}[{i}]" for i in range(count)]
+
+
+_INPUT_CTX = _ctx("input", _CTX_CACHE)
+_OUTPUT_CTX = _ctx("output", _CTX_CACHE)
+_named_parameters = torch.nn.Module.named_parameters
+
+
+def _own_parameters(module):
+    """``(parameter, name)`` for ``module.named_parameters(recurse=False)``, as the reference lists
+    them; without the generator machinery when the module does not override it (it runs per hook)."""
+    if type(module).named_parameters is _named_parameters:
+        pairs = [(p, name) for name, p in module._parameters.items() if p is not None]
+        if len(pairs) < 2 or len({id(p) for p, _ in pairs}) == len(pairs):
+            return pairs
+    # overridden, or one tensor under two names (the first wins)
+    return [(p, name) for name, p in module.named_parameters(recurse=False)]
+
+
 def _has_overflow(row):
     return row[NAN] or row[POSINF] or row[NEGINF]
 
@@ -256,10 +279,24 @@ class DebugUnderflowOverflow:
     # -- internals --------------------------------------------------------------------------
 
     def _new_frame(self, module, input, output):
+        """The frame of one hook call (entries in the reference's order) and its readable tensors."""
+        items = _own_parameters(module)
+        if isinstance(input, tuple):
+            items.extend(zip(input, _INPUT_CTX if len(input) <= _CTX_CACHE else _ctx("input", len(input))))
+        else:
+            items.append((input, "input"))
+        if isinstance(output, tuple):
+            for i, x in enumerate(output):
+                if isinstance(x, tuple):
+                    items.extend((y, f"output[{i}][{j}]") for j, y in enumerate(x))
+                else:
+                    items.append((x, _OUTPUT_CTX[i] if i < _CTX_CACHE else f"output[{i}]"))
+        else:
+            items.append((output, "output"))
+
         entries = []
         tensors = []
-
-        def add(var, ctx):
+        for var, ctx in items:
             if isinstance(var, torch.Tensor):
                 reason = unreadable_reason(var)
                 if reason is None:
@@ -271,24 +308,6 @@ class DebugUnderflowOverflow:
                 entries.append((NONE, ctx, None))
             else:
                 entries.append((NOT_A_TENSOR, ctx, None))
-
-        for name, parameter in module.named_parameters(recurse=False):
-            add(parameter, name)
-        if isinstance(input, tuple):
-            for i, x in enumerate(input):
-                add(x, f"input[{i}]")
-        else:
-            add(input, "input")
-        if isinstance(output, tuple):
-            for i, x in enumerate(output):
-                if isinstance(x, tuple):
-                    for j, y in enumerate(x):
-                        add(y, f"output[{i}][{j}]")
-                else:
-                    add(x, f"output[{i}]")
-        else:
-            add(output, "output")
-
         frame = Frame(self.module_names.get(module, "?"), module.__class__.__name__, entries,
                       [t.dtype for t in tensors])
         return frame, tensors

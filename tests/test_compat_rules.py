@@ -292,3 +292,33 @@ def test_in_place_change_between_hooks_is_seen(check, reuse_stats):
     got = run(DebugUnderflowOverflow, make(InPlace), data, forward, check=check, reuse_stats=reuse_stats)[:2]
     assert got == want
     assert "c Identity" in got[0] and "input[0] has infs" in got[0]
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_under_inference_mode(check):
+    # inference tensors have no version counter: they are simply read every time
+    def steps(model, batch):
+        with torch.inference_mode():
+            model(batch)
+
+    data = batches(3)
+    data[2] = data[2].clone()
+    data[2][0, 1] = INF
+    assert_identical(make(Scaled, depth=3), data, steps=steps, check=check, trace_batch_nums=[0])
+
+
+class TwoNamesOneParameter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 4))
+        self.alias = self.w  # the same tensor registered twice: named_parameters keeps the first
+        self.b = nn.Parameter(torch.randn(4))
+
+    def forward(self, x):
+        return x @ self.w + self.b
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_parameter_registered_under_two_names(check):
+    out, _, _ = assert_identical(make(TwoNamesOneParameter), batches(1), check=check, trace_batch_nums=[0])
+    assert " weight" not in out and "alias" not in out and "\n" in out
