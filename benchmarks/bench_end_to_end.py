@@ -22,6 +22,7 @@ from transformers.debug_utils import DebugUnderflowOverflow as ReferenceDetector
 from overflow_fast import DebugUnderflowOverflow
 
 VARIANTS = ("none", "reference", "module", "batch")
+BREAKDOWN = ("module-noreuse",)  # --breakdown: what reading each tensor once per forward saves
 
 
 def gpt2(quick):
@@ -61,6 +62,8 @@ def attach(variant, model):
         ReferenceDetector(model)
     elif variant in ("module", "batch"):
         DebugUnderflowOverflow(model, check=variant)
+    elif variant == "module-noreuse":
+        DebugUnderflowOverflow(model, check="module", reuse_stats=False)
 
 
 def synchronize(device):
@@ -68,13 +71,13 @@ def synchronize(device):
         torch.cuda.synchronize()
 
 
-def measure(name, quick, device, repeats, mode):
+def measure(name, quick, device, repeats, mode, variants):
     torch.manual_seed(0)
     base, make_batch = MODELS[name](quick)
     base = base.to(device)
     batch = make_batch(device)
     runs = {}
-    for variant in VARIANTS:
+    for variant in variants:
         model = copy.deepcopy(base)
         model.train(mode == "train")
         attach(variant, model)
@@ -93,7 +96,7 @@ def measure(name, quick, device, repeats, mode):
     for step in runs.values():  # warm up every variant (allocator, backends, lazy init)
         step()
         step()
-    times = {variant: [] for variant in VARIANTS}
+    times = {variant: [] for variant in variants}
     for _ in range(repeats):
         for variant, step in runs.items():
             synchronize(device)
@@ -110,7 +113,9 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="smaller models and fewer repeats")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--models", default="gpt2,t5")
+    parser.add_argument("--breakdown", action="store_true", help="also check='module' with reuse_stats=False")
     args = parser.parse_args(argv)
+    variants = VARIANTS + (BREAKDOWN if args.breakdown else ())
     device = torch.device(args.device)
     repeats = args.repeats or (5 if args.quick else 15)
     print(f"torch {torch.__version__}, device {device}, threads {torch.get_num_threads()}, "
@@ -118,16 +123,16 @@ def main(argv=None):
     rows = []
     for name in args.models.split(","):
         for mode in ("forward", "train"):
-            medians = measure(name, args.quick, device, repeats, mode)
+            medians = measure(name, args.quick, device, repeats, mode, variants)
             base = medians["none"]
-            rows.append((name, mode, base, {v: medians[v] / base - 1 for v in VARIANTS[1:]}))
-            print(f"  {name} {mode}: " + ", ".join(f"{v} {medians[v] * 1e3:.2f} ms" for v in VARIANTS),
+            rows.append((name, mode, base, {v: medians[v] / base - 1 for v in variants[1:]}))
+            print(f"  {name} {mode}: " + ", ".join(f"{v} {medians[v] * 1e3:.2f} ms" for v in variants),
                   flush=True)
     print()
-    print(f"| model | step | none (ms) | reference | overflow_fast module | overflow_fast batch |")
-    print(f"|---|---|---|---|---|---|")
+    print("| model | step | none (ms) | " + " | ".join(variants[1:]) + " |")
+    print("|---|---|---|" + "---|" * (len(variants) - 1))
     for name, mode, base, overheads in rows:
-        cells = " | ".join(f"{overheads[v] * 100:+.0f}%" for v in VARIANTS[1:])
+        cells = " | ".join(f"{overheads[v] * 100:+.0f}%" for v in variants[1:])
         print(f"| {name} | {mode} | {base * 1e3:.1f} | {cells} |")
     return 0
 
