@@ -7,7 +7,7 @@ on x86-64, once more with AVX2 flags; the binding picks one at run time, so the 
 the module runs, on any x86-64 CPU.
 """
 
-import hashlib
+import importlib.util
 import os
 import platform
 from pathlib import Path
@@ -18,17 +18,17 @@ HERE = Path(__file__).resolve().parent
 CSRC = "csrc"
 
 
-def source_hash(folder: Path) -> str:
-    """Hash of the kernel's sources; the module records it so that a stale build is detected.
+def _load_source_hash():
+    """overflow_fast/stats/source_hash.py, loaded alone: importing the package would import torch
+    and the whole engine."""
+    path = HERE / "overflow_fast" / "stats" / "source_hash.py"
+    spec = importlib.util.spec_from_file_location("_overflow_fast_source_hash", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.source_hash
 
-    overflow_fast/stats/cpu_backend.py computes the same hash; keep the two in step.
-    """
-    digest = hashlib.sha256()
-    for path in sorted(folder.glob("*")):
-        if path.suffix in (".cpp", ".h"):
-            digest.update(path.name.encode())
-            digest.update(path.read_bytes())
-    return digest.hexdigest()[:16]
+
+source_hash = _load_source_hash()
 
 
 ext_modules = []

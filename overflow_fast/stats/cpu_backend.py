@@ -6,10 +6,11 @@ or from other sources, ``unavailable_reason()`` says why and dispatch falls back
 backend with one warning; importing this module never raises.
 """
 
-import hashlib
 from pathlib import Path
 
 import torch
+
+from .source_hash import source_hash
 
 NAME = "cpu"
 
@@ -33,16 +34,6 @@ except Exception as error:  # ImportError, or OSError/undefined symbols from a m
     _load_error = f"{type(error).__name__}: {error}"
 
 
-def _source_hash(folder: Path) -> str:
-    """The hash setup.py records at build time (keep the two in step)."""
-    digest = hashlib.sha256()
-    for path in sorted(folder.glob("*")):
-        if path.suffix in (".cpp", ".h"):
-            digest.update(path.name.encode())
-            digest.update(path.read_bytes())
-    return digest.hexdigest()[:16]
-
-
 def _check():
     if _C is None:
         return f"the C++ extension overflow_fast._C could not be loaded ({_load_error}); {_REBUILD}"
@@ -54,7 +45,7 @@ def _check():
         return f"overflow_fast._C was built against torch {built_with}, not {torch.__version__}; {_REBUILD}"
     # In a source checkout, a module built from older sources is stale.
     csrc = Path(__file__).resolve().parents[2] / "csrc"
-    if (csrc / "binding.cpp").is_file() and _source_hash(csrc) != getattr(_C, "SOURCE_HASH", None):
+    if (csrc / "binding.cpp").is_file() and source_hash(csrc) != getattr(_C, "SOURCE_HASH", None):
         return f"overflow_fast._C is stale: csrc/ changed since it was built; {_REBUILD}"
     return None
 
