@@ -8,6 +8,7 @@ that is read once, at the end of the top-level forward.
 """
 
 import collections
+import sys
 import weakref
 
 import torch
@@ -454,7 +455,10 @@ class DebugUnderflowOverflow:
         try:
             self.flush()
         except ValueError:
-            pass
+            error = sys.exc_info()[1].__context__  # the forward's own error, being handled by torch
+            if error is not None and hasattr(error, "add_note"):
+                error.add_note("overflow_fast: an inf/nan was detected earlier in this forward; "
+                               "its report is printed above")
 
 
 def get_abs_min_max(var, ctx):

@@ -215,6 +215,7 @@ def test_batch_mode_reports_before_the_forward_error_propagates():
     got_out, got_error = capture(lambda: batch_model(x))
     assert isinstance(got_error, RuntimeError) and "NaN" in str(got_error)
     assert got_out == want_out
+    assert "inf/nan was detected earlier in this forward" in " ".join(getattr(got_error, "__notes__", []))
 
 
 def test_batch_mode_submodule_alone_is_checked_when_the_buffer_fills():
