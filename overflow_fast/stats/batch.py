@@ -2,7 +2,7 @@
 
 import torch
 
-from .layout import decode_row, is_finite_row
+from .layout import decode_row
 
 
 class StatsBatch:
@@ -50,5 +50,3 @@ class StatsBatch:
         """One dict per tensor with keys abs_min, abs_max, nan, posinf, neginf, zero, subnormal, numel."""
         return [decode_row(row, dtype) for row, dtype in zip(self.host_rows(), self.dtypes)]
 
-    def all_finite(self) -> bool:
-        return all(is_finite_row(row) for row in self.host_rows())

@@ -69,12 +69,8 @@ def decode_row(row, dtype: torch.dtype) -> dict:
     }
 
 
-def is_finite_row(row) -> bool:
-    return row[NAN] == 0 and row[POSINF] == 0 and row[NEGINF] == 0
-
-
 __all__ = [
     "ABS_MIN", "ABS_MAX", "NAN", "POSINF", "NEGINF", "ZERO", "SUBNORMAL", "NUMEL",
     "NUM_COLUMNS", "FIELDS", "SMALLEST_NORMAL", "INTEGER_DTYPES", "is_integer_dtype",
-    "decode_row", "is_finite_row",
+    "decode_row",
 ]
