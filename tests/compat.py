@@ -18,6 +18,7 @@ def run(detector_cls, model, batches, steps, **kwargs):
     """
     out = io.StringIO()
     outcomes = []
+    torch.manual_seed(1234)  # dropout in training mode draws the same masks in every run
     with contextlib.redirect_stdout(out):
         try:
             detector = detector_cls(model, **kwargs)

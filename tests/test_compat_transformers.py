@@ -110,3 +110,25 @@ def test_llama_training_steps(check):
         results.append(run(cls, copy_of_model, batches, step, trace_batch_nums=[2], **kwargs)[:2])
     assert results[0] == results[1]
     assert "*** Starting batch number=2 ***" in results[0][0]
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_bert_bf16_training_with_dropout_until_it_overflows(check):
+    # dropout draws from the RNG (each run reseeds it); a huge loss scale makes batch 1's
+    # gradients inf, so the SGD step poisons the weights that batch 2 reads
+    model = models.bert(torch.bfloat16)
+    model.train()
+    batches = [models.token_batch(i) for i in range(3)]
+    results = []
+    for cls, kwargs in ((ReferenceDetector, {}), (DebugUnderflowOverflow, {"check": check})):
+        copy_of_model = copy.deepcopy(model)
+        optimizer = torch.optim.SGD(copy_of_model.parameters(), lr=10.0)
+
+        def step(m, batch, optimizer=optimizer):
+            optimizer.zero_grad()
+            m(input_ids=batch).last_hidden_state.float().pow(2).mean().mul(1e30).backward()
+            optimizer.step()
+
+        results.append(run(cls, copy_of_model, batches, step, trace_batch_nums=[0], **kwargs)[:2])
+    assert results[0] == results[1]
+    assert results[0][1][0] is None and results[0][1][1][0] == "ValueError"
