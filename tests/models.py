@@ -51,3 +51,45 @@ def t5(dtype=torch.float32, overflow_scale=None):
 def token_batch(seed, batch=2, length=8, vocab=64):
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (batch, length), generator=generator)
+
+
+_SMALL = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+              max_position_embeddings=64)
+
+
+def _seq2seq(seed):
+    return {"input_ids": token_batch(seed), "decoder_input_ids": token_batch(seed + 10)}
+
+
+# name -> (model factory, batch factory): more model classes for the compatibility sweep
+MORE_MODELS = {
+    "bart": (lambda: transformers.BartForConditionalGeneration(transformers.BartConfig(
+        vocab_size=64, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64)), _seq2seq),
+    "gpt_neo": (lambda: transformers.GPTNeoForCausalLM(transformers.GPTNeoConfig(
+        vocab_size=64, hidden_size=32, num_layers=2, num_heads=2, attention_types=[[["global", "local"], 1]],
+        max_position_embeddings=64)), lambda s: {"input_ids": token_batch(s)}),
+    "mistral": (lambda: transformers.MistralForCausalLM(transformers.MistralConfig(**_SMALL, num_key_value_heads=1)),
+                lambda s: {"input_ids": token_batch(s)}),
+    "opt": (lambda: transformers.OPTForCausalLM(transformers.OPTConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, ffn_dim=64,
+        max_position_embeddings=64, word_embed_proj_dim=32)), lambda s: {"input_ids": token_batch(s)}),
+    "distilbert": (lambda: transformers.DistilBertModel(transformers.DistilBertConfig(
+        vocab_size=64, dim=32, n_layers=2, n_heads=2, hidden_dim=64, max_position_embeddings=64)),
+        lambda s: {"input_ids": token_batch(s)}),
+    "albert": (lambda: transformers.AlbertModel(transformers.AlbertConfig(  # one layer shared by all depths
+        vocab_size=64, embedding_size=16, hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=64)), lambda s: {"input_ids": token_batch(s)}),
+    "vit": (lambda: transformers.ViTModel(transformers.ViTConfig(
+        image_size=16, patch_size=8, num_channels=3, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=64)),
+        lambda s: {"pixel_values": torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(s))}),
+    "bloom": (lambda: transformers.BloomForCausalLM(transformers.BloomConfig(vocab_size=64, hidden_size=32, n_layer=2,
+                                                                             n_head=2)),
+              lambda s: {"input_ids": token_batch(s)}),
+    "qwen2": (lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**_SMALL, num_key_value_heads=1)),
+              lambda s: {"input_ids": token_batch(s)}),
+    "mt5": (lambda: transformers.MT5ForConditionalGeneration(transformers.MT5Config(
+        vocab_size=64, d_model=32, d_kv=16, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=2,
+        decoder_start_token_id=0)), _seq2seq),
+}

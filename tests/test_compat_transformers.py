@@ -132,3 +132,21 @@ def test_bert_bf16_training_with_dropout_until_it_overflows(check):
         results.append(run(cls, copy_of_model, batches, step, trace_batch_nums=[0], **kwargs)[:2])
     assert results[0] == results[1]
     assert results[0][1][0] is None and results[0][1][1][0] == "ValueError"
+
+
+@pytest.mark.parametrize("check", CHECKS)
+@pytest.mark.parametrize("name", sorted(models.MORE_MODELS))
+def test_more_model_classes_fp16_overflow(name, check):
+    make_model, make_batch = models.MORE_MODELS[name]
+    models.seeded(4)
+    model = make_model().to(torch.float16).eval()
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    weight = linears[len(linears) // 2].weight
+    with torch.no_grad():
+        weight.mul_(6e4 / weight.abs().max())  # sums of such weights pass fp16's 65504
+    batches = []
+    for seed in range(3):
+        batch = make_batch(seed)
+        batches.append({k: v.half() if v.is_floating_point() else v for k, v in batch.items()})
+    out, outcomes, _ = assert_identical(model, batches, check=check, trace_batch_nums=[0], max_frames_to_save=9)
+    assert outcomes[0] is None and outcomes[1][0] == "ValueError"
