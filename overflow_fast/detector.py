@@ -420,7 +420,9 @@ class DebugUnderflowOverflow:
             self.frame.extend(report.batch_start_lines(call.batch_before))
         self._save(frame)
         if call.trace_mode:
-            self.trace_frames()
+            # the reference's ring holds just this frame now, whatever max_frames_to_save says
+            print(str(frame))
+            self.frames.clear()
         if call.last_frame_of_batch:
             self.frame.extend(report.batch_start_lines(call.batch_after))
         if self.detected_overflow and not call.trace_mode:

@@ -322,3 +322,11 @@ class TwoNamesOneParameter(nn.Module):
 def test_parameter_registered_under_two_names(check):
     out, _, _ = assert_identical(make(TwoNamesOneParameter), batches(1), check=check, trace_batch_nums=[0])
     assert " weight" not in out and "alias" not in out and "\n" in out
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_trace_prints_every_frame_even_with_no_ring(check):
+    # the reference prints each traced frame whatever max_frames_to_save is, 0 included
+    out, _, _ = assert_identical(make(Scaled, depth=2), batches(2), check=check, max_frames_to_save=0,
+                                 trace_batch_nums=[0, 1])
+    assert out.count("layers.1 Linear") == 2
