@@ -16,7 +16,7 @@ import torch
 from . import report
 from .report import NONE, NOT_A_TENSOR, TENSOR, UNREADABLE
 from .stats import tensor_stats, unreadable_reason
-from .stats.dispatch import check_backend_name
+from .stats.dispatch import SUPPORTED_DTYPES, check_backend_name
 from .stats.layout import NAN, NEGINF, NUM_COLUMNS, POSINF
 
 CHECK_MODES = ("module", "batch")
@@ -299,7 +299,9 @@ class DebugUnderflowOverflow:
         tensors = []
         for var, ctx in items:
             if isinstance(var, torch.Tensor):
-                reason = unreadable_reason(var)
+                # the common case first, without a call: a strided tensor of a supported dtype
+                readable = var.dtype in SUPPORTED_DTYPES and var.layout == torch.strided and not var.is_meta
+                reason = None if readable else unreadable_reason(var)
                 if reason is None:
                     entries.append((TENSOR, ctx, len(tensors)))
                     tensors.append(var)

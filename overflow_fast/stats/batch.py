@@ -40,6 +40,8 @@ class StatsBatch:
 
     def host_rows(self):
         """Rows as lists of Python ints, in input order: one device-to-host copy per group."""
+        if len(self.groups) == 1:
+            return self.groups[0][1].tolist()  # one device: the rows are already in input order
         rows = [None] * len(self.dtypes)
         for indices, values in self.groups:
             for index, row in zip(indices, values.tolist()):
