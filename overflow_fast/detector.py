@@ -357,7 +357,10 @@ class DebugUnderflowOverflow:
         if self.reuse_stats and not tensor.is_inference():
             if len(self._seen) >= _MAX_REMEMBERED:
                 self._seen.clear()
-            self._seen[id(tensor)] = (weakref.ref(tensor), tensor._version, source)
+            try:
+                self._seen[id(tensor)] = (weakref.ref(tensor), tensor._version, source)
+            except (RuntimeError, TypeError):
+                pass  # a tensor subclass without a version counter or weak references: read it again
 
     def _resolve_now(self, frame, tensors):
         """Set ``frame.rows`` to host rows: one engine call and one host read for what is new."""
