@@ -31,7 +31,7 @@ namespace overflow_fast {
 namespace {
 
 // Bumped whenever the Python side must change with the module (cpu_backend.py checks it).
-constexpr int kAbiVersion = 1;
+constexpr int kAbiVersion = 2;
 
 // Columns of a row (overflow_fast/stats/layout.py).
 enum Column : int64_t { ABS_MIN, ABS_MAX, NAN_COUNT, POSINF, NEGINF, ZERO, SUBNORMAL, NUMEL, NUM_COLUMNS };
@@ -278,9 +278,20 @@ void write_row(const Plan& plan, const Partial& p, bool negated, int64_t numel, 
   }
 }
 
-at::Tensor compute(const std::vector<at::Tensor>& tensors) {
+at::Tensor compute(const std::vector<at::Tensor>& tensors, const std::optional<at::Tensor>& out_rows) {
   const int64_t n = static_cast<int64_t>(tensors.size());
-  at::Tensor result = at::zeros({n, NUM_COLUMNS}, at::TensorOptions().dtype(at::kLong));
+  at::Tensor result;
+  if (out_rows.has_value()) {
+    // rows of a caller's buffer (the detector's check="batch"): no allocation, no copy after
+    result = *out_rows;
+    TORCH_CHECK(result.device().is_cpu() && result.scalar_type() == at::kLong && result.dim() == 2 &&
+                    result.size(0) == n && result.size(1) == NUM_COLUMNS && result.is_contiguous(),
+                "overflow_fast._C.compute: out must be a contiguous CPU int64 tensor of shape [", n, ", ",
+                NUM_COLUMNS, "]");
+    result.zero_();
+  } else {
+    result = at::zeros({n, NUM_COLUMNS}, at::TensorOptions().dtype(at::kLong));
+  }
   int64_t* out = result.data_ptr<int64_t>();
 
   std::vector<Plan> plans;
@@ -354,8 +365,9 @@ at::Tensor compute(const std::vector<at::Tensor>& tensors) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   overflow_fast::choose_capability();
   m.doc() = "overflow_fast's CPU statistics kernel (SPEC §3): one pass per tensor, many tensors per call";
-  m.def("compute", &overflow_fast::compute, py::arg("tensors"), py::call_guard<py::gil_scoped_release>(),
-        "Statistics rows [len(tensors), 8] int64 (layout.py) of a list of CPU tensors");
+  m.def("compute", &overflow_fast::compute, py::arg("tensors"), py::arg("out") = py::none(),
+        py::call_guard<py::gil_scoped_release>(),
+        "Statistics rows [len(tensors), 8] int64 (layout.py) of a list of CPU tensors, into `out` if given");
   m.def("capability", []() { return std::string(overflow_fast::g_capability); },
         "The kernel build in use: 'avx2' or 'default'");
   m.def("set_capability", &overflow_fast::set_capability, py::arg("name"),

@@ -315,11 +315,11 @@ class DebugUnderflowOverflow:
                       [t.dtype for t in tensors])
         return frame, tensors
 
-    def _stats(self, frame, tensors, positions):
+    def _stats(self, frame, tensors, positions, out=None):
         """The StatsBatch of ``tensors`` (at ``positions`` among the frame's tensors), or their
         host rows if the engine failed: then only the tensors it cannot read lose their line."""
         try:
-            return tensor_stats(tensors, self.backend)
+            return tensor_stats(tensors, self.backend, out=out)
         except Exception:
             pass
         rows = []
@@ -393,23 +393,17 @@ class DebugUnderflowOverflow:
                 self.flush()  # a full buffer is read early (a submodule run alone still gets checked)
             sources, fresh = self._lookup(tensors)
             if fresh:
-                result = self._stats(frame, [tensors[i] for i in fresh], fresh)
-                values = None
-                if not isinstance(result, list):
-                    try:
-                        values = result.values
-                    except ValueError:  # tensors on several devices: read this frame now
-                        result = result.host_rows()
-                if values is None or values.device != tensors[0].device:
-                    rows = result if values is None else result.host_rows()
-                    for position, row in zip(fresh, rows):
+                # the kernels write straight into the next free rows of the buffer
+                start = state[1]
+                rows = state[0][start:start + len(fresh)]
+                result = self._stats(frame, [tensors[i] for i in fresh], fresh, out=rows)
+                if isinstance(result, list):  # the engine failed, or tensors on several devices
+                    for position, row in zip(fresh, result):
                         sources[position] = row
                 else:
-                    start = state[1]
-                    state[0][start:start + len(fresh)].copy_(values)
                     state[1] += len(fresh)
                     for offset, position in enumerate(fresh):
-                        sources[position] = (values.device, start + offset)
+                        sources[position] = (rows.device, start + offset)
                         self._remember(tensors[position], sources[position])
             frame.rows = sources
         else:

@@ -123,3 +123,39 @@ def test_broken_backend_warns_once_and_falls_back(monkeypatch):
     with pytest.raises(RuntimeError, match="backend='cpu' is unavailable"):
         tensor_stats([torch.ones(1)], backend="cpu")
     assert dispatch.backend_status()["cpu"] is not None
+
+
+@pytest.mark.parametrize("backend, split", [("torch", False), (None, False), (None, True)])
+def test_rows_written_into_out(backend, split, monkeypatch):
+    # rows of a larger buffer, as check="batch" uses it; with `split`, complex goes to the torch
+    # backend and the rest to the preferred one: two groups on one device fill one `out`
+    if split:
+        module, reason = dispatch._load("cpu")
+        if reason is not None:
+            pytest.skip(f"the cpu backend is unavailable: {reason}")
+        monkeypatch.setattr(module, "supports", lambda t: t.device.type == "cpu" and not t.dtype.is_complex)
+        monkeypatch.setattr(dispatch, "_choices", {})
+    buffer = torch.full((6, 8), -1, dtype=torch.int64)
+    tensors = [torch.tensor([1.0, -4.0]), torch.zeros(0), torch.tensor([3 + 4j]), torch.tensor([-7], dtype=torch.int8)]
+    batch = tensor_stats(tensors, backend, out=buffer[1:5])
+    assert batch.values.data_ptr() == buffer[1].data_ptr()
+    if split:  # the complex tensor really took the other backend
+        key = (torch.device("cpu"), torch.complex64, torch.strided)
+        assert dispatch._choices[None][key].NAME == "torch"
+    assert batch.tolist() == tensor_stats(tensors, "torch").tolist()
+    assert (buffer[0] == -1).all() and (buffer[5] == -1).all()  # nothing outside the rows given
+
+
+@pytest.mark.parametrize(
+    "out, error, message",
+    [
+        ([0] * 8, TypeError, "out must be a tensor"),
+        (torch.zeros(2, 8, dtype=torch.int32), ValueError, "int64"),
+        (torch.zeros(3, 8, dtype=torch.int64), ValueError, r"shape \(2, 8\)"),
+        (torch.zeros(8, 2, dtype=torch.int64).t(), ValueError, "contiguous"),
+        (torch.zeros(2, 8, dtype=torch.int64, device="meta"), ValueError, "out is on meta"),
+    ],
+)
+def test_bad_out_gets_a_clear_error(out, error, message):
+    with pytest.raises(error, match=message):
+        tensor_stats([torch.ones(2), torch.ones(3)], out=out)

@@ -300,3 +300,20 @@ def test_compiles_for_sm90_without_a_gpu(dtype):
     signature = {name: "*i64" for name in ("Partials_ptr", "FirstChunk_ptr", "NumChunks_ptr", "Numel_ptr", "Row_ptr", "Out_ptr")}
     signature.update({name: "constexpr" for name in combine})
     tb.triton.compile(ASTSource(tb._stats_combine_kernel, signature, combine), target=target, options={"num_warps": 2})
+
+
+@needs_backend
+def test_rows_written_into_out():
+    # check="batch" hands the kernels the next rows of its device buffer
+    gen = _gen(9)
+    tensors = [random_bits(torch.bfloat16, (40,), gen).to(DEVICE), torch.empty(0, device=DEVICE),
+               random_bits(torch.int32, (33,), gen).to(DEVICE)]
+    buffer = torch.full((5, 8), -1, dtype=torch.int64, device=DEVICE)
+    rows = tb.compute(tensors, out=buffer[1:4], **SMALL)
+    assert rows.data_ptr() == buffer[1].data_ptr()
+    want = tensor_stats(tensors, backend="torch").tolist()
+    for got, expected in zip(_rows_to_dicts(buffer[1:4], tensors), want):
+        assert same_stats(got, expected)
+    assert (buffer[0] == -1).all() and (buffer[4] == -1).all()
+    batch = tensor_stats(tensors, backend="triton", out=buffer[1:4])
+    assert batch.values.data_ptr() == buffer[1].data_ptr()

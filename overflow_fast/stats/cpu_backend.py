@@ -15,7 +15,7 @@ from .source_hash import source_hash
 NAME = "cpu"
 
 # Must equal kAbiVersion in csrc/binding.cpp.
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 SUPPORTED_DTYPES = frozenset({
     torch.float64, torch.float32, torch.float16, torch.bfloat16,
@@ -61,8 +61,9 @@ def supports(tensor: torch.Tensor) -> bool:
     return tensor.device.type == "cpu" and tensor.dtype in SUPPORTED_DTYPES
 
 
-def compute(tensors) -> torch.Tensor:
-    """Statistics rows, ``[len(tensors), 8]`` int64 on the CPU, in one call to the kernel."""
+def compute(tensors, out=None) -> torch.Tensor:
+    """Statistics rows, ``[len(tensors), 8]`` int64 on the CPU (into ``out`` if given), in one
+    call to the kernel."""
     if _reason is not None:
         raise RuntimeError(f"overflow_fast: the 'cpu' backend is unavailable: {_reason}")
-    return _C.compute(tensors if isinstance(tensors, list) else list(tensors))
+    return _C.compute(tensors if isinstance(tensors, list) else list(tensors), out)

@@ -9,7 +9,7 @@ import warnings
 import torch
 
 from .batch import StatsBatch
-from .layout import SMALLEST_NORMAL, INTEGER_DTYPES
+from .layout import INTEGER_DTYPES, NUM_COLUMNS, SMALLEST_NORMAL
 
 BACKEND_NAMES = ("torch", "cpu", "triton")
 ENV_VAR = "OVERFLOW_FAST_BACKEND"
@@ -119,18 +119,35 @@ def _choose(index, tensor, requested, origin):
     return _module_for(tensor, requested, origin)
 
 
-def tensor_stats(tensors, backend=None) -> StatsBatch:
+def _check_out(out, tensors):
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a tensor, got {type(out).__name__}")
+    if out.dtype != torch.int64 or tuple(out.shape) != (len(tensors), NUM_COLUMNS) or not out.is_contiguous():
+        raise ValueError(
+            f"out must be a contiguous int64 tensor of shape ({len(tensors)}, {NUM_COLUMNS}), "
+            f"got {out.dtype} {tuple(out.shape)}"
+        )
+    for index, tensor in enumerate(tensors):
+        if isinstance(tensor, torch.Tensor) and tensor.device != out.device:
+            raise ValueError(f"out is on {out.device} but tensors[{index}] is on {tensor.device}")
+
+
+def tensor_stats(tensors, backend=None, *, out=None) -> StatsBatch:
     """Statistics of every tensor in ``tensors`` (a list or tuple), kept on their devices.
 
     Per tensor: abs_min, abs_max (NaN if any element is NaN, None if empty), counts of nan,
     +inf, -inf, zero and subnormal elements, and numel. ``backend`` is None (the fastest
     available per device, or ``$OVERFLOW_FAST_BACKEND``), "torch", "cpu" or "triton".
+    ``out``: a contiguous ``[len(tensors), 8]`` int64 tensor on the tensors' device to write the
+    rows into (rows of a preallocated buffer), instead of a new one.
     """
     if not isinstance(tensors, (list, tuple)):
         raise TypeError(
             f"tensor_stats expects a list or tuple of tensors, got {type(tensors).__name__}"
             + (" (wrap a single tensor in a list)" if isinstance(tensors, torch.Tensor) else "")
         )
+    if out is not None:
+        _check_out(out, tensors)
     requested, origin = _requested_backend(backend)
     # Called once per module forward with a few tensors, so the choice of backend is cached per
     # (device, dtype, layout) (all that readability and supports() look at), and the common case,
@@ -154,8 +171,13 @@ def tensor_stats(tensors, backend=None) -> StatsBatch:
             groups.setdefault(group, []).append(index)
     dtypes = [t.dtype for t in tensors]
     if groups is None:
-        return StatsBatch(dtypes, [(range(len(tensors)), first[1].compute(tensors))] if first else [])
-    return StatsBatch(
-        dtypes,
-        [(indices, module.compute([tensors[i] for i in indices])) for (_, module), indices in groups.items()],
-    )
+        if first is None:
+            return StatsBatch(dtypes, [(range(0), out)] if out is not None else [])
+        return StatsBatch(dtypes, [(range(len(tensors)), first[1].compute(tensors, out=out))])
+    results = [(indices, module.compute([tensors[i] for i in indices])) for (_, module), indices in groups.items()]
+    if out is None:
+        return StatsBatch(dtypes, results)
+    for indices, values in results:  # several backends on out's device: place their rows
+        for row, index in enumerate(indices):
+            out[index].copy_(values[row])
+    return StatsBatch(dtypes, [(range(len(tensors)), out)])

@@ -95,6 +95,6 @@ def _row(x: torch.Tensor) -> torch.Tensor:
     return torch.stack([abs_min, abs_max, zero_count, zero_count, zero_count, zeros, zero_count, numel])
 
 
-def compute(tensors) -> torch.Tensor:
-    """Statistics rows, ``[len(tensors), 8]`` int64 on the tensors' (common) device."""
-    return torch.stack([_row(t.detach()) for t in tensors])
+def compute(tensors, out=None) -> torch.Tensor:
+    """Statistics rows, ``[len(tensors), 8]`` int64 on the tensors' (common) device (into ``out``)."""
+    return torch.stack([_row(t.detach()) for t in tensors], out=out)

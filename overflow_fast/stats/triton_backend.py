@@ -363,8 +363,9 @@ def _kernel_args(dtype):
                 key_dtype=key_dtype, flip=flip)
 
 
-def compute(tensors, block_size=None, blocks_per_chunk=None) -> torch.Tensor:
-    """Statistics rows, ``[len(tensors), 8]`` int64 on the tensors' (common) device, no host sync.
+def compute(tensors, out=None, block_size=None, blocks_per_chunk=None) -> torch.Tensor:
+    """Statistics rows, ``[len(tensors), 8]`` int64 on the tensors' (common) device, no host sync;
+    written into ``out`` when given (every column of every row is written).
 
     ``block_size`` and ``blocks_per_chunk`` override the launch shape (tests use small chunks).
     """
@@ -414,7 +415,8 @@ def compute(tensors, block_size=None, blocks_per_chunk=None) -> torch.Tensor:
         # asynchronously, and the caching host allocator keeps it until the copy has run.
         tables = tables.pin_memory().to(device, non_blocking=True)
     partials = torch.empty((max(total_chunks, 1), NUM_COLUMNS), dtype=torch.int64, device=device)
-    out = torch.empty((len(tensors), NUM_COLUMNS), dtype=torch.int64, device=device)
+    if out is None:
+        out = torch.empty((len(tensors), NUM_COLUMNS), dtype=torch.int64, device=device)
 
     for dtype, aligned, n_tensors, n_chunks, base, chunk_base in plan:
         sizes = [n_tensors] * 5 + [n_chunks] * 2
