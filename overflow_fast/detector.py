@@ -385,6 +385,8 @@ class DebugUnderflowOverflow:
         """Queue a call whose new statistics go to the device buffer; ``frame.rows`` holds, per
         tensor, a host row or the (device, slot) where its row waits."""
         frame = call.frame
+        if len(self._pending) >= self._buffer_rows:
+            self.flush()  # calls without tensors take no rows, but their frames wait all the same
         if len(tensors) > self._buffer_rows:
             self._resolve_now(frame, tensors)
         elif tensors:

@@ -275,3 +275,16 @@ def test_batch_mode_does_not_sync_on_cuda():
         torch.cuda.set_sync_debug_mode(0)
         DebugUnderflowOverflow.flush = original
     assert reads["n"] >= 1
+
+
+def test_batch_mode_bounds_calls_without_tensors():
+    class Nothing(nn.Module):
+        def forward(self):
+            return None
+
+    model = nn.Sequential(Nothing())
+    detector = DebugUnderflowOverflow(model, check="batch", buffer_rows=2)
+    for _ in range(5):
+        model[0]()
+    assert len(detector._pending) <= 2
+    assert len(detector.frames) >= 3 and "None output" in str(detector.frames[-1])
