@@ -1,0 +1,63 @@
+"""Fixed cost of one hook call: 200 tiny Linear(4, 4) modules in a Sequential, so the tensors
+cost nothing to read and what is left is the per-hook work (Python, dispatch, the kernel call).
+
+    python benchmarks/bench_hook_overhead.py [--repeats N]
+
+Prints, per detector, the median forward time and the cost per hook against no detector.
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+from torch import nn
+from transformers.debug_utils import DebugUnderflowOverflow as ReferenceDetector
+
+from overflow_fast import DebugUnderflowOverflow
+
+DEPTH = 200
+
+
+def build(variant):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(DEPTH)])
+    if variant == "reference":
+        ReferenceDetector(model)
+    elif variant == "module-noreuse":
+        DebugUnderflowOverflow(model, check="module", reuse_stats=False)
+    elif variant != "none":
+        DebugUnderflowOverflow(model, check=variant)
+    return model
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=50)
+    args = parser.parse_args(argv)
+    variants = ("none", "reference", "module", "module-noreuse", "batch")
+    models = {v: build(v) for v in variants}
+    x = torch.randn(2, 4)
+    times = {v: [] for v in variants}
+    with torch.no_grad():
+        for model in models.values():
+            model(x)
+        for _ in range(args.repeats):
+            for variant, model in models.items():
+                start = time.perf_counter()
+                model(x)
+                times[variant].append(time.perf_counter() - start)
+    medians = {v: statistics.median(t) for v, t in times.items()}
+    hooks = DEPTH + 1
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {hooks} hooks per forward, "
+          f"medians of {args.repeats} round-robin runs")
+    print("| detector | forward (ms) | per hook (us) |")
+    print("|---|---|---|")
+    for variant in variants:
+        per_hook = (medians[variant] - medians["none"]) / hooks * 1e6
+        print(f"| {variant} | {medians[variant] * 1e3:.2f} | {per_hook:.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
