@@ -178,8 +178,14 @@ class DebugUnderflowOverflow:
     def analyse_variable(self, var, ctx):
         """Add one line for ``var`` to the frame being built, printing its nan/inf lines at once."""
         if isinstance(var, torch.Tensor):
-            self.expand_frame(get_abs_min_max(var, ctx))
-            if detect_overflow(var, ctx):
+            row = _row_of(var, "analyse_variable")  # one read serves the line and the check
+            if isinstance(row, str):
+                self.expand_frame(report.entry_line(UNREADABLE, ctx, row))
+                return
+            self.expand_frame(report.tensor_line(row, var.dtype, ctx))
+            for line in report.overflow_lines(row, ctx):
+                print(line)
+            if _has_overflow(row):
                 self.detected_overflow = True
         elif var is None:
             self.expand_frame(report.entry_line(NONE, ctx, None))
@@ -464,24 +470,27 @@ class DebugUnderflowOverflow:
                                "its report is printed above")
 
 
+def _row_of(var, caller):
+    """One tensor's host row, or the reason the engine cannot read it (a string)."""
+    if not isinstance(var, torch.Tensor):
+        raise TypeError(f"{caller} expects a tensor, got {type(var).__name__}")
+    reason = unreadable_reason(var)
+    return reason if reason is not None else tensor_stats([var]).host_rows()[0]
+
+
 def get_abs_min_max(var, ctx):
     """``"{abs min:8.2e} {abs max:8.2e} {ctx}"`` for a tensor, as the reference formats it."""
-    if not isinstance(var, torch.Tensor):
-        raise TypeError(f"get_abs_min_max expects a tensor, got {type(var).__name__}")
-    reason = unreadable_reason(var)
-    if reason is not None:
-        return report.entry_line(UNREADABLE, ctx, reason)
-    row = tensor_stats([var]).host_rows()[0]
+    row = _row_of(var, "get_abs_min_max")
+    if isinstance(row, str):
+        return report.entry_line(UNREADABLE, ctx, row)
     return report.tensor_line(row, var.dtype, ctx)
 
 
 def detect_overflow(var, ctx):
     """Print ``"{ctx} has nans"`` / ``"{ctx} has infs"`` and return True if ``var`` holds any."""
-    if not isinstance(var, torch.Tensor):
-        raise TypeError(f"detect_overflow expects a tensor, got {type(var).__name__}")
-    if unreadable_reason(var) is not None:
+    row = _row_of(var, "detect_overflow")
+    if isinstance(row, str):
         return False
-    row = tensor_stats([var]).host_rows()[0]
     for line in report.overflow_lines(row, ctx):
         print(line)
     return bool(_has_overflow(row))

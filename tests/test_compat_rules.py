@@ -1,5 +1,8 @@
 """One toy module per rule of the reference (SPEC §2), compared byte for byte, in both check modes."""
 
+import contextlib
+import io
+
 import pytest
 import torch
 from torch import nn
@@ -73,6 +76,14 @@ def batches(n, dtype=torch.float32, seed=0):
     return [torch.randn(3, 4, generator=generator).to(dtype) for _ in range(n)]
 
 
+def with_value(data, batch, value, at=(0, 0)):
+    """``data`` with ``value`` planted at ``at`` in ``data[batch]`` (a copy; the rest is shared)."""
+    data = list(data)
+    data[batch] = data[batch].clone()
+    data[batch][at] = value
+    return data
+
+
 def make(cls, *args, seed=0, **kwargs):
     torch.manual_seed(seed)
     return cls(*args, **kwargs)
@@ -135,18 +146,14 @@ def test_nan_and_inf_in_one_tensor(check):
 @pytest.mark.parametrize("check", CHECKS)
 def test_overflow_after_clean_batches(check):
     # batch 2 holds the inf: the report names batch_number=2 and keeps frames of earlier batches
-    data = batches(4)
-    data[2] = data[2].clone()
-    data[2][0, 0] = INF
+    data = with_value(batches(4), 2, INF)
     assert_identical(make(Scaled, depth=2), data, check=check, max_frames_to_save=9)
 
 
 @pytest.mark.parametrize("check", CHECKS)
 def test_overflow_inside_a_traced_batch_then_next_batch(check):
     # detection is off while tracing, but the flag sticks: the next batch raises at its first module
-    data = batches(3)
-    data[1] = data[1].clone()
-    data[1][1, 1] = NAN
+    data = with_value(batches(3), 1, NAN, at=(1, 1))
     assert_identical(make(Scaled, depth=2), data, check=check, trace_batch_nums=[1])
 
 
@@ -158,18 +165,14 @@ def test_abort_after_batch(check):
 
 @pytest.mark.parametrize("check", CHECKS)
 def test_abort_and_overflow_in_the_same_batch(check):
-    data = batches(2)
-    data[1] = data[1].clone()
-    data[1][0, 0] = INF
+    data = with_value(batches(2), 1, INF)
     assert_identical(make(Scaled, depth=2), data, check=check, abort_after_batch_num=1)
 
 
 @pytest.mark.parametrize("check", CHECKS)
 def test_model_without_children(check):
     model = make(nn.Linear, 4, 4)
-    data = batches(3)
-    data[2] = data[2].clone()
-    data[2][0, 0] = NAN
+    data = with_value(batches(3), 2, NAN)
     assert_identical(model, data, check=check, trace_batch_nums=[1])
 
 
@@ -206,9 +209,7 @@ def test_training_with_backward(check):
     def steps(m, batch):
         m(batch).sum().backward()
 
-    data = batches(3)
-    data[2] = data[2].clone()
-    data[2][0, 0] = INF
+    data = with_value(batches(3), 2, INF)
     assert_identical(model, data, steps=steps, check=check, trace_batch_nums=[0])
 
 
@@ -301,9 +302,7 @@ def test_under_inference_mode(check):
         with torch.inference_mode():
             model(batch)
 
-    data = batches(3)
-    data[2] = data[2].clone()
-    data[2][0, 1] = INF
+    data = with_value(batches(3), 2, INF, at=(0, 1))
     assert_identical(make(Scaled, depth=3), data, steps=steps, check=check, trace_batch_nums=[0])
 
 
@@ -330,3 +329,21 @@ def test_trace_prints_every_frame_even_with_no_ring(check):
     out, _, _ = assert_identical(make(Scaled, depth=2), batches(2), check=check, max_frames_to_save=0,
                                  trace_batch_nums=[0, 1])
     assert out.count("layers.1 Linear") == 2
+
+
+def test_analyse_variable_matches_reference():
+    from compat import ReferenceDetector
+
+    from overflow_fast import DebugUnderflowOverflow
+
+    values = (torch.tensor([1.0, NAN, INF]), None, 3, torch.tensor([2, -5]), torch.tensor(0.5, dtype=torch.float16))
+    results = []
+    for cls in (ReferenceDetector, DebugUnderflowOverflow):
+        detector = cls(nn.Linear(2, 2))
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            for value in values:
+                detector.analyse_variable(value, "ctx")
+        results.append((out.getvalue(), list(detector.frame), detector.detected_overflow))
+    assert results[0] == results[1]
+    assert results[1][2] is True

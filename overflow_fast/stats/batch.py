@@ -2,7 +2,7 @@
 
 import torch
 
-from .layout import decode_row
+from .layout import NUM_COLUMNS, decode_row
 
 
 class StatsBatch:
@@ -30,13 +30,14 @@ class StatsBatch:
     def values(self) -> torch.Tensor:
         """All rows as one ``[N, 8]`` int64 tensor on the device, without a host sync.
 
-        Only defined when every tensor lives on one device (one group in input order).
+        Only defined when one device and one backend hold every row (one group in input order);
+        ``tensor_stats(..., out=)`` always gives that.
         """
         if len(self.groups) == 1:
             return self.groups[0][1]
         if not self.groups:
-            return torch.zeros((0, 8), dtype=torch.int64)
-        raise ValueError("StatsBatch.values needs all tensors on one device; use tolist()")
+            return torch.zeros((0, NUM_COLUMNS), dtype=torch.int64)
+        raise ValueError("StatsBatch.values needs every row from one device and backend; use tolist() or out=")
 
     def host_rows(self):
         """Rows as lists of Python ints, in input order: one device-to-host copy per group."""
