@@ -91,25 +91,33 @@ def test_llama_fp16_overflow(check):
     assert outcomes[0] is not None and "has infs" in out
 
 
+def train_both(model, batches, loss, lr, check, **kwargs):
+    """(stdout, outcomes) of training identical copies of ``model`` with SGD under the reference
+    and under overflow_fast: each copy gets its own optimizer."""
+    results = []
+    for cls, extra in ((ReferenceDetector, {}), (DebugUnderflowOverflow, {"check": check})):
+        copy_of_model = copy.deepcopy(model)
+        optimizer = torch.optim.SGD(copy_of_model.parameters(), lr=lr)
+
+        def step(m, batch, optimizer=optimizer):
+            optimizer.zero_grad()
+            loss(m, batch).backward()
+            optimizer.step()
+
+        results.append(run(cls, copy_of_model, batches, step, **kwargs, **extra)[:2])
+    return results
+
+
 @pytest.mark.parametrize("check", CHECKS)
 def test_llama_training_steps(check):
     # forward + backward + optimizer step: parameters change between batches; batch 2 is traced
     model = models.llama()
     model.train()
     batches = [models.token_batch(i) for i in range(3)]
-    results = []
-    for cls, kwargs in ((ReferenceDetector, {}), (DebugUnderflowOverflow, {"check": check})):
-        copy_of_model = copy.deepcopy(model)
-        optimizer = torch.optim.SGD(copy_of_model.parameters(), lr=0.1)
-
-        def step(m, batch, optimizer=optimizer):
-            optimizer.zero_grad()
-            m(input_ids=batch, labels=batch).loss.backward()
-            optimizer.step()
-
-        results.append(run(cls, copy_of_model, batches, step, trace_batch_nums=[2], **kwargs)[:2])
-    assert results[0] == results[1]
-    assert "*** Starting batch number=2 ***" in results[0][0]
+    want, got = train_both(model, batches, lambda m, b: m(input_ids=b, labels=b).loss, 0.1, check,
+                           trace_batch_nums=[2])
+    assert got == want
+    assert "*** Starting batch number=2 ***" in want[0]
 
 
 @pytest.mark.parametrize("check", CHECKS)
@@ -119,19 +127,13 @@ def test_bert_bf16_training_with_dropout_until_it_overflows(check):
     model = models.bert(torch.bfloat16)
     model.train()
     batches = [models.token_batch(i) for i in range(3)]
-    results = []
-    for cls, kwargs in ((ReferenceDetector, {}), (DebugUnderflowOverflow, {"check": check})):
-        copy_of_model = copy.deepcopy(model)
-        optimizer = torch.optim.SGD(copy_of_model.parameters(), lr=10.0)
 
-        def step(m, batch, optimizer=optimizer):
-            optimizer.zero_grad()
-            m(input_ids=batch).last_hidden_state.float().pow(2).mean().mul(1e30).backward()
-            optimizer.step()
+    def loss(m, batch):
+        return m(input_ids=batch).last_hidden_state.float().pow(2).mean().mul(1e30)
 
-        results.append(run(cls, copy_of_model, batches, step, trace_batch_nums=[0], **kwargs)[:2])
-    assert results[0] == results[1]
-    assert results[0][1][0] is None and results[0][1][1][0] == "ValueError"
+    want, got = train_both(model, batches, loss, 10.0, check, trace_batch_nums=[0])
+    assert got == want
+    assert want[1][0] is None and want[1][1][0] == "ValueError"
 
 
 @pytest.mark.parametrize("check", CHECKS)

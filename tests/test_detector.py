@@ -11,7 +11,7 @@ from torch.overrides import TorchFunctionMode
 
 from compat import ReferenceDetector, run
 from overflow_fast import DebugUnderflowOverflow
-from test_compat_rules import Scaled, batches, make
+from test_compat_rules import Scaled, batches, make, with_value
 
 NAN = float("nan")
 
@@ -76,9 +76,7 @@ def test_engine_failure_does_not_crash_training(monkeypatch):
 
 def test_ring_stays_bounded_after_tracing():
     # the reference turns its ring into an unbounded list after a traced batch; we keep the bound
-    data = batches(6)
-    data[5] = data[5].clone()
-    data[5][0, 0] = NAN
+    data = with_value(batches(6), 5, NAN)
     ref_out, _, _ = run(ReferenceDetector, make(Scaled, depth=2), data, lambda m, b: m(b),
                         max_frames_to_save=2, trace_batch_nums=[0])
     out, _, _ = run(DebugUnderflowOverflow, make(Scaled, depth=2), data, lambda m, b: m(b),
