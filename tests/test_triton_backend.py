@@ -317,3 +317,40 @@ def test_rows_written_into_out():
     assert (buffer[0] == -1).all() and (buffer[4] == -1).all()
     batch = tensor_stats(tensors, backend="triton", out=buffer[1:4])
     assert batch.values.data_ptr() == buffer[1].data_ptr()
+
+
+@needs_backend
+def test_launches_run_under_the_tensors_device(monkeypatch):
+    # A tensor on cuda:1 (device_map="auto") must be read on cuda:1, not on the current device:
+    # every launch happens inside on_device(tensors' device). No GPU here: record the guard.
+    entered = []
+    launched_inside = []
+
+    class Guard:
+        def __init__(self, device):
+            self.device = device
+
+        def __enter__(self):
+            entered.append(self.device)
+
+        def __exit__(self, *exc):
+            entered.append(None)
+
+    real_launch = tb._launch
+
+    def launch(*args, **kwargs):
+        launched_inside.append(bool(entered) and entered[-1] is not None)
+        return real_launch(*args, **kwargs)
+
+    monkeypatch.setattr(tb, "on_device", Guard)
+    monkeypatch.setattr(tb, "_launch", launch)
+    tensors = [torch.arange(5.0, device=DEVICE), torch.tensor([1, -3], device=DEVICE)]
+    got = _rows_to_dicts(tb.compute(tensors), tensors)
+    assert got == tensor_stats(tensors, backend="torch").tolist()
+    assert entered == [torch.device(DEVICE), None] and launched_inside == [True]
+
+
+def test_device_guard_names_the_tensors_cuda_device():
+    guard = tb.on_device(torch.device("cuda", 1))
+    assert isinstance(guard, torch.cuda.device) and guard.idx == 1  # entering needs a GPU
+    assert not isinstance(tb.on_device(torch.device("cpu")), torch.cuda.device)

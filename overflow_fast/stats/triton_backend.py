@@ -29,6 +29,7 @@ Under ``TRITON_INTERPRET=1`` (set before this module is imported) the kernels ru
 tensors through Triton's interpreter; that is how the tests run without a GPU.
 """
 
+import contextlib
 import os
 
 import torch
@@ -409,15 +410,26 @@ def compute(tensors, out=None, block_size=None, blocks_per_chunk=None) -> torch.
         plan.append((dtype, aligned, len(rows), len(chunk_tensor), base, total_chunks))
         total_chunks += len(chunk_tensor)
 
-    tables = torch.tensor(host, dtype=torch.int64)
-    if device.type != "cpu":
-        # torch.tensor(list, device=cuda) would copy synchronously. A pinned source copies
-        # asynchronously, and the caching host allocator keeps it until the copy has run.
-        tables = tables.pin_memory().to(device, non_blocking=True)
-    partials = torch.empty((max(total_chunks, 1), NUM_COLUMNS), dtype=torch.int64, device=device)
-    if out is None:
-        out = torch.empty((len(tensors), NUM_COLUMNS), dtype=torch.int64, device=device)
+    with on_device(device):  # the upload and the launches go to the tensors' device and stream
+        tables = torch.tensor(host, dtype=torch.int64)
+        if device.type != "cpu":
+            # torch.tensor(list, device=cuda) would copy synchronously. A pinned source copies
+            # asynchronously, and the caching host allocator keeps it until the copy has run.
+            tables = tables.pin_memory().to(device, non_blocking=True)
+        partials = torch.empty((max(total_chunks, 1), NUM_COLUMNS), dtype=torch.int64, device=device)
+        if out is None:
+            out = torch.empty((len(tensors), NUM_COLUMNS), dtype=torch.int64, device=device)
+        _launch(plan, tables, partials, out, block_size, blocks_per_chunk)
+    return out
 
+
+def on_device(device: torch.device):
+    """Triton launches on the current CUDA device: make it the tensors' one (cuda:1 under
+    ``device_map="auto"``), as ATen's device guards do."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def _launch(plan, tables, partials, out, block_size, blocks_per_chunk):
     for dtype, aligned, n_tensors, n_chunks, base, chunk_base in plan:
         sizes = [n_tensors] * 5 + [n_chunks] * 2
         offsets = [base + sum(sizes[:k]) for k in range(len(sizes) + 1)]
@@ -439,4 +451,3 @@ def compute(tensors, out=None, block_size=None, blocks_per_chunk=None) -> torch.
             KIND=args["kind"], EXP_BITS=args["exp_bits"], MANT_BITS=args["mant_bits"],
             HAS_INF=args["has_inf"], FLIP=args["flip"], BLOCK_SIZE=COMBINE_BLOCK, num_warps=2,
         )
-    return out
