@@ -39,6 +39,13 @@ class StatsBatch:
             return torch.zeros((0, NUM_COLUMNS), dtype=torch.int64)
         raise ValueError("StatsBatch.values needs every row from one device and backend; use tolist() or out=")
 
+    def row(self, index) -> torch.Tensor:
+        """The ``[8]`` row of ``tensors[index]``, a view on the device (no sync)."""
+        for indices, values in self.groups:
+            if index in indices:
+                return values[indices.index(index)]
+        raise IndexError(f"no row for tensor {index}")
+
     def host_rows(self):
         """Rows as lists of Python ints, in input order: one device-to-host copy per group."""
         if len(self.groups) == 1:

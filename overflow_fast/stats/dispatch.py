@@ -8,8 +8,10 @@ import warnings
 
 import torch
 
+from . import kinds
 from .batch import StatsBatch
-from .layout import INTEGER_DTYPES, NUM_COLUMNS, SMALLEST_NORMAL
+from .kinds import PLAIN_TYPES, SUPPORTED_DTYPES, unreadable_reason
+from .layout import ABS_MIN, NAN, NUM_COLUMNS, NUMEL, ZERO
 
 BACKEND_NAMES = ("torch", "cpu", "triton")
 ENV_VAR = "OVERFLOW_FAST_BACKEND"
@@ -25,8 +27,6 @@ _PREFERRED = {"cpu": "cpu", "cuda": "triton"}
 _loaded = {}
 _warned = set()
 _choices = {}  # requested backend -> {(device, dtype, layout): backend module}
-
-SUPPORTED_DTYPES = frozenset(SMALLEST_NORMAL) | INTEGER_DTYPES | {torch.bool}
 
 
 def _load(name):
@@ -47,19 +47,6 @@ def backend_status():
     return {name: _load(name)[1] for name in BACKEND_NAMES}
 
 
-def unreadable_reason(tensor: torch.Tensor):
-    """Why the engine cannot read ``tensor``, or None when it can."""
-    if tensor.layout != torch.strided:
-        return f"{str(tensor.layout).replace('torch.', '')} layout is not supported"
-    if tensor.is_meta:
-        return "meta tensors hold no data"
-    if tensor.is_quantized:
-        return "quantized tensors are not supported"
-    if tensor.dtype not in SUPPORTED_DTYPES:
-        return f"dtype {str(tensor.dtype).replace('torch.', '')} is not supported"
-    return None
-
-
 def check_backend_name(backend):
     if backend is not None and not isinstance(backend, str):
         raise TypeError(f"backend must be None or one of {BACKEND_NAMES}, got {type(backend).__name__}")
@@ -68,13 +55,24 @@ def check_backend_name(backend):
     return backend
 
 
-def _requested_backend(backend):
+def requested_backend(backend):
+    """The backend asked for (None: the default per device) and where the request came from.
+
+    ``backend=`` is a demand: an unavailable one is an error at the call. The environment
+    variable is a preference for the whole process: an unavailable one warns once and gives way
+    to the default choice.
+    """
     if backend is not None:
         return check_backend_name(backend), f"backend={backend!r}"
     env = os.environ.get(ENV_VAR) or None
     if env is not None:
         if env not in BACKEND_NAMES:
             raise ValueError(f"{ENV_VAR}={env!r} is not one of {BACKEND_NAMES}")
+        reason = _load(env)[1]
+        if reason is not None:
+            _warn_once(("env", env), f"overflow_fast: {ENV_VAR}={env} is unavailable ({reason}); "
+                       "using the default backend of each device")
+            return None, None
         return env, f"{ENV_VAR}={env}"
     return None, None
 
@@ -119,17 +117,56 @@ def _choose(index, tensor, requested, origin):
     return _module_for(tensor, requested, origin)
 
 
+def _byte_extent(tensor):
+    """[first, last) bytes that a strided tensor's elements may occupy."""
+    start = tensor.data_ptr()
+    low = high = 0
+    for size, stride in zip(tensor.shape, tensor.stride()):
+        reach = (size - 1) * stride
+        low, high = (low + reach, high) if reach < 0 else (low, high + reach)
+    return start + low * tensor.element_size(), start + (high + 1) * tensor.element_size()
+
+
 def _check_out(out, tensors):
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"out must be a tensor, got {type(out).__name__}")
-    if out.dtype != torch.int64 or tuple(out.shape) != (len(tensors), NUM_COLUMNS) or not out.is_contiguous():
+    if (type(out) not in PLAIN_TYPES or out.dtype != torch.int64 or out.layout != torch.strided
+            or tuple(out.shape) != (len(tensors), NUM_COLUMNS) or not out.is_contiguous()):
         raise ValueError(
             f"out must be a contiguous int64 tensor of shape ({len(tensors)}, {NUM_COLUMNS}), "
-            f"got {out.dtype} {tuple(out.shape)}"
+            f"got {type(out).__name__} {out.dtype} {tuple(out.shape)}"
         )
+    out_storage = out.untyped_storage().data_ptr()
+    out_first, out_last = _byte_extent(out)
     for index, tensor in enumerate(tensors):
-        if isinstance(tensor, torch.Tensor) and tensor.device != out.device:
+        if not isinstance(tensor, torch.Tensor):
+            continue
+        if tensor.device != out.device:
             raise ValueError(f"out is on {out.device} but tensors[{index}] is on {tensor.device}")
+        # rows are zeroed or written before every input is read: out must not share their memory
+        if (type(tensor) in PLAIN_TYPES and tensor.layout == torch.strided and tensor.numel()
+                and not tensor.is_meta and tensor.untyped_storage().data_ptr() == out_storage):
+            first, last = _byte_extent(tensor)
+            if first < out_last and out_first < last:
+                raise ValueError(f"out overlaps the memory of tensors[{index}]; its rows would overwrite it")
+
+
+class _ThroughOps:
+    """Rows of ``__torch_dispatch__`` subclasses, computed with torch ops on the subclass itself
+    (they reach whatever values it exposes), then brought back as a plain tensor: one host read
+    per tensor, for tensors the kernels must never touch."""
+
+    NAME = "ops"
+
+    @staticmethod
+    def compute(tensors, out=None):
+        torch_backend = _load("torch")[0]
+        rows = [[int(v) for v in torch_backend.compute([t]).reshape(-1).tolist()] for t in tensors]
+        device = tensors[0].device
+        values = torch.tensor(rows, dtype=torch.int64).to(device)
+        if out is None:
+            return values
+        return out.copy_(values)
 
 
 def tensor_stats(tensors, backend=None, *, out=None) -> StatsBatch:
@@ -139,7 +176,10 @@ def tensor_stats(tensors, backend=None, *, out=None) -> StatsBatch:
     +inf, -inf, zero and subnormal elements, and numel. ``backend`` is None (the fastest
     available per device, or ``$OVERFLOW_FAST_BACKEND``), "torch", "cpu" or "triton".
     ``out``: a contiguous ``[len(tensors), 8]`` int64 tensor on the tensors' device to write the
-    rows into (rows of a preallocated buffer), instead of a new one.
+    rows into (rows of a preallocated buffer), instead of a new one; it must not overlap them.
+
+    Tensors that are not plain storage-backed tensors are read through what they really hold
+    (see ``kinds``); those the engine cannot read raise TypeError.
     """
     if not isinstance(tensors, (list, tuple)):
         raise TypeError(
@@ -148,20 +188,39 @@ def tensor_stats(tensors, backend=None, *, out=None) -> StatsBatch:
         )
     if out is not None:
         _check_out(out, tensors)
-    requested, origin = _requested_backend(backend)
+    requested, origin = requested_backend(backend)
     # Called once per module forward with a few tensors, so the choice of backend is cached per
-    # (device, dtype, layout) (all that readability and supports() look at), and the common case,
-    # one device and one backend, makes a single group without a dict.
+    # (device, dtype, layout) (all that readability and supports() look at for a plain tensor),
+    # and the common case, one device and one backend, makes a single group without a dict.
     choices = _choices.setdefault(requested, {})
     first = None
     groups = None
+    targets = tensors
+    sparse = None  # index -> dense numel, for rows that must count implicit zeros
     for index, tensor in enumerate(tensors):
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"tensor_stats: tensors[{index}] is a {type(tensor).__name__}, not a tensor")
-        key = (tensor.device, tensor.dtype, tensor.layout)
-        module = choices.get(key)
-        if module is None:
-            module = choices[key] = _choose(index, tensor, requested, origin)
+        if (type(tensor) in PLAIN_TYPES and tensor.layout == torch.strided and not tensor.is_nested
+                and not kinds.is_functorch_wrapped(tensor)):
+            key = (tensor.device, tensor.dtype, tensor.layout)
+            module = choices.get(key)
+            if module is None:
+                module = choices[key] = _choose(index, tensor, requested, origin)
+        else:
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(f"tensor_stats: tensors[{index}] is a {type(tensor).__name__}, not a tensor")
+            plan = kinds.plan(tensor)
+            if isinstance(plan, str):
+                raise TypeError(f"tensor_stats: tensors[{index}] cannot be read: {plan}")
+            if targets is tensors:
+                targets = list(tensors)
+            targets[index] = plan.target
+            if plan.dense_numel is not None:
+                sparse = sparse or {}
+                sparse[index] = plan.dense_numel
+            if plan.route == kinds.OPS:
+                module = _ThroughOps
+            else:
+                module = _choose(index, plan.target, requested, origin)
+            key = (plan.target.device, None, None)
         group = (key[0], module)
         if first is None:
             first = group
@@ -173,11 +232,28 @@ def tensor_stats(tensors, backend=None, *, out=None) -> StatsBatch:
     if groups is None:
         if first is None:
             return StatsBatch(dtypes, [(range(0), out)] if out is not None else [])
-        return StatsBatch(dtypes, [(range(len(tensors)), first[1].compute(tensors, out=out))])
-    results = [(indices, module.compute([tensors[i] for i in indices])) for (_, module), indices in groups.items()]
-    if out is None:
-        return StatsBatch(dtypes, results)
-    for indices, values in results:  # several backends on out's device: place their rows
-        for row, index in enumerate(indices):
-            out[index].copy_(values[row])
-    return StatsBatch(dtypes, [(range(len(tensors)), out)])
+        batch = StatsBatch(dtypes, [(range(len(tensors)), first[1].compute(targets, out=out))])
+    else:
+        results = [(indices, module.compute([targets[i] for i in indices])) for (_, module), indices in groups.items()]
+        if out is None:
+            batch = StatsBatch(dtypes, results)
+        else:
+            for indices, values in results:  # several backends on out's device: place their rows
+                for row, index in enumerate(indices):
+                    out[index].copy_(values[row])
+            batch = StatsBatch(dtypes, [(range(len(tensors)), out)])
+    if sparse:
+        for index, dense_numel in sparse.items():
+            _count_implicit_zeros(batch.row(index), dense_numel - targets[index].numel(), dense_numel)
+    return batch
+
+
+def _count_implicit_zeros(row, implicit, dense_numel):
+    """A sparse tensor's row, computed from its stored values, made the dense tensor's row (on the
+    device, no sync): the unstored elements are zeros."""
+    if implicit <= 0:
+        return
+    row[ZERO] += implicit
+    row[NUMEL] = dense_numel
+    # the smallest magnitude is now 0 (bits 0 for float 0.0 and integer 0), unless a NaN poisons it
+    row[ABS_MIN] = row[ABS_MIN] * (row[NAN] > 0)
