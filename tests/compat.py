@@ -14,7 +14,9 @@ def run(detector_cls, model, batches, steps, **kwargs):
     """Attach ``detector_cls`` to ``model``, run ``steps(model, batch)`` for each batch.
 
     Returns (stdout text, list of (exception type name, message) or None per batch, detector).
-    An exception raised while building the detector counts as the first outcome.
+    An exception raised while building the detector counts as the first outcome. The type is the
+    nearest builtin class: overflow_fast raises a ValueError subclass where the reference raises
+    ValueError (same message), so that ``except ValueError`` holds for both.
     """
     out = io.StringIO()
     outcomes = []
@@ -23,14 +25,18 @@ def run(detector_cls, model, batches, steps, **kwargs):
         try:
             detector = detector_cls(model, **kwargs)
         except Exception as error:  # noqa: BLE001 - the outcome itself is compared
-            return out.getvalue(), [(type(error).__name__, str(error))], None
+            return out.getvalue(), [(_builtin_name(error), str(error))], None
         for batch in batches:
             try:
                 steps(model, batch)
                 outcomes.append(None)
             except Exception as error:  # noqa: BLE001
-                outcomes.append((type(error).__name__, str(error)))
+                outcomes.append((_builtin_name(error), str(error)))
     return out.getvalue(), outcomes, detector
+
+
+def _builtin_name(error):
+    return next(cls.__name__ for cls in type(error).__mro__ if cls.__module__ == "builtins")
 
 
 def forward(model, batch):

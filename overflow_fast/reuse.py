@@ -1,0 +1,65 @@
+"""Rows already read in the current top-level forward, so that a tensor several hooks see (a
+module's output is the next module's input and its parent's output) is read once.
+
+A row may only be reused while nothing can have changed the tensor unseen. Within one forward
+the version counter tells; between forwards it does not (fused optimizers, ``.data`` writes and
+gradient-checkpointing recomputation change weights without bumping it), so the cache lives for
+exactly one top-level forward: emptied when it opens and when it closes, never filled outside one.
+"""
+
+import weakref
+
+_MAX_REMEMBERED = 1 << 16
+
+
+class ReuseCache:
+    __slots__ = ("enabled", "_open", "_rows")
+
+    def __init__(self, enabled=True):
+        self.enabled = enabled
+        self._open = 0  # top-level forwards running (re-entered, or on several threads)
+        self._rows = {}  # id(tensor) -> (weakref, version, row or where the row waits)
+
+    def open(self):
+        if self._open == 0:
+            self._rows.clear()
+        self._open += 1
+
+    def close(self):
+        self._open = max(0, self._open - 1)
+        if self._open == 0:
+            self._rows.clear()
+
+    def clear(self):
+        self._rows.clear()
+
+    def reset(self):
+        """Forget everything, the open forwards included (hooks removed, detector unpickled)."""
+        self._open = 0
+        self._rows.clear()
+
+    def lookup(self, tensors):
+        """Each tensor's known row (or None), and the positions still to read."""
+        sources = [None] * len(tensors)
+        if not self._open or not self._rows:
+            return sources, list(range(len(tensors)))
+        fresh = []
+        rows = self._rows
+        for position, tensor in enumerate(tensors):
+            entry = rows.get(id(tensor))
+            if entry is not None and entry[0]() is tensor and entry[1] == tensor._version:
+                sources[position] = entry[2]
+            else:
+                fresh.append(position)
+        return sources, fresh
+
+    def remember(self, tensor, source):
+        # inference tensors keep no version counter, so a change to them could not be seen
+        if not (self.enabled and self._open) or tensor.is_inference():
+            return
+        if len(self._rows) >= _MAX_REMEMBERED:
+            self._rows.clear()
+        try:
+            self._rows[id(tensor)] = (weakref.ref(tensor), tensor._version, source)
+        except (RuntimeError, TypeError):
+            pass  # a tensor subclass without a version counter or weak references: read it again
