@@ -16,12 +16,13 @@ import warnings
 import torch
 
 from . import report
+from .frames import Call, forward_frame
 from .report import NONE, NOT_A_TENSOR, TENSOR, UNREADABLE
 from .reuse import ReuseCache
+from .rows import DeferredRows, RowReader
 from .stats import tensor_stats, unreadable_reason
 from .stats.dispatch import backend_status, check_backend_name, requested_backend
-from .stats.kinds import PLAIN_TYPES, SUPPORTED_DTYPES, short_reason
-from .stats.layout import NAN, NEGINF, NUM_COLUMNS, POSINF
+from .stats.layout import NAN, NEGINF, POSINF
 
 CHECK_MODES = ("module", "batch")
 DEFAULT_BUFFER_ROWS = 1 << 16
@@ -30,63 +31,6 @@ DEFAULT_BUFFER_ROWS = 1 << 16
 class OverflowDetected(ValueError):
     """The reference's ValueError on a detected inf/nan (same message); a subclass so that other
     detectors on the same model can tell that the report is already printed."""
-
-
-class Frame:
-    """One hook call: the module, its entries, and their statistics rows (raw, not text)."""
-
-    __slots__ = ("lead", "module_name", "class_name", "entries", "dtypes", "rows")
-
-    def __init__(self, module_name, class_name, entries, dtypes):
-        self.lead = []  # lines the reference had pending in `self.frame` (batch markers)
-        self.module_name = module_name
-        self.class_name = class_name
-        self.entries = entries  # (kind, ctx, payload): payload is a row index for TENSOR
-        self.dtypes = dtypes
-        self.rows = None  # host rows (while pending with check="batch", some are (device, slot))
-
-    def __str__(self):
-        return report.frame_text(self)
-
-
-class _Call:
-    """A hook call as the reference's state machine sees it, replayed once its rows are known."""
-
-    __slots__ = ("frame", "trace_mode", "first_call", "last_frame_of_batch", "batch_before",
-                 "batch_after", "total_calls")
-
-    def __init__(self, frame, trace_mode, first_call, last_frame_of_batch, batch_before, batch_after,
-                 total_calls):
-        self.frame = frame
-        self.trace_mode = trace_mode
-        self.first_call = first_call
-        self.last_frame_of_batch = last_frame_of_batch
-        self.batch_before = batch_before
-        self.batch_after = batch_after
-        self.total_calls = total_calls
-
-
-_CTX_CACHE = 16
-
-
-def _ctx(name, count):
-    return [f"{name}[{i}]" for i in range(count)]
-
-
-_INPUT_CTX = _ctx("input", _CTX_CACHE)
-_OUTPUT_CTX = _ctx("output", _CTX_CACHE)
-_named_parameters = torch.nn.Module.named_parameters
-
-
-def _own_parameters(module):
-    """``(parameter, name)`` for ``module.named_parameters(recurse=False)``, as the reference lists
-    them; without the generator machinery when the module does not override it (it runs per hook)."""
-    if type(module).named_parameters is _named_parameters:
-        pairs = [(p, name) for name, p in module._parameters.items() if p is not None]
-        if len(pairs) < 2 or len({id(p) for p, _ in pairs}) == len(pairs):
-            return pairs
-    # overridden, or one tensor under two names (the first wins)
-    return [(p, name) for name, p in module.named_parameters(recurse=False)]
 
 
 def _has_overflow(row):
@@ -149,13 +93,10 @@ class DebugUnderflowOverflow:
         self.prefix = report.PREFIX
 
         self._handles = []
-        self._pending = []  # _Call records whose rows wait in the device buffers (check="batch")
         self._buffer_rows = buffer_rows
-        self._buffers = {}  # device -> [int64 buffer of shape (buffer_rows, 8), rows used]
-        self._reuse = ReuseCache(self.reuse_stats)  # rows read in this top-level forward
+        self._new_readers()
         self._lock = threading.RLock()  # hooks may run on several threads
         self._backward_flush_task = None  # the backward pass whose end will flush (check="batch")
-        self._warned_fallback = False
         self.analyse_model()
         self.register_forward_hook()
 
@@ -211,8 +152,8 @@ class DebugUnderflowOverflow:
 
     def create_frame(self, module, input, output):
         """Build, check and save the frame of one hook call right away (one host sync)."""
-        frame, tensors = self._new_frame(module, input, output)
-        self._resolve_now(frame, tensors)
+        frame, tensors = forward_frame(self.module_names.get(module, "?"), module, input, output)
+        self._reader.read_now(frame, tensors)
         self._save(frame)
 
     def register_forward_hook(self):
@@ -257,12 +198,14 @@ class DebugUnderflowOverflow:
         # deepcopy(model) and torch.save(model) reach the detector through the model's hooks:
         # carry the configuration and the ring, not device buffers, caches or a lock
         state = self.__dict__.copy()
-        state.update(_pending=[], _buffers={}, _reuse=ReuseCache(self.reuse_stats), _lock=None,
-                     _backward_flush_task=None)
+        for name in ("_reuse", "_reader", "_deferred", "_lock"):
+            del state[name]
+        state["_backward_flush_task"] = None
         return state
 
     def __setstate__(self, state):
         self.__dict__.update(state)
+        self._new_readers()
         self._lock = threading.RLock()
 
     def flush(self):
@@ -271,21 +214,17 @@ class DebugUnderflowOverflow:
         Raises the reference's ValueError if one of them holds a nan/inf.
         """
         with self._lock:
-            if not self._pending:
+            if not self._deferred:
                 return
-            host = {}
-            for device, state in self._buffers.items():
-                if state[1]:
-                    host[device] = state[0][:state[1]].tolist()
-                    state[1] = 0
-            self._reuse.clear()  # the buffer slots are reused from here on
-            pending, self._pending = self._pending, []
-            for call in pending:
-                frame = call.frame
-                frame.rows = [s if isinstance(s, list) else host[s[0]][s[1]] for s in frame.rows]
+            for call in self._deferred.read():
                 self._replay(call)  # raises at the first bad call: those after it never happened
 
     # -- internals --------------------------------------------------------------------------
+
+    def _new_readers(self):
+        self._reuse = ReuseCache(self.reuse_stats)  # rows read in this top-level forward
+        self._reader = RowReader(self.backend, self._reuse)
+        self._deferred = DeferredRows(self._reader, self._buffer_rows)  # check="batch"
 
     def _forward_hook(self, module, input, output):
         trace_mode = self.batch_number in self.trace_batch_nums
@@ -295,19 +234,21 @@ class DebugUnderflowOverflow:
         last_frame_of_batch = module is self.model
         if last_frame_of_batch:
             self.batch_number += 1
-        frame, tensors = self._new_frame(module, input, output)
-        call = _Call(frame, trace_mode, first_call, last_frame_of_batch, batch_before, self.batch_number,
+        frame, tensors = forward_frame(self.module_names.get(module, "?"), module, input, output)
+        call = Call(frame, trace_mode, first_call, last_frame_of_batch, batch_before, self.batch_number,
                      self.total_calls)
 
         if self.check == "batch" and not trace_mode and not self.detected_overflow:
-            self._defer(call, tensors)
+            if self._deferred.must_read_before(tensors):
+                self.flush()  # a full buffer is read early (a submodule run alone still gets checked)
+            self._deferred.add(call, tensors)
             if last_frame_of_batch:
                 self.flush()
             elif torch._C._current_graph_task_id() != -1:
                 self._flush_when_backward_ends()
         else:
             self.flush()  # earlier calls first: one of them may be the first bad one
-            self._resolve_now(frame, tensors)
+            self._reader.read_now(frame, tensors)
             self._replay(call)
 
         if self._abort_after is not None and self.batch_number > self._abort_after:
@@ -323,13 +264,13 @@ class DebugUnderflowOverflow:
         # report, let that error propagate.
         with self._lock:
             self._reuse.close()
-            if not self._pending:
+            if not self._deferred:
                 return
             error = sys.exc_info()[1]  # the forward's own error, being handled by torch
             if isinstance(error, OverflowDetected):
                 # another detector on this model reported first; check="module" would never have
                 # reached the frames still pending here
-                self._discard_pending()
+                self._deferred.discard()
                 return
             try:
                 self.flush()
@@ -355,119 +296,6 @@ class DebugUnderflowOverflow:
             self._backward_flush_task = None
             self.flush()
 
-    def _new_frame(self, module, input, output):
-        """The frame of one hook call (entries in the reference's order) and its readable tensors."""
-        items = _own_parameters(module)
-        if isinstance(input, tuple):
-            items.extend(zip(input, _INPUT_CTX if len(input) <= _CTX_CACHE else _ctx("input", len(input))))
-        else:
-            items.append((input, "input"))
-        if isinstance(output, tuple):
-            for i, x in enumerate(output):
-                if isinstance(x, tuple):
-                    items.extend((y, f"output[{i}][{j}]") for j, y in enumerate(x))
-                else:
-                    items.append((x, _OUTPUT_CTX[i] if i < _CTX_CACHE else f"output[{i}]"))
-        else:
-            items.append((output, "output"))
-
-        entries = []
-        tensors = []
-        for var, ctx in items:
-            if isinstance(var, torch.Tensor):
-                # the common case first, without a call: a plain strided tensor of a supported dtype
-                readable = (type(var) in PLAIN_TYPES and var.dtype in SUPPORTED_DTYPES
-                            and var.layout == torch.strided and not var.is_meta and not var.is_nested)
-                reason = None if readable else unreadable_reason(var)
-                if reason is None:
-                    entries.append((TENSOR, ctx, len(tensors)))
-                    tensors.append(var)
-                else:
-                    entries.append((UNREADABLE, ctx, reason))
-            elif var is None:
-                entries.append((NONE, ctx, None))
-            else:
-                entries.append((NOT_A_TENSOR, ctx, None))
-        frame = Frame(self.module_names.get(module, "?"), module.__class__.__name__, entries,
-                      [t.dtype for t in tensors])
-        return frame, tensors
-
-    def _stats(self, frame, tensors, positions, out=None):
-        """The StatsBatch of ``tensors`` (at ``positions`` among the frame's tensors), or their
-        host rows if the engine failed: then only the tensors it cannot read lose their line."""
-        try:
-            return tensor_stats(tensors, self.backend, out=out)
-        except Exception as error:
-            if not self._warned_fallback:
-                self._warned_fallback = True
-                warnings.warn(f"overflow_fast: tensor_stats failed ({type(error).__name__}: {error}); "
-                              "the detector reads such frames one tensor at a time with the 'torch' "
-                              "backend, with a host sync each", RuntimeWarning, stacklevel=4)
-        rows = []
-        for position, tensor in zip(positions, tensors):
-            try:
-                rows.append(tensor_stats([tensor], "torch").host_rows()[0])
-            except Exception as error:
-                rows.append([0] * NUM_COLUMNS)
-                self._mark_unreadable(frame, position, short_reason(f"{type(error).__name__}: {error}"))
-        return rows
-
-    @staticmethod
-    def _mark_unreadable(frame, index, reason):
-        for position, (kind, ctx, payload) in enumerate(frame.entries):
-            if kind == TENSOR and payload == index:
-                frame.entries[position] = (UNREADABLE, ctx, reason)
-
-    def _resolve_now(self, frame, tensors):
-        """Set ``frame.rows`` to host rows: one engine call and one host read for what is new."""
-        sources, fresh = self._reuse.lookup(tensors)
-        if fresh:
-            result = self._stats(frame, [tensors[i] for i in fresh], fresh)
-            rows = result if isinstance(result, list) else result.host_rows()
-            for position, row in zip(fresh, rows):
-                sources[position] = row
-                if result is not rows:
-                    self._reuse.remember(tensors[position], row)
-        frame.rows = sources
-
-    def _buffer(self, device):
-        state = self._buffers.get(device)
-        if state is None:
-            buffer = torch.empty((self._buffer_rows, NUM_COLUMNS), dtype=torch.int64, device=device)
-            state = self._buffers[device] = [buffer, 0]
-        return state
-
-    def _defer(self, call, tensors):
-        """Queue a call whose new statistics go to the device buffer; ``frame.rows`` holds, per
-        tensor, a host row or the (device, slot) where its row waits."""
-        frame = call.frame
-        if len(self._pending) >= self._buffer_rows:
-            self.flush()  # calls without tensors take no rows, but their frames wait all the same
-        if len(tensors) > self._buffer_rows:
-            self._resolve_now(frame, tensors)
-        elif tensors:
-            state = self._buffer(tensors[0].device)
-            if state[1] + len(tensors) > self._buffer_rows:
-                self.flush()  # a full buffer is read early (a submodule run alone still gets checked)
-            sources, fresh = self._reuse.lookup(tensors)
-            if fresh:
-                # the kernels write straight into the next free rows of the buffer
-                start = state[1]
-                rows = state[0][start:start + len(fresh)]
-                result = self._stats(frame, [tensors[i] for i in fresh], fresh, out=rows)
-                if isinstance(result, list):  # the engine failed, or tensors on several devices
-                    for position, row in zip(fresh, result):
-                        sources[position] = row
-                else:
-                    state[1] += len(fresh)
-                    for offset, position in enumerate(fresh):
-                        sources[position] = (rows.device, start + offset)
-                        self._reuse.remember(tensors[position], sources[position])
-            frame.rows = sources
-        else:
-            frame.rows = []
-        self._pending.append(call)
-
     def _replay(self, call):
         """The reference's bookkeeping for one hook call whose rows are on the host."""
         frame = call.frame
@@ -486,7 +314,7 @@ class DebugUnderflowOverflow:
             # with check="batch" later calls may have run: report the state of this one
             self.batch_number = call.batch_after
             self.total_calls = call.total_calls
-            self._discard_pending()
+            self._deferred.discard()
             self.dump_saved_frames()
             raise OverflowDetected(report.OVERFLOW_ERROR)
 
@@ -499,12 +327,6 @@ class DebugUnderflowOverflow:
                     print(line, flush=True)
                 self.detected_overflow = True
         self.frames.append(frame)
-
-    def _discard_pending(self):
-        self._pending = []
-        self._reuse.clear()
-        for state in self._buffers.values():
-            state[1] = 0
 
 
 def _integer(value, name, expected):

@@ -61,12 +61,12 @@ def test_unreadable_tensor_gets_a_clear_line():
 
 
 def test_engine_failure_does_not_crash_training(monkeypatch):
-    import overflow_fast.detector as detector
+    import overflow_fast.rows as rows
 
-    def broken(tensors, backend=None):
+    def broken(tensors, backend=None, out=None):
         raise RuntimeError("backend exploded")
 
-    monkeypatch.setattr(detector, "tensor_stats", broken)
+    monkeypatch.setattr(rows, "tensor_stats", broken)
     model = make(Scaled, depth=1)
     DebugUnderflowOverflow(model, trace_batch_nums=[0])
     out, error = capture(lambda: model(torch.ones(1, 4)))
@@ -284,5 +284,5 @@ def test_batch_mode_bounds_calls_without_tensors():
     detector = DebugUnderflowOverflow(model, check="batch", buffer_rows=2)
     for _ in range(5):
         model[0]()
-    assert len(detector._pending) <= 2
+    assert len(detector._deferred) <= 2
     assert len(detector.frames) >= 3 and "None output" in str(detector.frames[-1])

@@ -10,7 +10,7 @@ import torch
 
 from . import kinds
 from .batch import StatsBatch
-from .kinds import PLAIN_TYPES, SUPPORTED_DTYPES, unreadable_reason
+from .kinds import PLAIN_TYPES, unreadable_reason
 from .layout import ABS_MIN, NAN, NUM_COLUMNS, NUMEL, ZERO
 
 BACKEND_NAMES = ("torch", "cpu", "triton")

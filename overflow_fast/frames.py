@@ -1,0 +1,114 @@
+"""What one hook call records: a frame of entries (parameters, inputs, outputs) in the reference's
+order and naming, with raw statistics rows instead of text. Text is built only when printed
+(``report.frame_text``)."""
+
+import torch
+
+from . import report
+from .report import NONE, NOT_A_TENSOR, TENSOR, UNREADABLE
+from .stats import unreadable_reason
+from .stats.kinds import PLAIN_TYPES, SUPPORTED_DTYPES
+
+
+class Frame:
+    """One hook call: the module, its entries, and their statistics rows (raw, not text)."""
+
+    __slots__ = ("lead", "module_name", "class_name", "entries", "dtypes", "rows")
+
+    def __init__(self, module_name, class_name, entries, dtypes):
+        self.lead = []  # lines the reference had pending in `self.frame` (batch markers)
+        self.module_name = module_name
+        self.class_name = class_name
+        self.entries = entries  # (kind, ctx, payload): payload is a row index for TENSOR
+        self.dtypes = dtypes
+        self.rows = None  # host rows (while pending with check="batch", some are (device, slot))
+
+    def __str__(self):
+        return report.frame_text(self)
+
+    def mark_unreadable(self, index, reason):
+        """The tensor at row ``index`` could not be read after all: give it the unreadable line."""
+        for position, (kind, ctx, payload) in enumerate(self.entries):
+            if kind == TENSOR and payload == index:
+                self.entries[position] = (UNREADABLE, ctx, reason)
+
+
+class Call:
+    """A hook call as the reference's state machine sees it, replayed once its rows are known."""
+
+    __slots__ = ("frame", "trace_mode", "first_call", "last_frame_of_batch", "batch_before",
+                 "batch_after", "total_calls")
+
+    def __init__(self, frame, trace_mode, first_call, last_frame_of_batch, batch_before, batch_after,
+                 total_calls):
+        self.frame = frame
+        self.trace_mode = trace_mode
+        self.first_call = first_call
+        self.last_frame_of_batch = last_frame_of_batch
+        self.batch_before = batch_before
+        self.batch_after = batch_after
+        self.total_calls = total_calls
+
+
+_CTX_CACHE = 16
+
+
+def _ctx(name, count):
+    return [f"{name}[{i}]" for i in range(count)]
+
+
+_INPUT_CTX = _ctx("input", _CTX_CACHE)
+_OUTPUT_CTX = _ctx("output", _CTX_CACHE)
+_named_parameters = torch.nn.Module.named_parameters
+
+
+def own_parameters(module):
+    """``(parameter, name)`` for ``module.named_parameters(recurse=False)``, as the reference lists
+    them; without the generator machinery when the module does not override it (it runs per hook)."""
+    if type(module).named_parameters is _named_parameters:
+        pairs = [(p, name) for name, p in module._parameters.items() if p is not None]
+        if len(pairs) < 2 or len({id(p) for p, _ in pairs}) == len(pairs):
+            return pairs
+    # overridden, or one tensor under two names (the first wins)
+    return [(p, name) for name, p in module.named_parameters(recurse=False)]
+
+
+def forward_frame(module_name, module, input, output):
+    """The frame of one forward hook call (entries in the reference's order) and its readable
+    tensors, in row order."""
+    items = own_parameters(module)
+    if isinstance(input, tuple):
+        items.extend(zip(input, _INPUT_CTX if len(input) <= _CTX_CACHE else _ctx("input", len(input))))
+    else:
+        items.append((input, "input"))
+    if isinstance(output, tuple):
+        for i, x in enumerate(output):
+            if isinstance(x, tuple):
+                items.extend((y, f"output[{i}][{j}]") for j, y in enumerate(x))
+            else:
+                items.append((x, _OUTPUT_CTX[i] if i < _CTX_CACHE else f"output[{i}]"))
+    else:
+        items.append((output, "output"))
+    return frame_of(module_name, module.__class__.__name__, items)
+
+
+def frame_of(module_name, class_name, items):
+    """A frame of ``(value, ctx)`` items, and the tensors among them that the engine reads."""
+    entries = []
+    tensors = []
+    for var, ctx in items:
+        if isinstance(var, torch.Tensor):
+            # the common case first, without a call: a plain strided tensor of a supported dtype
+            readable = (type(var) in PLAIN_TYPES and var.dtype in SUPPORTED_DTYPES
+                        and var.layout == torch.strided and not var.is_meta and not var.is_nested)
+            reason = None if readable else unreadable_reason(var)
+            if reason is None:
+                entries.append((TENSOR, ctx, len(tensors)))
+                tensors.append(var)
+            else:
+                entries.append((UNREADABLE, ctx, reason))
+        elif var is None:
+            entries.append((NONE, ctx, None))
+        else:
+            entries.append((NOT_A_TENSOR, ctx, None))
+    return Frame(module_name, class_name, entries, [t.dtype for t in tensors]), tensors
