@@ -11,6 +11,8 @@
 #include <c10/util/SmallVector.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <optional>
@@ -31,7 +33,8 @@ namespace overflow_fast {
 namespace {
 
 // Bumped whenever the Python side must change with the module (cpu_backend.py checks it).
-constexpr int kAbiVersion = 2;
+// 3: complex32 accepted; complex nan/inf counted by parts, magnitudes in float64.
+constexpr int kAbiVersion = 3;
 
 // Columns of a row (overflow_fast/stats/layout.py).
 enum Column : int64_t { ABS_MIN, ABS_MAX, NAN_COUNT, POSINF, NEGINF, ZERO, SUBNORMAL, NUMEL, NUM_COLUMNS };
@@ -100,13 +103,14 @@ std::optional<Kind> kind_of(at::ScalarType dtype) {
     case at::kLong: return Kind::I64;
     case at::kByte: return Kind::U8;
     case at::kBool: return Kind::BOOL;
+    case at::kComplexHalf: return Kind::C32;
     case at::kComplexFloat: return Kind::C64;
     case at::kComplexDouble: return Kind::C128;
     default: return std::nullopt;
   }
 }
 
-bool is_complex(Kind kind) { return kind == Kind::C64 || kind == Kind::C128; }
+bool is_complex(Kind kind) { return kind == Kind::C32 || kind == Kind::C64 || kind == Kind::C128; }
 
 bool is_floating(Kind kind) {
   return kind == Kind::F64 || kind == Kind::F32 || kind == Kind::F16 || kind == Kind::BF16 ||
@@ -245,7 +249,20 @@ void write_row(const Plan& plan, const Partial& p, bool negated, int64_t numel, 
   out[NUMEL] = numel;
   out[ZERO] = p.zero * plan.repeat;
   const Kind kind = plan.kind;
-  if (is_floating(kind) || is_complex(kind)) {
+  if (is_complex(kind)) {
+    // nan/inf counted by parts (torch.isnan/isinf); the magnitudes are float64 (complex.cpp)
+    out[NAN_COUNT] = p.nan * plan.repeat;
+    out[POSINF] = p.posinf * plan.repeat;
+    out[SUBNORMAL] = (p.small - p.zero) * plan.repeat;
+    if (p.kmax > double_bits(std::numeric_limits<double>::infinity())) {
+      // some magnitude is NaN (the keys are positive NaN bits): torch's abs().min()/max()
+      // propagate it. An element inf+nan*j has magnitude inf, not NaN.
+      out[ABS_MIN] = out[ABS_MAX] = double_bits(std::numeric_limits<double>::quiet_NaN());
+    } else {
+      out[ABS_MIN] = p.kmin;  // already float64 bits
+      out[ABS_MAX] = p.kmax;
+    }
+  } else if (is_floating(kind)) {
     out[NAN_COUNT] = p.nan * plan.repeat;
     out[negated ? NEGINF : POSINF] = p.posinf * plan.repeat;
     out[negated ? POSINF : NEGINF] = p.neginf * plan.repeat;
@@ -253,9 +270,6 @@ void write_row(const Plan& plan, const Partial& p, bool negated, int64_t numel, 
     if (p.nan > 0) {
       // torch's abs().min()/max() propagate NaN
       out[ABS_MIN] = out[ABS_MAX] = double_bits(std::numeric_limits<double>::quiet_NaN());
-    } else if (is_complex(kind)) {
-      out[ABS_MIN] = p.kmin;  // already float64 bits
-      out[ABS_MAX] = p.kmax;
     } else {
       out[ABS_MIN] = double_bits(float_of_key(kind, p.kmin));
       out[ABS_MAX] = double_bits(float_of_key(kind, p.kmax));
@@ -278,16 +292,106 @@ void write_row(const Plan& plan, const Partial& p, bool negated, int64_t numel, 
   }
 }
 
+// The bytes [begin, end) that a tensor's elements can occupy.
+struct Extent {
+  uintptr_t begin = 0;
+  uintptr_t end = 0;
+  bool overlaps(const Extent& o) const { return begin < o.end && o.begin < end; }
+};
+
+// Checks that `t` is a plain, storage-backed CPU tensor whose every element lies inside memory
+// it owns, and returns the bytes its elements span (empty for numel 0). Every caller of the
+// module is checked here, not only dispatch.py: whatever reaches the kernel is read through raw
+// pointers, so anything else must become a Python error (RuntimeError), never a read of memory
+// the tensor does not own.
+Extent checked_extent(const at::Tensor& t, const std::string& name) {
+  constexpr const char* kWhere = "overflow_fast._C.compute: ";
+  TORCH_CHECK(t.defined(), kWhere, name, " is undefined");
+  const c10::DispatchKeySet keys = t.key_set();
+  // Wrapper subclasses (torch.Tensor._make_wrapper_subclass: DTensor, FakeTensor, a
+  // __torch_dispatch__ wrapper) have no data of their own: their storage is empty.
+  TORCH_CHECK(!keys.has_any(c10::python_ks), kWhere, name,
+              " is a tensor subclass that dispatches to Python (__torch_dispatch__, e.g. DTensor "
+              "or FakeTensor): it holds no data the kernel can read");
+  TORCH_CHECK(!keys.has(c10::DispatchKey::FuncTorchBatched) &&
+                  !keys.has(c10::DispatchKey::BatchedNestedTensor) &&
+                  !keys.has(c10::DispatchKey::FuncTorchGradWrapper) &&
+                  !keys.has(c10::DispatchKey::Functionalize),
+              kWhere, name, " is a functorch-wrapped tensor (vmap, grad or functionalize)");
+  TORCH_CHECK(!t.is_nested(), kWhere, name, " is a nested tensor");
+  TORCH_CHECK(!keys.has(c10::DispatchKey::ZeroTensor), kWhere, name,
+              " is an efficient zero tensor, which has no memory");
+  TORCH_CHECK(t.device().is_cpu(), kWhere, name, " is on ", t.device(), ", not the CPU");
+  TORCH_CHECK(t.layout() == at::kStrided && !t.is_quantized() && !t.is_mkldnn(), kWhere, name,
+              " is not a plain strided tensor (layout ", t.layout(), ")");
+  const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  const int64_t numel = t.numel();
+  if (numel == 0) {
+    return {};
+  }
+  // unsafe_storage(): storage() throws for the TensorImpl subclasses that have none
+  const c10::Storage& storage = impl->unsafe_storage();
+  TORCH_CHECK(storage && storage.data() != nullptr, kWhere, name, " has ", numel,
+              " elements but no storage or a null data pointer");
+  TORCH_CHECK(storage.device().is_cpu(), kWhere, name, "'s storage is on ", storage.device());
+  // The last element's offset, in elements from the start of the storage; each step checked
+  // for overflow. torch has no negative strides; refuse them rather than read before the start.
+  const int64_t offset = impl->storage_offset();
+  TORCH_CHECK(offset >= 0, kWhere, name, " has a negative storage offset ", offset);
+  uint64_t last = static_cast<uint64_t>(offset);
+  bool overflow = false;
+  const at::IntArrayRef sizes = t.sizes();
+  const at::IntArrayRef strides = t.strides();
+  for (size_t d = 0; d < sizes.size(); d++) {
+    TORCH_CHECK(strides[d] >= 0, kWhere, name, " has a negative stride ", strides[d], " in dimension ", d);
+    uint64_t step = 0;
+    overflow |= __builtin_mul_overflow(static_cast<uint64_t>(sizes[d] - 1),
+                                       static_cast<uint64_t>(strides[d]), &step);
+    overflow |= __builtin_add_overflow(last, step, &last);
+  }
+  const uint64_t itemsize = static_cast<uint64_t>(t.element_size());
+  uint64_t end_bytes = 0;
+  overflow |= __builtin_add_overflow(last, uint64_t{1}, &last);
+  overflow |= __builtin_mul_overflow(last, itemsize, &end_bytes);
+  const uint64_t nbytes = static_cast<uint64_t>(storage.nbytes());
+  TORCH_CHECK(!overflow && end_bytes <= nbytes, kWhere, name, " (sizes ", sizes, ", strides ", strides,
+              ", storage offset ", offset, ", ", itemsize, " bytes per element) reaches past the end of its storage of ",
+              nbytes, " bytes");
+  const uintptr_t base = reinterpret_cast<uintptr_t>(storage.data());
+  return {base + static_cast<uintptr_t>(offset) * itemsize, base + static_cast<uintptr_t>(end_bytes)};
+}
+
 at::Tensor compute(const std::vector<at::Tensor>& tensors, const std::optional<at::Tensor>& out_rows) {
   const int64_t n = static_cast<int64_t>(tensors.size());
+  std::vector<Extent> extents;
+  extents.reserve(tensors.size());
+  std::vector<Kind> kinds;
+  kinds.reserve(tensors.size());
+  for (int64_t i = 0; i < n; i++) {
+    const at::Tensor& t = tensors[i];
+    const std::string name = "tensors[" + std::to_string(i) + "]";
+    extents.push_back(checked_extent(t, name));
+    const std::optional<Kind> kind = kind_of(t.scalar_type());
+    TORCH_CHECK(kind.has_value(), "overflow_fast._C.compute: ", name, " has unsupported dtype ",
+                t.scalar_type());
+    kinds.push_back(*kind);
+  }
+
   at::Tensor result;
   if (out_rows.has_value()) {
     // rows of a caller's buffer (the detector's check="batch"): no allocation, no copy after
     result = *out_rows;
-    TORCH_CHECK(result.device().is_cpu() && result.scalar_type() == at::kLong && result.dim() == 2 &&
-                    result.size(0) == n && result.size(1) == NUM_COLUMNS && result.is_contiguous(),
+    const Extent out_extent = checked_extent(result, "out");
+    TORCH_CHECK(result.scalar_type() == at::kLong && result.dim() == 2 && result.size(0) == n &&
+                    result.size(1) == NUM_COLUMNS && result.is_contiguous() && !result.is_neg() &&
+                    !result.is_conj(),
                 "overflow_fast._C.compute: out must be a contiguous CPU int64 tensor of shape [", n, ", ",
                 NUM_COLUMNS, "]");
+    for (int64_t i = 0; i < n; i++) {
+      // zeroing out first would destroy such an input before it is read
+      TORCH_CHECK(!out_extent.overlaps(extents[i]), "overflow_fast._C.compute: out overlaps the memory of tensors[",
+                  i, "]");
+    }
     result.zero_();
   } else {
     result = at::zeros({n, NUM_COLUMNS}, at::TensorOptions().dtype(at::kLong));
@@ -299,18 +403,10 @@ at::Tensor compute(const std::vector<at::Tensor>& tensors, const std::optional<a
   int64_t total_cost = 0;
   for (int64_t i = 0; i < n; i++) {
     const at::Tensor& t = tensors[i];
-    TORCH_CHECK(t.defined(), "overflow_fast._C.compute: tensors[", i, "] is undefined");
-    TORCH_CHECK(t.device().is_cpu(), "overflow_fast._C.compute: tensors[", i, "] is on ",
-                t.device(), ", not the CPU");
-    TORCH_CHECK(t.layout() == at::kStrided && !t.is_quantized(),
-                "overflow_fast._C.compute: tensors[", i, "] is not a plain strided tensor");
-    const std::optional<Kind> kind = kind_of(t.scalar_type());
-    TORCH_CHECK(kind.has_value(), "overflow_fast._C.compute: tensors[", i, "] has unsupported dtype ",
-                t.scalar_type());
     if (t.numel() == 0) {
       continue;  // a row of zeros
     }
-    Plan plan = make_plan(t, i, *kind);
+    Plan plan = make_plan(t, i, kinds[i]);
     plan.cost_begin = total_cost;
     total_cost += plan.rows * plan.row_len * plan.cost;
     plan.cost_end = total_cost;

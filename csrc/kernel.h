@@ -239,6 +239,7 @@ inline void scan(Kind kind, const void* data, int64_t n, Partial& acc) {
     case Kind::U8:
     case Kind::BOOL:
       return scan_lanes<int8_t, Mode::Unsigned8>(static_cast<const int8_t*>(data), n, {}, acc);
+    case Kind::C32:
     case Kind::C64:
     case Kind::C128:
       return scan_complex(kind, data, n, acc);

@@ -12,7 +12,7 @@ enum class Kind : int {
   F64, F32, F16, BF16, F8E4M3FN, F8E5M2,  // floating: integer lanes holding the bits
   I8, I16, I32, I64,                      // signed integers
   U8, BOOL,                               // unsigned bytes
-  C64, C128,                              // complex: scalar path on the magnitude
+  C32, C64, C128,                         // complex: scalar path on the parts and the magnitude
 };
 
 // The statistics of part of one tensor. kmin/kmax are "keys" that order like |x| within a Kind:
@@ -20,7 +20,9 @@ enum class Kind : int {
 //   bits is the order of the magnitudes, and NaN bits sort above inf;
 // - signed integers: -|x|, which never overflows (so the max key is the min magnitude);
 // - uint8/bool: x ^ 0x80 as int8, which orders like x;
-// - complex: the float64 bits of |z|.
+// - complex: the float64 bits of |z| (NaN stored as the positive quiet NaN, above inf).
+// For complex kinds nan/posinf count elements with a NaN / an infinite part (torch.isnan/isinf);
+// neginf stays 0.
 struct Partial {
   int64_t kmin = std::numeric_limits<int64_t>::max();
   int64_t kmax = std::numeric_limits<int64_t>::min();
@@ -48,7 +50,7 @@ void scan_default(Kind kind, const void* data, int64_t n, Partial& acc);
 #ifdef OVERFLOW_FAST_HAVE_AVX2
 void scan_avx2(Kind kind, const void* data, int64_t n, Partial& acc);
 #endif
-// Complex kinds only; scalar (std::hypot), the same on every instruction set.
+// Complex kinds only; scalar (std::hypot in float64), the same on every instruction set.
 void scan_complex(Kind kind, const void* data, int64_t n, Partial& acc);
 
 }  // namespace overflow_fast

@@ -6,12 +6,13 @@ Keep inputs small (it walks every element in Python).
 """
 
 import math
+from decimal import Decimal, localcontext
 
 import torch
 
 FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64) + FLOAT8
-COMPLEX_DTYPES = (torch.complex64, torch.complex128)
+COMPLEX_DTYPES = (torch.complex32, torch.complex64, torch.complex128)
 INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 ALL_DTYPES = FLOAT_DTYPES + COMPLEX_DTYPES + INT_DTYPES + (torch.bool,)
 
@@ -22,10 +23,24 @@ _TINY = {
     torch.float64: 2.0**-1022,
     torch.float8_e4m3fn: 2.0**-6,
     torch.float8_e5m2: 2.0**-14,
+    torch.complex32: 2.0**-14,
     torch.complex64: 2.0**-126,
     torch.complex128: 2.0**-1022,
 }
+_COMPLEX_PART = {torch.complex32: torch.float16, torch.complex64: torch.float32, torch.complex128: torch.float64}
 _SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def hypot(re: float, im: float) -> float:
+    """|re + im*j| correctly rounded to float64. math.hypot is, except for subnormal results,
+    which it rounds twice (scaled by DBL_MIN); those are redone exactly in decimal."""
+    m = math.hypot(re, im)
+    if 0.0 < m < 2.0**-1021:
+        with localcontext() as context:
+            context.prec = 80
+            exact = (Decimal(re) * Decimal(re) + Decimal(im) * Decimal(im)).sqrt()
+        m = float(exact)  # str -> float: correctly rounded, subnormals included
+    return m
 
 
 def reference_stats(x: torch.Tensor) -> dict:
@@ -34,16 +49,18 @@ def reference_stats(x: torch.Tensor) -> dict:
     flat = x.detach().reshape(-1)
     numel = flat.numel()
     if dtype.is_complex:
-        values = [complex(v) for v in flat.tolist()]
-        if dtype == torch.complex64:
-            # the magnitude of a complex64 is defined in float32 (torch's abs, C hypotf)
-            mags = flat.abs().double().tolist()
-        else:
-            mags = [math.hypot(v.real, v.imag) for v in values]
-        nan = sum(math.isnan(m) for m in mags)
-        posinf = sum(math.isinf(m) for m in mags)
+        # the parts as Python floats (float64 holds every part exactly): the raw bits of each
+        # part widened by torch's exact float conversion, with the conj/neg bits resolved first
+        parts = flat.resolve_conj().resolve_neg()
+        parts = parts.contiguous().view(_COMPLEX_PART[dtype]).to(torch.float64).tolist()
+        pairs = list(zip(parts[0::2], parts[1::2]))
+        # nan/inf by parts, as torch.isnan/isinf count them; an inf+nan*j element counts in both
+        nan = sum(math.isnan(re) or math.isnan(im) for re, im in pairs)
+        posinf = sum(math.isinf(re) or math.isinf(im) for re, im in pairs)
         neginf = 0
-        values = mags
+        # the magnitude in float64, without overflow for complex32/64 (hypot(inf, nan) is inf);
+        # a complex128 magnitude above the float64 range is inf with finite parts
+        mags = [hypot(re, im) for re, im in pairs]
     elif dtype.is_floating_point:
         # float64 holds every value of every narrower float dtype exactly
         values = flat.to(torch.float64).tolist() if dtype not in FLOAT8 else flat.float().double().tolist()
@@ -57,7 +74,7 @@ def reference_stats(x: torch.Tensor) -> dict:
         nan = posinf = neginf = 0
     if numel == 0:
         abs_min = abs_max = None
-    elif nan or any(isinstance(m, float) and math.isnan(m) for m in mags):
+    elif (nan and not dtype.is_complex) or any(isinstance(m, float) and math.isnan(m) for m in mags):
         abs_min = abs_max = math.nan
     else:
         abs_min, abs_max = min(mags), max(mags)
@@ -104,8 +121,7 @@ def random_bits(dtype: torch.dtype, shape, generator=None) -> torch.Tensor:
         return torch.randint(0, 2, shape, generator=generator).bool()
     size = torch.empty((), dtype=dtype).element_size()
     if dtype.is_complex:
-        part = torch.float32 if dtype == torch.complex64 else torch.float64
-        real = random_bits(part, tuple(shape) + (2,), generator)
+        real = random_bits(_COMPLEX_PART[dtype], tuple(shape) + (2,), generator)
         return torch.view_as_complex(real.contiguous())
     ints = torch.randint(-(2**62), 2**62, tuple(shape), generator=generator, dtype=torch.int64)
     ints = ints ^ (torch.randint(0, 2, tuple(shape), generator=generator, dtype=torch.int64) << 63)
@@ -120,16 +136,19 @@ def special_values(dtype: torch.dtype) -> torch.Tensor:
     if dtype == torch.bool:
         return torch.tensor([True, False, True])
     if dtype.is_floating_point or dtype.is_complex:
-        base = torch.float32 if dtype == torch.complex64 else torch.float64 if dtype.is_complex else dtype
+        base = _COMPLEX_PART.get(dtype, dtype)
         info = torch.finfo(base)
         values = [0.0, -0.0, 1.0, -1.0, info.max, -info.max, info.tiny, -info.tiny]
         if info.smallest_normal > 0 and base not in FLOAT8:
             values += [info.tiny / 2, -info.tiny / 4]
         values += [math.nan, math.inf, -math.inf]
         if dtype.is_complex:
-            reals = torch.tensor(values, dtype=torch.float64)
-            out = torch.complex(reals, reals.flip(0)).to(dtype)
-            return out
+            reals = torch.tensor(values, dtype=base)
+            # every (re, im) pair of the values above: max+max*j overflows a naive |z| in the
+            # part's precision, inf+nan*j counts as a nan and an inf with magnitude inf, ...
+            re = reals.repeat_interleave(len(values))
+            im = reals.repeat(len(values))
+            return torch.view_as_complex(torch.stack([re, im], dim=-1).contiguous())
         if dtype == torch.float8_e4m3fn:
             # no infinities: build from raw bytes (0x7F is NaN, 0x7E max finite, 0x01 min subnormal)
             return torch.tensor([0x00, 0x80, 0x38, 0xB8, 0x7E, 0xFE, 0x08, 0x88, 0x01, 0x87, 0x7F, 0xFF],

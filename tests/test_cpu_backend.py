@@ -3,6 +3,7 @@ torch backend, on every dtype, special value, layout and size class, on both ker
 (AVX2 and the portable baseline); and the fallback when the extension cannot be used."""
 
 import importlib
+import math
 import os
 import shutil
 import subprocess
@@ -228,9 +229,8 @@ def test_exact_integer_extremes():
     check(tensors)
 
 
-@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
 def test_unsupported_inputs():
-    unsupported = [torch.zeros(3, dtype=d) for d in (torch.uint16, torch.uint32, torch.complex32)
+    unsupported = [torch.zeros(3, dtype=d) for d in (torch.uint16, torch.uint32)
                    if hasattr(torch, str(d).replace("torch.", ""))]
     for x in unsupported:
         assert not cpu_backend.supports(x)
@@ -436,3 +436,195 @@ def test_rows_written_into_out(capability):
     assert (buffer[0] == -1).all() and (buffer[3] == -1).all()
     with pytest.raises(RuntimeError, match="out must be a contiguous CPU int64 tensor"):
         cpu_backend.compute([x], out=torch.zeros(2, 8, dtype=torch.int64))
+
+
+# ---------------------------------------------------------------------------------------------
+# Defence in depth: the binding checks every input itself. Anything that is not a plain,
+# storage-backed CPU tensor is a RuntimeError naming the tensor, never a read of memory it
+# does not own. Run in a subprocess: a segfault there fails the test instead of killing pytest.
+
+_BINDING_CASES = r'''
+import sys, torch
+import overflow_fast._C as C
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+class Wrapper(torch.Tensor):  # the DTensor / torchao pattern: no storage of its own
+    @staticmethod
+    def __new__(cls, inner):
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype, device=inner.device)
+    def __init__(self, inner):
+        self.inner = inner
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        un = lambda a: a.inner if isinstance(a, Wrapper) else a
+        return func(*[un(a) for a in args], **{k: un(v) for k, v in (kwargs or {}).items()})
+
+def case(name, tensors, out=None):
+    print("CASE", name, flush=True)  # the last one printed is the one that crashed
+    try:
+        C.compute(tensors, out)
+        print("RESULT", name, "no error", flush=True)
+    except RuntimeError as error:
+        print("RESULT", name, str(error).splitlines()[0], flush=True)
+
+ok = torch.ones(3)
+case("wrapper", [Wrapper(torch.tensor([1.0, 2.0]))])
+case("wrapper second", [ok, Wrapper(torch.tensor([1.0, 2.0]))])
+case("wrapper empty", [Wrapper(torch.zeros(0))])
+with FakeTensorMode():
+    fake = torch.ones(3)
+case("fake", [fake])
+case("meta", [torch.ones(3, device="meta")])
+freed = torch.ones(4)
+freed.untyped_storage().resize_(0)  # as FSDP frees a parameter's storage
+case("freed storage", [freed])
+base = torch.ones(4)
+tail = base[2:]
+base.untyped_storage().resize_(8)  # the view now reaches past the end of its storage
+case("past the end", [ok, tail])
+case("zero tensor", [torch._efficientzerotensor(3)])
+case("nested", [torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])])
+case("jagged", [torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], layout=torch.jagged)])
+def inside_vmap(x):
+    case("vmap", [x])
+    return x.sum()
+torch.func.vmap(inside_vmap)(torch.ones(2, 3))
+torch.func.grad(inside_vmap)(torch.ones(3))
+rows = torch.ones(2, 8, dtype=torch.int64)
+case("out is an input", [ok, rows], out=rows)
+print("INTACT", bool((rows == 1).all()), flush=True)
+buffer = torch.ones(3, 8, dtype=torch.int64)
+case("out overlaps a view", [buffer[1, 4:]], out=buffer[1:2])
+case("out beside an input", [buffer[2]], out=buffer[1:2])
+case("out wrapper", [ok], out=Wrapper(torch.zeros(1, 8, dtype=torch.int64)))
+case("out meta", [ok], out=torch.zeros(1, 8, dtype=torch.int64, device="meta"))
+case("out float", [ok], out=torch.zeros(1, 8))
+case("out strided", [ok], out=torch.zeros(8, 1, dtype=torch.int64).t())
+freed_out = torch.zeros(1, 8, dtype=torch.int64)
+freed_out.untyped_storage().resize_(0)
+case("out freed", [ok], out=freed_out)
+print("DONE", flush=True)
+'''
+
+_BINDING_EXPECTED = {
+    "wrapper": "tensors[0] is a tensor subclass that dispatches to Python",
+    "wrapper second": "tensors[1] is a tensor subclass that dispatches to Python",
+    "wrapper empty": "tensors[0] is a tensor subclass that dispatches to Python",
+    "fake": "tensors[0] is a tensor subclass that dispatches to Python",
+    "meta": "tensors[0] is on meta, not the CPU",
+    "freed storage": "tensors[0] has 4 elements but no storage or a null data pointer",
+    "past the end": "tensors[1] (sizes [2], strides [1], storage offset 2, 4 bytes per element) "
+                    "reaches past the end of its storage of 8 bytes",
+    "zero tensor": "tensors[0] is an efficient zero tensor",
+    "nested": "tensors[0] is a nested tensor",
+    "jagged": "tensors[0] is a tensor subclass that dispatches to Python",  # torch's NestedTensor
+    "vmap": "tensors[0] is a functorch-wrapped tensor",
+    "out is an input": "out overlaps the memory of tensors[1]",
+    "out overlaps a view": "out overlaps the memory of tensors[0]",
+    "out beside an input": "no error",
+    "out wrapper": "out is a tensor subclass that dispatches to Python",
+    "out meta": "out is on meta, not the CPU",
+    "out float": "out must be a contiguous CPU int64 tensor",
+    "out strided": "out must be a contiguous CPU int64 tensor",
+    "out freed": "out has 8 elements but no storage or a null data pointer",
+}
+
+
+def test_binding_rejects_what_it_cannot_read():
+    proc = subprocess.run([sys.executable, "-c", _BINDING_CASES], capture_output=True, text=True, timeout=300)
+    lines = proc.stdout.splitlines()
+    assert proc.returncode == 0 and "DONE" in lines, (
+        f"exit {proc.returncode} (a negative status is a signal: -11 a segfault) after "
+        f"{[l for l in lines if l.startswith('CASE')][-1:]}\n{proc.stderr[-3000:]}"
+    )
+    results = {}
+    for line in lines:
+        if line.startswith("RESULT "):
+            name, _, message = line[len("RESULT "):].partition(" overflow_fast._C.compute: ")
+            if not message:
+                name, message = line[len("RESULT "):].rsplit(" no error", 1)[0], "no error"
+            results.setdefault(name, []).append(message)
+    assert "INTACT True" in lines  # the input given as out was not zeroed
+    for name, expected in _BINDING_EXPECTED.items():
+        assert name in results, (name, sorted(results))
+        for message in results[name]:  # vmap and grad both report as "vmap"
+            assert message.startswith(expected), (name, message)
+
+
+def test_out_overlapping_an_input_is_refused_and_the_input_kept():
+    x = torch.tensor([[1.0, -2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]], dtype=torch.float64)
+    rows = x.view(torch.int64)  # the same memory, as the rows it would be asked to fill
+    before = x.clone()
+    with pytest.raises(RuntimeError, match=r"out overlaps the memory of tensors\[0\]"):
+        cpu_backend.compute([x], out=rows)
+    assert torch.equal(x, before)
+
+
+# ---------------------------------------------------------------------------------------------
+# Complex (issue 8 item 4): nan/inf by parts, magnitudes in float64 without overflow; cpu and
+# torch backends against the oracle (the triton backend takes no complex).
+
+COMPLEX = [torch.complex32, torch.complex64, torch.complex128]
+BACKENDS = {"cpu": cpu_stats, "torch": torch_stats}
+
+
+def _complex(dtype, pairs):
+    part = {torch.complex32: torch.float16, torch.complex64: torch.float32}.get(dtype, torch.float64)
+    return torch.view_as_complex(torch.tensor(pairs, dtype=torch.float64).to(part).contiguous())
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_complex_semantics(backend):
+    stats = BACKENDS[backend]
+    inf, nan = float("inf"), float("nan")
+    cases = [
+        # finite parts, magnitude above float32's range: no inf (the reference's isinf agrees)
+        (torch.complex64, [[3e38, 3e38]], dict(abs_max=math.hypot(float(torch.tensor(3e38)), float(torch.tensor(3e38))),
+                                                posinf=0, nan=0)),
+        # an infinite and a NaN part: counted as both, magnitude inf (hypot, torch's abs)
+        (torch.complex64, [[inf, nan], [1.0, 0.0]], dict(abs_max=inf, abs_min=1.0, posinf=1, nan=1)),
+        (torch.complex128, [[nan, inf]], dict(abs_max=inf, abs_min=inf, posinf=1, nan=1)),
+        # a NaN part alone: magnitude NaN
+        (torch.complex64, [[nan, 0.0], [2.0, 0.0]], dict(abs_max=nan, abs_min=nan, posinf=0, nan=1)),
+        # complex128: the magnitude itself overflows float64, the parts are finite
+        (torch.complex128, [[1e308, 1e308], [1.0, 0.0]], dict(abs_max=inf, abs_min=1.0, posinf=0, nan=0)),
+        (torch.complex128, [[-inf, 0.0], [0.0, -inf]], dict(abs_max=inf, posinf=2, neginf=0, nan=0)),
+        # complex32: float16 parts, magnitude in float64; subnormal below 2^-14
+        (torch.complex32, [[65504.0, 65504.0]], dict(abs_max=math.hypot(65504.0, 65504.0), posinf=0)),
+        (torch.complex32, [[2.0**-15, 0.0], [2.0**-14, 0.0], [0.0, -0.0], [inf, 1.0]],
+         dict(subnormal=1, zero=1, abs_min=0.0, abs_max=inf, posinf=1)),
+        (torch.complex64, [[2.0**-127, 2.0**-127], [2.0**-126, 0.0]], dict(subnormal=1, abs_min=math.hypot(2.0**-127, 2.0**-127))),
+    ]
+    for dtype, pairs, want in cases:
+        x = _complex(dtype, pairs)
+        (got,) = stats([x])
+        assert_stats_equal([got], [x], f"{backend} {pairs}")
+        for key, value in want.items():
+            if isinstance(value, float) and math.isnan(value):
+                assert math.isnan(got[key]), (pairs, key, got)
+            else:
+                assert got[key] == value, (pairs, key, got)
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+@pytest.mark.parametrize("dtype", COMPLEX, ids=ids)
+def test_complex_magnitudes_element_by_element(dtype):
+    """Parts of similar size, where hypot implementations differ in the last place (glibc's by one
+    ulp for about 1% of them): each element alone, so its magnitude is the row's abs_min."""
+    generator = torch.Generator().manual_seed(9)
+    part = {torch.complex32: torch.float16, torch.complex64: torch.float32}.get(dtype, torch.float64)
+    re = random_bits(part, (3000,), generator).double()
+    im = (re * (torch.rand(3000, generator=generator, dtype=torch.float64) * 1.5 + 0.5))
+    pairs = torch.stack([re, im], dim=-1).to(part)
+    if dtype == torch.complex128:  # and results near and below the smallest normal
+        tiny = torch.rand(500, 2, generator=generator, dtype=torch.float64) * 2.0**-1021
+        pairs = torch.cat([pairs, tiny])
+    values = torch.view_as_complex(pairs.contiguous())
+    tensors = [values[i:i + 1] for i in range(values.numel())]
+    got = cpu_stats(tensors)
+    assert_stats_equal(got, tensors, "cpu")
+    # the torch backend computes the same magnitudes in one vectorised pass
+    mags = torch_backend._magnitude(values.to(torch.complex128).real, values.to(torch.complex128).imag)
+    for i, (g, m) in enumerate(zip(got, mags.tolist())):
+        assert same_stats({"m": g["abs_min"]}, {"m": m}), (i, values[i].item(), g["abs_min"], m)

@@ -91,7 +91,7 @@ def test_tensors_with_grad_and_parameters():
         (([torch.ones(2)], 1), TypeError, "backend"),
         (([torch.ones(2).to_sparse()],), TypeError, r"tensors\[0\] cannot be read: sparse_coo layout"),
         (([torch.ones(2, device="meta")],), TypeError, "meta"),
-        (([torch.ones(2, dtype=torch.complex32)],), TypeError, "dtype complex32 is not supported"),
+        (([torch.zeros(2, dtype=torch.float8_e4m3fnuz)],), TypeError, "dtype float8_e4m3fnuz is not supported"),
     ],
 )
 def test_bad_input_gets_a_clear_error(args, error, message):

@@ -15,12 +15,12 @@ from .source_hash import source_hash
 NAME = "cpu"
 
 # Must equal kAbiVersion in csrc/binding.cpp.
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 SUPPORTED_DTYPES = frozenset({
     torch.float64, torch.float32, torch.float16, torch.bfloat16,
     torch.float8_e4m3fn, torch.float8_e5m2,
-    torch.complex64, torch.complex128,
+    torch.complex32, torch.complex64, torch.complex128,
     torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool,
 })
 

@@ -27,6 +27,7 @@ SMALLEST_NORMAL = {
     torch.float8_e4m3fn: 2.0**-6,
     torch.float8_e5m2: 2.0**-14,
     # complex dtypes classify their magnitude against the real part's dtype
+    torch.complex32: 2.0**-14,
     torch.complex64: 2.0**-126,
     torch.complex128: 2.0**-1022,
 }

@@ -46,6 +46,73 @@ def _unsigned_min_max(x: torch.Tensor, sign_bit: int):
     return lo, hi
 
 
+def _pow2(exponent: torch.Tensor) -> torch.Tensor:
+    """2.0**exponent (int64, in [-1022, 1023]) built from its bits, exactly."""
+    return ((exponent + 1023) << 52).view(torch.float64)
+
+
+def _ldexp(x: torch.Tensor, exponent: torch.Tensor) -> torch.Tensor:
+    """x * 2**exponent with one rounding (|exponent| <= 1100): two exact power-of-two steps."""
+    half = torch.div(exponent, 2, rounding_mode="trunc")
+    return x * _pow2(half) * _pow2(exponent - half)
+
+
+def _exact_square(a: torch.Tensor):
+    """a * a = hi + lo exactly (Dekker; one op per kernel, so nothing is fused into an FMA)."""
+    hi = a * a
+    c = a * 134217729.0  # 2**27 + 1
+    a_hi = c - (c - a)
+    a_lo = a - a_hi
+    lo = ((a_hi * a_hi - hi) + (a_hi * a_lo) * 2.0) + a_lo * a_lo
+    return hi, lo
+
+
+def _magnitude(re: torch.Tensor, im: torch.Tensor) -> torch.Tensor:
+    """sqrt(re**2 + im**2) of float64 parts, as csrc/complex.cpp computes it, op for op: the
+    larger part scaled into [0.5, 1), the sum of squares as an exact double-double, sqrt
+    corrected by the exact residual (torch's abs is one ulp off for some operands)."""
+    x, y = re.abs(), im.abs()
+    big, small = torch.maximum(x, y), torch.minimum(x, y)
+    finite = torch.isfinite(big)
+    big_f = torch.where(finite, big, 1.0)
+    _, exponent = torch.frexp(big_f)
+    exponent = exponent.to(torch.int64)
+    xs = _ldexp(big_f, -exponent)
+    ys = _ldexp(torch.where(finite, small, 0.0), -exponent)
+    xx, xx_lo = _exact_square(xs)
+    yy, yy_lo = _exact_square(ys)
+    s = xx + yy
+    b_virtual = s - xx
+    s_lo = (xx - (s - b_virtual)) + (yy - b_virtual)
+    lo = s_lo + (xx_lo + yy_lo)
+    h = torch.sqrt(s + lo)
+    hh, hh_lo = _exact_square(h)
+    residual = (s - hh) + (lo - hh_lo)
+    h = h + residual / (h * 2.0)
+    result = _ldexp(h, exponent)
+    # a subnormal result was rounded twice: redo the last rounding against the midpoints
+    subnormal = h < _pow2((-1022 - exponent).clamp(-1022, 1023))
+    if bool(subnormal.any()):  # rare: a host sync only then
+        half_grid = _ldexp(torch.ones_like(h), (-1075 - exponent).clamp(-1100, 1100))
+        c = _ldexp(result, -exponent)
+
+        def excess(mid):
+            mm, mm_lo = _exact_square(mid)
+            return (s - mm) + (lo - mm_lo)
+
+        odd = (result.view(torch.int64) & 1) == 1
+        up = excess(c + half_grid)
+        down = excess(c - half_grid)
+        go_up = (up > 0) | ((up == 0) & odd)
+        go_down = ~go_up & (result > 0) & ((down < 0) | ((down == 0) & odd))
+        fixed = torch.where(go_up, torch.nextafter(result, torch.ones_like(result)), result)
+        fixed = torch.where(go_down, torch.nextafter(result, torch.zeros_like(result)), fixed)
+        result = torch.where(subnormal, fixed, result)
+    m = torch.where(small == 0, big, result)
+    m = torch.where(torch.isnan(re) | torch.isnan(im), torch.nan, m)
+    return torch.where(torch.isinf(re) | torch.isinf(im), torch.inf, m)
+
+
 def _row(x: torch.Tensor) -> torch.Tensor:
     device = x.device
     zero_count = torch.zeros((), dtype=torch.int64, device=device)
@@ -60,20 +127,31 @@ def _row(x: torch.Tensor) -> torch.Tensor:
         zeros = numel - x.sum(dtype=torch.int64)
         return torch.stack([abs_min, abs_max, zero_count, zero_count, zero_count, zeros, zero_count, numel])
 
-    if dtype.is_floating_point or dtype.is_complex:
+    if dtype.is_complex:
+        if dtype == torch.complex32:
+            x = x.to(torch.complex64)  # exact widening; complex32 has few ops
+        # nan and inf by parts, as torch.isnan/isinf (and the reference) count them
+        nans = torch.isnan(x).sum()
+        posinf = torch.isinf(x).sum()
+        # the magnitude in float64 (hypot of the widened parts): a complex64 magnitude never
+        # overflows; NaN only when a part is NaN and none is infinite (hypot(inf, nan) = inf)
+        parts = torch.view_as_real(x.resolve_conj().resolve_neg()).to(torch.float64)
+        a = _magnitude(parts[..., 0], parts[..., 1])
+        abs_min, abs_max = torch.aminmax(a)
+        zeros = (a == 0).sum()
+        subnormal = ((a > 0) & (a < SMALLEST_NORMAL[dtype])).sum()
+        return torch.stack(
+            [_float_bits(abs_min), _float_bits(abs_max), nans, posinf, zero_count, zeros, subnormal, numel]
+        )
+
+    if dtype.is_floating_point:
         if dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
             x = x.to(torch.float32)  # exact widening; fp8 has few native reductions
         a = x.abs()
         abs_min, abs_max = torch.aminmax(a)  # NaN propagates, as in the reference's abs().min()
-        if dtype.is_complex:
-            # complex values are classified by their magnitude
-            nans = torch.isnan(a).sum()
-            posinf = torch.isinf(a).sum()
-            neginf = zero_count
-        else:
-            nans = torch.isnan(x).sum()
-            posinf = (x == float("inf")).sum()
-            neginf = (x == float("-inf")).sum()
+        nans = torch.isnan(x).sum()
+        posinf = (x == float("inf")).sum()
+        neginf = (x == float("-inf")).sum()
         zeros = (a == 0).sum()
         subnormal = ((a > 0) & (a < SMALLEST_NORMAL[dtype])).sum()
         return torch.stack(
