@@ -159,3 +159,22 @@ def test_rows_written_into_out(backend, split, monkeypatch):
 def test_bad_out_gets_a_clear_error(out, error, message):
     with pytest.raises(error, match=message):
         tensor_stats([torch.ones(2), torch.ones(3)], out=out)
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+def test_complex_by_parts_and_magnitude_without_overflow():
+    # nan/inf by parts (torch.isnan/isinf, as the reference tests them); |z| in float64
+    inf, nan = float("inf"), float("nan")
+    x = torch.tensor([3e38 + 3e38j, complex(inf, nan), complex(nan, 0.0), 1 + 0j], dtype=torch.complex64)
+    (stats,) = tensor_stats([x[:1]], backend="torch").tolist()
+    assert stats["posinf"] == 0 and stats["abs_max"] == math.hypot(float(x[0].real), float(x[0].imag))
+    (stats,) = tensor_stats([x[1:2]], backend="torch").tolist()
+    assert stats["nan"] == 1 and stats["posinf"] == 1 and stats["abs_max"] == inf
+    (stats,) = tensor_stats([x[2:]], backend="torch").tolist()
+    assert stats["nan"] == 1 and stats["posinf"] == 0 and math.isnan(stats["abs_max"])
+    (stats,) = tensor_stats([torch.tensor([1e308 + 1e308j])], backend="torch").tolist()
+    assert stats["abs_max"] == inf and stats["posinf"] == 0  # the magnitude overflows float64 itself
+    half = torch.tensor([65504 + 65504j, 2.0**-15], dtype=torch.complex32)
+    (stats,) = tensor_stats([half], backend="torch").tolist()
+    assert stats["posinf"] == 0 and stats["subnormal"] == 1 and stats["abs_max"] == math.hypot(65504.0, 65504.0)
+    oracle.assert_stats_equal([stats], [half])
