@@ -65,7 +65,8 @@ class DebugUnderflowOverflow:
                 raise ValueError(f"max_frames_to_save must be >= 0, got {max_frames_to_save}")
         if trace_batch_nums is None:
             trace_batch_nums = []
-        if isinstance(trace_batch_nums, (str, bytes)) or not hasattr(trace_batch_nums, "__contains__"):
+        if isinstance(trace_batch_nums, (str, bytes)) or not (
+                hasattr(trace_batch_nums, "__contains__") or hasattr(trace_batch_nums, "__iter__")):
             raise TypeError(
                 f"trace_batch_nums must be a container of batch numbers, got {type(trace_batch_nums).__name__}"
             )
@@ -345,7 +346,9 @@ def _usable_backend(backend):
         reason = backend_status()[backend]
         if reason is not None:
             warnings.warn(f"overflow_fast: backend={backend!r} is unavailable ({reason}); the detector "
-                          "uses the default backend of each device instead", RuntimeWarning, stacklevel=3)
+                          "uses the default backend of each device instead ('cpu' for CPU tensors, "
+                          "'triton' for CUDA ones, 'torch' where those cannot run)", RuntimeWarning,
+                          stacklevel=3)
             return None
     return backend
 

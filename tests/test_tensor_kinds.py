@@ -664,6 +664,11 @@ def _make(case, kind):
             tensor = _view(base.clone(), view)
         return tensor, _view(base, view)
     plain = _view(base, view)
+    if kind in ("wrapper", "wrapper_parameter", "opaque") and plain.is_neg():
+        # ops inside __torch_dispatch__ run below the Negative key, so a wrapper around a lazy
+        # negation exposes the un-negated bits to every op (torch's behaviour, not ours): the
+        # wrapper's values are those of the resolved tensor only once it is resolved
+        plain = plain.resolve_neg()
     if kind == "torch_function":
         return _view(base.as_subclass(TorchFunctionTensor), view), plain
     if kind == "wrapper":

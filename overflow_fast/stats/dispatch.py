@@ -161,12 +161,26 @@ class _ThroughOps:
     @staticmethod
     def compute(tensors, out=None):
         torch_backend = _load("torch")[0]
-        rows = [[int(v) for v in torch_backend.compute([t]).reshape(-1).tolist()] for t in tensors]
+        rows = []
+        for tensor in tensors:
+            try:
+                rows.append(_host_row(torch_backend.compute([tensor]).reshape(-1)))
+            except Exception as error:
+                raise TypeError(f"tensor_stats: a {type(tensor).__name__} cannot be read through torch ops: "
+                                f"{kinds.short_reason(f'{type(error).__name__}: {error}')}") from error
         device = tensors[0].device
         values = torch.tensor(rows, dtype=torch.int64).to(device)
         if out is None:
             return values
         return out.copy_(values)
+
+
+def _host_row(row):
+    """A row computed on a subclass may itself be one (its ops return wrappers again)."""
+    try:
+        return [int(v) for v in row.tolist()]
+    except Exception:
+        return [int(row[i].item()) for i in range(row.numel())]
 
 
 def tensor_stats(tensors, backend=None, *, out=None) -> StatsBatch:

@@ -94,9 +94,7 @@ def _plan(tensor):
     if tensor.dtype not in SUPPORTED_DTYPES:
         return f"dtype {str(tensor.dtype).replace('torch.', '')} is not supported"
     if tensor.is_nested:  # strided layout (the jagged one is a dispatch subclass)
-        values = tensor.values() if tensor.is_contiguous() else torch.cat(
-            [component.reshape(-1) for component in tensor.unbind()])
-        return _plan(values)
+        return _plan(_nested_elements(tensor))
     if tensor.layout in _SPARSE_LAYOUTS:
         if tensor.layout == torch.sparse_coo:
             values = (tensor if tensor.is_coalesced() else tensor.coalesce())._values()
@@ -111,6 +109,14 @@ def _plan(tensor):
     return Plan(tensor)
 
 
+def _nested_elements(tensor):
+    """The elements of a nested tensor: its values buffer when that holds exactly them, else (a
+    narrowed or transposed view) a copy of its components."""
+    if tensor.is_contiguous():
+        return tensor.values()
+    return torch.cat([component.reshape(-1) for component in tensor.unbind()])
+
+
 def _plan_dispatch_subclass(tensor):
     from torch._subclasses.fake_tensor import FakeTensor
 
@@ -118,8 +124,8 @@ def _plan_dispatch_subclass(tensor):
         return "fake tensors hold no data"
     if tensor.is_meta:
         return "meta tensors hold no data"
-    if tensor.is_nested:  # jagged: the values buffer holds every element
-        return _plan(tensor.values())
+    if tensor.is_nested:  # jagged
+        return _plan(_nested_elements(tensor))
     to_local = getattr(tensor, "to_local", None)
     if _is_dtensor(tensor) and to_local is not None:
         return _plan(to_local())
