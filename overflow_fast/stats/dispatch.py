@@ -136,16 +136,20 @@ def _check_out(out, tensors):
             f"out must be a contiguous int64 tensor of shape ({len(tensors)}, {NUM_COLUMNS}), "
             f"got {type(out).__name__} {out.dtype} {tuple(out.shape)}"
         )
-    out_storage = out.untyped_storage().data_ptr()
+    # Rows are zeroed or written before every input is read: out must not share their memory.
+    # Only a tensor starting inside out's allocation can share it (allocations never overlap),
+    # so the exact extents are computed for those alone (this runs in every check="batch" hook).
+    storage = out.untyped_storage()
+    storage_first = storage.data_ptr()
+    storage_last = storage_first + storage.nbytes()
     out_first, out_last = _byte_extent(out)
     for index, tensor in enumerate(tensors):
         if not isinstance(tensor, torch.Tensor):
             continue
         if tensor.device != out.device:
             raise ValueError(f"out is on {out.device} but tensors[{index}] is on {tensor.device}")
-        # rows are zeroed or written before every input is read: out must not share their memory
-        if (type(tensor) in PLAIN_TYPES and tensor.layout == torch.strided and tensor.numel()
-                and not tensor.is_meta and tensor.untyped_storage().data_ptr() == out_storage):
+        if (type(tensor) in PLAIN_TYPES and tensor.layout == torch.strided and not tensor.is_meta
+                and storage_first <= tensor.data_ptr() < storage_last and tensor.numel()):
             first, last = _byte_extent(tensor)
             if first < out_last and out_first < last:
                 raise ValueError(f"out overlaps the memory of tensors[{index}]; its rows would overwrite it")
