@@ -1,0 +1,40 @@
+"""Packaging (issue 8 item 10): the sdist carries every C++ source, and a wheel built from it
+alone installs and loads its kernel. Both run tests/check_wheel.sh, which .ci/run also runs
+in full after `make test`."""
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tests" / "check_wheel.sh"
+
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("build") is None, reason="the `build` package is not installed"),
+    pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(), reason="not a git checkout"),
+]
+
+
+def run_check(**env):
+    return subprocess.run(["bash", str(SCRIPT), sys.executable], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, **env}, timeout=900)
+
+
+def test_sdist_has_every_cpp_source():
+    proc = run_check(CHECK_WHEEL_SDIST_ONLY="1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "sdist OK" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("OVERFLOW_FAST_SLOW_TESTS") != "1",
+                    reason="compiles the extension again (1-2 min); set OVERFLOW_FAST_SLOW_TESTS=1 (.ci/run runs it)")
+def test_wheel_from_the_sdist_loads_its_kernel():
+    proc = run_check()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "installed wheel OK" in proc.stdout
