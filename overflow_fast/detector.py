@@ -50,11 +50,16 @@ class DebugUnderflowOverflow:
       counter unchanged, e.g. one module's output and the next one's input) is not read again.
       Turn it off if tensors are written through aliases that bypass the version counter.
     - ``buffer_rows``: rows of the device buffer of ``check="batch"`` (read early when full).
+    - ``kwargs``: keyword tensor inputs get lines too (``input[hidden_states]``); the reference
+      sees positional inputs only.
+    - ``containers``: tensors inside dicts, lists, ModelOutputs, dataclasses and nested tuples get
+      lines named by their path (``output[loss]``) instead of one ``not a tensor`` line.
     - ``remove()`` and use as a context manager take the hooks off again.
     """
 
     def __init__(self, model, max_frames_to_save=21, trace_batch_nums=None, abort_after_batch_num=None,
-                 check="module", backend=None, buffer_rows=DEFAULT_BUFFER_ROWS, reuse_stats=True):
+                 check="module", backend=None, buffer_rows=DEFAULT_BUFFER_ROWS, reuse_stats=True,
+                 kwargs=False, containers=False):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         # The reference takes whatever its deque, `in` and `>` take: None (an unbounded ring),
@@ -84,6 +89,8 @@ class DebugUnderflowOverflow:
         self.check = check
         self.backend = _usable_backend(backend)
         self.reuse_stats = bool(reuse_stats)
+        self.kwargs = bool(kwargs)
+        self.containers = bool(containers)
 
         # The reference swaps its deque for an unbounded list after tracing or a dump; this stays bounded.
         self.frames = collections.deque([], max_frames_to_save)
@@ -166,11 +173,18 @@ class DebugUnderflowOverflow:
 
     def _register_forward_hook(self, module):
         # a module shared by two parents is visited twice and so hooked twice, like the reference
-        self._handles.append(module.register_forward_hook(self.forward_hook))
+        if self.kwargs:
+            self._handles.append(module.register_forward_hook(self._forward_hook_with_kwargs, with_kwargs=True))
+        else:
+            self._handles.append(module.register_forward_hook(self.forward_hook))
 
     def forward_hook(self, module, input, output):
         with self._lock:
             self._forward_hook(module, input, output)
+
+    def _forward_hook_with_kwargs(self, module, input, kwargs, output):
+        with self._lock:
+            self._forward_hook(module, input, output, kwargs)
 
     # -- additions --------------------------------------------------------------------------
 
@@ -227,7 +241,7 @@ class DebugUnderflowOverflow:
         self._reader = RowReader(self.backend, self._reuse)
         self._deferred = DeferredRows(self._reader, self._buffer_rows)  # check="batch"
 
-    def _forward_hook(self, module, input, output):
+    def _forward_hook(self, module, input, output, kwargs=None):
         trace_mode = self.batch_number in self.trace_batch_nums
         first_call = self.total_calls == 0
         batch_before = self.batch_number
@@ -235,7 +249,8 @@ class DebugUnderflowOverflow:
         last_frame_of_batch = module is self.model
         if last_frame_of_batch:
             self.batch_number += 1
-        frame, tensors = forward_frame(self.module_names.get(module, "?"), module, input, output)
+        frame, tensors = forward_frame(self.module_names.get(module, "?"), module, input, output,
+                                       kwargs, self.containers)
         call = Call(frame, trace_mode, first_call, last_frame_of_batch, batch_before, self.batch_number,
                      self.total_calls)
 

@@ -2,6 +2,8 @@
 order and naming, with raw statistics rows instead of text. Text is built only when printed
 (``report.frame_text``)."""
 
+import dataclasses
+
 import torch
 
 from . import report
@@ -73,14 +75,24 @@ def own_parameters(module):
     return [(p, name) for name, p in module.named_parameters(recurse=False)]
 
 
-def forward_frame(module_name, module, input, output):
+def forward_frame(module_name, module, input, output, kwargs=None, containers=False):
     """The frame of one forward hook call (entries in the reference's order) and its readable
-    tensors, in row order."""
+    tensors, in row order.
+
+    ``kwargs``: the call's keyword arguments, whose tensors get ``input[name]`` lines after the
+    positional inputs. ``containers``: values the reference prints as ``not a tensor`` (dicts,
+    lists, ModelOutputs, dataclasses, deeper tuples) are opened instead, one line per tensor
+    inside, named by its path (``output[loss]``, ``output[1][0][2]``).
+    """
     items = own_parameters(module)
     if isinstance(input, tuple):
         items.extend(zip(input, _INPUT_CTX if len(input) <= _CTX_CACHE else _ctx("input", len(input))))
     else:
         items.append((input, "input"))
+    if kwargs:
+        for name, value in kwargs.items():
+            if isinstance(value, torch.Tensor) or (containers and _holds_tensors(value)):
+                items.append((value, f"input[{name}]"))
     if isinstance(output, tuple):
         for i, x in enumerate(output):
             if isinstance(x, tuple):
@@ -89,7 +101,42 @@ def forward_frame(module_name, module, input, output):
                 items.append((x, _OUTPUT_CTX[i] if i < _CTX_CACHE else f"output[{i}]"))
     else:
         items.append((output, "output"))
+    if containers:
+        items = [leaf for var, ctx in items for leaf in _open(var, ctx)]
     return frame_of(module_name, module.__class__.__name__, items)
+
+
+_MAX_DEPTH = 8
+
+
+def _children(value):
+    """``(key, child)`` of a container, or None for anything else (tensors, scalars, objects)."""
+    if isinstance(value, torch.Tensor) or isinstance(value, (str, bytes)):
+        return None
+    if isinstance(value, dict):  # ModelOutput is an OrderedDict of its set fields
+        return list(value.items())
+    if isinstance(value, (list, tuple)):
+        return list(enumerate(value))
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [(field.name, getattr(value, field.name)) for field in dataclasses.fields(value)]
+    return None
+
+
+def _holds_tensors(value, depth=0):
+    if isinstance(value, torch.Tensor):
+        return True
+    children = _children(value) if depth < _MAX_DEPTH else None
+    return bool(children) and any(_holds_tensors(child, depth + 1) for _, child in children)
+
+
+def _open(value, ctx, depth=0):
+    """The ``(tensor, path)`` leaves of a container that holds tensors; other values as they are."""
+    if depth == 0 and not _holds_tensors(value):
+        return [(value, ctx)]
+    children = _children(value) if depth < _MAX_DEPTH else None
+    if children is None:
+        return [(value, ctx)] if isinstance(value, torch.Tensor) else []
+    return [leaf for key, child in children for leaf in _open(child, f"{ctx}[{key}]", depth + 1)]
 
 
 def frame_of(module_name, class_name, items):

@@ -1,0 +1,168 @@
+"""Options beyond the reference, all off by default (the default output is covered byte for byte
+by the compatibility tests): keyword inputs (kwargs=True) and tensors inside containers
+(containers=True), each against hand-built ground truth and on real transformers models."""
+
+import contextlib
+import dataclasses
+import io
+
+import pytest
+import torch
+from torch import nn
+
+import models
+from compat import ReferenceDetector, run
+from overflow_fast import DebugUnderflowOverflow
+
+CHECKS = ("module", "batch")
+NAN = float("nan")
+
+
+def capture(fn):
+    out = io.StringIO()
+    error = None
+    with contextlib.redirect_stdout(out):
+        try:
+            fn()
+        except ValueError as caught:
+            error = caught
+    return out.getvalue(), error
+
+
+class KeywordOnly(nn.Module):
+    """Called the way modern transformers call attention and decoder layers: by keyword."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, *, hidden_states, scale=None, use_cache=True):
+        return self.proj(hidden_states) * (1 if scale is None else scale)
+
+
+class Outer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = KeywordOnly()
+
+    def forward(self, x, scale=None):
+        return self.layer(hidden_states=x, scale=scale)
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_keyword_tensors_get_lines_named_by_keyword(check):
+    torch.manual_seed(0)
+    model = Outer()
+    DebugUnderflowOverflow(model, check=check, kwargs=True, trace_batch_nums=[0])
+    x = torch.full((1, 4), 2.0)
+    out, error = capture(lambda: model(x, scale=torch.tensor(3.0)))
+    assert error is None
+    lines = out.splitlines()
+    layer = lines.index("                  layer KeywordOnly")
+    # the positional inputs (none), then the keyword tensors in call order; non-tensors get no line
+    assert lines[layer + 1] == "2.00e+00 2.00e+00 input[hidden_states]"
+    assert lines[layer + 2] == "3.00e+00 3.00e+00 input[scale]"
+    assert lines[layer + 3].endswith(" output")
+    assert "use_cache" not in out
+    # the top-level model was called with a positional and a keyword tensor
+    assert "2.00e+00 2.00e+00 input[0]" in out and "3.00e+00 3.00e+00 input[scale]" in out
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_nan_in_a_keyword_input_is_detected_where_the_reference_sees_nothing(check):
+    class Gate(nn.Module):
+        def forward(self, *, hidden_states):
+            return torch.zeros_like(hidden_states)  # finite whatever comes in
+
+    class ZeroOut(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = Gate()
+
+        def forward(self, x):
+            return self.layer(hidden_states=x)
+
+    x = torch.tensor([[1.0, NAN, 2.0, 3.0]])
+    ref_out, ref_outcomes, _ = run(ReferenceDetector, ZeroOut(), [x], lambda m, b: m(b))
+    assert ref_outcomes == [("ValueError", ref_outcomes[0][1])]  # the reference sees x as input[0] of the top
+    model = ZeroOut()
+    out, error = capture(lambda: (DebugUnderflowOverflow(model, check=check, kwargs=True), model(x)))
+    assert error is not None
+    # found one module earlier than the reference, in the frame of the module that received it
+    assert out.splitlines()[0] == "input[hidden_states] has nans"
+    assert out.endswith("                  layer Gate\n     nan      nan input[hidden_states]\n"
+                        "0.00e+00 0.00e+00 output\n\n\n\n")
+
+
+@dataclasses.dataclass
+class Pair:
+    first: torch.Tensor
+    rest: list
+
+
+class Structured(nn.Module):
+    def forward(self, x):
+        return {"loss": x.sum(), "parts": [x, (x * 2, None)], "pair": Pair(x + 1, [x - 1, "tag"]),
+                "note": "text"}
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_tensors_inside_containers_get_lines_named_by_their_path(check):
+    model = nn.Sequential(Structured())
+    DebugUnderflowOverflow(model, check=check, containers=True, trace_batch_nums=[0])
+    out, error = capture(lambda: model(torch.ones(1, 2)))
+    assert error is None
+    lines = out.splitlines()
+    start = lines.index("                  0 Structured")
+    assert lines[start + 1: start + 8] == [
+        "1.00e+00 1.00e+00 input[0]",
+        "2.00e+00 2.00e+00 output[loss]",
+        "1.00e+00 1.00e+00 output[parts][0]",
+        "2.00e+00 2.00e+00 output[parts][1][0]",
+        "2.00e+00 2.00e+00 output[pair][first]",
+        "0.00e+00 0.00e+00 output[pair][rest][0]",
+        "                   Sequential",
+    ]
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_containers_off_keeps_the_references_lines(check):
+    model = nn.Sequential(Structured())
+    (want, _, _), (got, _, _) = [
+        run(cls, model, [torch.ones(1, 2)], lambda m, b: m(b), trace_batch_nums=[0], **extra)
+        for cls, extra in ((ReferenceDetector, {}), (DebugUnderflowOverflow, {"check": check}))
+    ]
+    assert got == want and "not a tensor output" in got
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_nan_loss_in_a_model_output_is_detected(check):
+    # every label -100: the mean over no tokens is nan; the reference prints `not a tensor output`
+    model = models.gpt2()
+    ids = models.token_batch(0)
+    labels = torch.full_like(ids, -100)
+    ref_out, ref_outcomes, _ = run(ReferenceDetector, models.gpt2(), [ids],
+                                   lambda m, b: m(input_ids=b, labels=labels))
+    assert ref_outcomes == [None]
+    DebugUnderflowOverflow(model, check=check, containers=True)
+    out, error = capture(lambda: model(input_ids=ids, labels=labels))
+    assert error is not None
+    assert out.splitlines()[0] == "output[loss] has nans"
+    assert "                   GPT2LMHeadModel" in out and "     nan      nan output[loss]" in out
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_every_llama_frame_shows_an_input_with_kwargs(check):
+    model = models.llama()
+    ids = models.token_batch(1)
+    frames_without_input = {}
+    for kwargs in (False, True):
+        out, outcomes, _ = run(DebugUnderflowOverflow, models.llama(), [ids], lambda m, b: m(b),
+                               check=check, trace_batch_nums=[0], kwargs=kwargs)
+        assert outcomes == [None]
+        frames = out.split("\n                  ")[1:]
+        frames_without_input[kwargs] = [f.splitlines()[0] for f in frames
+                                        if " input" not in f and not f.startswith("***")]
+    assert frames_without_input[False]  # the reference's view: layers called by keyword show no input
+    assert frames_without_input[True] == []
+    del model
