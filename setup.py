@@ -64,7 +64,10 @@ if os.environ.get("OVERFLOW_FAST_NO_EXTENSION") != "1":
     x86 = platform.machine().lower() in ("x86_64", "amd64")
     # -fopenmp in both compile and link: without it at::parallel_for runs single-threaded.
     # -Wno-unknown-pragmas: ATen's vec headers carry "#pragma unroll", which GCC does not know.
-    common = ["-O3", "-fopenmp", "-Wno-unknown-pragmas"]
+    # -ffp-contract=off: the complex magnitude (complex.cpp) relies on exact products and sums;
+    # a multiply-add fused by the compiler (the default where FMA is baseline, e.g. aarch64)
+    # would change its last bit.
+    common = ["-O3", "-fopenmp", "-Wno-unknown-pragmas", "-ffp-contract=off"]
     extension = CppExtension(
         name="overflow_fast._C",
         sources=[f"{CSRC}/kernel_default.cpp", f"{CSRC}/complex.cpp"],
