@@ -75,3 +75,81 @@ __all__ = [
     "NUM_COLUMNS", "FIELDS", "SMALLEST_NORMAL", "INTEGER_DTYPES", "is_integer_dtype",
     "decode_row",
 ]
+
+
+# -- combining the rows of a tensor's shards ---------------------------------------------------
+
+_UINT64_MASK = 0xFFFFFFFFFFFFFFFF
+_FLOAT_MAGNITUDE_MASK = 0x7FFFFFFFFFFFFFFF
+_FLOAT_INF_BITS = 0x7FF0000000000000
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _is_nan_bits(bits: int) -> bool:
+    return (bits & _FLOAT_MAGNITUDE_MASK) > _FLOAT_INF_BITS
+
+
+def merge_rows(rows, dtype: torch.dtype) -> list:
+    """The row of a whole tensor from the rows of its shards (host rows: sequences of 8 ints),
+    exactly what ``tensor_stats`` gives for the concatenation of the shards.
+
+    Counts and numel add up; shards with ``numel == 0`` are ignored (an all-empty input gives the
+    empty tensor's row, all zeros). abs-min/abs-max are the min/max over the shards:
+
+    - floating, complex and bool rows hold float64 bit patterns of magnitudes (>= 0), whose int64
+      order is their float order; a NaN pattern in any shard makes both NaN, as torch's
+      ``abs().min()`` / ``max()`` of the whole tensor would be. The NaN pattern decides, not the
+      nan count: a complex element ``inf + nan*j`` counts as a nan but its magnitude is inf. (For
+      real floating dtypes a nan count > 0 always comes with the NaN pattern.)
+    - integer rows hold uint64 magnitudes in int64 bits: compared as unsigned.
+    """
+    live = [row for row in rows if row[NUMEL] != 0]
+    if not live:
+        return [0] * NUM_COLUMNS
+    merged = [sum(row[column] for row in live) for column in range(NUM_COLUMNS)]
+    if is_integer_dtype(dtype):
+        low = min(row[ABS_MIN] & _UINT64_MASK for row in live)
+        high = max(row[ABS_MAX] & _UINT64_MASK for row in live)
+        merged[ABS_MIN] = low - (1 << 64) if low > _INT64_MAX else low
+        merged[ABS_MAX] = high - (1 << 64) if high > _INT64_MAX else high
+        return merged
+    nan = next((bits for row in live for bits in (row[ABS_MIN], row[ABS_MAX]) if _is_nan_bits(bits)), None)
+    if nan is not None:
+        merged[ABS_MIN] = merged[ABS_MAX] = nan
+    else:
+        merged[ABS_MIN] = min(row[ABS_MIN] for row in live)
+        merged[ABS_MAX] = max(row[ABS_MAX] for row in live)
+    return merged
+
+
+def merge_rows_tensor(rows: torch.Tensor, integer) -> torch.Tensor:
+    """:func:`merge_rows` on the device, without a host sync.
+
+    ``rows``: int64 ``[S, 8]`` (the S shards of one tensor) or ``[S, N, 8]`` (N tensors at once);
+    ``integer``: a bool, or a bool tensor of shape ``[N]``, True where the rows are of an integer
+    dtype. Returns ``[8]`` or ``[N, 8]``. A NaN keeps the largest NaN pattern among the shards
+    (the host version keeps the first; the engine's backends write one canonical pattern).
+    """
+    single = rows.dim() == 2
+    if single:
+        rows = rows.unsqueeze(1)
+    integer = torch.as_tensor(integer, dtype=torch.bool, device=rows.device).reshape(-1)
+    live = (rows[..., NUMEL] != 0)  # [S, N]
+    merged = (rows * live.unsqueeze(-1)).sum(0)  # counts and numel
+    sign = torch.tensor(_INT64_MIN, dtype=torch.int64, device=rows.device)
+    # integers: unsigned order is the signed order of the bits with the sign bit flipped
+    flip = torch.where(integer, sign, torch.zeros_like(sign))  # [N]
+    low = torch.where(live, rows[..., ABS_MIN] ^ flip, _INT64_MAX).amin(0) ^ flip
+    high = torch.where(live, rows[..., ABS_MAX] ^ flip, _INT64_MIN).amax(0) ^ flip
+    # floats: a NaN pattern in any live shard poisons both
+    magnitude = rows[..., ABS_MIN:ABS_MAX + 1] & _FLOAT_MAGNITUDE_MASK  # [S, N, 2]
+    is_nan = (magnitude > _FLOAT_INF_BITS) & live.unsqueeze(-1) & ~integer.unsqueeze(-1)
+    nan_bits = torch.where(is_nan, rows[..., ABS_MIN:ABS_MAX + 1], _INT64_MIN).amax(-1).amax(0)  # [N]
+    poisoned = is_nan.any(-1).any(0)
+    any_live = live.any(0)
+    merged[:, ABS_MIN] = torch.where(poisoned, nan_bits, torch.where(any_live, low, 0))
+    merged[:, ABS_MAX] = torch.where(poisoned, nan_bits, torch.where(any_live, high, 0))
+    return merged[0] if single else merged
+
+
+__all__ += ["merge_rows", "merge_rows_tensor"]
