@@ -86,3 +86,206 @@ def test_merge_rows_nan_pattern_and_unsigned_order():
     # empty shards only: the empty tensor's row
     assert merge_rows([[0] * 8, [0] * 8], torch.float16) == [0] * 8
     assert merge_rows([], torch.float16) == [0] * 8
+
+
+# -- two processes, gloo on CPU ------------------------------------------------------------------
+
+import datetime  # noqa: E402
+import socket  # noqa: E402
+import time  # noqa: E402
+
+import torch.multiprocessing as mp  # noqa: E402
+
+from overflow_fast import distributed  # noqa: E402
+
+WORLD = 2
+SPAWN_TIMEOUT = 50  # seconds for a whole multi-process test: a hang fails it instead of hanging CI
+PG_TIMEOUT = datetime.timedelta(seconds=30)
+
+
+def _free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _entry(rank, fn, port, args):
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=PG_TIMEOUT)
+    try:
+        fn(rank, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn, *args, timeout=SPAWN_TIMEOUT):
+    """Run ``fn(rank, *args)`` on 2 spawned processes in a gloo process group; a worker's
+    exception fails the test with its traceback, and so does a worker still running at
+    ``timeout`` (it is killed)."""
+    context = mp.start_processes(_entry, args=(fn, _free_port(), args), nprocs=WORLD, join=False,
+                                 start_method="spawn")
+    deadline = time.monotonic() + timeout
+    try:
+        while not context.join(timeout=max(0.1, deadline - time.monotonic())):
+            if time.monotonic() >= deadline:
+                pytest.fail(f"{fn.__name__}: the ranks did not finish within {timeout} s (a hang?)")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+                process.join(5)
+
+
+def test_single_process_has_no_rank():
+    assert distributed.world() is None
+    assert distributed.rank_prefix() is None
+    assert distributed.with_prefix("a\nb", None) == "a\nb"
+    assert distributed.agree(True) == [0]
+    assert distributed.agree(False) == []
+    rows = tensor_stats([torch.ones(3)]).values
+    assert distributed.global_rows(rows, [torch.ones(3)]) is rows
+
+
+def _canonical(rows):
+    """NaN patterns made one (backends may write different NaN bits; all decode to NaN)."""
+    out = []
+    for row in rows:
+        row = list(row)
+        for column in (0, 1):
+            if (row[column] & 0x7FFFFFFFFFFFFFFF) > 0x7FF0000000000000 and row[-1]:
+                row[column] = "nan"
+        out.append(row)
+    return out
+
+
+def _full_tensors():
+    """The same tensors on every rank: special values included, sizes that leave a shard empty."""
+    generator = torch.Generator().manual_seed(0)
+    matrix = torch.randn(5, 4, generator=generator) * 1e4
+    matrix[4, 3] = float("inf")
+    matrix[0, 1] = 1e-41  # subnormal in float32
+    with_nan = torch.randn(3, 6, generator=generator)
+    with_nan[2, 5] = float("nan")
+    one_row = torch.randn(1, 4, generator=generator)  # Shard(0) over 2 ranks: rank 1's shard is empty
+    ints = torch.tensor([[-(2**63), 3], [0, 7], [5, -1]], dtype=torch.int64)
+    halves = (torch.randn(4, 2, generator=generator) * 3e4).to(torch.bfloat16)
+    return matrix, with_nan, one_row, ints, halves
+
+
+def _dtensor_worker(rank):
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
+    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+
+    assert distributed.world() == (rank, WORLD)
+    assert distributed.rank_prefix() == f"[rank {rank}/{WORLD}] "
+    mesh = init_device_mesh("cpu", (WORLD,))
+    matrix, with_nan, one_row, ints, halves = _full_tensors()
+    fulls, dtensors = [], []
+    for full in (matrix, with_nan, one_row):
+        for placement in (Shard(0), Shard(1), Replicate()):
+            fulls.append(full)
+            dtensors.append(distribute_tensor(full, mesh, [placement]))
+    for full in (ints, halves):  # no scatter for these dtypes: each rank builds its chunk
+        for dim in (0, 1):
+            fulls.append(full)
+            dtensors.append(DTensor.from_local(full.chunk(WORLD, dim)[rank] if rank < len(full.chunk(WORLD, dim))
+                                               else full.narrow(dim, 0, 0), mesh, [Shard(dim)], run_check=False))
+    # tensor parallel: a row-wise Linear holds its weight as Shard(1), its bias replicated
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(6, 3)
+    reference = [linear.weight.detach().clone(), linear.bias.detach().clone()]
+    parallelize_module(linear, mesh, RowwiseParallel())
+    assert linear.weight.placements == (Shard(1),)
+    fulls += reference
+    dtensors += [linear.weight, linear.bias]
+    # a plain tensor among them keeps its own row
+    plain = torch.arange(rank, rank + 4, dtype=torch.float32)
+    tensors = dtensors + [plain]
+    want = _canonical(tensor_stats(fulls + [plain]).host_rows())
+
+    local = tensor_stats(tensors).values  # the engine reads each DTensor's local shard
+    got = distributed.global_rows(local, tensors)
+    assert _canonical(got.tolist()) == want
+    # host rows, and ShardInfo instead of the tensors (what a deferred buffer keeps)
+    infos = [distributed.shard_info(t) for t in tensors]
+    assert _canonical(distributed.global_rows(local.tolist(), infos)) == want
+    assert all(distributed.is_exact(t) for t in tensors)
+    # inside local_only() rows stay local and no collective runs
+    with distributed.local_only():
+        assert distributed.global_rows(local, tensors) is local
+
+    # Partial: the terms are merged as shards, so a nan in one rank's term is seen by both
+    term = torch.ones(2, 2) if rank == 0 else torch.tensor([[1.0, float("nan")], [2.0, 3.0]])
+    partial = DTensor.from_local(term, mesh, [Partial()], run_check=False)
+    assert not distributed.is_exact(partial)
+    row = distributed.global_rows(tensor_stats([partial]).values, [partial])[0].tolist()
+    assert row[2] == 1 and row[-1] == 8
+
+    # agreement: every rank learns which ranks detected
+    assert distributed.agree(rank == 1) == [1]
+    assert distributed.agree(True) == [0, 1]
+    assert distributed.agree(False) == []
+    assert distributed.agree(rank == 0, timeout=20) == [0]
+    with distributed.local_only():  # no collective: each rank alone
+        assert distributed.agree(rank == 1) == ([1] if rank == 1 else [])
+    error = distributed.OverflowOnRanks(distributed.agree(rank == 1))
+    assert isinstance(error, ValueError) and "detected on rank(s) 1," in str(error)
+    # a subgroup: global ranks are returned
+    group = dist.new_group([0, 1])
+    assert distributed.agree(rank == 0, group=group) == [0]
+
+
+def test_dtensor_rows_equal_the_full_tensor_and_ranks_agree():
+    run_ranks(_dtensor_worker)
+
+
+def _tiny_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.ReLU(), torch.nn.Linear(3, 3, bias=False),
+                               torch.nn.LayerNorm(3))
+
+
+def _fsdp_worker(rank):
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import init_device_mesh
+
+    reference = _tiny_model()
+    with torch.no_grad():
+        reference[2].weight[2, 1] = float("inf")  # in rank 1's shard (rows 2.. of 3)
+    want = _canonical(tensor_stats([p.detach() for p in reference.parameters()]).host_rows())
+    model = _tiny_model()
+    with torch.no_grad():
+        model[2].weight[2, 1] = float("inf")
+    mesh = init_device_mesh("cpu", (WORLD,))
+    for layer in model:
+        if any(True for _ in layer.parameters()):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    params = list(model.parameters())
+    assert all(distributed.shard_info(p) is not None for p in params)
+    local = tensor_stats(params).values
+    inf_rows = [row[3] for row in local.tolist()]
+    assert (sum(inf_rows) == 1) == (rank == 1)  # only rank 1's shard holds the inf
+    assert _canonical(distributed.global_rows(local, params).tolist()) == want
+    # what the detector would then decide: both ranks stop, naming rank 1
+    assert distributed.agree(sum(inf_rows) > 0) == [1]
+
+
+def test_fsdp2_shards_combine_to_the_unsharded_parameters():
+    run_ranks(_fsdp_worker)
+
+
+def _timeout_worker(rank):
+    if rank == 0:
+        with pytest.raises(RuntimeError, match="waited"):
+            distributed.agree(True, timeout=2)  # rank 1 never comes
+    else:
+        time.sleep(4)
+
+
+def test_agree_times_out_instead_of_hanging():
+    run_ranks(_timeout_worker)
