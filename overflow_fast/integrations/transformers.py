@@ -1,0 +1,153 @@
+"""overflow_fast in the Hugging Face Trainer, two ways:
+
+- ``Trainer(..., callbacks=[DetectorCallback(**detector_kwargs)])`` attaches
+  ``overflow_fast.DebugUnderflowOverflow(model, **detector_kwargs)`` when training begins;
+- ``use_in_trainer(**detector_kwargs)`` makes ``TrainingArguments(debug="underflow_overflow")``
+  build overflow_fast's detector instead of transformers' own, until its handle's ``undo()``.
+
+Either way no hook is left on the model once ``train()`` has returned *or raised*, and a detection
+raises the reference's ValueError out of ``train()``. A callback never learns that ``train()``
+raised, so ``Trainer.train`` is wrapped once per process (a transparent pass-through that, in a
+``finally``, removes the detectors this integration attached during that call); a Trainer
+subclass whose ``train()`` does not call ``super().train()`` still gets its hooks removed by the
+callback's ``on_train_end`` on a normal return.
+"""
+
+import functools
+import sys
+import threading
+
+import transformers
+from transformers import Trainer, TrainerCallback
+
+from ..detector import DebugUnderflowOverflow
+
+__all__ = ["DetectorCallback", "TrainerPatch", "use_in_trainer"]
+
+_WRAPPED = "__overflow_fast_wrapped__"
+_calls = threading.local()  # the stack of train() calls in progress on this thread
+
+
+def _ensure_train_wrapper():
+    train = Trainer.train
+    if getattr(train, _WRAPPED, False):
+        return
+
+    @functools.wraps(train)
+    def wrapped_train(self, *args, **kwargs):
+        stack = _calls.__dict__.setdefault("stack", [])
+        created = []  # detectors built through use_in_trainer() during this call
+        stack.append(created)
+        try:
+            result = train(self, *args, **kwargs)
+        except BaseException:
+            stack.pop()
+            _detach(self, created, quiet=True)  # the error propagating is the one to see
+            raise
+        stack.pop()
+        _detach(self, created, quiet=False)
+        return result
+
+    setattr(wrapped_train, _WRAPPED, True)
+    Trainer.train = wrapped_train
+
+
+def _detach(trainer, created, quiet):
+    detectors = list(created)
+    handler = getattr(trainer, "callback_handler", None)
+    for callback in getattr(handler, "callbacks", ()):
+        if isinstance(callback, DetectorCallback):
+            detector, callback.detector = callback.detector, None
+            if detector is not None:
+                detectors.append(detector)
+    first_error = None
+    for detector in detectors:
+        try:
+            detector.remove()  # runs a pending check (check="batch"): it may raise the ValueError
+        except Exception as error:
+            if first_error is None:
+                first_error = error
+    if first_error is not None and not quiet:
+        raise first_error
+
+
+class DetectorCallback(TrainerCallback):
+    """Attaches ``overflow_fast.DebugUnderflowOverflow(model, **detector_kwargs)`` to the
+    Trainer's model in ``on_train_begin``; its hooks come off when ``train()`` returns or raises.
+    ``self.detector`` is the detector while training runs (None otherwise)."""
+
+    def __init__(self, **detector_kwargs):
+        self.detector_kwargs = detector_kwargs
+        self.detector = None
+        _ensure_train_wrapper()
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.detach()  # auto_find_batch_size runs the training loop again
+        if model is None:
+            raise ValueError("DetectorCallback: the Trainer passed no model to on_train_begin")
+        self.detector = DebugUnderflowOverflow(model, **self.detector_kwargs)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.detach()
+
+    def detach(self):
+        """Take the detector's hooks off the model (running any check still pending)."""
+        detector, self.detector = self.detector, None
+        if detector is not None:
+            detector.remove()
+
+
+def _trainer_module():
+    module = sys.modules.get(Trainer.__module__)
+    if module is None or not hasattr(module, "DebugUnderflowOverflow"):
+        raise RuntimeError(
+            f"use_in_trainer: transformers {transformers.__version__} does not build its detector "
+            f"through {Trainer.__module__}.DebugUnderflowOverflow; use DetectorCallback instead"
+        )
+    return module
+
+
+class TrainerPatch:
+    """What :func:`use_in_trainer` returns: ``undo()`` (or leaving a ``with`` block) gives the
+    Trainer its own detector back. ``detectors`` lists the detectors built so far."""
+
+    def __init__(self, detector_kwargs):
+        self.detector_kwargs = dict(detector_kwargs)
+        self.detectors = []
+        self._module = _trainer_module()
+        self._previous = self._module.DebugUnderflowOverflow
+        _ensure_train_wrapper()
+
+        def build(model, *args, **kwargs):
+            # the Trainer calls DebugUnderflowOverflow(self.model): our options fill the rest
+            detector = DebugUnderflowOverflow(model, *args, **{**self.detector_kwargs, **kwargs})
+            self.detectors.append(detector)
+            stack = getattr(_calls, "stack", None)
+            if stack:
+                stack[-1].append(detector)  # removed when this train() call ends
+            return detector
+
+        self._build = build
+        self._module.DebugUnderflowOverflow = build
+        self.active = True
+
+    def undo(self):
+        """Restore the name the Trainer builds its detector with (idempotent)."""
+        if not self.active:
+            return
+        self.active = False
+        if self._module.DebugUnderflowOverflow is self._build:
+            self._module.DebugUnderflowOverflow = self._previous
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        self.undo()
+
+
+def use_in_trainer(**detector_kwargs):
+    """From now on ``TrainingArguments(debug="underflow_overflow")`` makes the Trainer build
+    ``overflow_fast.DebugUnderflowOverflow(model, **detector_kwargs)``; its hooks come off when
+    ``train()`` returns or raises. Returns a :class:`TrainerPatch` (``undo()``, context manager)."""
+    return TrainerPatch(detector_kwargs)

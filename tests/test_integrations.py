@@ -1,0 +1,170 @@
+"""Trainers: a real Hugging Face Trainer run on a tiny GPT-2 (random weights, nothing downloaded)
+through both integration routes, and Accelerate's prepare() with the detector attached."""
+
+import math
+
+import pytest
+import torch
+
+import models
+
+transformers = pytest.importorskip("transformers")
+
+from overflow_fast import DebugUnderflowOverflow  # noqa: E402
+from overflow_fast.integrations import transformers as integration  # noqa: E402
+
+REPORT = "Detected inf/nan during batch_number="
+ERROR = "DebugUnderflowOverflow: inf/nan detected"
+HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def hooks(model):
+    """Every module's hooks, by name (empty lists for a model nobody hooked)."""
+    return {name: [len(getattr(module, attribute)) for attribute in HOOK_DICTS]
+            for name, module in model.named_modules()}
+
+
+def no_hooks(model):
+    return all(counts == [0, 0, 0, 0] for counts in hooks(model).values())
+
+
+class _Data(torch.utils.data.Dataset):
+    def __init__(self, size=16, length=8):
+        self.items = [models.token_batch(seed, batch=1, length=length)[0] for seed in range(size)]
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, index):
+        return {"input_ids": self.items[index], "labels": self.items[index]}
+
+
+class _PoisonAt(transformers.TrainerCallback):
+    """Sets one weight to inf at the end of training step ``step``."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if state.global_step == self.step:
+            with torch.no_grad():
+                model.transformer.h[1].mlp.c_fc.weight[0, 0] = math.inf
+
+
+def _trainer(tmp_path, callbacks=(), debug="", steps=4):
+    model = models.gpt2().train()
+    assert no_hooks(model)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=steps, per_device_train_batch_size=2, learning_rate=1e-3,
+        report_to=[], use_cpu=True, save_strategy="no", logging_strategy="no", disable_tqdm=True,
+        debug=debug, dataloader_num_workers=0,
+    )
+    return transformers.Trainer(model=model, args=args, train_dataset=_Data(), callbacks=list(callbacks))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state():
+    yield
+    try:
+        from accelerate.state import AcceleratorState
+        AcceleratorState._reset_state(True)
+    except Exception:
+        pass
+
+
+@pytest.mark.parametrize("check", ["module", "batch"])
+def test_callback_inf_mid_training_raises_prints_and_leaves_no_hook(tmp_path, capsys, check):
+    callback = integration.DetectorCallback(check=check)
+    trainer = _trainer(tmp_path, [callback, _PoisonAt(2)])
+    with pytest.raises(ValueError, match=ERROR):
+        trainer.train()
+    out = capsys.readouterr().out
+    assert REPORT in out and "transformer.h.1.mlp.c_fc Conv1D" in out and "weight has infs" in out
+    assert trainer.state.global_step == 2  # the forward of step 3 stopped it
+    assert no_hooks(trainer.model)
+    assert callback.detector is None
+
+
+def test_callback_clean_run_leaves_no_hook(tmp_path, capsys):
+    callback = integration.DetectorCallback(max_frames_to_save=5)
+    seen = []
+
+    class Spy(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            seen.append(isinstance(callback.detector, DebugUnderflowOverflow) and not no_hooks(model))
+
+    trainer = _trainer(tmp_path, [callback, Spy()], steps=3)
+    trainer.train()
+    assert seen == [True, True, True]  # attached while training ran
+    assert REPORT not in capsys.readouterr().out
+    assert no_hooks(trainer.model)
+
+
+def test_callback_other_errors_leave_no_hook(tmp_path):
+    class Boom(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            raise KeyError("boom")
+
+    trainer = _trainer(tmp_path, [integration.DetectorCallback(), Boom()])
+    with pytest.raises(KeyError, match="boom"):
+        trainer.train()
+    assert no_hooks(trainer.model)
+
+
+def test_use_in_trainer_builds_overflow_fast_and_undo_restores(tmp_path, capsys):
+    module = __import__(transformers.Trainer.__module__, fromlist=["DebugUnderflowOverflow"])
+    original = module.DebugUnderflowOverflow
+    with integration.use_in_trainer(check="batch", max_frames_to_save=3) as handle:
+        assert module.DebugUnderflowOverflow is not original
+        trainer = _trainer(tmp_path, [_PoisonAt(2)], debug="underflow_overflow")
+        with pytest.raises(ValueError, match=ERROR):
+            trainer.train()
+        [detector] = handle.detectors
+        assert isinstance(detector, DebugUnderflowOverflow) and detector.check == "batch"
+        assert detector.frames.maxlen == 3
+    assert module.DebugUnderflowOverflow is original
+    out = capsys.readouterr().out
+    assert REPORT in out and "Last 3 forward frames:" in out and "weight has infs" in out
+    assert no_hooks(trainer.model)
+    handle.undo()  # idempotent
+    assert module.DebugUnderflowOverflow is original
+
+
+def test_use_in_trainer_clean_run_leaves_no_hook(tmp_path):
+    handle = integration.use_in_trainer()
+    try:
+        trainer = _trainer(tmp_path, debug="underflow_overflow", steps=2)
+        trainer.train()
+        assert len(handle.detectors) == 1
+        assert no_hooks(trainer.model)
+    finally:
+        handle.undo()
+
+
+# -- Accelerate --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+@pytest.mark.parametrize("precision", ["no", "bf16"])
+def test_accelerate_prepare_with_the_detector(when, precision, capsys):
+    accelerate = pytest.importorskip("accelerate")
+    accelerator = accelerate.Accelerator(cpu=True, mixed_precision=precision)
+    model = models.gpt2().train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    detector = DebugUnderflowOverflow(model) if when == "before" else None
+    prepared, optimizer = accelerator.prepare(model, optimizer)
+    if detector is None:
+        detector = DebugUnderflowOverflow(prepared)
+    batch = models.token_batch(0)
+    loss = prepared(input_ids=batch, labels=batch).loss
+    accelerator.backward(loss)
+    optimizer.step()
+    assert detector.batch_number == 1
+    with torch.no_grad():
+        accelerator.unwrap_model(prepared).transformer.h[0].attn.c_attn.weight[1, 1] = math.nan
+    with pytest.raises(ValueError, match=ERROR):
+        prepared(input_ids=batch, labels=batch)
+    out = capsys.readouterr().out
+    assert REPORT in out and "transformer.h.0.attn.c_attn Conv1D" in out
+    detector.remove()
+    assert no_hooks(accelerator.unwrap_model(prepared))
