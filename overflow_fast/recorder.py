@@ -1,0 +1,486 @@
+"""The JSONL flight recorder: per-tensor statistics records written off the training thread.
+
+One JSON object per line, strict JSON (non-finite floats are the strings ``"nan"``, ``"inf"`` and
+``"-inf"``, so ``json.loads(line, parse_constant=<raise>)`` accepts every line):
+
+- first line, ``{"record": "meta", "version": 1, "rank", "world_size", "started", "pid", "torch"}``;
+- one ``"entry"`` record per tensor entry of every frame (``entry_record``);
+- one ``"detection"`` record when a nan/inf is detected (``detection_record``).
+
+``Recorder.write(records)`` only enqueues: a daemon thread encodes and writes, one ``write(2)``
+of complete lines per batch, so no partial line is ever on disk. Everything enqueued is written
+by ``flush()``, ``close()``, at normal interpreter exit and on SIGTERM; a write error warns once
+and drops records (training goes on).
+"""
+
+import atexit
+import collections
+import datetime
+import json
+import math
+import os
+import signal
+import threading
+import time
+import warnings
+import weakref
+
+import torch
+
+from .stats.layout import decode_row, is_integer_dtype
+
+VERSION = 1
+PHASES = ("forward", "backward")
+
+_NONFINITE = {"nan", "inf", "-inf"}
+
+
+# -- records ------------------------------------------------------------------------------------
+
+def encode_float(value):
+    """A float as strict JSON takes it: finite floats as they are, non-finite as a string."""
+    if value is None:
+        return None
+    value = float(value)
+    if math.isfinite(value):
+        return value
+    if math.isnan(value):
+        return "nan"
+    return "inf" if value > 0 else "-inf"
+
+
+def decode_float(value):
+    """The inverse of ``encode_float`` for a reader: ``"nan"``/``"inf"``/``"-inf"`` -> float."""
+    if isinstance(value, str):
+        if value in _NONFINITE:
+            return float(value)
+        raise ValueError(f"not a number: {value!r}")
+    return value
+
+
+def dtype_name(dtype) -> str:
+    """``torch.float16`` -> ``"float16"`` (strings are passed through)."""
+    name = str(dtype)
+    return name[6:] if name.startswith("torch.") else name
+
+
+def meta_record(rank=None, world_size=None):
+    return {
+        "record": "meta",
+        "version": VERSION,
+        "rank": rank,
+        "world_size": world_size,
+        "started": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "pid": os.getpid(),
+        "torch": torch.__version__,
+    }
+
+
+def entry_record(step, phase, call, module, class_name, ctx, dtype, row, rank=None):
+    """One tensor entry's record from its raw statistics row (8 ints, ``stats.layout``).
+
+    Integer dtypes keep their exact magnitudes (up to 2**64 - 1) as JSON integers; float, bool
+    and complex magnitudes are floats (non-finite ones encoded as strings); an empty tensor has
+    ``abs_min``/``abs_max`` null and fractions 0.
+    """
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    stats = decode_row([int(v) for v in row], dtype)
+    numel = stats["numel"]
+    if stats["abs_min"] is None or is_integer_dtype(dtype):
+        abs_min, abs_max = stats["abs_min"], stats["abs_max"]
+    else:
+        abs_min, abs_max = encode_float(stats["abs_min"]), encode_float(stats["abs_max"])
+    return {
+        "record": "entry",
+        "step": int(step),
+        "phase": phase,
+        "call": int(call),
+        "module": module,
+        "class": class_name,
+        "entry": ctx,
+        "dtype": dtype_name(dtype),
+        "numel": numel,
+        "abs_min": abs_min,
+        "abs_max": abs_max,
+        "nan": stats["nan"],
+        "posinf": stats["posinf"],
+        "neginf": stats["neginf"],
+        "zero_frac": stats["zero"] / numel if numel else 0.0,
+        "subnormal_frac": stats["subnormal"] / numel if numel else 0.0,
+        "rank": rank,
+    }
+
+
+def frame_records(step, phase, call, frame, rank=None):
+    """The entry records of one ``frames.Frame`` whose ``rows`` are host rows: one per tensor
+    entry (``None``, non-tensor and unreadable entries have no statistics and no record)."""
+    from .report import TENSOR  # no import cycle at module load
+
+    return [
+        entry_record(step, phase, call, frame.module_name, frame.class_name, ctx,
+                     frame.dtypes[payload], frame.rows[payload], rank)
+        for kind, ctx, payload in frame.entries
+        if kind == TENSOR
+    ]
+
+
+def detection_record(step, phase, module, class_name, entries, rank=None):
+    return {
+        "record": "detection",
+        "step": int(step),
+        "phase": phase,
+        "module": module,
+        "class": class_name,
+        "entries": list(entries),
+        "rank": rank,
+    }
+
+
+def _strict(value):
+    """``value`` with every non-finite float replaced by its string (for records built elsewhere)."""
+    if isinstance(value, float):
+        return encode_float(value)
+    if isinstance(value, dict):
+        return {key: _strict(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict(item) for item in value]
+    return value
+
+
+def _default(value):
+    if isinstance(value, torch.dtype):
+        return dtype_name(value)
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return _strict(value.item())
+    item = getattr(value, "item", None)  # numpy scalars
+    if callable(item):
+        try:
+            return _strict(item())
+        except Exception:
+            pass
+    return str(value)
+
+
+def encode_line(record) -> bytes:
+    """One record as one line of strict JSON (UTF-8, ending with a newline)."""
+    try:
+        text = json.dumps(record, separators=(",", ":"), allow_nan=False, default=_default)
+    except ValueError:  # a non-finite float somewhere
+        text = json.dumps(_strict(record), separators=(",", ":"), allow_nan=False, default=_default)
+    return (text + "\n").encode("utf-8")
+
+
+# -- file naming ----------------------------------------------------------------------------------
+
+def _distributed_rank():
+    """(rank, world_size) under torch.distributed, else from the launcher's environment
+    (torchrun sets RANK/WORLD_SIZE before init_process_group), else (None, None)."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+    except Exception:
+        pass
+    try:
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    except ValueError:
+        pass
+    return None, None
+
+
+def rank_path(path, rank=None, world_size=None) -> str:
+    """The file of one rank: ``{rank}`` in the path is replaced by the rank (0 without one);
+    otherwise with a world size above 1 the rank goes before the suffix
+    (``run.jsonl`` -> ``run.rank1.jsonl``)."""
+    path = os.fspath(path)
+    if "{rank}" in path:
+        return path.replace("{rank}", str(rank if rank is not None else 0))
+    if world_size is not None and world_size > 1 and rank is not None:
+        directory, name = os.path.split(path)
+        stem, dot, suffix = name.rpartition(".")
+        name = f"{stem}.rank{rank}.{suffix}" if dot and stem else f"{name}.rank{rank}"
+        return os.path.join(directory, name)
+    return path
+
+
+# -- the writer ------------------------------------------------------------------------------------
+
+_live = weakref.WeakSet()  # recorders to flush at exit and on SIGTERM
+_live_lock = threading.RLock()  # re-entrant: the SIGTERM handler runs on the main thread
+_previous_sigterm = None
+_sigterm_installed = False
+
+
+class Recorder:
+    """A JSONL file written by a daemon thread.
+
+    ``path``: the file (truncated); see ``rank_path`` for one file per rank. ``rank`` and
+    ``world_size`` default to torch.distributed's (or RANK/WORLD_SIZE in the environment).
+    ``log_every``: ``should_record(step)`` is true for every ``log_every``-th step.
+    """
+
+    def __init__(self, path, rank=None, world_size=None, log_every=1):
+        if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1:
+            raise ValueError(f"log_every must be a positive int, got {log_every!r}")
+        if rank is None and world_size is None:
+            rank, world_size = _distributed_rank()
+        self.rank = rank
+        self.world_size = world_size
+        self.log_every = log_every
+        self.path = rank_path(path, rank, world_size)
+        directory = os.path.dirname(self.path)
+        if directory:
+            os.makedirs(directory, exist_ok=True)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._pid = os.getpid()
+        self._pending = collections.deque()  # (sequence number, [records])
+        self._seq = 0  # last sequence number enqueued
+        self._done = 0  # last sequence number written (or dropped)
+        self._lock = threading.Lock()  # guards _seq and the order of _pending
+        self._io_lock = threading.RLock()  # one drain at a time (RLock: a signal handler may re-enter)
+        self._done_cond = threading.Condition(threading.Lock())
+        self._wake = threading.Event()
+        self._closed = False
+        self._stopping = False
+        self._broken = False
+        self._warned_closed = False
+        self.write([meta_record(rank, world_size)])
+        self._thread = threading.Thread(target=self._run, name="overflow_fast-recorder", daemon=True)
+        self._thread.start()
+        with _live_lock:
+            _live.add(self)
+        _install_sigterm_handler()
+
+    # -- API used by the detector --
+
+    def should_record(self, step) -> bool:
+        return step % self.log_every == 0
+
+    def write(self, records):
+        """Enqueue a list of record dicts; returns at once (encoding and I/O on the writer thread)."""
+        if os.getpid() != self._pid:  # a forked child (a DataLoader worker): not this file's writer
+            return
+        if self._closed or self._broken:
+            if self._closed and not self._warned_closed:
+                self._warned_closed = True
+                warnings.warn(f"overflow_fast: the flight recorder {self.path} is closed; records are dropped",
+                              RuntimeWarning, stacklevel=2)
+            return
+        if not records:
+            return
+        with self._lock:
+            self._seq += 1
+            self._pending.append((self._seq, records))
+        self._wake.set()
+
+    def flush(self, fsync=False, timeout=None):
+        """Block until every record enqueued so far is in the file (os.fsync with ``fsync=True``)."""
+        if os.getpid() != self._pid:
+            return
+        target = self._seq
+        deadline = None if timeout is None else _now() + timeout
+        self._wake.set()
+        with self._done_cond:
+            while self._done < target and not self._broken:
+                if not self._thread.is_alive():
+                    break
+                remaining = 0.1 if deadline is None else min(0.1, deadline - _now())
+                if remaining <= 0:
+                    break
+                self._done_cond.wait(remaining)
+        if self._done < target:  # the writer is gone (interpreter shutdown) or slow: write here
+            self._drain(notify=False)
+        if fsync and not self._broken and self._fd is not None:
+            try:
+                os.fsync(self._fd)
+            except OSError:
+                pass
+
+    def close(self):
+        """Write everything enqueued, stop the writer thread and close the file. Idempotent."""
+        if self._closed or os.getpid() != self._pid:
+            return
+        self.flush()
+        self._closed = True
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+        with self._io_lock:
+            self._drain(notify=False)
+            fd, self._fd = self._fd, None
+            if fd is not None:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        with _live_lock:
+            _live.discard(self)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        self.close()
+
+    def __del__(self):
+        try:
+            if not self._closed and self._fd is not None and os.getpid() == self._pid:
+                self.close()
+        except Exception:
+            pass
+
+    # -- the writer thread --
+
+    def _run(self):
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            self._drain()
+            if self._stopping and not self._pending:
+                return
+
+    def _drain(self, notify=True):
+        """Encode and write every pending batch as one write of complete lines."""
+        with self._io_lock:
+            batches = []
+            while True:
+                try:
+                    batches.append(self._pending.popleft())
+                except IndexError:
+                    break
+            if not batches:
+                return
+            last = batches[-1][0]
+            if not self._broken:
+                try:
+                    data = b"".join(encode_line(record) for _, records in batches for record in records)
+                except Exception as error:  # a record that cannot be encoded: drop this batch, keep going
+                    self._warn(f"a record could not be encoded ({error!r})", once_key="encode")
+                    data = b""
+                if data:
+                    self._write_all(data)
+            self._done = max(self._done, last)
+        if notify:
+            with self._done_cond:
+                self._done_cond.notify_all()
+
+    def _write_all(self, data):
+        fd = self._fd
+        if fd is None:
+            self._fail(ValueError("the file is closed"))
+            return
+        try:
+            start = os.lseek(fd, 0, os.SEEK_CUR)
+        except OSError as error:
+            self._fail(error)
+            return
+        view = memoryview(data)
+        written = 0
+        try:
+            while written < len(view):
+                n = os.write(fd, view[written:])
+                if n <= 0:
+                    raise OSError("write returned 0")
+                written += n
+        except OSError as error:
+            if written:  # never leave a partial line: cut the file back to where this batch began
+                try:
+                    os.ftruncate(fd, start)
+                    os.lseek(fd, start, os.SEEK_SET)
+                except OSError:
+                    pass
+            self._fail(error)
+
+    def _fail(self, error):
+        self._broken = True
+        self._warn(f"could not write to {self.path} ({error}); records are dropped from now on", "io")
+
+    _warned = ()
+
+    def _warn(self, message, once_key):
+        if once_key in self._warned:
+            return
+        self._warned = self._warned + (once_key,)
+        try:
+            warnings.warn(f"overflow_fast: the flight recorder {message}", RuntimeWarning, stacklevel=2)
+        except Exception:
+            pass
+
+    def _flush_at_exit(self):
+        if os.getpid() != self._pid or self._closed:
+            return
+        self._drain(notify=False)
+
+
+def _now():
+    return time.monotonic()
+
+
+def _flush_all():
+    with _live_lock:
+        recorders = list(_live)
+    for recorder in recorders:
+        try:
+            recorder._flush_at_exit()
+        except Exception:
+            pass
+
+
+@atexit.register
+def _close_all_at_exit():
+    with _live_lock:
+        recorders = list(_live)
+    for recorder in recorders:
+        try:
+            recorder.close()
+        except Exception:
+            pass
+
+
+def _on_sigterm(signum, frame):
+    _flush_all()
+    previous = _previous_sigterm
+    if callable(previous):
+        previous(signum, frame)
+    elif previous == signal.SIG_IGN:
+        return
+    else:  # SIG_DFL (or a handler not installed from Python): die of SIGTERM as before
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+
+def _install_sigterm_handler():
+    """Flush every recorder on SIGTERM, then behave as the handler before ours did. Only the main
+    thread may install a handler; elsewhere there is none (atexit still flushes a normal exit)."""
+    global _previous_sigterm, _sigterm_installed
+    if _sigterm_installed or threading.current_thread() is not threading.main_thread():
+        return
+    try:
+        previous = signal.getsignal(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, _on_sigterm)
+    except (ValueError, OSError, AttributeError):  # no signals here (embedded interpreter, Windows quirks)
+        return
+    _previous_sigterm = previous
+    _sigterm_installed = True
+
+
+def _after_fork_in_child():
+    # The writer thread does not exist in a forked child, and the parent's pending records are the
+    # parent's to write: the child's recorders drop everything (the pid checks). A lock another
+    # thread held at the fork would stay locked here: start with a fresh one.
+    global _live_lock
+    _live_lock = threading.RLock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+__all__ = [
+    "Recorder", "entry_record", "frame_records", "detection_record", "meta_record", "encode_line",
+    "encode_float", "decode_float", "dtype_name", "rank_path", "PHASES", "VERSION",
+]
