@@ -243,6 +243,27 @@ def _merge_ranks(info, dist, group):
     return [dist.get_group_rank(group, rank) for rank in global_ranks]
 
 
+_merge_ranks_cache = {}  # (mesh, placements, group, device) -> ranks tensor (or None)
+
+
+def _cached_merge_ranks(info, dist, group, device):
+    key = (info.mesh, info.placements, group, device)
+    try:
+        return _merge_ranks_cache[key]
+    except (KeyError, TypeError):  # TypeError: an unhashable mesh, never cached
+        pass
+    ranks = _merge_ranks(info, dist, group)
+    if ranks is not None:
+        ranks = torch.tensor(ranks, dtype=torch.int64, device=device)
+    try:
+        if len(_merge_ranks_cache) > 256:
+            _merge_ranks_cache.clear()
+        _merge_ranks_cache[key] = ranks
+    except TypeError:
+        pass
+    return ranks
+
+
 def _all_gather_single(dist):
     # torch >= 2.13 names it all_gather_single; all_gather_into_tensor before (same semantics)
     return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -283,11 +304,11 @@ def global_rows(rows, tensors, group=None):
     for slot, (_, info) in enumerate(infos):
         by_layout.setdefault(info.key(), (info, []))[1].append(slot)
     for info, slots in by_layout.values():
-        ranks = _merge_ranks(info, dist, group)
+        ranks = _cached_merge_ranks(info, dist, group, device)
         if ranks is None:
             continue
         slot_index = torch.tensor(slots, dtype=torch.int64, device=device)
-        shards = gathered.index_select(0, torch.tensor(ranks, dtype=torch.int64, device=device))
+        shards = gathered.index_select(0, ranks)
         shards = shards.index_select(1, slot_index)  # [S, G, 8]
         integer = torch.tensor([is_integer_dtype(infos[slot][1].dtype) for slot in slots], device=device)
         merged.index_copy_(0, slot_index, merge_rows_tensor(shards, integer))

@@ -1,0 +1,83 @@
+"""Per-step cost of the distributed coordination: ``agree()`` (one all_reduce of world_size int32
+and one host read) and ``global_rows()`` (one all_gather of the DTensor rows of a read), on gloo
+with 2 CPU processes, side by side with a no-op call.
+
+    python benchmarks/bench_distributed.py [--calls N] [--rounds R]
+
+Rank 0 prints the medians over rounds (each round times N calls of each variant, round-robin).
+"""
+
+import argparse
+import datetime
+import os
+import socket
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from overflow_fast import distributed, tensor_stats
+
+
+def _free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _noop(detected):
+    return [] if not detected else [0]
+
+
+def _worker(rank, port, calls, rounds):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2,))
+    params = [distribute_tensor(torch.randn(64, 64), mesh, [Shard(0)]) for _ in range(8)]
+    local = tensor_stats(params).values
+    flags = torch.zeros(2, dtype=torch.int32)
+    rows = torch.zeros(16, 8, dtype=torch.int64)
+    variants = {
+        "no-op call": lambda: _noop(False),
+        "bare dist.all_reduce (2 int32)": lambda: dist.all_reduce(flags),
+        "bare all_gather (8x8 int64 per rank)": lambda: distributed._all_gather_single(dist)(rows, local),
+        "agree() (all_reduce, 2 int32)": lambda: distributed.agree(False),
+        "global_rows() of 8 DTensors (all_gather 8x8 int64)": lambda: distributed.global_rows(local, params),
+        "global_rows() + host read": lambda: distributed.global_rows(local, params).tolist(),
+    }
+    times = {name: [] for name in variants}
+    for name, fn in variants.items():  # warm up
+        for _ in range(20):
+            fn()
+    for _ in range(rounds):
+        for name, fn in variants.items():
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times[name].append((time.perf_counter() - start) / calls * 1e6)
+    if rank == 0:
+        print(f"torch {torch.__version__}, gloo, 2 processes on {os.cpu_count()} CPU cores, 1 thread each; "
+              f"medians of {rounds} rounds of {calls} calls")
+        print("| call | us per call |")
+        print("|---|---|")
+        for name, samples in times.items():
+            print(f"| {name} | {statistics.median(samples):.1f} |")
+    dist.destroy_process_group()
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=15)
+    args = parser.parse_args()
+    mp.start_processes(_worker, args=(_free_port(), args.calls, args.rounds), nprocs=2, start_method="spawn")
+
+
+if __name__ == "__main__":
+    main()
