@@ -289,3 +289,40 @@ def _timeout_worker(rank):
 
 def test_agree_times_out_instead_of_hanging():
     run_ranks(_timeout_worker)
+
+
+def _ddp_worker(rank, steps_file):
+    from torch.nn.parallel import DistributedDataParallel
+
+    from overflow_fast import DebugUnderflowOverflow
+    from overflow_fast.detector import OverflowDetected
+
+    model = _tiny_model()
+    detector = DebugUnderflowOverflow(model, check="batch")
+    ddp = DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    stopped = None
+    for step in range(5):
+        batch = torch.randn(4, 5, generator=torch.Generator().manual_seed(10 * step + rank))
+        if step == 2 and rank == 1:
+            batch[0, 0] = float("nan")
+        detected = False
+        try:
+            loss = ddp(batch).sum()
+        except OverflowDetected:
+            detected = True
+        ranks = distributed.agree(detected)  # every rank, once per forward
+        if ranks:
+            stopped = (step, distributed.OverflowOnRanks(ranks))
+            break
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    detector.remove()
+    assert stopped is not None and stopped[0] == 2, stopped
+    assert stopped[1].ranks == [1] and "detected on rank(s) 1," in str(stopped[1])
+
+
+def test_ddp_nan_on_one_rank_every_rank_stops_at_the_same_step(tmp_path):
+    """The recipe that works before the detector is wired: agree() after each forward."""
+    run_ranks(_ddp_worker, str(tmp_path))
