@@ -1,19 +1,22 @@
 """overflow_fast: find the first layer that overflows in fp16/bf16/fp8 training, cheaply.
 
-``DebugUnderflowOverflow`` is a drop-in for ``transformers.debug_utils.DebugUnderflowOverflow``;
-``tensor_stats`` is the statistics engine under it.
+``watch(model)`` attaches the detector with the modern defaults (gradients, keyword inputs, model
+outputs, one host sync per forward and per backward); ``DebugUnderflowOverflow`` is a drop-in for
+``transformers.debug_utils.DebugUnderflowOverflow``; ``tensor_stats`` is the statistics engine.
 """
 
 from .debug_option import DebugOption
-from .detector import DebugUnderflowOverflow, detect_overflow, get_abs_min_max
+from .detector import DebugUnderflowOverflow, OverflowDetected, detect_overflow, get_abs_min_max, watch
 from .stats import StatsBatch, tensor_stats
 
 __all__ = [
     "DebugOption",
     "DebugUnderflowOverflow",
+    "OverflowDetected",
     "StatsBatch",
     "detect_overflow",
     "get_abs_min_max",
     "tensor_stats",
+    "watch",
 ]
 __version__ = "0.1.0"

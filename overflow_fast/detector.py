@@ -16,7 +16,9 @@ import warnings
 import torch
 
 from . import report
-from .frames import Call, forward_frame
+from .frames import BACKWARD, FORWARD, Call, forward_frame
+from .gradients import GradientHooks
+from .policy import Policy, source_line
 from .report import NONE, NOT_A_TENSOR, TENSOR, UNREADABLE
 from .reuse import ReuseCache
 from .rows import DeferredRows, RowReader
@@ -59,7 +61,8 @@ class DebugUnderflowOverflow:
 
     def __init__(self, model, max_frames_to_save=21, trace_batch_nums=None, abort_after_batch_num=None,
                  check="module", backend=None, buffer_rows=DEFAULT_BUFFER_ROWS, reuse_stats=True,
-                 kwargs=False, containers=False):
+                 kwargs=False, containers=False, backward=False, on_detect="raise", ignore=(),
+                 warn_above=None):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         # The reference takes whatever its deque, `in` and `>` take: None (an unbounded ring),
@@ -91,6 +94,11 @@ class DebugUnderflowOverflow:
         self.reuse_stats = bool(reuse_stats)
         self.kwargs = bool(kwargs)
         self.containers = bool(containers)
+        self.backward = bool(backward)
+        self._policy = Policy(on_detect, ignore, warn_above)
+        # beyond the drop-in, a report ends with the line saying where the values were born
+        self._explain = self.kwargs or self.containers or self.backward
+        self.detections = []  # what was detected: batch_number, phase, module, class, entries
 
         # The reference swaps its deque for an unbounded list after tracing or a dump; this stays bounded.
         self.frames = collections.deque([], max_frames_to_save)
@@ -99,12 +107,16 @@ class DebugUnderflowOverflow:
         self.total_calls = 0
         self.detected_overflow = False
         self.prefix = report.PREFIX
+        self._first_bad = None  # (frame, entries) of the first non-finite frame not yet reported
+        self._report_due = False  # on_detect="warn": a (module, entry) not reported before
+        self._reported_pass = None  # on_detect="warn"/"record": (phase, batch) already detected
 
         self._handles = []
         self._buffer_rows = buffer_rows
         self._new_readers()
         self._lock = threading.RLock()  # hooks may run on several threads
         self._backward_flush_task = None  # the backward pass whose end will flush (check="batch")
+        self._gradients = None
         self.analyse_model()
         self.register_forward_hook()
 
@@ -126,9 +138,9 @@ class DebugUnderflowOverflow:
     def reset_saved_frames(self):
         self.frames.clear()
 
-    def dump_saved_frames(self):
+    def dump_saved_frames(self, during=None):
         # flushed: a rank killed by its launcher right after the ValueError must leave its report
-        print(report.dump_text(self.batch_number, self.frames), flush=True)
+        print(report.dump_text(self.batch_number, self.frames, during), flush=True)
         self.frames.clear()
 
     def analyse_model(self):
@@ -166,6 +178,8 @@ class DebugUnderflowOverflow:
 
     def register_forward_hook(self):
         self.model.apply(self._register_forward_hook)
+        if self.backward:
+            self._gradients = GradientHooks(self.model, self.module_names, self._gradient_hook)
         # The top-level forward bounds the reuse cache; always_call: its end runs even when the
         # forward raises, so the cache closes and pending checks still print.
         self._handles.append(self.model.register_forward_pre_hook(self._before_forward))
@@ -194,6 +208,8 @@ class DebugUnderflowOverflow:
             handles, self._handles = self._handles, []
             for handle in handles:
                 handle.remove()
+            if self._gradients is not None:
+                self._gradients.remove()
             self._reuse.reset()
             self.flush()
 
@@ -215,6 +231,7 @@ class DebugUnderflowOverflow:
         state = self.__dict__.copy()
         for name in ("_reuse", "_reader", "_deferred", "_lock"):
             del state[name]
+        state["_first_bad"] = None
         state["_backward_flush_task"] = None
         return state
 
@@ -251,29 +268,44 @@ class DebugUnderflowOverflow:
             self.batch_number += 1
         frame, tensors = forward_frame(self.module_names.get(module, "?"), module, input, output,
                                        kwargs, self.containers)
+        if self._gradients is not None:
+            self._gradients.watch_outputs(module, frame, tensors)
         call = Call(frame, trace_mode, first_call, last_frame_of_batch, batch_before, self.batch_number,
                      self.total_calls)
 
-        if self.check == "batch" and not trace_mode and not self.detected_overflow:
-            if self._deferred.must_read_before(tensors):
-                self.flush()  # a full buffer is read early (a submodule run alone still gets checked)
-            self._deferred.add(call, tensors)
-            if last_frame_of_batch:
-                self.flush()
-            elif torch._C._current_graph_task_id() != -1:
-                self._flush_when_backward_ends()
-        else:
-            self.flush()  # earlier calls first: one of them may be the first bad one
-            self._reader.read_now(frame, tensors)
-            self._replay(call)
+        self._check(call, tensors)
 
         if self._abort_after is not None and self.batch_number > self._abort_after:
             self.flush()
             raise ValueError(report.abort_error(self.batch_number, self.abort_after_batch_num))
 
+    def _check(self, call, tensors):
+        """Decide now (check="module", traced batches, after a detection) or queue the call."""
+        if self.check == "batch" and not call.trace_mode and not self.detected_overflow:
+            if self._deferred.must_read_before(tensors):
+                self.flush()  # a full buffer is read early (a submodule run alone still gets checked)
+            self._deferred.add(call, tensors)
+            if call.last_frame_of_batch:
+                self.flush()
+            elif torch._C._current_graph_task_id() != -1:
+                self._flush_when_backward_ends()
+        else:
+            self.flush()  # earlier calls first: one of them may be the first bad one
+            self._reader.read_now(call.frame, tensors)
+            self._replay(call)
+
+    def _gradient_hook(self, frame, tensors):
+        with self._lock:
+            # a backward pass belongs to the batch whose forward ran last
+            trace_mode = (self.batch_number - 1) in self.trace_batch_nums
+            call = Call(frame, trace_mode, False, False, self.batch_number, self.batch_number, self.total_calls)
+            self._check(call, tensors)
+
     def _before_forward(self, module, input):
         with self._lock:
             self._reuse.open()
+            if self._gradients is not None:
+                self._gradients.new_forward()
 
     def _after_forward(self, module, input, output):
         # Reached with work pending (check="batch") only when the forward raised: print the
@@ -319,7 +351,9 @@ class DebugUnderflowOverflow:
             self.reset_saved_frames()
         if call.first_call:
             self.frame.extend(report.batch_start_lines(call.batch_before))
-        self._save(frame)
+        # the batch a frame belongs to: a backward pass runs after its forward counted the batch
+        batch = call.batch_before - 1 if frame.phase == BACKWARD else call.batch_before
+        self._save(frame, batch)
         if call.trace_mode:
             # the reference's ring holds just this frame now, whatever max_frames_to_save says
             print(str(frame), flush=True)
@@ -327,22 +361,72 @@ class DebugUnderflowOverflow:
         if call.last_frame_of_batch:
             self.frame.extend(report.batch_start_lines(call.batch_after))
         if self.detected_overflow and not call.trace_mode:
-            # with check="batch" later calls may have run: report the state of this one
-            self.batch_number = call.batch_after
-            self.total_calls = call.total_calls
-            self._deferred.discard()
-            self.dump_saved_frames()
-            raise OverflowDetected(report.OVERFLOW_ERROR)
+            if self._policy.on_detect == "raise":
+                # with check="batch" later calls may have run: they never happened, report the
+                # state of this one
+                self.batch_number = call.batch_after
+                self.total_calls = call.total_calls
+            self._detected(frame, batch, call.batch_after)
 
-    def _save(self, frame):
+    def _save(self, frame, batch=None):
         """Attach the pending lead lines, print the nan/inf lines, keep the frame in the ring."""
-        frame.lead, self.frame = self.frame, []
+        if frame.phase == FORWARD:  # backward frames leave the next batch's markers where they are
+            frame.lead, self.frame = self.frame, []
+        policy = self._policy
         for kind, ctx, payload in frame.entries:
             if kind == TENSOR and _has_overflow(frame.rows[payload]):
-                for line in report.overflow_lines(frame.rows[payload], ctx):
-                    print(line, flush=True)
+                if policy.ignore and policy.ignored(frame.module_name, ctx):
+                    continue
+                if policy.on_detect != "raise" and self._reported_pass == (frame.phase, batch):
+                    policy.new_reports(frame, [ctx])  # a consequence of what this pass reported
+                    continue
+                if self._first_bad is None:
+                    self._first_bad = (frame, [])  # where the source line looks
+                if self._first_bad[0] is frame:
+                    self._first_bad[1].append(ctx)
+                # on_detect="warn": each (module, entry) once
+                if policy.on_detect == "raise" or (
+                        policy.on_detect == "warn" and policy.new_reports(frame, [ctx])):
+                    for line in report.overflow_lines(frame.rows[payload], ctx):
+                        print(line, flush=True)
+                    self._report_due = True
                 self.detected_overflow = True
+        if policy.warn_above is not None:
+            for line in policy.early_warnings(frame, batch):
+                print(line, flush=True)
         self.frames.append(frame)
+
+    def _detected(self, frame, batch, shown_batch):
+        """A nan/inf counted in ``frame`` (or earlier, in a traced batch): report it as on_detect says."""
+        first_frame, bad = self._first_bad or (frame, [])
+        self._first_bad = None
+        detection = {"batch_number": batch, "phase": first_frame.phase,
+                     "module": first_frame.module_name, "class": first_frame.class_name, "entries": bad}
+        self.detections.append(detection)
+        report_due, self._report_due = self._report_due, False
+        on_detect = self._policy.on_detect
+        if on_detect == "raise":
+            self._deferred.discard()
+            self._dump(frame, first_frame, bad, batch, shown_batch)
+            error = OverflowDetected(report.OVERFLOW_ERROR)
+            error.detection = detection
+            raise error
+        self.detected_overflow = False  # go on: later batches are checked afresh
+        # later frames of this forward or backward only pass the values on: one detection a pass
+        self._reported_pass = (frame.phase, batch)
+        if on_detect == "warn" and report_due:
+            self._dump(frame, first_frame, bad, batch, shown_batch)
+            warnings.warn(f"overflow_fast: inf/nan in {first_frame.module_name or '(model)'} "
+                          f"{', '.join(bad)} ({first_frame.phase}, batch_number={detection['batch_number']}); "
+                          "training goes on (on_detect='warn')", RuntimeWarning, stacklevel=2)
+        self.frames.clear()
+
+    def _dump(self, frame, first_frame, bad, batch, shown_batch):
+        """The reference's report (its batch number is the one its state had at that call)."""
+        during = f"the backward of batch_number={batch}" if frame.phase == BACKWARD else f"batch_number={shown_batch}"
+        self.dump_saved_frames(during)
+        if self._explain and bad:
+            print(source_line(first_frame, bad), flush=True)
 
 
 def _integer(value, name, expected):
@@ -403,3 +487,15 @@ def detect_overflow(var, ctx):
     for line in lines:
         print(line, flush=True)
     return bool(lines)
+
+
+WATCH_DEFAULTS = dict(check="batch", kwargs=True, containers=True, backward=True)
+
+
+def watch(model, **options):
+    """The detector with the recommended modern defaults: no host sync in any hook
+    (``check="batch"``), keyword inputs, tensors inside model outputs and containers, and
+    gradient checks in backward (a nan/inf there raises before ``backward()`` returns, so the
+    optimizer never applies it). Any option of ``DebugUnderflowOverflow`` overrides these.
+    Returns the detector: ``remove()`` it, or use it as a context manager."""
+    return DebugUnderflowOverflow(model, **{**WATCH_DEFAULTS, **options})

@@ -12,18 +12,28 @@ from .stats import unreadable_reason
 from .stats.kinds import PLAIN_TYPES, SUPPORTED_DTYPES
 
 
+FORWARD, BACKWARD = "forward", "backward"
+
+
 class Frame:
     """One hook call: the module, its entries, and their statistics rows (raw, not text)."""
 
-    __slots__ = ("lead", "module_name", "class_name", "entries", "dtypes", "rows")
+    __slots__ = ("lead", "module_name", "class_name", "entries", "dtypes", "rows", "phase", "consumers")
 
-    def __init__(self, module_name, class_name, entries, dtypes):
+    def __init__(self, module_name, class_name, entries, dtypes, phase=FORWARD):
         self.lead = []  # lines the reference had pending in `self.frame` (batch markers)
         self.module_name = module_name
         self.class_name = class_name
         self.entries = entries  # (kind, ctx, payload): payload is a row index for TENSOR
         self.dtypes = dtypes
         self.rows = None  # host rows (while pending with check="batch", some are (device, slot))
+        self.phase = phase
+        self.consumers = None  # an output gradient's frame: the modules whose backward produced it
+
+    def tensor_entries(self):
+        """``(ctx, row, dtype)`` of every tensor entry, once the rows are on the host."""
+        return [(ctx, self.rows[payload], self.dtypes[payload])
+                for kind, ctx, payload in self.entries if kind == TENSOR]
 
     def __str__(self):
         return report.frame_text(self)
@@ -139,7 +149,7 @@ def _open(value, ctx, depth=0):
     return [leaf for key, child in children for leaf in _open(child, f"{ctx}[{key}]", depth + 1)]
 
 
-def frame_of(module_name, class_name, items):
+def frame_of(module_name, class_name, items, phase=FORWARD):
     """A frame of ``(value, ctx)`` items, and the tensors among them that the engine reads."""
     entries = []
     tensors = []
@@ -158,4 +168,4 @@ def frame_of(module_name, class_name, items):
             entries.append((NONE, ctx, None))
         else:
             entries.append((NOT_A_TENSOR, ctx, None))
-    return Frame(module_name, class_name, entries, [t.dtype for t in tensors]), tensors
+    return Frame(module_name, class_name, entries, [t.dtype for t in tensors], phase), tensors

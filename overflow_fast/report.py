@@ -51,11 +51,12 @@ def batch_end_line(batch_number: int) -> str:
     return f"{PREFIX} *** Finished batch number={batch_number} ***\n\n"
 
 
-def dump_text(batch_number: int, frames) -> str:
-    """What the reference prints on detection (four print() calls, joined)."""
+def dump_text(batch_number: int, frames, during=None) -> str:
+    """What the reference prints on detection (four print() calls, joined); ``during`` names a
+    backward pass instead of the batch (gradient checks, beyond the reference)."""
     return "\n".join(
         [
-            f"\nDetected inf/nan during batch_number={batch_number}",
+            f"\nDetected inf/nan during {during or f'batch_number={batch_number}'}",
             f"Last {len(frames)} forward frames:",
             COLUMN_HEADER,
             "\n".join(str(frame) for frame in frames),

@@ -91,7 +91,10 @@ def test_nan_in_a_keyword_input_is_detected_where_the_reference_sees_nothing(che
     # found one module earlier than the reference, in the frame of the module that received it
     assert out.splitlines()[0] == "input[hidden_states] has nans"
     assert out.endswith("                  layer Gate\n     nan      nan input[hidden_states]\n"
-                        "0.00e+00 0.00e+00 output\n\n\n\n")
+                        "0.00e+00 0.00e+00 output\n\n\n\n"
+                        "Source: born outside any module, in the code before layer (Gate) input[hidden_states]: "
+                        "every module run before it was finite (an operation in a parent's forward, or an input "
+                        "from outside)\n")
 
 
 @dataclasses.dataclass

@@ -1,0 +1,98 @@
+"""Gradient frames (``backward=True``): each parameter's gradient once it is accumulated, and the
+gradient arriving at each module's tensor outputs, as frames in the forward frames' format
+(``weight.grad``, ``output.grad``, ``output[0].grad``).
+
+Output gradients are taken with a hook on the output tensor itself, not a module backward hook:
+``register_full_backward_hook`` wraps the outputs in a view, which breaks in-place ops that
+follow the module (``ReLU(inplace=True)``), and a debugging tool must not change what runs.
+"""
+
+import functools
+import weakref
+
+import torch
+
+from .frames import BACKWARD, frame_of, own_parameters
+from .report import TENSOR
+
+
+class GradientHooks:
+    """Registers the gradient hooks of a model; ``on_frame(frame, tensors)`` receives each
+    gradient frame (called inside the backward pass)."""
+
+    def __init__(self, model, module_names, on_frame):
+        self._module_names = module_names
+        self._on_frame = on_frame
+        self.active = True
+        self._handles = []
+        # id(output tensor) -> (weakref, [module, ctx]): a tensor several modules return (a
+        # block's last layer and the block itself) gets one hook, named after the outermost
+        self._owners = {}
+        seen = set()
+        for module in model.modules():
+            for parameter, name in own_parameters(module):
+                # a parameter shared by several modules reports under its first owner
+                if id(parameter) in seen or not parameter.requires_grad or not parameter.is_leaf:
+                    continue
+                seen.add(id(parameter))
+                hook = functools.partial(self._parameter_hook, module, f"{name}.grad")
+                self._handles.append(parameter.register_post_accumulate_grad_hook(hook))
+
+    def remove(self):
+        self.active = False  # output hooks on tensors still alive fire as no-ops
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def __getstate__(self):
+        # deepcopy(model) / torch.save(model) reach these hooks through the parameters
+        state = self.__dict__.copy()
+        state["_owners"] = {}
+        return state
+
+    def new_forward(self):
+        self._owners.clear()
+
+    def watch_outputs(self, module, frame, tensors):
+        """Hook the gradients of a forward frame's output tensors that require one, and note the
+        module as a consumer of the hooked tensors it took as inputs (their gradient comes from
+        its backward)."""
+        if not torch.is_grad_enabled():
+            return
+        if len(self._owners) > 1 << 16:  # submodules driven alone never start a new forward
+            self._owners.clear()
+        for kind, ctx, payload in frame.entries:
+            if kind != TENSOR:
+                continue
+            tensor = tensors[payload]
+            known = self._owners.get(id(tensor))
+            if known is not None and known[0]() is not tensor:
+                known = None
+            if ctx.startswith("input"):
+                if known is not None and module not in known[1][2]:
+                    known[1][2].append(module)
+            elif ctx.startswith("output") and tensor.requires_grad:
+                if known is not None:
+                    known[1][:2] = [module, f"{ctx}.grad"]  # hooks run inner first: the outer one wins
+                    continue
+                owner = [module, f"{ctx}.grad", []]
+                tensor.register_hook(functools.partial(self._output_hook, owner))
+                try:
+                    self._owners[id(tensor)] = (weakref.ref(tensor), owner)
+                except TypeError:
+                    pass
+
+    def _parameter_hook(self, module, ctx, parameter):
+        if self.active and parameter.grad is not None:
+            self._emit(module, [(parameter.grad, ctx)])
+
+    def _output_hook(self, owner, grad):
+        if self.active:
+            module, ctx, consumers = owner
+            self._emit(module, [(grad, ctx)], [self._module_names.get(m, "?") for m in consumers])
+        # returns None: the gradient flows on unchanged
+
+    def _emit(self, module, items, consumers=None):
+        frame, tensors = frame_of(self._module_names.get(module, "?"), module.__class__.__name__, items, BACKWARD)
+        frame.consumers = consumers
+        self._on_frame(frame, tensors)

@@ -1,0 +1,125 @@
+"""What a detection does, beyond the reference's "print and raise": which entries count
+(``ignore``), what happens on a nan/inf (``on_detect``), the early warnings (``warn_above``:
+an entry nearing its dtype's largest value, or underflowing to zeros and subnormals), and the
+line naming where the non-finite values were born. Pure host logic over frames' rows."""
+
+import re
+
+import torch
+
+from .frames import BACKWARD
+from .stats.layout import ABS_MAX, NAN, NEGINF, NUMEL, POSINF, SUBNORMAL, ZERO, decode_row
+
+ON_DETECT = ("raise", "warn", "record")
+# Subnormals above this fraction of an entry's elements get an underflow line (with warn_above).
+SUBNORMAL_FRACTION = 0.5
+
+
+def is_bad(row):
+    return bool(row[NAN] or row[POSINF] or row[NEGINF])
+
+
+def _glob(pattern):
+    """fnmatch's * and ? only: entries hold brackets (input[0]) that fnmatch reads as classes."""
+    return re.compile("".join(".*" if c == "*" else "." if c == "?" else re.escape(c) for c in pattern) + r"\Z")
+
+
+class Policy:
+    """``ignore``: patterns ``"MODULE"`` (every entry of the matching modules) or
+    ``"MODULE:ENTRY"``, with * and ? as wildcards, matched against the module's qualified name
+    ("" for the model itself) and the entry's name (``input[attention_mask]``, ``weight.grad``).
+    Ignored entries keep their lines in frames but never count as a detection."""
+
+    def __init__(self, on_detect="raise", ignore=(), warn_above=None):
+        if on_detect not in ON_DETECT:
+            raise ValueError(f"on_detect must be one of {ON_DETECT}, got {on_detect!r}")
+        if isinstance(ignore, str):
+            ignore = [ignore]
+        ignore = list(ignore or ())
+        if not all(isinstance(p, str) for p in ignore):
+            raise TypeError("ignore must be a pattern or a list of patterns ('MODULE' or 'MODULE:ENTRY')")
+        if warn_above is not None:
+            if isinstance(warn_above, bool) or not isinstance(warn_above, (int, float)) or not 0 < warn_above <= 1:
+                raise ValueError(f"warn_above must be a fraction in (0, 1], got {warn_above!r}")
+        self.on_detect = on_detect
+        self.warn_above = warn_above
+        self.ignore = ignore
+        self._ignore = [(_glob(m), _glob(e) if e is not None else None)
+                        for m, _, e in (p.partition(":") if ":" in p else (p, None, None) for p in ignore)]
+        self._ignored_cache = {}
+        self._warned = set()  # (module, entry, kind) already given an early-warning line
+        self._reported = set()  # (module, entry) already reported with on_detect="warn"
+
+    def ignored(self, module_name, ctx):
+        key = (module_name, ctx)
+        hit = self._ignored_cache.get(key)
+        if hit is None:
+            hit = self._ignored_cache[key] = any(
+                m.match(module_name) and (e is None or e.match(ctx)) for m, e in self._ignore)
+        return hit
+
+    def bad_entries(self, frame):
+        """The names of the entries of ``frame`` that hold a nan/inf and count."""
+        return [ctx for ctx, row, _ in frame.tensor_entries()
+                if is_bad(row) and not (self._ignore and self.ignored(frame.module_name, ctx))]
+
+    def new_reports(self, frame, bad):
+        """With on_detect="warn", the entries not reported before (each (module, entry) once)."""
+        fresh = [ctx for ctx in bad if (frame.module_name, ctx) not in self._reported]
+        self._reported.update((frame.module_name, ctx) for ctx in fresh)
+        return fresh
+
+    def early_warnings(self, frame, batch_number):
+        """Lines for entries crossing ``warn_above`` of their dtype's largest finite value, or
+        underflowing (an activation or gradient all zeros, any entry mostly subnormal); each
+        (module, entry, kind) once."""
+        if self.warn_above is None:
+            return []
+        lines = []
+        where = f"{frame.module_name or '(model)'} {frame.class_name}"
+        for ctx, row, dtype in frame.tensor_entries():
+            if not dtype.is_floating_point or row[NUMEL] == 0 or is_bad(row):
+                continue
+            key = (frame.module_name, ctx)
+            limit = torch.finfo(dtype).max
+            abs_max = decode_row(row, dtype)["abs_max"]
+            if abs_max >= self.warn_above * limit and (key + ("max",)) not in self._warned:
+                self._warned.add(key + ("max",))
+                lines.append(f"{where} {ctx}: abs max {abs_max:.2e} is {abs_max / limit:.0%} of the largest "
+                             f"{str(dtype).replace('torch.', '')} ({limit:.2e}) at batch_number={batch_number}")
+            # parameters are often all zeros by design (biases at initialisation): only activations
+            # and gradients count as having underflowed to zeros
+            is_parameter = not ctx.startswith(("input", "output")) and not ctx.endswith(".grad")
+            if row[ZERO] == row[NUMEL] and row[ABS_MAX] == 0 and not is_parameter \
+                    and (key + ("zero",)) not in self._warned:
+                self._warned.add(key + ("zero",))
+                lines.append(f"{where} {ctx}: all {row[NUMEL]} elements are zero at batch_number={batch_number}")
+            if row[SUBNORMAL] > SUBNORMAL_FRACTION * row[NUMEL] and (key + ("subnormal",)) not in self._warned:
+                self._warned.add(key + ("subnormal",))
+                lines.append(f"{where} {ctx}: {row[SUBNORMAL] / row[NUMEL]:.0%} of {row[NUMEL]} elements are "
+                             f"subnormal at batch_number={batch_number}")
+        return lines
+
+
+def source_line(frame, bad):
+    """Where the first non-finite values were born, judged from the first frame (in execution
+    order) that holds one: every frame before it was finite."""
+    where = f"{frame.module_name or '(model)'} ({frame.class_name})"
+    if frame.phase == BACKWARD:
+        if any(ctx.startswith("output") for ctx in bad):
+            if frame.module_name == "":
+                return "Source: the gradient of the model's output came in non-finite (the loss or its scaling)"
+            consumers = ", ".join(name or "(model)" for name in frame.consumers or []) or "the modules that consume it"
+            return (f"Source: born in backward, in the gradient arriving at {where} {bad[0]}: "
+                    f"made by the backward of {consumers}")
+        return f"Source: born in backward of {where}: {bad[0]} from a finite incoming gradient"
+    weights = [ctx for ctx in bad if not ctx.startswith(("input", "output"))]
+    if weights:
+        return f"Source: a weight already non-finite before this forward: {where} {weights[0]}"
+    inputs = [ctx for ctx in bad if ctx.startswith("input")]
+    if inputs:
+        if frame.module_name == "":
+            return f"Source: came in from outside, in the input batch: {where} {inputs[0]}"
+        return (f"Source: born outside any module, in the code before {where} {inputs[0]}: every module "
+                "run before it was finite (an operation in a parent's forward, or an input from outside)")
+    return f"Source: born in forward of {where}: {bad[0]} from finite inputs and weights"
