@@ -2,7 +2,9 @@
 
 GPT-2-style and T5-style models built from configs (random weights), forward (no grad) and a
 training step (forward + backward + SGD), with: no detector, transformers' reference detector,
-overflow_fast check="module" (the drop-in default) and check="batch". Every variant has its own
+overflow_fast check="module" (the drop-in default) and check="batch", and ``watch()`` (gradient
+checks, keyword inputs and containers on; check="batch", and "watch-module" with check="module").
+``--anomaly`` adds ``torch.autograd.detect_anomaly`` for comparison. Every variant has its own
 copy of the model (the reference's hooks cannot be removed); the variants run round-robin in one
 process and the table reports medians and overheads against "none".
 
@@ -10,6 +12,7 @@ process and the table reports medians and overheads against "none".
 """
 
 import argparse
+import contextlib
 import copy
 import statistics
 import sys
@@ -19,9 +22,9 @@ import torch
 import transformers
 from transformers.debug_utils import DebugUnderflowOverflow as ReferenceDetector
 
-from overflow_fast import DebugUnderflowOverflow
+from overflow_fast import DebugUnderflowOverflow, watch
 
-VARIANTS = ("none", "reference", "module", "batch")
+VARIANTS = ("none", "reference", "module", "batch", "watch", "watch-module")
 BREAKDOWN = ("module-noreuse",)  # --breakdown: what reading each tensor once per forward saves
 
 
@@ -64,6 +67,10 @@ def attach(variant, model):
         DebugUnderflowOverflow(model, check=variant)
     elif variant == "module-noreuse":
         DebugUnderflowOverflow(model, check="module", reuse_stats=False)
+    elif variant == "watch":
+        watch(model)
+    elif variant == "watch-module":
+        watch(model, check="module")
 
 
 def synchronize(device):
@@ -83,13 +90,14 @@ def measure(name, quick, device, repeats, mode, variants):
         attach(variant, model)
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-4) if mode == "train" else None
 
-        def step(model=model, optimizer=optimizer):
+        def step(model=model, optimizer=optimizer, anomaly=variant == "anomaly"):
             if optimizer is None:
                 with torch.no_grad():
                     model(**batch)
             else:
                 optimizer.zero_grad(set_to_none=True)
-                model(**batch).loss.backward()
+                with torch.autograd.detect_anomaly(check_nan=True) if anomaly else contextlib.nullcontext():
+                    model(**batch).loss.backward()
                 optimizer.step()
 
         runs[variant] = step
@@ -114,8 +122,9 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--models", default="gpt2,t5")
     parser.add_argument("--breakdown", action="store_true", help="also check='module' with reuse_stats=False")
+    parser.add_argument("--anomaly", action="store_true", help="also torch.autograd.detect_anomaly")
     args = parser.parse_args(argv)
-    variants = VARIANTS + (BREAKDOWN if args.breakdown else ())
+    variants = VARIANTS + (BREAKDOWN if args.breakdown else ()) + (("anomaly",) if args.anomaly else ())
     device = torch.device(args.device)
     repeats = args.repeats or (5 if args.quick else 15)
     print(f"torch {torch.__version__}, device {device}, threads {torch.get_num_threads()}, "

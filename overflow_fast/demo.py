@@ -1,13 +1,13 @@
-"""`make demo`: a small transformer in fp16 whose residual stream grows block after block until
-it overflows, with the detector attached. Run: python -m overflow_fast.demo [--check batch]."""
+"""`make demo`: a small transformer trained in fp16 whose residual stream grows block after block
+until it overflows, under ``watch()``; the report ends with the module where the inf was born.
+Run: python -m overflow_fast.demo [--drop-in] [--check module|batch]."""
 
 import argparse
-import math
 
 import torch
 from torch import nn
 
-from overflow_fast import DebugUnderflowOverflow
+from overflow_fast import DebugUnderflowOverflow, watch
 
 
 class Block(nn.Module):
@@ -45,21 +45,36 @@ class TinyTransformer(nn.Module):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--check", choices=["module", "batch"], default="module")
+    parser.add_argument("--drop-in", action="store_true",
+                        help="the reference-compatible DebugUnderflowOverflow on forwards, instead of watch()")
+    parser.add_argument("--check", choices=["module", "batch"], default=None)
     parser.add_argument("--frames", type=int, default=12, help="max_frames_to_save")
     args = parser.parse_args(argv)
 
     torch.manual_seed(0)
-    model = TinyTransformer().half().eval()
-    detector = DebugUnderflowOverflow(model, max_frames_to_save=args.frames, check=args.check)
-    print(f"A 4-block transformer in float16 (max {torch.finfo(torch.float16).max:.0f}); "
-          f"overflow_fast watches {len(detector.module_names)} modules (check={args.check!r}).")
+    model = TinyTransformer().half()
     ids = torch.randint(0, 128, (2, 16))
+    if args.drop_in:
+        check = args.check or "module"
+        detector = DebugUnderflowOverflow(model.eval(), max_frames_to_save=args.frames, check=check)
+        what = f"DebugUnderflowOverflow (check={check!r})"
+    else:
+        check = args.check or "batch"
+        detector = watch(model, max_frames_to_save=args.frames, check=check)
+        what = f"watch() (check={check!r}: gradients, keyword inputs and model outputs too)"
+    print(f"A 4-block transformer in float16 (max {torch.finfo(torch.float16).max:.0f}); "
+          f"overflow_fast {what} watches {len(detector.module_names)} modules.")
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     try:
-        with torch.no_grad():
-            for step in range(3):
-                model(ids)
-                print(f"batch {step}: finite")
+        for step in range(3):
+            if args.drop_in:
+                with torch.no_grad():
+                    model(ids)
+            else:
+                optimizer.zero_grad()
+                model(ids).float().logsumexp(-1).mean().backward()
+                optimizer.step()
+            print(f"batch {step}: finite")
     except ValueError as error:
         print(f"\nThe run stopped with: ValueError: {error}")
     finally:
