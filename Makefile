@@ -6,7 +6,7 @@ STAMP := $(VENV)/.overflow_fast-installed
 TORCH_PIN := torch==2.13.0
 export MAX_JOBS ?= 2
 
-.PHONY: setup test demo bench clean
+.PHONY: setup test demo report-demo bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,10 @@ test: setup
 
 demo: setup
 	$(PY) -m overflow_fast.demo
+
+# a recorded run that drifts into an fp16 overflow -> build/report-demo.jsonl and docs/report-demo.png
+report-demo: setup
+	$(PY) -m overflow_fast.report_demo
 
 bench: setup
 	$(PY) benchmarks/bench_cpu_kernel.py

@@ -1,0 +1,7 @@
+"""``python -m overflow_fast report RUN.jsonl [--png OUT.png]`` (see ``overflow_fast.cli``)."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,218 @@
+"""`overflow-fast report` / `python -m overflow_fast report`: the summary of a recorded run, the
+picture, bounded-memory binning, malformed lines, exit codes, the console script."""
+
+import json
+import os
+import struct
+import subprocess
+import sys
+
+import pytest
+
+from overflow_fast import cli
+from overflow_fast.recorder import Recorder, detection_record, entry_record
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+F16_MAX = 65504.0
+
+
+def _bits(value):
+    return struct.unpack("<q", struct.pack("<d", value))[0]
+
+
+def row(abs_min, abs_max, nan=0, posinf=0, neginf=0, zero=0, subnormal=0, numel=10):
+    return [_bits(abs_min), _bits(abs_max), nan, posinf, neginf, zero, subnormal, numel]
+
+
+def int_row(abs_min, abs_max, numel=10):
+    return [abs_min, abs_max, 0, 0, 0, 0, 0, numel]
+
+
+def write_run(path, steps=10, rank=None, world_size=None):
+    """A synthetic run: h.1's output grows toward the fp16 limit and overflows at step 8
+    (forward); the model's output is nan at step 9; h.0's weight is half subnormal at step 3; h.0's
+    bias is all zeros. Module order of first appearance: emb, h.0, h.1, (model)."""
+    with Recorder(path, rank=rank, world_size=world_size) as recorder:
+        for step in range(steps):
+            h1 = min(F16_MAX, 2.0 ** (8 + step))  # headroom 16 - (8 + step) bits... until inf
+            records = [
+                entry_record(step, "forward", 0, "emb", "Embedding", "weight", "float32", row(0.01, 1.0), rank),
+                entry_record(step, "forward", 0, "emb", "Embedding", "input[0]", "int64", int_row(0, 63), rank),
+                entry_record(step, "forward", 1, "h.0", "Block", "weight", "float16",
+                             row(1e-7, 2.0, subnormal=5 if step == 3 else 0), rank),
+                entry_record(step, "forward", 1, "h.0", "Block", "bias", "float16", row(0.0, 0.0, zero=10), rank),
+                entry_record(step, "forward", 1, "h.0", "Block", "output", "float16", row(0.5, 1000.0), rank),
+            ]
+            if step < 8:
+                records.append(entry_record(step, "forward", 2, "h.1", "Block", "output", "float16",
+                                            row(0.1, h1), rank))
+            else:
+                records.append(entry_record(step, "forward", 2, "h.1", "Block", "output", "float16",
+                                            row(0.1, float("inf"), posinf=1), rank))
+            out = float("nan") if step >= 9 else 30.0
+            records.append(entry_record(step, "forward", 3, "", "Model", "output", "float16",
+                                        row(0.2, out, nan=int(step >= 9)), rank))
+            records.append(entry_record(step, "backward", 4, "h.0", "Block", "weight.grad", "bfloat16",
+                                        row(1e-3, 4.0), rank))
+            recorder.write(records)
+            if step == 8:
+                recorder.write([detection_record(8, "forward", "h.1", "Block", ["output"], rank)])
+    return path
+
+
+def report(capsys, *args):
+    code = cli.main(["report", *map(str, args), "--no-progress"])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_summary_names_the_first_nonfinite_module_and_orders_headroom(tmp_path, capsys):
+    path = write_run(tmp_path / "run.jsonl")
+    code, out, err = report(capsys, path)
+    assert code == 0, err
+    assert "steps recorded: 10 (first 0, last 9)" in out
+    assert "forward (" in out and "backward (" in out
+    assert "ranks: none" in out
+    assert ("first non-finite value: step 8, forward, module h.1 (Block), entry output [float16]: 1 +inf"
+            in out)
+    assert "detection record: step 8, forward, module h.1 (Block)" in out
+    table = out.split("closest to the dtype's limit")[1].split("underflow hot spots")[0]
+    lines = [line for line in table.splitlines()[2:] if line.strip()]
+    # h.1 reached 2**15 (1 - log2(65504/32768) ~ 1.0 bit), h.0 1000 (~6.03 bits), the model 30
+    # (~11.1 bits), h.0 weight.grad in bfloat16 4.0 (~126 bits), emb float32 1.0 (128 bits);
+    # the int64 input has no headroom
+    names = [line.split()[4] for line in lines]
+    assert names == ["h.1", "h.0", "(model)", "emb"]
+    assert float(lines[0].split()[0]) == pytest.approx(1.0, abs=0.01)
+    assert "h.1 (Block) output (forward)" in lines[0] and lines[0].split()[3] == "7"
+    assert float(lines[1].split()[0]) == pytest.approx(6.03, abs=0.01)
+    hot = out.split("underflow hot spots")[1]
+    assert "50.00%" in hot and "h.0 weight" in hot.splitlines()[1]
+    zeros = out.split("entries that are all zeros:")[1]
+    assert "10 step(s) from step       0  h.0 bias [float16, 10 elements]" in zeros
+
+
+def test_no_nonfinite_and_rank_files(tmp_path, capsys):
+    paths = [write_run(tmp_path / "run.jsonl", steps=5, rank=r, world_size=2) for r in (0, 1)]
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["run.rank0.jsonl", "run.rank1.jsonl"]
+    code, out, _ = report(capsys, *(tmp_path / f for f in files))
+    assert code == 0
+    assert "first non-finite value: no nan/inf recorded" in out
+    assert "ranks: 0, 1" in out and "flight recorder logs: 2 files" in out
+    assert paths
+
+
+def test_malformed_lines_are_counted_not_fatal(tmp_path, capsys):
+    path = write_run(tmp_path / "run.jsonl", steps=3)
+    with open(path, "a") as f:
+        f.write("not json\n")
+        f.write('{"record": "entry", "step": 3, "module": "x"}\n')  # fields missing
+        f.write('{"record": "entry", "step": 3, "phase": "forwa')  # a cut line, no newline
+    code, out, _ = report(capsys, path)
+    assert code == 0
+    assert "malformed lines: 3" in out and "run.jsonl:" in out
+    assert "steps recorded: 3 (first 0, last 2)" in out
+
+
+def test_exit_codes(tmp_path, capsys):
+    assert cli.main(["report", str(tmp_path / "missing.jsonl")]) == 1
+    assert "cannot read" in capsys.readouterr().err
+    junk = tmp_path / "junk.jsonl"
+    junk.write_text("hello\nworld\n")
+    assert cli.main(["report", str(junk)]) == 1
+    assert "no flight-recorder records" in capsys.readouterr().err
+    for argv in ([], ["report"], ["frobnicate", "x"], ["report", "x", "--size", "big"]):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(argv)
+        assert exit_info.value.code == 2
+    assert "usage:" in capsys.readouterr().err
+
+
+def test_progress_on_request(tmp_path, capsys):
+    path = write_run(tmp_path / "run.jsonl", steps=3)
+    assert cli.main(["report", str(path), "--progress"]) == 0
+    assert "reading" in capsys.readouterr().err
+    assert cli.main(["report", str(path)]) == 0  # not a terminal: no progress
+    assert capsys.readouterr().err == ""
+
+
+def test_step_bins_stay_bounded():
+    summary = cli.Summary(max_columns=50)
+    line = {"record": "entry", "phase": "forward", "call": 0, "module": "m", "class": "Linear",
+            "entry": "output", "dtype": "float16", "numel": 4, "abs_min": 0.5, "nan": 0, "posinf": 0,
+            "neginf": 0, "zero_frac": 0.0, "subnormal_frac": 0.0, "rank": None}
+    for step in list(range(1000, 6000)) + [10]:  # and one step before all others
+        summary.add_line(json.dumps(dict(line, step=step, abs_max=float(step))), "x", step)
+    assert summary.step_count == 5001 and (summary.first_step, summary.last_step) == (10, 5999)
+    assert len(summary.bins["m"]) <= 100 and summary.width >= 64
+    # the minimum headroom of a bin is its largest value: the last bin holds step 5999
+    last = max(i for i, v in enumerate(summary.bins["m"]) if v is not None)
+    first, end = summary.bin_steps(last)
+    assert first <= 5999 <= end
+    assert summary.bins["m"][last] == pytest.approx(cli.math.log2(F16_MAX / 5999))
+    assert summary.bins["m"][0] == pytest.approx(cli.math.log2(F16_MAX / 10))
+
+
+def _png_size_and_colours(path):
+    import matplotlib.image
+    import numpy as np
+
+    image = matplotlib.image.imread(str(path))
+    colours = np.unique((image[..., :3] * 255).astype(np.uint8).reshape(-1, 3), axis=0)
+    return image.shape[1], image.shape[0], len(colours)
+
+
+def test_png_has_the_requested_size_and_is_not_blank(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    path = write_run(tmp_path / "run.jsonl", steps=40)
+    out_png = tmp_path / "out.png"
+    code, out, err = report(capsys, path, "--png", out_png, "--size", "900x700")
+    assert code == 0, err
+    assert "picture:" in out and "900x700" in out
+    width, height, colours = _png_size_and_colours(out_png)
+    assert (width, height) == (900, 700)
+    assert colours > 20
+    # the default size (from the number of modules) too
+    code, out, err = report(capsys, path, "--png", tmp_path / "default.png")
+    assert code == 0, err
+    width, height, colours = _png_size_and_colours(tmp_path / "default.png")
+    assert width == 1400 and 400 < height < 3000 and colours > 20
+
+
+def _env():
+    env = dict(os.environ)
+    env.pop("PYTHONUNBUFFERED", None)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def test_clear_error_without_matplotlib(tmp_path):
+    path = write_run(tmp_path / "run.jsonl", steps=3)
+    out_png = tmp_path / "out.png"
+    code = ("import sys; sys.modules['matplotlib'] = None\n"
+            "from overflow_fast.cli import main\n"
+            "sys.exit(main(sys.argv[1:]))")
+    result = subprocess.run([sys.executable, "-c", code, "report", str(path), "--png", str(out_png)],
+                            capture_output=True, text=True, env=_env(), timeout=120)
+    assert result.returncode == 1
+    assert "pip install overflow_fast[plot]" in result.stderr and "matplotlib" in result.stderr
+    assert not out_png.exists()
+
+
+def test_python_dash_m_and_the_console_script(tmp_path):
+    path = write_run(tmp_path / "run.jsonl")
+    result = subprocess.run([sys.executable, "-m", "overflow_fast", "report", str(path)],
+                            capture_output=True, text=True, env=_env(), timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "module h.1 (Block), entry output" in result.stdout
+
+    script = os.path.join(os.path.dirname(sys.executable), "overflow-fast")
+    assert os.path.exists(script), "overflow-fast is installed by `pip install -e .`"
+    result = subprocess.run([script, "report", "--help"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "--png" in result.stdout
+    result = subprocess.run([script, "report", str(path)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "module h.1 (Block), entry output" in result.stdout
+    result = subprocess.run([script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "usage:" in result.stderr
