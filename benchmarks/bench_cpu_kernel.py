@@ -9,6 +9,7 @@ Side by side in one process, each row times, on the same tensors:
 Every figure is the median of repeated runs; GB/s counts each tensor's bytes once.
 
     .venv/bin/python benchmarks/bench_cpu_kernel.py [--repeats N] [--threads T] [--quick]
+    .venv/bin/python benchmarks/bench_cpu_kernel.py --complex    complex64/complex128 only
 """
 
 import argparse
@@ -114,6 +115,8 @@ def main():
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: all)")
     parser.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
+    parser.add_argument("--complex", action="store_true",
+                        help="complex64 and complex128 tensors (the kernel's scalar path) instead")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -125,6 +128,16 @@ def main():
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, kernel {cpu_backend._C.capability()}, "
           f"medians of {repeats} interleaved runs")
     rows = []
+    if args.complex:
+        for dtype in (torch.complex64, torch.complex128):
+            for numel in (65536, 1 << 20, 1 << 22):
+                x = torch.randn(numel, generator=generator, dtype=dtype).mul_(3)
+                x[::97] = 0
+                label = f"{str(dtype).replace('torch.', '')} {numel >> 10}K" if numel < (1 << 20) else \
+                    f"{str(dtype).replace('torch.', '')} {numel >> 20}M"
+                rows.append(row(label, [x], repeats))
+        print_table(rows)
+        return
     sizes = (4096, 65536, 1 << 20, 1 << 24) if not args.quick else (4096, 1 << 24)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         for numel in sizes:

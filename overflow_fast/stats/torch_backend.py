@@ -46,15 +46,7 @@ def _unsigned_min_max(x: torch.Tensor, sign_bit: int):
     return lo, hi
 
 
-def _pow2(exponent: torch.Tensor) -> torch.Tensor:
-    """2.0**exponent (int64, in [-1022, 1023]) built from its bits, exactly."""
-    return ((exponent + 1023) << 52).view(torch.float64)
-
-
-def _ldexp(x: torch.Tensor, exponent: torch.Tensor) -> torch.Tensor:
-    """x * 2**exponent with one rounding (|exponent| <= 1100): two exact power-of-two steps."""
-    half = torch.div(exponent, 2, rounding_mode="trunc")
-    return x * _pow2(half) * _pow2(exponent - half)
+_COMPLEX_CHUNK = 1 << 15  # elements per pass of _magnitude
 
 
 def _exact_square(a: torch.Tensor):
@@ -68,17 +60,16 @@ def _exact_square(a: torch.Tensor):
 
 
 def _magnitude(re: torch.Tensor, im: torch.Tensor) -> torch.Tensor:
-    """sqrt(re**2 + im**2) of float64 parts, as csrc/complex.cpp computes it, op for op: the
-    larger part scaled into [0.5, 1), the sum of squares as an exact double-double, sqrt
-    corrected by the exact residual (torch's abs is one ulp off for some operands)."""
+    """sqrt(re**2 + im**2) of float64 parts, as csrc/complex.cpp computes it, op for op (and so
+    bit for bit): the sum of squares as an exact double-double, sqrt corrected once by the exact
+    residual; parts outside [2**-480, 2**500] scaled by 2**-+600 first, and a subnormal result
+    rounded again against the midpoints (torch's abs is one ulp off for some operands)."""
     x, y = re.abs(), im.abs()
     big, small = torch.maximum(x, y), torch.minimum(x, y)
-    finite = torch.isfinite(big)
-    big_f = torch.where(finite, big, 1.0)
-    _, exponent = torch.frexp(big_f)
-    exponent = exponent.to(torch.int64)
-    xs = _ldexp(big_f, -exponent)
-    ys = _ldexp(torch.where(finite, small, 0.0), -exponent)
+    tiny = big < 2.0**-480
+    scale = torch.where(big > 2.0**500, 2.0**-600, torch.where(tiny, 2.0**600, torch.ones_like(big)))
+    xs = torch.where(torch.isfinite(big), big, 1.0) * scale
+    ys = torch.where(torch.isfinite(big), small, 0.0) * scale
     xx, xx_lo = _exact_square(xs)
     yy, yy_lo = _exact_square(ys)
     s = xx + yy
@@ -87,27 +78,24 @@ def _magnitude(re: torch.Tensor, im: torch.Tensor) -> torch.Tensor:
     lo = s_lo + (xx_lo + yy_lo)
     h = torch.sqrt(s + lo)
     hh, hh_lo = _exact_square(h)
-    residual = (s - hh) + (lo - hh_lo)
-    h = h + residual / (h * 2.0)
-    result = _ldexp(h, exponent)
-    # a subnormal result was rounded twice: redo the last rounding against the midpoints
-    subnormal = h < _pow2((-1022 - exponent).clamp(-1022, 1023))
-    if bool(subnormal.any()):  # rare: a host sync only then
-        half_grid = _ldexp(torch.ones_like(h), (-1075 - exponent).clamp(-1100, 1100))
-        c = _ldexp(result, -exponent)
+    h = h + ((s - hh) + (lo - hh_lo)) / (h * 2.0)
+    result = h / scale
+    # below 2**-1022 the division rounds h again, to fewer bits: redo that rounding against
+    # s + lo by the midpoints around the result (ties to even); no host sync
+    scaled = result * 2.0**600
+    odd = (result.view(torch.int64) & 1) == 1
 
-        def excess(mid):
-            mm, mm_lo = _exact_square(mid)
-            return (s - mm) + (lo - mm_lo)
+    def excess(mid):  # the sign of (s + lo) - mid**2
+        mm, mm_lo = _exact_square(mid)
+        return (s - mm) + (lo - mm_lo)
 
-        odd = (result.view(torch.int64) & 1) == 1
-        up = excess(c + half_grid)
-        down = excess(c - half_grid)
-        go_up = (up > 0) | ((up == 0) & odd)
-        go_down = ~go_up & (result > 0) & ((down < 0) | ((down == 0) & odd))
-        fixed = torch.where(go_up, torch.nextafter(result, torch.ones_like(result)), result)
-        fixed = torch.where(go_down, torch.nextafter(result, torch.zeros_like(result)), fixed)
-        result = torch.where(subnormal, fixed, result)
+    up = excess(scaled + 2.0**-475)
+    down = excess(scaled - 2.0**-475)
+    go_up = (up > 0) | ((up == 0) & odd)
+    go_down = ~go_up & (result > 0) & ((down < 0) | ((down == 0) & odd))
+    fixed = torch.where(go_up, torch.nextafter(result, torch.ones_like(result)), result)
+    fixed = torch.where(go_down, torch.nextafter(result, torch.zeros_like(result)), fixed)
+    result = torch.where(tiny & (h < 2.0**-422), fixed, result)
     m = torch.where(small == 0, big, result)
     m = torch.where(torch.isnan(re) | torch.isnan(im), torch.nan, m)
     return torch.where(torch.isinf(re) | torch.isinf(im), torch.inf, m)
@@ -135,11 +123,23 @@ def _row(x: torch.Tensor) -> torch.Tensor:
         posinf = torch.isinf(x).sum()
         # the magnitude in float64 (hypot of the widened parts): a complex64 magnitude never
         # overflows; NaN only when a part is NaN and none is infinite (hypot(inf, nan) = inf)
-        parts = torch.view_as_real(x.resolve_conj().resolve_neg()).to(torch.float64)
-        a = _magnitude(parts[..., 0], parts[..., 1])
-        abs_min, abs_max = torch.aminmax(a)
-        zeros = (a == 0).sum()
-        subnormal = ((a > 0) & (a < SMALLEST_NORMAL[dtype])).sum()
+        # In chunks: _magnitude takes some 60 elementwise ops, which stay in cache this way
+        # rather than each allocating and faulting in a full-size float64 temporary.
+        parts = torch.view_as_real(x.resolve_conj().resolve_neg().reshape(-1))
+        lows, highs, zero_counts, subnormal_counts = [], [], [], []
+        for chunk in parts.split(_COMPLEX_CHUNK):
+            chunk = chunk.to(torch.float64)
+            a = _magnitude(chunk[:, 0], chunk[:, 1])
+            low, high = torch.aminmax(a)
+            lows.append(low)
+            highs.append(high)
+            zero_counts.append((a == 0).sum())
+            subnormal_counts.append(((a > 0) & (a < SMALLEST_NORMAL[dtype])).sum())
+        if len(lows) == 1:
+            abs_min, abs_max, zeros, subnormal = lows[0], highs[0], zero_counts[0], subnormal_counts[0]
+        else:  # min/max propagate NaN, as aminmax does
+            abs_min, abs_max = torch.stack(lows).min(), torch.stack(highs).max()
+            zeros, subnormal = torch.stack(zero_counts).sum(), torch.stack(subnormal_counts).sum()
         return torch.stack(
             [_float_bits(abs_min), _float_bits(abs_max), nans, posinf, zero_count, zeros, subnormal, numel]
         )
