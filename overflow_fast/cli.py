@@ -15,7 +15,7 @@ import os
 import sys
 import time
 
-MAX_COLUMNS = 400  # step bins of the heatmap (bins are merged in pairs beyond twice this)
+MAX_COLUMNS = 200  # step bins are merged in pairs when there would be 2 * MAX_COLUMNS (400) or more
 TOP = 10
 PROGRESS_BYTES = 32 << 20  # files above this show progress (on a terminal)
 
