@@ -99,6 +99,12 @@ class Summary:
     def step_count(self):
         return sum(bin(b).count("1") for b in self.step_bits) + len(self.negative_steps)
 
+    def steps_in(self, first, last):
+        """How many recorded steps lie in [first, last]."""
+        count = sum(1 for step in self.negative_steps if first <= step <= last)
+        return count + sum(1 for step in range(max(first, 0), min(last, 8 * len(self.step_bits) - 1) + 1)
+                           if self.step_bits[step >> 3] >> (step & 7) & 1)
+
     def _bin(self, step):
         if self.origin is None:
             self.origin = step

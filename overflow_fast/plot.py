@@ -73,8 +73,13 @@ def draw(summary, path, size=None, curves=5, title_source=""):
     heat.set_yticks(range(0, rows, step))
     heat.set_yticklabels(labels[::step], fontsize=7 if rows > 30 else 8)
     heat.set_ylabel("module (in the order it first appears in the log)")
-    heat.set_xlabel("training step" + (f" (columns of {width} steps)" if width > 1 else ""))
-    bar = fig.colorbar(mesh, ax=heat, extend="max", pad=0.01)
+    per_column = max((summary.steps_in(*summary.bin_steps(c)) for c in columns), default=1)
+    heat.set_xlabel("training step" + (f" (a column covers {width} steps, up to {per_column} of them recorded: "
+                                       "its lowest headroom is shown)" if per_column > 1 else ""))
+    heat_in = fig_h * ratios[0] / sum(ratios)
+    shrink = min(1.0, 10.0 / heat_in)  # a bar at most ~10 inches long and ~0.2 inch wide
+    bar = fig.colorbar(mesh, ax=heat, extend="max", pad=0.01, shrink=shrink,
+                       aspect=max(12.0, heat_in * shrink / 0.2), extendfrac=0.03)
     bar.set_label("headroom: bits below the dtype's largest value\n(0 = overflow; red = close to it)")
 
     first = summary.first_nonfinite
