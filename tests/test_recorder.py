@@ -18,7 +18,6 @@ from overflow_fast import recorder as rec_mod
 from overflow_fast.frames import forward_frame
 from overflow_fast.recorder import Recorder, decode_float, entry_record, frame_records, rank_path
 from overflow_fast.stats import tensor_stats
-from overflow_fast.stats.layout import ABS_MAX, ABS_MIN, NUMEL
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
