@@ -220,9 +220,11 @@ class Recorder:
     ``path``: the file (truncated); see ``rank_path`` for one file per rank. ``rank`` and
     ``world_size`` default to torch.distributed's (or RANK/WORLD_SIZE in the environment).
     ``log_every``: ``should_record(step)`` is true for every ``log_every``-th step.
+    ``max_pending``: records waiting for the writer beyond which new ones are dropped (with one
+    warning) rather than let a stalled disk grow the queue without bound.
     """
 
-    def __init__(self, path, rank=None, world_size=None, log_every=1):
+    def __init__(self, path, rank=None, world_size=None, log_every=1, max_pending=1_000_000):
         if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1:
             raise ValueError(f"log_every must be a positive int, got {log_every!r}")
         if rank is None and world_size is None:
@@ -238,8 +240,10 @@ class Recorder:
         self._pid = os.getpid()
         self._pending = collections.deque()  # (sequence number, [records])
         self._seq = 0  # last sequence number enqueued
+        self._queued = 0  # records enqueued and not yet written
+        self.max_pending = max_pending
         self._done = 0  # last sequence number written (or dropped)
-        self._lock = threading.Lock()  # guards _seq and the order of _pending
+        self._lock = threading.RLock()  # guards _seq, _queued and the order of _pending (re-entrant: SIGTERM)
         self._io_lock = threading.RLock()  # one drain at a time (RLock: a signal handler may re-enter)
         self._done_cond = threading.Condition(threading.Lock())
         self._wake = threading.Event()
@@ -272,8 +276,17 @@ class Recorder:
         if not records:
             return
         with self._lock:
-            self._seq += 1
-            self._pending.append((self._seq, records))
+            if self._queued + len(records) > self.max_pending:
+                overflow = True
+            else:
+                overflow = False
+                self._queued += len(records)
+                self._seq += 1
+                self._pending.append((self._seq, records))
+        if overflow:
+            self._warn(f"{self.path} has {self._queued} records waiting for a slow disk; "
+                       f"records are dropped until it catches up", "full")
+            return
         self._wake.set()
 
     def flush(self, fsync=False, timeout=None):
@@ -355,6 +368,9 @@ class Recorder:
             if not batches:
                 return
             last = batches[-1][0]
+            count = sum(len(records) for _, records in batches)
+            with self._lock:
+                self._queued -= count
             if not self._broken:
                 try:
                     data = b"".join(encode_line(record) for _, records in batches for record in records)

@@ -312,3 +312,17 @@ def test_records_are_not_written_twice_by_a_forked_child(tmp_path):
     os.waitpid(pid, 0)
     recorder.close()
     assert [l.get("step") for l in strict_lines(path)] == [None, 0]
+
+
+def test_a_stalled_writer_drops_beyond_max_pending(tmp_path):
+    path = tmp_path / "full.jsonl"
+    recorder = Recorder(path, max_pending=100)
+    with recorder._io_lock:  # the writer is stuck (a stalled disk)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(30):
+                recorder.write([{"record": "entry", "step": step, "i": i} for i in range(10)])
+        assert len([w for w in caught if "waiting for a slow disk" in str(w.message)]) == 1
+    recorder.close()
+    lines = strict_lines(path)
+    assert 1 + 90 <= len(lines) <= 1 + 100 and lines[-1]["step"] < 10
