@@ -628,3 +628,21 @@ def test_complex_magnitudes_element_by_element(dtype):
     mags = torch_backend._magnitude(values.to(torch.complex128).real, values.to(torch.complex128).imag)
     for i, (g, m) in enumerate(zip(got, mags.tolist())):
         assert same_stats({"m": g["abs_min"]}, {"m": m}), (i, values[i].item(), g["abs_min"], m)
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+@pytest.mark.parametrize("dtype", COMPLEX, ids=ids)
+def test_complex_rows_where_the_exact_magnitude_is_skipped(dtype, capability):
+    """The kernel computes a magnitude exactly only when the squared magnitude cannot prove that
+    it is neither a new min/max nor near the subnormal threshold: whole tensors of values close
+    to each other and to the threshold, in several orders, equal the oracle."""
+    generator = torch.Generator().manual_seed(10)
+    part = {torch.complex32: torch.float16, torch.complex64: torch.float32}.get(dtype, torch.float64)
+    tiny = torch.finfo(part).tiny
+    base = torch.rand(4000, 2, generator=generator, dtype=torch.float64) * 0.01 + 1.0
+    near_tiny = (torch.rand(2000, 2, generator=generator, dtype=torch.float64) * 0.2 + 0.6) * tiny
+    tensors = []
+    for pairs in (base, near_tiny, torch.cat([base * 1e3, near_tiny, base])):
+        for order in (pairs, pairs.flip(0), pairs[torch.randperm(len(pairs), generator=generator)]):
+            tensors.append(torch.view_as_complex(order.to(part).contiguous()))
+    check(tensors, capability)
