@@ -15,7 +15,7 @@ import warnings
 
 import torch
 
-from . import report
+from . import distributed, report
 from .frames import BACKWARD, FORWARD, Call, forward_frame
 from .gradients import GradientHooks
 from .policy import Policy, source_line
@@ -33,6 +33,17 @@ DEFAULT_BUFFER_ROWS = 1 << 16
 class OverflowDetected(ValueError):
     """The reference's ValueError on a detected inf/nan (same message); a subclass so that other
     detectors on the same model can tell that the report is already printed."""
+
+
+class OverflowDetectedOnRanks(OverflowDetected, distributed.OverflowOnRanks):
+    """Raised on every rank once the ranks agreed that some of them detected a nan/inf; the
+    message names them (``error.ranks``)."""
+
+
+def _print(text):
+    # under torch.distributed every line says which rank it comes from; flushed: a rank killed by
+    # its launcher right after the error must leave its report
+    print(distributed.with_prefix(text, distributed.rank_prefix()), flush=True)
 
 
 def _has_overflow(row):
@@ -62,7 +73,7 @@ class DebugUnderflowOverflow:
     def __init__(self, model, max_frames_to_save=21, trace_batch_nums=None, abort_after_batch_num=None,
                  check="module", backend=None, buffer_rows=DEFAULT_BUFFER_ROWS, reuse_stats=True,
                  kwargs=False, containers=False, backward=False, on_detect="raise", ignore=(),
-                 warn_above=None):
+                 warn_above=None, sync=True, sync_timeout=None):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         # The reference takes whatever its deque, `in` and `>` take: None (an unbounded ring),
@@ -99,6 +110,12 @@ class DebugUnderflowOverflow:
         # beyond the drop-in, a report ends with the line saying where the values were born
         self._explain = self.kwargs or self.containers or self.backward
         self.detections = []  # what was detected: batch_number, phase, module, class, entries
+        # under torch.distributed: every rank stops together at the end of the forward or backward
+        # pass in which any rank detected (see overflow_fast.distributed for the hazards)
+        self.sync = bool(sync)
+        self.sync_timeout = sync_timeout
+        self._stop_pending = False  # this rank detected; the error waits for the agreement
+        self._forward_depth = 0  # top-level forwards running
 
         # The reference swaps its deque for an unbounded list after tracing or a dump; this stays bounded.
         self.frames = collections.deque([], max_frames_to_save)
@@ -132,7 +149,7 @@ class DebugUnderflowOverflow:
         self.frame.append(line)
 
     def trace_frames(self):
-        print("\n".join(str(frame) for frame in self.frames), flush=True)
+        _print("\n".join(str(frame) for frame in self.frames))
         self.frames.clear()
 
     def reset_saved_frames(self):
@@ -140,7 +157,7 @@ class DebugUnderflowOverflow:
 
     def dump_saved_frames(self, during=None):
         # flushed: a rank killed by its launcher right after the ValueError must leave its report
-        print(report.dump_text(self.batch_number, self.frames, during), flush=True)
+        _print(report.dump_text(self.batch_number, self.frames, during))
         self.frames.clear()
 
     def analyse_model(self):
@@ -156,7 +173,7 @@ class DebugUnderflowOverflow:
                 return
             self.expand_frame(report.tensor_line(row, var.dtype, ctx))
             for line in report.overflow_lines(row, ctx):
-                print(line, flush=True)
+                _print(line)
             if _has_overflow(row):
                 self.detected_overflow = True
         elif var is None:
@@ -259,6 +276,8 @@ class DebugUnderflowOverflow:
         self._deferred = DeferredRows(self._reader, self._buffer_rows)  # check="batch"
 
     def _forward_hook(self, module, input, output, kwargs=None):
+        if self._stop_pending:
+            return  # this rank reported; it stops with the others at the end of this pass
         trace_mode = self.batch_number in self.trace_batch_nums
         first_call = self.total_calls == 0
         batch_before = self.batch_number
@@ -287,15 +306,17 @@ class DebugUnderflowOverflow:
             self._deferred.add(call, tensors)
             if call.last_frame_of_batch:
                 self.flush()
-            elif torch._C._current_graph_task_id() != -1:
-                self._flush_when_backward_ends()
         else:
             self.flush()  # earlier calls first: one of them may be the first bad one
             self._reader.read_now(call.frame, tensors)
             self._replay(call)
+        if torch._C._current_graph_task_id() != -1 and (self.check == "batch" or self._sync_wanted()):
+            self._flush_when_backward_ends()
 
     def _gradient_hook(self, frame, tensors):
         with self._lock:
+            if self._stop_pending:
+                return
             # a backward pass belongs to the batch whose forward ran last
             trace_mode = (self.batch_number - 1) in self.trace_batch_nums
             call = Call(frame, trace_mode, False, False, self.batch_number, self.batch_number, self.total_calls)
@@ -303,6 +324,7 @@ class DebugUnderflowOverflow:
 
     def _before_forward(self, module, input):
         with self._lock:
+            self._forward_depth += 1
             self._reuse.open()
             if self._gradients is not None:
                 self._gradients.new_forward()
@@ -311,9 +333,16 @@ class DebugUnderflowOverflow:
         # Reached with work pending (check="batch") only when the forward raised: print the
         # report, let that error propagate.
         with self._lock:
+            self._forward_depth = max(0, self._forward_depth - 1)
             self._reuse.close()
-            if not self._deferred:
-                return
+            try:
+                self._finish_forward()
+            finally:
+                if self._forward_depth == 0 and self._sync_wanted():
+                    self._agree()
+
+    def _finish_forward(self):
+        if self._deferred:
             error = sys.exc_info()[1]  # the forward's own error, being handled by torch
             if isinstance(error, OverflowDetected):
                 # another detector on this model reported first; check="module" would never have
@@ -342,7 +371,28 @@ class DebugUnderflowOverflow:
     def _flush_after_backward(self):
         with self._lock:
             self._backward_flush_task = None
-            self.flush()
+            try:
+                self.flush()
+            finally:
+                if self._sync_wanted():
+                    self._agree()
+
+    def _sync_wanted(self):
+        """Whether this detector's decisions are agreed between ranks (see overflow_fast.distributed)."""
+        return (self.sync and self._policy.on_detect == "raise" and distributed.world() is not None
+                and not distributed.is_local_only())
+
+    def _in_pass(self):
+        """Inside a forward of the top-level model or a backward pass: where every rank meets."""
+        return self._forward_depth > 0 or torch._C._current_graph_task_id() != -1
+
+    def _agree(self):
+        """One small collective: every rank learns which ranks detected; all raise together."""
+        detected, self._stop_pending = self._stop_pending, False
+        ranks = distributed.agree(detected, timeout=self.sync_timeout)
+        if ranks:
+            self.detected_overflow = True
+            raise OverflowDetectedOnRanks(ranks, distributed.world()[1])
 
     def _replay(self, call):
         """The reference's bookkeeping for one hook call whose rows are on the host."""
@@ -356,7 +406,7 @@ class DebugUnderflowOverflow:
         self._save(frame, batch)
         if call.trace_mode:
             # the reference's ring holds just this frame now, whatever max_frames_to_save says
-            print(str(frame), flush=True)
+            _print(str(frame))
             self.frames.clear()
         if call.last_frame_of_batch:
             self.frame.extend(report.batch_start_lines(call.batch_after))
@@ -388,12 +438,12 @@ class DebugUnderflowOverflow:
                 if policy.on_detect == "raise" or (
                         policy.on_detect == "warn" and policy.new_reports(frame, [ctx])):
                     for line in report.overflow_lines(frame.rows[payload], ctx):
-                        print(line, flush=True)
+                        _print(line)
                     self._report_due = True
                 self.detected_overflow = True
         if policy.warn_above is not None:
             for line in policy.early_warnings(frame, batch):
-                print(line, flush=True)
+                _print(line)
         self.frames.append(frame)
 
     def _detected(self, frame, batch, shown_batch):
@@ -408,6 +458,11 @@ class DebugUnderflowOverflow:
         if on_detect == "raise":
             self._deferred.discard()
             self._dump(frame, first_frame, bad, batch, shown_batch)
+            if self._sync_wanted() and self._in_pass():
+                # the other ranks are mid-pass, inside their own collectives (DDP, FSDP2, tensor
+                # parallel): stop with them at the end of this pass, not here
+                self._stop_pending = True
+                return
             error = OverflowDetected(report.OVERFLOW_ERROR)
             error.detection = detection
             raise error
@@ -426,7 +481,7 @@ class DebugUnderflowOverflow:
         during = f"the backward of batch_number={batch}" if frame.phase == BACKWARD else f"batch_number={shown_batch}"
         self.dump_saved_frames(during)
         if self._explain and bad:
-            print(source_line(first_frame, bad), flush=True)
+            _print(source_line(first_frame, bad))
 
 
 def _integer(value, name, expected):
@@ -485,7 +540,7 @@ def detect_overflow(var, ctx):
     else:
         lines = report.overflow_lines(row, ctx)
     for line in lines:
-        print(line, flush=True)
+        _print(line)
     return bool(lines)
 
 

@@ -74,6 +74,25 @@ _OUTPUT_CTX = _ctx("output", _CTX_CACHE)
 _named_parameters = torch.nn.Module.named_parameters
 
 
+_CLASS_NAMES = {}
+
+
+def class_name(module):
+    """The module's class name as the user wrote it: FSDP2's ``fully_shard`` (and ``replicate``)
+    swap a module's class for a generated ``FSDPLinear(FSDPModule, Linear)``; frames keep
+    ``Linear``, so that a sharded run prints what an unsharded one does."""
+    cls = type(module)
+    name = _CLASS_NAMES.get(cls)
+    if name is None:
+        name = cls.__name__
+        bases = cls.__bases__
+        if (len(bases) == 2 and bases[0].__module__.startswith("torch.distributed")
+                and name != bases[1].__name__ and name.endswith(bases[1].__name__)):
+            name = bases[1].__name__
+        _CLASS_NAMES[cls] = name
+    return name
+
+
 def own_parameters(module):
     """``(parameter, name)`` for ``module.named_parameters(recurse=False)``, as the reference lists
     them; without the generator machinery when the module does not override it (it runs per hook)."""
@@ -113,7 +132,7 @@ def forward_frame(module_name, module, input, output, kwargs=None, containers=Fa
         items.append((output, "output"))
     if containers:
         items = [leaf for var, ctx in items for leaf in _open(var, ctx)]
-    return frame_of(module_name, module.__class__.__name__, items)
+    return frame_of(module_name, class_name(module), items)
 
 
 _MAX_DEPTH = 8

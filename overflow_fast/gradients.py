@@ -12,7 +12,7 @@ import weakref
 
 import torch
 
-from .frames import BACKWARD, frame_of, own_parameters
+from .frames import BACKWARD, class_name, frame_of, own_parameters
 from .report import TENSOR
 
 
@@ -93,6 +93,6 @@ class GradientHooks:
         # returns None: the gradient flows on unchanged
 
     def _emit(self, module, items, consumers=None):
-        frame, tensors = frame_of(self._module_names.get(module, "?"), module.__class__.__name__, items, BACKWARD)
+        frame, tensors = frame_of(self._module_names.get(module, "?"), class_name(module), items, BACKWARD)
         frame.consumers = consumers
         self._on_frame(frame, tensors)

@@ -6,9 +6,19 @@ import warnings
 
 import torch
 
+from . import distributed
 from .stats import tensor_stats
-from .stats.kinds import short_reason
+from .stats.kinds import PLAIN_TYPES, short_reason
 from .stats.layout import NUM_COLUMNS
+
+
+def _shard_infos(tensors):
+    """Per tensor, what combining a DTensor's shard rows needs (None for other tensors), or None
+    when there is no DTensor among them (the common case: one type check per tensor)."""
+    if all(type(t) in PLAIN_TYPES for t in tensors):
+        return None
+    infos = [distributed.shard_info(t) for t in tensors]
+    return infos if any(info is not None for info in infos) else None
 
 
 class RowReader:
@@ -47,6 +57,9 @@ class RowReader:
         if fresh:
             result = self.stats(frame, [tensors[i] for i in fresh], fresh)
             rows = result if isinstance(result, list) else result.host_rows()
+            infos = _shard_infos([tensors[i] for i in fresh])
+            if infos is not None:  # DTensor shards: the whole tensors' rows (one collective)
+                rows = distributed.global_rows(rows, infos)
             for position, row in zip(fresh, rows):
                 sources[position] = row
                 if result is not rows:
@@ -62,7 +75,7 @@ class DeferredRows:
         self.reader = reader
         self.capacity = capacity
         self.pending = []  # calls in hook order
-        self._buffers = {}  # device -> [int64 buffer (capacity, 8), rows used]
+        self._buffers = {}  # device -> [int64 buffer (capacity, 8), rows used, shard infos or None]
 
     def __len__(self):
         return len(self.pending)
@@ -94,6 +107,10 @@ class DeferredRows:
                     for position, row in zip(fresh, result):
                         sources[position] = row
                 else:
+                    infos = _shard_infos([tensors[i] for i in fresh])
+                    if infos is not None or state[2] is not None:
+                        # which slots hold DTensor shards, combined across ranks when read
+                        state[2] = (state[2] or [None] * start) + (infos or [None] * len(fresh))
                     state[1] += len(fresh)
                     for offset, position in enumerate(fresh):
                         sources[position] = (rows.device, start + offset)
@@ -108,7 +125,10 @@ class DeferredRows:
         host = {}
         for device, state in self._buffers.items():
             if state[1]:
-                host[device] = state[0][:state[1]].tolist()
+                rows = state[0][:state[1]]
+                if state[2] is not None:  # one collective per read, not per tensor
+                    rows = distributed.global_rows(rows, state[2])
+                host[device] = rows.tolist()
         calls = self.pending
         self.discard()
         for call in calls:
@@ -120,10 +140,11 @@ class DeferredRows:
         self.reader.reuse.clear()  # the buffer slots are reused from here on
         for state in self._buffers.values():
             state[1] = 0
+            state[2] = None
 
     def _buffer(self, device):
         state = self._buffers.get(device)
         if state is None:
             buffer = torch.empty((self.capacity, NUM_COLUMNS), dtype=torch.int64, device=device)
-            state = self._buffers[device] = [buffer, 0]
+            state = self._buffers[device] = [buffer, 0, None]
         return state

@@ -1,0 +1,183 @@
+"""The detector under torch.distributed (2 processes, gloo, CPU): rank-aware reports, every rank
+stopping together at the same step, and whole-tensor numbers for DTensor parameters (FSDP2 before
+and after sharding, tensor parallel), equal to an unsharded single-process run."""
+
+import contextlib
+import io
+import re
+
+import torch
+
+from test_distributed import WORLD, run_ranks
+
+PREFIX = re.compile(r"^\[rank (\d)/2\] ", re.M)
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4, bias=False),
+                               torch.nn.LayerNorm(4))
+
+
+def _batch(step, rank=0):
+    return torch.randn(4, 6, generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def _run(model, steps, train, **options):
+    """Attach the detector, run ``steps(step)`` -> batch; returns (stdout, step it stopped at, error)."""
+    from overflow_fast import DebugUnderflowOverflow, watch
+
+    attach = watch if options.pop("watch", False) else DebugUnderflowOverflow
+    detector = attach(model, **options)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    out = io.StringIO()
+    stopped = (None, None)
+    with contextlib.redirect_stdout(out):
+        for step in range(4):
+            try:
+                batch = steps(step)
+                if train:
+                    model(batch).sum().backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+                else:
+                    with torch.no_grad():
+                        model(batch)
+            except ValueError as error:
+                stopped = (step, error)
+                break
+    detector.remove()
+    return out.getvalue(), stopped[0], stopped[1]
+
+
+def _ddp_worker(rank):
+    from torch.nn.parallel import DistributedDataParallel
+
+    from overflow_fast import OverflowDetected
+
+    for options in (dict(check="module"), dict(check="batch"), dict(watch=True), dict(watch=True, check="module")):
+        model = _model()
+        ddp = DistributedDataParallel(model)
+
+        def steps(step):
+            batch = _batch(step, rank)
+            if step == 2 and rank == 1:
+                batch[0, 0] = float("nan")
+            return batch
+
+        out, step, error = _run(ddp, steps, True, **dict(options))
+        # both ranks stop at step 2, in that forward, naming rank 1; none trains on or hangs
+        assert step == 2, (options, step, out)
+        assert isinstance(error, OverflowDetected) and error.ranks == [1], (options, error)
+        assert str(error).startswith("DebugUnderflowOverflow: inf/nan detected on rank(s) 1, aborting")
+        if rank == 1:
+            lines = out.splitlines()
+            assert lines and all(PREFIX.match(line) for line in lines), out
+            assert "[rank 1/2] input[0] has nans" in lines and "[rank 1/2] Detected inf/nan during batch_number=2" \
+                in lines, out
+        else:
+            assert out == "", out  # rank 0 saw nothing: it stops because rank 1 did
+
+
+def test_ddp_nan_on_one_rank_stops_every_rank_at_the_same_step_in_every_mode():
+    run_ranks(_ddp_worker, timeout=120)
+
+
+def _unsharded_trace(poison=None):
+    """The trace of batch 0 of the unsharded model in this process, without rank prefixes."""
+    model = _model()
+    if poison is not None:
+        poison(model)
+    out, _, _ = _run(model, lambda step: _batch(0), False, check="batch", trace_batch_nums=[0])
+    return PREFIX.sub("", out)  # run inside a rank: its lines carry the rank too
+
+
+def _fsdp_worker(rank):
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import init_device_mesh
+
+    from overflow_fast import OverflowDetected
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    want = _unsharded_trace()
+
+    def sharded():
+        model = _model()
+        for layer in (model[0], model[2]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
+
+    for attach_before, check in ((True, "module"), (False, "module"), (False, "batch"), (True, "batch")):
+        if attach_before:
+            from overflow_fast import DebugUnderflowOverflow
+            model = _model()
+            detector = DebugUnderflowOverflow(model, check=check, trace_batch_nums=[0])
+            for layer in (model[0], model[2]):
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out), torch.no_grad():
+                model(_batch(0))  # the same batch on every rank: the same numbers as unsharded
+            detector.remove()
+            out = out.getvalue()
+        else:
+            out, _, _ = _run(sharded(), lambda step: _batch(0), False, check=check, trace_batch_nums=[0])
+            out = out.split("*** Starting batch number=1 ***")[0].rsplit("\n", 2)[0] + "\n"
+            want_cut = want.split("*** Starting batch number=1 ***")[0].rsplit("\n", 2)[0] + "\n"
+        got = PREFIX.sub("", out)
+        expected = want if attach_before else want_cut
+        assert got.startswith(expected[:len(got)]) and len(got) > 200, (attach_before, check, got, expected)
+        assert "weight" in got
+
+    # an inf in rank 1's shard of a weight: every rank sees the whole tensor, and all stop together
+    def poison(model):
+        with torch.no_grad():
+            local = model[2].weight.to_local()
+            if rank == 1:
+                local[0, 0] = float("inf")
+
+    for check in ("module", "batch"):
+        model = sharded()
+        poison(model)
+        out, step, error = _run(model, lambda step: _batch(step), False, check=check)
+        assert step == 0 and isinstance(error, OverflowDetected) and error.ranks == [0, 1], (check, error, out)
+        assert f"[rank {rank}/2] weight has infs" in out, out
+
+
+def test_fsdp2_numbers_equal_an_unsharded_run_and_a_shard_inf_stops_every_rank():
+    run_ranks(_fsdp_worker, timeout=120)
+
+
+def _tensor_parallel_worker(rank):
+    from torch.distributed.tensor import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from overflow_fast import OverflowDetected
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+
+    def parallel():
+        model = _model()
+        # layer 0: weight Shard(0) (column-wise); layer 2: weight Shard(1) (row-wise)
+        return parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+
+    want = _unsharded_trace()
+    out, _, _ = _run(parallel(), lambda step: _batch(0), False, check="batch", trace_batch_nums=[0])
+    got = PREFIX.sub("", out)
+    for name in ("0 Linear", "2 Linear"):
+        frame_want = want.split(f"                  {name}\n")[1].split("\n")[0]
+        frame_got = got.split(f"                  {name}\n")[1].split("\n")[0]
+        assert frame_got == frame_want, (name, frame_got, frame_want)  # the weight: whole-tensor numbers
+
+    model = parallel()
+    with torch.no_grad():
+        if rank == 1:
+            model[2].weight.to_local()[0, 0] = float("nan")
+    out, step, error = _run(model, lambda step: _batch(0), False, check="module")
+    assert step == 0 and isinstance(error, OverflowDetected) and error.ranks == [0, 1], (error, out)
+    assert f"[rank {rank}/2] weight has nans" in out
+
+
+def test_tensor_parallel_linear_shows_whole_weights_and_stops_every_rank():
+    run_ranks(_tensor_parallel_worker, timeout=120)
