@@ -17,6 +17,7 @@ import torch
 
 from . import distributed, report
 from .frames import BACKWARD, FORWARD, Call, forward_frame
+from .flight import StepLog
 from .gradients import GradientHooks
 from .policy import Policy, source_line
 from .report import NONE, NOT_A_TENSOR, TENSOR, UNREADABLE
@@ -31,13 +32,36 @@ DEFAULT_BUFFER_ROWS = 1 << 16
 
 
 class OverflowDetected(ValueError):
-    """The reference's ValueError on a detected inf/nan (same message); a subclass so that other
-    detectors on the same model can tell that the report is already printed."""
+    """The reference's ValueError on a detected inf/nan (same message, so ``except ValueError``
+    and the text hold), carrying what was detected as data for a trainer to log or checkpoint:
+    ``batch_number``, ``phase``, ``module_name``, ``class_name``, ``entries`` (of the first frame
+    holding a nan/inf), ``rank`` (None in a single process), ``detection`` (those as a dict) and
+    ``frames``: the reported frames, each ``{"module", "class", "phase", "entries": [{"entry",
+    "dtype", "abs_min", "abs_max", "nan", "posinf", "neginf", "zero", "subnormal", "numel"}]}``.
+    Other detectors on the same model tell by this class that the report is already printed."""
+
+    def __init__(self, message, detection=None, frames=()):
+        super().__init__(message)
+        self.detection = detection
+        detection = detection or {}
+        self.batch_number = detection.get("batch_number")
+        self.phase = detection.get("phase")
+        self.module_name = detection.get("module")
+        self.class_name = detection.get("class")
+        self.entries = detection.get("entries", [])
+        where = distributed.world()
+        self.rank = where[0] if where else None
+        self.frames = list(frames)
 
 
 class OverflowDetectedOnRanks(OverflowDetected, distributed.OverflowOnRanks):
     """Raised on every rank once the ranks agreed that some of them detected a nan/inf; the
-    message names them (``error.ranks``)."""
+    message names them (``error.ranks``). On a rank that detected, ``detection`` and ``frames``
+    are its own; elsewhere None and empty."""
+
+    def __init__(self, ranks, world_size, detection=None, frames=()):
+        distributed.OverflowOnRanks.__init__(self, ranks, world_size)
+        OverflowDetected.__init__(self, str(self), detection, frames)
 
 
 def _print(text):
@@ -73,7 +97,7 @@ class DebugUnderflowOverflow:
     def __init__(self, model, max_frames_to_save=21, trace_batch_nums=None, abort_after_batch_num=None,
                  check="module", backend=None, buffer_rows=DEFAULT_BUFFER_ROWS, reuse_stats=True,
                  kwargs=False, containers=False, backward=False, on_detect="raise", ignore=(),
-                 warn_above=None, sync=True, sync_timeout=None):
+                 warn_above=None, sync=True, sync_timeout=None, log=None, log_every=1):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         # The reference takes whatever its deque, `in` and `>` take: None (an unbounded ring),
@@ -115,6 +139,7 @@ class DebugUnderflowOverflow:
         self.sync = bool(sync)
         self.sync_timeout = sync_timeout
         self._stop_pending = False  # this rank detected; the error waits for the agreement
+        self._log = StepLog(log, log_every) if log is not None else None  # the flight recorder
         self._forward_depth = 0  # top-level forwards running
 
         # The reference swaps its deque for an unbounded list after tracing or a dump; this stays bounded.
@@ -227,6 +252,8 @@ class DebugUnderflowOverflow:
                 handle.remove()
             if self._gradients is not None:
                 self._gradients.remove()
+            if self._log is not None:
+                self._log.close()
             self._reuse.reset()
             self.flush()
 
@@ -249,6 +276,7 @@ class DebugUnderflowOverflow:
         for name in ("_reuse", "_reader", "_deferred", "_lock"):
             del state[name]
         state["_first_bad"] = None
+        state["_log"] = None  # a copy does not write into the original's log
         state["_backward_flush_task"] = None
         return state
 
@@ -388,11 +416,11 @@ class DebugUnderflowOverflow:
 
     def _agree(self):
         """One small collective: every rank learns which ranks detected; all raise together."""
-        detected, self._stop_pending = self._stop_pending, False
-        ranks = distributed.agree(detected, timeout=self.sync_timeout)
+        pending, self._stop_pending = self._stop_pending, False
+        ranks = distributed.agree(bool(pending), timeout=self.sync_timeout)
         if ranks:
             self.detected_overflow = True
-            raise OverflowDetectedOnRanks(ranks, distributed.world()[1])
+            raise OverflowDetectedOnRanks(ranks, distributed.world()[1], *(pending or ()))
 
     def _replay(self, call):
         """The reference's bookkeeping for one hook call whose rows are on the host."""
@@ -404,6 +432,8 @@ class DebugUnderflowOverflow:
         # the batch a frame belongs to: a backward pass runs after its forward counted the batch
         batch = call.batch_before - 1 if frame.phase == BACKWARD else call.batch_before
         self._save(frame, batch)
+        if self._log is not None:
+            self._log.frame(frame, batch)
         if call.trace_mode:
             # the reference's ring holds just this frame now, whatever max_frames_to_save says
             _print(str(frame))
@@ -453,19 +483,20 @@ class DebugUnderflowOverflow:
         detection = {"batch_number": batch, "phase": first_frame.phase,
                      "module": first_frame.module_name, "class": first_frame.class_name, "entries": bad}
         self.detections.append(detection)
+        if self._log is not None:
+            self._log.detection(detection)
         report_due, self._report_due = self._report_due, False
         on_detect = self._policy.on_detect
         if on_detect == "raise":
             self._deferred.discard()
+            frames = [report.frame_data(f) for f in self.frames if not isinstance(f, str)]
             self._dump(frame, first_frame, bad, batch, shown_batch)
             if self._sync_wanted() and self._in_pass():
                 # the other ranks are mid-pass, inside their own collectives (DDP, FSDP2, tensor
                 # parallel): stop with them at the end of this pass, not here
-                self._stop_pending = True
+                self._stop_pending = (detection, frames)
                 return
-            error = OverflowDetected(report.OVERFLOW_ERROR)
-            error.detection = detection
-            raise error
+            raise OverflowDetected(report.OVERFLOW_ERROR, detection, frames)
         self.detected_overflow = False  # go on: later batches are checked afresh
         # later frames of this forward or backward only pass the values on: one detection a pass
         self._reported_pass = (frame.phase, batch)

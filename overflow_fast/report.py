@@ -88,3 +88,13 @@ def frame_text(frame) -> str:
         else:
             lines.append(entry_line(kind, ctx, payload))
     return "\n".join(lines)
+
+
+def frame_data(frame) -> dict:
+    """One frame as data (for errors and logs): the tensor entries' statistics, decoded."""
+    entries = []
+    for kind, ctx, payload in frame.entries:
+        if kind == TENSOR:
+            entries.append({"entry": ctx, "dtype": str(frame.dtypes[payload]).replace("torch.", ""),
+                            **decode_row(frame.rows[payload], frame.dtypes[payload])})
+    return {"module": frame.module_name, "class": frame.class_name, "phase": frame.phase, "entries": entries}
