@@ -41,7 +41,7 @@ class OverflowDetected(ValueError):
     Other detectors on the same model tell by this class that the report is already printed."""
 
     def __init__(self, message, detection=None, frames=()):
-        super().__init__(message)
+        ValueError.__init__(self, message)  # not super(): a subclass also derives from OverflowOnRanks
         self.detection = detection
         detection = detection or {}
         self.batch_number = detection.get("batch_number")
@@ -469,6 +469,8 @@ class DebugUnderflowOverflow:
                         policy.on_detect == "warn" and policy.new_reports(frame, [ctx])):
                     for line in report.overflow_lines(frame.rows[payload], ctx):
                         _print(line)
+                    if payload in frame.bad_shards:  # a DTensor: whose shard holds them
+                        _print(report.bad_shards_line(ctx, frame.bad_shards[payload]))
                     self._report_due = True
                 self.detected_overflow = True
         if policy.warn_above is not None:

@@ -61,7 +61,7 @@ import threading
 
 import torch
 
-from .stats.layout import NUM_COLUMNS, is_integer_dtype, merge_rows_tensor
+from .stats.layout import NAN, NEGINF, NUM_COLUMNS, POSINF, is_integer_dtype, merge_rows_tensor
 
 _local = threading.local()
 
@@ -269,7 +269,7 @@ def _all_gather_single(dist):
     return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def global_rows(rows, tensors, group=None):
+def global_rows(rows, tensors, group=None, bad_shards=None):
     """Rows of whole tensors from rows of local shards, with one all_gather per call.
 
     ``rows``: the ``[N, 8]`` int64 rows (on any device) that ``tensor_stats`` computed for
@@ -281,6 +281,8 @@ def global_rows(rows, tensors, group=None):
     Every rank of ``group`` (default: the world) must call it at the same point with the same
     number of DTensor entries (true in SPMD training: every rank runs the same modules). Within
     :func:`local_only`, or without a process group, rows stay local.
+    ``bad_shards``: a dict to fill with ``index -> [global ranks]`` whose shard of ``tensors[index]``
+    holds a nan/inf (what a report names: which shard it comes from).
     """
     infos = [(index, entry if isinstance(entry, ShardInfo) else shard_info(entry))
              for index, entry in enumerate(tensors)]
@@ -312,6 +314,14 @@ def global_rows(rows, tensors, group=None):
         shards = shards.index_select(1, slot_index)  # [S, G, 8]
         integer = torch.tensor([is_integer_dtype(infos[slot][1].dtype) for slot in slots], device=device)
         merged.index_copy_(0, slot_index, merge_rows_tensor(shards, integer))
+        if bad_shards is not None:
+            bad = (shards[:, :, NAN] + shards[:, :, POSINF] + shards[:, :, NEGINF]) > 0  # [S, G]
+            for column, rank_rows in enumerate(bad.t().tolist()):
+                holders = [rank for rank, hit in zip(ranks.tolist(), rank_rows) if hit]
+                if holders:
+                    if group is not None:
+                        holders = [dist.get_global_rank(group, rank) for rank in holders]
+                    bad_shards[infos[slots[column]][0]] = holders
     if host:
         result = [list(row) for row in rows]
         for (index, _), row in zip(infos, merged.tolist()):

@@ -18,7 +18,8 @@ FORWARD, BACKWARD = "forward", "backward"
 class Frame:
     """One hook call: the module, its entries, and their statistics rows (raw, not text)."""
 
-    __slots__ = ("lead", "module_name", "class_name", "entries", "dtypes", "rows", "phase", "consumers")
+    __slots__ = ("lead", "module_name", "class_name", "entries", "dtypes", "rows", "phase", "consumers",
+                 "bad_shards")
 
     def __init__(self, module_name, class_name, entries, dtypes, phase=FORWARD):
         self.lead = []  # lines the reference had pending in `self.frame` (batch markers)
@@ -29,6 +30,7 @@ class Frame:
         self.rows = None  # host rows (while pending with check="batch", some are (device, slot))
         self.phase = phase
         self.consumers = None  # an output gradient's frame: the modules whose backward produced it
+        self.bad_shards = {}  # row index -> ranks whose DTensor shard of it holds a nan/inf
 
     def tensor_entries(self):
         """``(ctx, row, dtype)`` of every tensor entry, once the rows are on the host."""

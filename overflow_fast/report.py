@@ -30,6 +30,11 @@ def overflow_lines(row, ctx: str):
     return lines
 
 
+def bad_shards_line(ctx: str, ranks) -> str:
+    """Under torch.distributed, for a DTensor: the ranks whose shard holds the nan/inf."""
+    return f"{ctx} has them in the shard of rank(s) {', '.join(str(rank) for rank in ranks)}"
+
+
 def entry_line(kind: int, ctx: str, payload) -> str:
     """The line of a non-tensor entry (``payload`` is the reason for UNREADABLE)."""
     if kind == NONE:

@@ -59,7 +59,10 @@ class RowReader:
             rows = result if isinstance(result, list) else result.host_rows()
             infos = _shard_infos([tensors[i] for i in fresh])
             if infos is not None:  # DTensor shards: the whole tensors' rows (one collective)
-                rows = distributed.global_rows(rows, infos)
+                bad = {}
+                rows = distributed.global_rows(rows, infos, bad_shards=bad)
+                for index, ranks in bad.items():
+                    frame.bad_shards[fresh[index]] = ranks
             for position, row in zip(fresh, rows):
                 sources[position] = row
                 if result is not rows:
@@ -123,16 +126,24 @@ class DeferredRows:
     def read(self):
         """The pending calls, in order, with host rows; the queue and the buffers start empty again."""
         host = {}
+        bad = {}  # (device, slot) -> ranks whose DTensor shard holds a nan/inf
         for device, state in self._buffers.items():
             if state[1]:
                 rows = state[0][:state[1]]
                 if state[2] is not None:  # one collective per read, not per tensor
-                    rows = distributed.global_rows(rows, state[2])
+                    shards = {}
+                    rows = distributed.global_rows(rows, state[2], bad_shards=shards)
+                    bad.update(((device, slot), ranks) for slot, ranks in shards.items())
                 host[device] = rows.tolist()
         calls = self.pending
         self.discard()
         for call in calls:
-            call.frame.rows = [s if isinstance(s, list) else host[s[0]][s[1]] for s in call.frame.rows]
+            frame = call.frame
+            if bad:
+                for index, source in enumerate(frame.rows):
+                    if not isinstance(source, list) and source in bad:
+                        frame.bad_shards[index] = bad[source]
+            frame.rows = [s if isinstance(s, list) else host[s[0]][s[1]] for s in frame.rows]
         return calls
 
     def discard(self):

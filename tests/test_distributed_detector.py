@@ -143,6 +143,7 @@ def _fsdp_worker(rank):
         out, step, error = _run(model, lambda step: _batch(step), False, check=check)
         assert step == 0 and isinstance(error, OverflowDetected) and error.ranks == [0, 1], (check, error, out)
         assert f"[rank {rank}/2] weight has infs" in out, out
+        assert f"[rank {rank}/2] weight has them in the shard of rank(s) 1" in out, out  # whose shard
 
 
 def test_fsdp2_numbers_equal_an_unsharded_run_and_a_shard_inf_stops_every_rank():
@@ -177,6 +178,7 @@ def _tensor_parallel_worker(rank):
     out, step, error = _run(model, lambda step: _batch(0), False, check="module")
     assert step == 0 and isinstance(error, OverflowDetected) and error.ranks == [0, 1], (error, out)
     assert f"[rank {rank}/2] weight has nans" in out
+    assert f"[rank {rank}/2] weight has them in the shard of rank(s) 1" in out, out
 
 
 def test_tensor_parallel_linear_shows_whole_weights_and_stops_every_rank():
