@@ -31,8 +31,9 @@ demo: setup
 report-demo: setup
 	$(PY) -m overflow_fast.report_demo
 
+# the whole suite, quick settings (<= 10 minutes on 2 cores): one table, benchmarks/results/bench.csv
 bench: setup
-	$(PY) benchmarks/bench_cpu_kernel.py
+	$(PY) benchmarks/bench_all.py
 
 clean:
 	rm -rf build *.egg-info overflow_fast/*.so

@@ -14,6 +14,7 @@ Every figure is the median of repeated runs; GB/s counts each tensor's bytes onc
 
 import argparse
 import statistics
+import sys
 import time
 
 import torch
@@ -117,6 +118,7 @@ def main():
     parser.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
     parser.add_argument("--complex", action="store_true",
                         help="complex64 and complex128 tensors (the kernel's scalar path) instead")
+    parser.add_argument("--csv", default=None, help="append machine-readable rows to this CSV")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -137,6 +139,7 @@ def main():
                     f"{str(dtype).replace('torch.', '')} {numel >> 20}M"
                 rows.append(row(label, [x], repeats))
         print_table(rows)
+        _write_csv(args.csv, "cpu_kernel_complex", csv_rows(rows))
         return
     sizes = (4096, 65536, 1 << 20, 1 << 24) if not args.quick else (4096, 1 << 24)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
@@ -147,6 +150,26 @@ def main():
             rows.append(row(label, [x], repeats))
     rows.append(row("300 mixed (256..270K)", mixed_model(generator), repeats))
     print_table(rows)
+    _write_csv(args.csv, "cpu_kernel", csv_rows(rows))
+
+
+def csv_rows(rows):
+    out = []
+    for r in rows:
+        for key, unit in (("ref_us", "us"), ("torch_us", "us"), ("cpu_us", "us"), ("sum_us", "us"),
+                          ("cpu_GBs", "GB/s"), ("ref/cpu", "x"), ("cpu/sum", "x")):
+            out.append((f"{r['case']}: {key.replace('_us', '').replace('_GBs', '')}", r[key], unit))
+    return out
+
+
+def _write_csv(path, benchmark, rows):
+    """``--csv``: append ``(metric, value, unit)`` rows with the machine (benchmarks/_results.py)."""
+    if not path:
+        return
+    import os
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import _results
+    _results.write_rows(path, benchmark, rows)
 
 
 if __name__ == "__main__":

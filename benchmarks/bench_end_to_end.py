@@ -130,6 +130,7 @@ def main(argv=None):
     parser.add_argument("--breakdown", action="store_true", help="also check='module' with reuse_stats=False")
     parser.add_argument("--anomaly", action="store_true", help="also torch.autograd.detect_anomaly")
     parser.add_argument("--log", action="store_true", help="also watch() with log_every=1 and log_every=100")
+    parser.add_argument("--csv", default=None, help="append machine-readable rows to this CSV")
     args = parser.parse_args(argv)
     variants = (VARIANTS + (BREAKDOWN if args.breakdown else ()) + (("anomaly",) if args.anomaly else ())
                 + (("watch-log1", "watch-log100") if args.log else ()))
@@ -151,7 +152,22 @@ def main(argv=None):
     for name, mode, base, overheads in rows:
         cells = " | ".join(f"{overheads[v] * 100:+.0f}%" for v in variants[1:])
         print(f"| {name} | {mode} | {base * 1e3:.1f} | {cells} |")
+    csv_rows = []
+    for name, mode, base, overheads in rows:
+        csv_rows.append((f"{name} {mode}: none", base * 1e3, "ms"))
+        csv_rows += [(f"{name} {mode}: {v} overhead", overheads[v] * 100, "%") for v in variants[1:]]
+    _write_csv(args.csv, "end_to_end" + ("_quick" if args.quick else ""), csv_rows)
     return 0
+
+
+def _write_csv(path, benchmark, rows):
+    """``--csv``: append ``(metric, value, unit)`` rows with the machine (benchmarks/_results.py)."""
+    if not path:
+        return
+    import os
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import _results
+    _results.write_rows(path, benchmark, rows)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ Prints, per detector, the median forward time and the cost per hook against no d
 
 import argparse
 import statistics
+import sys
 import time
 
 import torch
@@ -34,6 +35,7 @@ def build(variant):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--csv", default=None, help="append machine-readable rows to this CSV")
     args = parser.parse_args(argv)
     variants = ("none", "reference", "module", "module-noreuse", "batch")
     models = {v: build(v) for v in variants}
@@ -56,7 +58,22 @@ def main(argv=None):
     for variant in variants:
         per_hook = (medians[variant] - medians["none"]) / hooks * 1e6
         print(f"| {variant} | {medians[variant] * 1e3:.2f} | {per_hook:.1f} |")
+    csv_rows = []
+    for variant in variants:
+        csv_rows.append((f"{variant}: forward", medians[variant] * 1e3, "ms"))
+        csv_rows.append((f"{variant}: per hook", (medians[variant] - medians["none"]) / hooks * 1e6, "us"))
+    _write_csv(args.csv, "hook_overhead", csv_rows)
     return 0
+
+
+def _write_csv(path, benchmark, rows):
+    """``--csv``: append ``(metric, value, unit)`` rows with the machine (benchmarks/_results.py)."""
+    if not path:
+        return
+    import os
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import _results
+    _results.write_rows(path, benchmark, rows)
 
 
 if __name__ == "__main__":
