@@ -1,0 +1,61 @@
+"""Smoke tests of the benchmark scripts: they run in their smallest mode and print their output in
+the agreed format. No timing is asserted (the machine is shared; figures are for RESULTS.md)."""
+
+import csv
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "benchmarks")
+
+LAST_LINE = re.compile(
+    r"^host us/hook: -?\d+(\.\d+)?; launches/forward: \d+; uploads/forward: \d+; "
+    r"projected H200 step overhead: -?\d+(\.\d+)?%$"
+)
+
+
+def _run(args, timeout=120):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_last_line_format_regex():
+    assert LAST_LINE.match("host us/hook: 336.5; launches/forward: 208; uploads/forward: 102; "
+                           "projected H200 step overhead: 92.5%")
+    assert not LAST_LINE.match("host us/hook: 336.5; launches/forward: 208; uploads/forward: 102")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="the host-path benchmark needs triton")
+def test_bench_host_path_quick_last_line(tmp_path):
+    out = tmp_path / "host.csv"
+    result = _run([os.path.join(BENCH, "bench_host_path.py"), "--quick", "--no-cpu", "--repeats", "1",
+                   "--csv", str(out)])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    lines = result.stdout.strip().splitlines()
+    assert LAST_LINE.match(lines[-1]), lines[-1]
+    launches = int(re.search(r"launches/forward: (\d+)", lines[-1]).group(1))
+    assert launches > 0  # the triton backend's host path ran (its launches were counted)
+    with open(out, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert rows and all(r["benchmark"] == "host_path" for r in rows)
+
+
+def test_bench_all_csv_columns(tmp_path):
+    out = tmp_path / "bench.csv"
+    result = _run([os.path.join(BENCH, "bench_all.py"), "--smoke", "--only", "hook,compile", "--out", str(out)])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert re.search(r"\[1/2\] hook: .* ok, \d+ s", result.stdout)
+    assert "not measured: no compile benchmark yet" in result.stdout
+    with open(out, newline="") as f:
+        reader = csv.DictReader(f)
+        rows = list(reader)
+    assert reader.fieldnames == ["benchmark", "metric", "value", "unit", "cpu_model", "avx", "threads",
+                                 "torch", "date"]
+    assert {r["benchmark"] for r in rows} == {"hook_overhead", "compile"}
+    assert all(r["cpu_model"] and r["threads"] and r["torch"] and r["date"] for r in rows)
