@@ -52,8 +52,10 @@ def reference_stats(x: torch.Tensor) -> dict:
         # the parts as Python floats (float64 holds every part exactly): the raw bits of each
         # part widened by torch's exact float conversion, with the conj/neg bits resolved first
         parts = flat.resolve_conj().resolve_neg()
-        # (an empty complex32 cannot be viewed as its parts: torch insists on a unit stride)
-        parts = parts.contiguous().view(_COMPLEX_PART[dtype]).to(torch.float64).tolist() if numel else []
+        # viewed as its parts only from fresh unit strides (a contiguous one-element or empty tensor
+        # may keep any stride, which view() refuses)
+        fresh = torch.empty(parts.shape, dtype=dtype).copy_(parts)
+        parts = fresh.view(_COMPLEX_PART[dtype]).to(torch.float64).tolist() if numel else []
         pairs = list(zip(parts[0::2], parts[1::2]))
         # nan/inf by parts, as torch.isnan/isinf count them; an inf+nan*j element counts in both
         nan = sum(math.isnan(re) or math.isnan(im) for re, im in pairs)
