@@ -35,7 +35,7 @@ namespace {
 // Bumped whenever the Python side must change with the module (cpu_backend.py checks it).
 // 3: complex32 accepted; complex nan/inf counted by parts, magnitudes in float64.
 // 4: the kernel is also registered as the torch ops overflow_fast::tensor_stats and
-//    overflow_fast::tensor_stats.out (TORCH_LIBRARY below); _C.compute records that name for the
+//    overflow_fast::tensor_stats_out (TORCH_LIBRARY below); _C.compute records that name for the
 //    profiler.
 constexpr int kAbiVersion = 4;
 
@@ -462,6 +462,10 @@ at::Tensor compute(at::TensorList tensors, const std::optional<at::Tensor>& out_
 // what a hook pays), under the op's name for the profiler (RECORD_FUNCTION costs one check of
 // a global flag when no profiler is on).
 at::Tensor compute_binding(const std::vector<at::Tensor>& tensors, const std::optional<at::Tensor>& out_rows) {
+  if (out_rows.has_value()) {
+    RECORD_FUNCTION("overflow_fast::tensor_stats_out", std::vector<c10::IValue>());
+    return compute(tensors, out_rows);
+  }
   RECORD_FUNCTION("overflow_fast::tensor_stats", std::vector<c10::IValue>());
   return compute(tensors, out_rows);
 }
@@ -469,7 +473,13 @@ at::Tensor compute_binding(const std::vector<at::Tensor>& tensors, const std::op
 // ---- torch ops (SPEC §6: the engine as torch ops) -----------------------------------------
 //
 //   overflow_fast::tensor_stats(Tensor[] tensors) -> Tensor
-//   overflow_fast::tensor_stats.out(Tensor[] tensors, *, Tensor(a!) out) -> Tensor(a!)
+//   overflow_fast::tensor_stats_out(Tensor[] tensors, Tensor(a!) out) -> ()
+//
+// The out variant is an op of its own, not an overload "tensor_stats.out" tagged `out`: Inductor
+// lowers a functional op that has such an overload to that overload writing into a buffer of
+// its own, and (torch 2.13) passes a Tensor[] argument there as separate positional tensors,
+// which the schema rejects at run time. Returning nothing (no aliased output) is what
+// auto_functionalize takes without an `out` tag.
 //
 // CPU kernels are compute() itself, with its checks (a tensor reaching them through the
 // dispatcher has already been unwrapped by the Python key, but the raw-pointer reads stay
@@ -480,10 +490,7 @@ at::Tensor compute_binding(const std::vector<at::Tensor>& tensors, const std::op
 
 at::Tensor tensor_stats_cpu(at::TensorList tensors) { return compute(tensors, std::nullopt); }
 
-at::Tensor& tensor_stats_out_cpu(at::TensorList tensors, at::Tensor& out) {
-  compute(tensors, out);
-  return out;
-}
+void tensor_stats_out_cpu(at::TensorList tensors, at::Tensor& out) { compute(tensors, out); }
 
 at::Tensor tensor_stats_autograd(at::TensorList tensors) {
   static const auto op = c10::Dispatcher::singleton()
@@ -493,10 +500,10 @@ at::Tensor tensor_stats_autograd(at::TensorList tensors) {
   return op.call(tensors);
 }
 
-at::Tensor& tensor_stats_out_autograd(at::TensorList tensors, at::Tensor& out) {
+void tensor_stats_out_autograd(at::TensorList tensors, at::Tensor& out) {
   static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("overflow_fast::tensor_stats", "out")
-                             .typed<at::Tensor&(at::TensorList, at::Tensor&)>();
+                             .findSchemaOrThrow("overflow_fast::tensor_stats_out", "")
+                             .typed<void(at::TensorList, at::Tensor&)>();
   {
     at::AutoDispatchBelowADInplaceOrView guard;
     op.call(tensors, out);
@@ -504,7 +511,6 @@ at::Tensor& tensor_stats_out_autograd(at::TensorList tensors, at::Tensor& out) {
   if (!out.is_inference()) {
     out.unsafeGetTensorImpl()->bump_version();
   }
-  return out;
 }
 
 }  // namespace
@@ -513,18 +519,26 @@ at::Tensor& tensor_stats_out_autograd(at::TensorList tensors, at::Tensor& out) {
 TORCH_LIBRARY(overflow_fast, m) {
   // where the fake (meta) implementations are registered: torch names it when one is missing
   m.set_python_module("overflow_fast.stats.ops");
-  m.def("tensor_stats(Tensor[] tensors) -> Tensor");
-  m.def("tensor_stats.out(Tensor[] tensors, *, Tensor(a!) out) -> Tensor(a!)");
+  // pt2_compliant: traceable by torch.compile (fake implementations, no data-dependent output
+  // shapes)
+  m.def("tensor_stats(Tensor[] tensors) -> Tensor", {at::Tag::pt2_compliant_tag});
+  m.def("tensor_stats_out(Tensor[] tensors, Tensor(a!) out) -> ()", {at::Tag::pt2_compliant_tag});
 }
 
 TORCH_LIBRARY_IMPL(overflow_fast, CPU, m) {
   m.impl("tensor_stats", &overflow_fast::tensor_stats_cpu);
-  m.impl("tensor_stats.out", &overflow_fast::tensor_stats_out_cpu);
+  m.impl("tensor_stats_out", &overflow_fast::tensor_stats_out_cpu);
+}
+
+// An empty list has no tensor to dispatch on: the fallback gives its [0, 8] rows on the CPU.
+// (Other devices reach it too and get the kernel's "not the CPU" error.)
+TORCH_LIBRARY_IMPL(overflow_fast, CompositeExplicitAutograd, m) {
+  m.impl("tensor_stats", &overflow_fast::tensor_stats_cpu);
 }
 
 TORCH_LIBRARY_IMPL(overflow_fast, Autograd, m) {
   m.impl("tensor_stats", &overflow_fast::tensor_stats_autograd);
-  m.impl("tensor_stats.out", &overflow_fast::tensor_stats_out_autograd);
+  m.impl("tensor_stats_out", &overflow_fast::tensor_stats_out_autograd);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

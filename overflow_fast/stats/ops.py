@@ -3,8 +3,9 @@ traces, trace under FakeTensor / ``make_fx`` / ``torch.compile``, and can sit in
 graphs.
 
 - ``overflow_fast::tensor_stats(Tensor[] tensors) -> Tensor`` and
-  ``overflow_fast::tensor_stats.out(Tensor[] tensors, *, Tensor(a!) out) -> Tensor(a!)``: the C++
-  kernel (csrc/binding.cpp, ``TORCH_LIBRARY``), CPU tensors. Loaded with ``overflow_fast._C``.
+  ``overflow_fast::tensor_stats_out(Tensor[] tensors, Tensor(a!) out) -> ()``: the C++ kernel
+  (csrc/binding.cpp, ``TORCH_LIBRARY``), CPU tensors. Loaded with ``overflow_fast._C``. (Why the
+  out variant is an op of its own rather than an ``.out`` overload: see binding.cpp.)
 - ``overflow_fast::tensor_stats_triton(Tensor[] tensors) -> Tensor`` and
   ``overflow_fast::tensor_stats_triton_out(Tensor[] tensors, Tensor(a!) out) -> ()``: the Triton
   kernels (CUDA tensors; CPU tensors under ``TRITON_INTERPRET=1``), registered with
@@ -19,7 +20,7 @@ so nothing would keep them alive or ordered before the launch. ``custom_op`` kee
 opaque, with every input a declared argument of one node.
 
 Every op has a fake implementation: an uninitialised ``[len(tensors), 8]`` int64 tensor on the
-tensors' device (the out variants return/mutate ``out``). ``tensor_stats`` (dispatch.py) stays
+tensors' device (the out variants only mutate ``out``). ``tensor_stats`` (dispatch.py) stays
 the Python face; it calls these ops while ``torch.compile`` traces it (``compute`` below) and the
 pybind entry point otherwise, whose per-call cost is lower (benchmarks/RESULTS.md, "Torch ops").
 
@@ -52,8 +53,9 @@ if HAVE_CPU_OPS:
     def _tensor_stats_fake(tensors):
         return _rows_like(tensors)
 
-    # The out overload returns out itself (an alias): its fake does likewise.
-    torch.library.register_fake("overflow_fast::tensor_stats.out")(lambda tensors, *, out: out)
+    @torch.library.register_fake("overflow_fast::tensor_stats_out")
+    def _tensor_stats_out_fake(tensors, out):
+        return None
 
 
 # -- Triton ------------------------------------------------------------------------------------
@@ -97,8 +99,7 @@ def _tensor_stats_triton_out_fake(tensors, out):
 def op_for(device_type):
     """(functional op, out op) that compute a device's rows, or None."""
     if device_type == "cpu" and HAVE_CPU_OPS:
-        ops = torch.ops.overflow_fast.tensor_stats
-        return ops.default, ops.out
+        return torch.ops.overflow_fast.tensor_stats.default, torch.ops.overflow_fast.tensor_stats_out.default
     if device_type == "cuda":
         return torch.ops.overflow_fast.tensor_stats_triton.default, torch.ops.overflow_fast.tensor_stats_triton_out.default
     return None
@@ -123,7 +124,5 @@ def compute(tensors, out=None):
     functional, out_op = op_for(device_type)
     if out is None:
         return functional(list(tensors))
-    if device_type == "cpu":
-        return out_op(list(tensors), out=out)
     out_op(list(tensors), out)
     return out
