@@ -199,6 +199,10 @@ def tensor_stats(tensors, backend=None, *, out=None) -> StatsBatch:
     Tensors that are not plain storage-backed tensors are read through what they really hold
     (see ``kinds``); those the engine cannot read raise TypeError.
     """
+    if torch.compiler.is_compiling():
+        traced = _traced_tensor_stats(tensors, backend, out)
+        if traced is not None:
+            return traced
     if not isinstance(tensors, (list, tuple)):
         raise TypeError(
             f"tensor_stats expects a list or tuple of tensors, got {type(tensors).__name__}"
@@ -264,6 +268,33 @@ def tensor_stats(tensors, backend=None, *, out=None) -> StatsBatch:
         for index, dense_numel in sparse.items():
             _count_implicit_zeros(batch.row(index), dense_numel - targets[index].numel(), dense_numel)
     return batch
+
+
+def _traced_tensor_stats(tensors, backend, out):
+    """While torch.compile traces ``tensor_stats``: the rows of plain strided tensors on one
+    device, through the engine's torch ops (ops.py: one node in the graph, no graph break), or
+    None for what they do not take (the eager path below then runs under the tracer). The same
+    rows as eagerly; the checks that need data pointers (``out`` overlapping an input) are the
+    kernel's at run time."""
+    if not isinstance(tensors, (list, tuple)) or not tensors:
+        return None
+    device = tensors[0].device
+    for tensor in tensors:
+        if not isinstance(tensor, torch.Tensor) or type(tensor) not in PLAIN_TYPES or \
+                tensor.layout != torch.strided or tensor.device != device:
+            return None
+    name = _PREFERRED.get(device.type)
+    requested = backend if backend is not None else (os.environ.get(ENV_VAR) or None)
+    if name is None or requested not in (None, name):
+        return None
+    from . import ops
+
+    if not ops.traceable(name, tensors):
+        return None
+    if out is not None and (out.dtype != torch.int64 or out.device != device
+                            or tuple(out.shape) != (len(tensors), NUM_COLUMNS)):
+        return None  # the eager path raises its error
+    return StatsBatch([t.dtype for t in tensors], [(range(len(tensors)), ops.compute(tensors, out))])
 
 
 def _count_implicit_zeros(row, implicit, dense_numel):
