@@ -7,6 +7,7 @@ import os
 import warnings
 
 import torch
+from torch.compiler import is_compiling as _is_compiling
 
 from . import kinds
 from .batch import StatsBatch
@@ -199,7 +200,7 @@ def tensor_stats(tensors, backend=None, *, out=None) -> StatsBatch:
     Tensors that are not plain storage-backed tensors are read through what they really hold
     (see ``kinds``); those the engine cannot read raise TypeError.
     """
-    if torch.compiler.is_compiling():
+    if _is_compiling():  # torch.compile tracing this call (about 0.1 us when not)
         traced = _traced_tensor_stats(tensors, backend, out)
         if traced is not None:
             return traced
