@@ -61,6 +61,7 @@ import threading
 
 import torch
 
+from .stats.kinds import is_zero3_released
 from .stats.layout import NAN, NEGINF, NUM_COLUMNS, POSINF, is_integer_dtype, merge_rows_tensor
 
 _local = threading.local()
@@ -206,8 +207,24 @@ class ShardInfo:
         return (id(self.mesh), self.placements)
 
 
+class Zero3Info(ShardInfo):
+    """A DeepSpeed ZeRO-3 parameter released outside its module's forward: its partitions, one
+    per rank of its process group, are disjoint pieces of it (merged like shards)."""
+
+    __slots__ = ()
+
+    def __init__(self, group, dtype):
+        super().__init__(group, ("zero3",), dtype)
+
+    def merge_ranks(self, dist, group):
+        ranks = dist.get_process_group_ranks(self.mesh)  # global ranks of the partition group
+        return ranks if group is None else [dist.get_group_rank(group, rank) for rank in ranks]
+
+
 def shard_info(tensor):
-    """A :class:`ShardInfo` for a DTensor, None for anything else."""
+    """A :class:`ShardInfo` for a DTensor or a released ZeRO-3 parameter, None for anything else."""
+    if isinstance(tensor, torch.Tensor) and is_zero3_released(tensor):
+        return Zero3Info(getattr(tensor, "ds_process_group", None) or _dist().group.WORLD, tensor.dtype)
     try:
         from torch.distributed.tensor import DTensor
     except Exception:
@@ -221,7 +238,7 @@ def is_exact(info):
     """True when :func:`global_rows` gives the whole tensor's exact row (no Partial placement)."""
     if not isinstance(info, ShardInfo):
         info = shard_info(info)
-    if info is None:
+    if info is None or isinstance(info, Zero3Info):
         return True
     return not any(placement.is_partial() for placement in info.placements)
 
@@ -252,7 +269,7 @@ def _cached_merge_ranks(info, dist, group, device):
         return _merge_ranks_cache[key]
     except (KeyError, TypeError):  # TypeError: an unhashable mesh, never cached
         pass
-    ranks = _merge_ranks(info, dist, group)
+    ranks = info.merge_ranks(dist, group) if isinstance(info, Zero3Info) else _merge_ranks(info, dist, group)
     if ranks is not None:
         ranks = torch.tensor(ranks, dtype=torch.int64, device=device)
     try:

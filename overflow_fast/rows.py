@@ -8,14 +8,14 @@ import torch
 
 from . import distributed
 from .stats import tensor_stats
-from .stats.kinds import PLAIN_TYPES, short_reason
+from .stats.kinds import PLAIN_TYPES, is_zero3_released, short_reason
 from .stats.layout import NUM_COLUMNS
 
 
 def _shard_infos(tensors):
     """Per tensor, what combining a DTensor's shard rows needs (None for other tensors), or None
     when there is no DTensor among them (the common case: one type check per tensor)."""
-    if all(type(t) in PLAIN_TYPES for t in tensors):
+    if all(type(t) in PLAIN_TYPES and not is_zero3_released(t) for t in tensors):
         return None
     infos = [distributed.shard_info(t) for t in tensors]
     return infos if any(info is not None for info in infos) else None

@@ -1,11 +1,13 @@
 """The detector under torch.distributed (2 processes, gloo, CPU): rank-aware reports, every rank
-stopping together at the same step, and whole-tensor numbers for DTensor parameters (FSDP2 before
-and after sharding, tensor parallel), equal to an unsharded single-process run."""
+stopping together at the same step, and whole-tensor numbers for sharded parameters (FSDP2 before
+and after sharding, tensor parallel, DeepSpeed ZeRO-3), equal to an unsharded single-process run."""
 
 import contextlib
 import io
+import os
 import re
 
+import pytest
 import torch
 
 from test_distributed import WORLD, run_ranks
@@ -183,3 +185,43 @@ def _tensor_parallel_worker(rank):
 
 def test_tensor_parallel_linear_shows_whole_weights_and_stops_every_rank():
     run_ranks(_tensor_parallel_worker, timeout=120)
+
+
+def _zero3_worker(rank):
+    # what a launcher sets for DeepSpeed
+    os.environ.update(DS_ACCELERATOR="cpu", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
+                      LOCAL_SIZE=str(WORLD))
+    import deepspeed
+
+    from overflow_fast import OverflowDetected
+
+    deepspeed.init_distributed(dist_backend="gloo")  # joins the process group already there
+    want = _unsharded_trace()
+    config = {"train_batch_size": 2, "zero_allow_untested_optimizer": True,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              # partition every parameter, however small
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+
+    def engine():
+        model = _model()
+        return deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)[0]
+
+    for check in ("module", "batch"):
+        # attached after initialize: outside its module's forward a parameter is an empty
+        # placeholder, its values in one partition per rank
+        out, _, _ = _run(engine().module, lambda step: _batch(0), False, check=check, trace_batch_nums=[0])
+        got = PREFIX.sub("", out).split("*** Starting batch number=1 ***")[0]
+        assert got == want.split("*** Starting batch number=1 ***")[0], (check, got, want)
+
+    model = engine().module
+    with torch.no_grad():
+        if rank == 1:
+            model[2].weight.ds_tensor[0] = float("inf")  # the first element of rank 1's partition
+    out, step, error = _run(model, lambda step: _batch(0), False, check="batch")
+    assert step == 0 and isinstance(error, OverflowDetected) and error.ranks == [0, 1], (error, out)
+    assert f"[rank {rank}/2] weight has them in the shard of rank(s) 1" in out, out
+
+
+def test_deepspeed_zero3_partitions_read_as_whole_parameters():
+    pytest.importorskip("deepspeed")
+    run_ranks(_zero3_worker, timeout=150)

@@ -222,7 +222,7 @@ def tensor_stats(tensors, backend=None, *, out=None) -> StatsBatch:
     sparse = None  # index -> dense numel, for rows that must count implicit zeros
     for index, tensor in enumerate(tensors):
         if (type(tensor) in PLAIN_TYPES and tensor.layout == torch.strided and not tensor.is_nested
-                and not kinds.is_functorch_wrapped(tensor)):
+                and not kinds.is_functorch_wrapped(tensor) and not kinds.is_zero3_released(tensor)):
             key = (tensor.device, tensor.dtype, tensor.layout)
             module = choices.get(key)
             if module is None:

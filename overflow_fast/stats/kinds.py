@@ -14,6 +14,8 @@ Everything else is decided here, by what the tensor is rather than by what it cl
 - fake, meta and functorch-transformed tensors hold no data the engine can read.
 """
 
+import sys
+
 import torch
 
 from .layout import INTEGER_DTYPES, SMALLEST_NORMAL
@@ -72,8 +74,26 @@ def plan(tensor: torch.Tensor):
     return short_reason(result) if isinstance(result, str) else result
 
 
+def is_zero3_released(tensor) -> bool:
+    """A DeepSpeed ZeRO-3 parameter outside the forward of its module: an empty placeholder whose
+    values live, one partition per rank, in ``ds_tensor``."""
+    return ("deepspeed" in sys.modules and tensor.numel() == 0
+            and getattr(tensor, "ds_tensor", None) is not None and getattr(tensor, "ds_numel", 0) > 0)
+
+
+def zero3_partition(tensor):
+    """This rank's elements of a released ZeRO-3 parameter: its partition without the zeros that
+    pad the last partitions (partition ``r`` holds flat elements ``[r * size, (r + 1) * size)``)."""
+    partition = tensor.ds_tensor
+    size = partition.numel()
+    start = size * getattr(tensor, "ds_zero_partition_rank", 0)
+    return partition.reshape(-1).narrow(0, 0, max(0, min(size, tensor.ds_numel - start)))
+
+
 def _plan(tensor):
     if type(tensor) in PLAIN_TYPES and is_plain(tensor):
+        if is_zero3_released(tensor):  # combining the partitions across ranks is the caller's
+            return _plan(zero3_partition(tensor))
         return Plan(tensor)
     # Subclasses first: their layout, device and dtype are what they say, not what they hold.
     if type(tensor) not in PLAIN_TYPES:
