@@ -71,3 +71,15 @@ def _first_difference(got, want):
         if g != w:
             return f"line {i}: got {g!r}, want {w!r}"
     return f"lengths differ: got {len(got_lines)} lines, want {len(want_lines)}"
+
+
+def capture(fn, catch=ValueError):
+    """(stdout of ``fn()``, the ``catch`` it raised or None)."""
+    out = io.StringIO()
+    error = None
+    with contextlib.redirect_stdout(out):
+        try:
+            fn()
+        except catch as caught:
+            error = caught
+    return out.getvalue(), error

@@ -10,6 +10,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from compat import ReferenceDetector, run
+from compat import capture as compat_capture
 from overflow_fast import DebugUnderflowOverflow
 from test_compat_rules import Scaled, batches, make, with_value
 
@@ -17,14 +18,7 @@ NAN = float("nan")
 
 
 def capture(fn):
-    out = io.StringIO()
-    error = None
-    with contextlib.redirect_stdout(out):
-        try:
-            fn()
-        except Exception as e:  # noqa: BLE001
-            error = e
-    return out.getvalue(), error
+    return compat_capture(fn, Exception)
 
 
 class EmptyAndBool(nn.Module):

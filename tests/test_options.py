@@ -2,31 +2,18 @@
 by the compatibility tests): keyword inputs (kwargs=True) and tensors inside containers
 (containers=True), each against hand-built ground truth and on real transformers models."""
 
-import contextlib
 import dataclasses
-import io
 
 import pytest
 import torch
 from torch import nn
 
 import models
-from compat import ReferenceDetector, run
+from compat import ReferenceDetector, capture, run
 from overflow_fast import DebugUnderflowOverflow
 
 CHECKS = ("module", "batch")
 NAN = float("nan")
-
-
-def capture(fn):
-    out = io.StringIO()
-    error = None
-    with contextlib.redirect_stdout(out):
-        try:
-            fn()
-        except ValueError as caught:
-            error = caught
-    return out.getvalue(), error
 
 
 class KeywordOnly(nn.Module):

@@ -11,22 +11,12 @@ import torch
 from torch import nn
 
 import models
+from compat import capture
 from overflow_fast import DebugUnderflowOverflow, OverflowDetected, watch
 from overflow_fast.rows import DeferredRows, RowReader
 
 CHECKS = ("module", "batch")
 INF = float("inf")
-
-
-def capture(fn):
-    out = io.StringIO()
-    error = None
-    with contextlib.redirect_stdout(out):
-        try:
-            fn()
-        except ValueError as caught:
-            error = caught
-    return out.getvalue(), error
 
 
 def two_layers():
