@@ -252,10 +252,12 @@ class DebugUnderflowOverflow:
                 handle.remove()
             if self._gradients is not None:
                 self._gradients.remove()
-            if self._log is not None:
-                self._log.close()
             self._reuse.reset()
-            self.flush()
+            try:
+                self.flush()  # its records and detection still reach the log
+            finally:
+                if self._log is not None:
+                    self._log.close()
 
     def __enter__(self):
         return self
@@ -275,9 +277,8 @@ class DebugUnderflowOverflow:
         state = self.__dict__.copy()
         for name in ("_reuse", "_reader", "_deferred", "_lock"):
             del state[name]
-        state["_first_bad"] = None
-        state["_log"] = None  # a copy does not write into the original's log
-        state["_backward_flush_task"] = None
+        state.update(_first_bad=None, _backward_flush_task=None, _stop_pending=False, _forward_depth=0,
+                     _log=None)  # a copy does not write into the original's log
         return state
 
     def __setstate__(self, state):
