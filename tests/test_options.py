@@ -156,3 +156,29 @@ def test_every_llama_frame_shows_an_input_with_kwargs(check):
     assert frames_without_input[False]  # the reference's view: layers called by keyword show no input
     assert frames_without_input[True] == []
     del model
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_nested_model_outputs_are_opened_by_path(check):
+    from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+
+    class Nested(nn.Module):
+        def forward(self, x):
+            inner = BaseModelOutputWithPast(last_hidden_state=x * 2, hidden_states=(x, x * 3))
+            return CausalLMOutputWithPast(loss=(x * NAN).sum(), logits=x + 1, hidden_states=inner)
+
+    model = nn.Sequential(Nested())
+    DebugUnderflowOverflow(model, check=check, containers=True)
+    out, error = capture(lambda: model(torch.ones(1, 2)))
+    assert error is not None
+    lines = out.splitlines()
+    assert lines[0] == "output[loss] has nans"
+    frame = out.split("                  0 Nested\n")[1].split("\n\n")[0].splitlines()
+    assert frame == [
+        "1.00e+00 1.00e+00 input[0]",
+        "     nan      nan output[loss]",
+        "2.00e+00 2.00e+00 output[logits]",
+        "2.00e+00 2.00e+00 output[hidden_states][last_hidden_state]",
+        "1.00e+00 1.00e+00 output[hidden_states][hidden_states][0]",
+        "3.00e+00 3.00e+00 output[hidden_states][hidden_states][1]",
+    ]
