@@ -248,6 +248,34 @@ def _run_gpu_check(code):
                           timeout=300, cwd=os.path.join(root, "benchmarks"))
 
 
+def _summary_rows(stdout):
+    """gpu_check's summary table, which must be the last thing printed: {measure: (value, detail, run)}."""
+    lines = stdout.rstrip().splitlines()
+    start = max(i for i, line in enumerate(lines) if line.startswith("| measure | value | detail | run |"))
+    assert lines[start + 1] == "|---|---|---|---|"
+    rows = {}
+    for line in lines[start + 2:]:
+        assert line.startswith("| ") and line.endswith(" |"), stdout  # nothing after the table
+        measure, value, detail, run = (cell.strip() for cell in line[2:-2].split(" | "))
+        rows[measure] = (value, detail, run)
+    return rows
+
+
+@pytest.mark.skipif(tb.triton is None, reason="triton is not installed")
+def test_gpu_check_budget_skips_phases():
+    """With the budget spent, every phase after the first exactness batch prints a skipped line and
+    the table still lists its rows."""
+    if os.environ.get(_CHILD_ENV):
+        pytest.skip("checked by the parent process")
+    out = _run_gpu_check("import sys, gpu_check; sys.exit(gpu_check.main(gpu_check.parse_args(['--dry-run', '--budget', '0'])))")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "time box spent" in out.stdout and "skipped, budget spent" in out.stdout, out.stdout
+    rows = _summary_rows(out.stdout)
+    assert "partial" in rows["exactness"][0], out.stdout
+    for measure in ("copy bandwidth", "host us/hook batch", "train step none", "train step watch"):
+        assert rows[measure][0] == "skipped (budget)", out.stdout
+
+
 @pytest.mark.skipif(tb.triton is None, reason="triton is not installed")
 def test_gpu_check_dry_run_and_mismatch_exit():
     """benchmarks/gpu_check.py runs without a GPU (--dry-run) and exits 1 on a wrong result."""
@@ -255,7 +283,16 @@ def test_gpu_check_dry_run_and_mismatch_exit():
         pytest.skip("checked by the parent process")
     ok = _run_gpu_check("import sys, gpu_check; sys.exit(gpu_check.main(gpu_check.parse_args(['--dry-run'])))")
     assert ok.returncode == 0, ok.stdout + ok.stderr
-    assert ok.stdout.rstrip().splitlines()[-1].lstrip().startswith("mixed x"), ok.stdout  # the table is last
+    rows = _summary_rows(ok.stdout)
+    assert list(rows)[:2] == ["exactness", "copy bandwidth"], ok.stdout
+    assert "0 mismatches" in rows["exactness"][0]
+    assert any(name.startswith("bandwidth mixed x") for name in rows), ok.stdout
+    for variant in ("module", "batch", "watch"):
+        assert rows[f"host us/hook {variant}"][0].endswith(" us"), ok.stdout
+    for variant in ("none", "reference", "module", "batch", "watch"):
+        value, _, run = rows[f"train step {variant}"]
+        assert value.endswith(" ms") if variant == "none" else value.endswith("%)"), ok.stdout
+    assert all(run.startswith("dry-run") for _, _, run in rows.values()), ok.stdout  # every figure marked
     broken = _run_gpu_check(
         "import sys, gpu_check\n"
         "compute = gpu_check.triton_be.compute\n"
