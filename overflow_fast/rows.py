@@ -13,8 +13,9 @@ from .stats.layout import NUM_COLUMNS
 
 
 def _shard_infos(tensors):
-    """Per tensor, what combining a DTensor's shard rows needs (None for other tensors), or None
-    when there is no DTensor among them (the common case: one type check per tensor)."""
+    """Per tensor, what combining the rows of a DTensor's shards (or a ZeRO-3 parameter's
+    partitions) across ranks needs (None for other tensors), or None when there is no such tensor
+    among them (the common case: one type check per tensor)."""
     if all(type(t) in PLAIN_TYPES and not is_zero3_released(t) for t in tensors):
         return None
     infos = [distributed.shard_info(t) for t in tensors]
@@ -56,7 +57,8 @@ class RowReader:
         sources, fresh = self.reuse.lookup(tensors)
         if fresh:
             result = self.stats(frame, [tensors[i] for i in fresh], fresh)
-            rows = result if isinstance(result, list) else result.host_rows()
+            engine_read = not isinstance(result, list)  # rows of a failed read are not reused
+            rows = result.host_rows() if engine_read else result
             infos = _shard_infos([tensors[i] for i in fresh])
             if infos is not None:  # DTensor shards: the whole tensors' rows (one collective)
                 bad = {}
@@ -65,7 +67,7 @@ class RowReader:
                     frame.bad_shards[fresh[index]] = ranks
             for position, row in zip(fresh, rows):
                 sources[position] = row
-                if result is not rows:
+                if engine_read:
                     self.reuse.remember(tensors[position], row)
         frame.rows = sources
 
