@@ -120,26 +120,30 @@ def test_should_record(tmp_path):
 
 # -- threading and durability -------------------------------------------------------------------------
 
-class _Slow:
-    """Encoded through ``item()`` (as numpy scalars are): slow, and says which thread ran it."""
+class _WaitsForTheWriter:
+    """Encoded through ``item()`` (as numpy scalars are). ``item()`` waits until the writing
+    thread's ``write()`` has returned: if ``write()`` encoded on the calling thread, the wait could
+    only end by its timeout, and the record says so. No clock is read."""
 
-    threads = []
+    returned = threading.Event()
+    seen = []  # (thread that encoded, whether write() had returned by then)
 
     def item(self):
-        _Slow.threads.append(threading.current_thread())
-        time.sleep(0.5)
+        _WaitsForTheWriter.seen.append((threading.current_thread(), _WaitsForTheWriter.returned.wait(10)))
         return 1.5
 
 
 def test_write_returns_at_once_and_encodes_off_the_calling_thread(tmp_path):
     path = tmp_path / "slow.jsonl"
-    _Slow.threads.clear()
+    _WaitsForTheWriter.seen.clear()
+    _WaitsForTheWriter.returned.clear()
     recorder = Recorder(path)
-    start = time.perf_counter()
-    recorder.write([{"record": "entry", "value": _Slow()}])
-    assert time.perf_counter() - start < 0.25
+    recorder.write([{"record": "entry", "value": _WaitsForTheWriter()}])
+    _WaitsForTheWriter.returned.set()
     recorder.flush()
-    assert _Slow.threads and all(t is not threading.main_thread() for t in _Slow.threads)
+    assert len(_WaitsForTheWriter.seen) == 1
+    thread, write_had_returned = _WaitsForTheWriter.seen[0]
+    assert thread is not threading.current_thread() and write_had_returned
     assert strict_lines(path)[-1] == {"record": "entry", "value": 1.5}
     recorder.close()
 
