@@ -10,24 +10,17 @@ Rounds are interleaved; the table shows the minimum and the median µs per call 
 """
 
 import argparse
-import platform
+import os
 import statistics
+import sys
 import time
 
 import torch
 
 from overflow_fast import _C, tensor_stats
 
-
-def cpu_name():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _results  # noqa: E402
 
 
 def main():
@@ -56,7 +49,7 @@ def main():
             for _ in range(args.calls):
                 f()
             times[name].append((time.perf_counter() - start) / args.calls * 1e6)
-    print(f"CPU: {cpu_name()}, torch threads {torch.get_num_threads()}, torch {torch.__version__}")
+    print(_results.machine_line())
     print(f"{args.calls} calls x {args.rounds} rounds, 3 tiny tensors (fp32[4], fp16[3,2], fp32[5])")
     print(f"| entry point | min µs/call | median µs/call |")
     print(f"|---|---|---|")
