@@ -19,13 +19,12 @@ from . import distributed, report
 from .frames import BACKWARD, FORWARD, Call, forward_frame
 from .flight import StepLog
 from .gradients import GradientHooks
-from .policy import Policy, source_line
+from .policy import Policy, is_bad, source_line
 from .report import NONE, NOT_A_TENSOR, TENSOR, UNREADABLE
 from .reuse import ReuseCache
 from .rows import DeferredRows, RowReader
 from .stats import tensor_stats, unreadable_reason
 from .stats.dispatch import backend_status, check_backend_name, requested_backend
-from .stats.layout import NAN, NEGINF, POSINF
 
 CHECK_MODES = ("module", "batch")
 DEFAULT_BUFFER_ROWS = 1 << 16
@@ -68,10 +67,6 @@ def _print(text):
     # under torch.distributed every line says which rank it comes from; flushed: a rank killed by
     # its launcher right after the error must leave its report
     print(distributed.with_prefix(text, distributed.rank_prefix()), flush=True)
-
-
-def _has_overflow(row):
-    return row[NAN] or row[POSINF] or row[NEGINF]
 
 
 class DebugUnderflowOverflow:
@@ -199,7 +194,7 @@ class DebugUnderflowOverflow:
             self.expand_frame(report.tensor_line(row, var.dtype, ctx))
             for line in report.overflow_lines(row, ctx):
                 _print(line)
-            if _has_overflow(row):
+            if is_bad(row):
                 self.detected_overflow = True
         elif var is None:
             self.expand_frame(report.entry_line(NONE, ctx, None))
@@ -455,7 +450,7 @@ class DebugUnderflowOverflow:
             frame.lead, self.frame = self.frame, []
         policy = self._policy
         for kind, ctx, payload in frame.entries:
-            if kind == TENSOR and _has_overflow(frame.rows[payload]):
+            if kind == TENSOR and is_bad(frame.rows[payload]):
                 if policy.ignore and policy.ignored(frame.module_name, ctx):
                     continue
                 if policy.on_detect != "raise" and self._reported_pass == (frame.phase, batch):

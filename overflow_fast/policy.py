@@ -58,11 +58,6 @@ class Policy:
                 m.match(module_name) and (e is None or e.match(ctx)) for m, e in self._ignore)
         return hit
 
-    def bad_entries(self, frame):
-        """The names of the entries of ``frame`` that hold a nan/inf and count."""
-        return [ctx for ctx, row, _ in frame.tensor_entries()
-                if is_bad(row) and not (self._ignore and self.ignored(frame.module_name, ctx))]
-
     def new_reports(self, frame, bad):
         """With on_detect="warn", the entries not reported before (each (module, entry) once)."""
         fresh = [ctx for ctx in bad if (frame.module_name, ctx) not in self._reported]
