@@ -2,8 +2,6 @@
 
 import contextlib
 import io
-import json
-import os
 import signal
 import subprocess
 import sys
@@ -15,17 +13,9 @@ from torch import nn
 
 from overflow_fast import DebugUnderflowOverflow, OverflowDetected, watch
 from overflow_fast.recorder import decode_float
+from test_recorder import child_env, strict_lines
 
 CHECKS = ("module", "batch")
-
-
-def strict_lines(path):
-    def reject(constant):
-        raise ValueError(f"non-strict JSON constant {constant}")
-    with open(path, "rb") as handle:
-        data = handle.read()
-    assert data.endswith(b"\n")
-    return [json.loads(line, parse_constant=reject) for line in data.decode().splitlines()]
 
 
 class Amplify(nn.Module):
@@ -141,8 +131,7 @@ def test_a_killed_process_leaves_every_line_up_to_the_detection(tmp_path):
         except ValueError:
             os.kill(os.getpid(), signal.SIGKILL)
     """)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, timeout=120)
+    result = subprocess.run([sys.executable, "-c", script], env=child_env(), capture_output=True, timeout=120)
     assert result.returncode == -signal.SIGKILL, result.stderr.decode()[-2000:]
     records = strict_lines(path)
     assert records[-1]["record"] == "detection" and records[-1]["step"] == 2

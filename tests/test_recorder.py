@@ -38,7 +38,8 @@ def _rows(tensors):
     return tensor_stats(tensors, backend="torch").values.tolist()
 
 
-def _child_env():
+def child_env():
+    """The environment of a child whose output must really be buffered (PYTHONUNBUFFERED unset)."""
     env = dict(os.environ)
     env.pop("PYTHONUNBUFFERED", None)
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
@@ -211,7 +212,7 @@ for step in range({steps}):
 def _run_child(tmp_path, steps, setup="", after="", **kwargs):
     script = textwrap.dedent(_CHILD.format(steps=steps, setup=setup, after=after))
     path = tmp_path / "child.jsonl"
-    return path, subprocess.Popen([sys.executable, "-c", script, str(path)], env=_child_env(),
+    return path, subprocess.Popen([sys.executable, "-c", script, str(path)], env=child_env(),
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
 
 

@@ -11,6 +11,7 @@ import pytest
 
 from overflow_fast import cli
 from overflow_fast.recorder import Recorder, detection_record, entry_record
+from test_recorder import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 F16_MAX = 65504.0
@@ -180,13 +181,6 @@ def test_png_has_the_requested_size_and_is_not_blank(tmp_path, capsys):
     assert width == 1400 and 400 < height < 3000 and colours > 20
 
 
-def _env():
-    env = dict(os.environ)
-    env.pop("PYTHONUNBUFFERED", None)
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    return env
-
-
 def test_clear_error_without_matplotlib(tmp_path):
     path = write_run(tmp_path / "run.jsonl", steps=3)
     out_png = tmp_path / "out.png"
@@ -194,7 +188,7 @@ def test_clear_error_without_matplotlib(tmp_path):
             "from overflow_fast.cli import main\n"
             "sys.exit(main(sys.argv[1:]))")
     result = subprocess.run([sys.executable, "-c", code, "report", str(path), "--png", str(out_png)],
-                            capture_output=True, text=True, env=_env(), timeout=120)
+                            capture_output=True, text=True, env=child_env(), timeout=120)
     assert result.returncode == 1
     assert "pip install overflow_fast[plot]" in result.stderr and "matplotlib" in result.stderr
     assert not out_png.exists()
@@ -203,7 +197,7 @@ def test_clear_error_without_matplotlib(tmp_path):
 def test_python_dash_m_and_the_console_script(tmp_path):
     path = write_run(tmp_path / "run.jsonl")
     result = subprocess.run([sys.executable, "-m", "overflow_fast", "report", str(path)],
-                            capture_output=True, text=True, env=_env(), timeout=120)
+                            capture_output=True, text=True, env=child_env(), timeout=120)
     assert result.returncode == 0, result.stderr
     assert "module h.1 (Block), entry output" in result.stdout
 
