@@ -13,7 +13,6 @@ from overflow_fast import cli
 from overflow_fast.recorder import Recorder, detection_record, entry_record
 from test_recorder import child_env
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 F16_MAX = 65504.0
 
 
