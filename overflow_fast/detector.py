@@ -22,7 +22,7 @@ from .gradients import GradientHooks
 from .policy import Policy, is_bad, source_line
 from .report import NONE, NOT_A_TENSOR, TENSOR, UNREADABLE
 from .reuse import ReuseCache
-from .rows import DeferredRows, RowReader
+from .rows import DEFAULT_STAGE_BYTES, DeferredRows, RowReader
 from .stats import tensor_stats, unreadable_reason
 from .stats.dispatch import backend_status, check_backend_name, requested_backend
 
@@ -82,6 +82,10 @@ class DebugUnderflowOverflow:
       counter unchanged, e.g. one module's output and the next one's input) is not read again.
       Turn it off if tensors are written through aliases that bypass the version counter.
     - ``buffer_rows``: rows of the device buffer of ``check="batch"`` (read early when full).
+    - ``stage_bytes``: with ``check="batch"``, a forward's hooks only stage their tensors, which
+      are read together when it ends; staged tensors stay alive until then, so once this many
+      bytes wait they are read at once (no host sync). 0 reads each hook's tensors in the hook.
+      Staging relies on version counters, as ``reuse_stats`` does: it is off without it.
     - ``kwargs``: keyword tensor inputs get lines too (``input[hidden_states]``); the reference
       sees positional inputs only.
     - ``containers``: tensors inside dicts, lists, ModelOutputs, dataclasses and nested tuples get
@@ -92,7 +96,8 @@ class DebugUnderflowOverflow:
     def __init__(self, model, max_frames_to_save=21, trace_batch_nums=None, abort_after_batch_num=None,
                  check="module", backend=None, buffer_rows=DEFAULT_BUFFER_ROWS, reuse_stats=True,
                  kwargs=False, containers=False, backward=False, on_detect="raise", ignore=(),
-                 warn_above=None, sync=True, sync_timeout=None, log=None, log_every=1):
+                 warn_above=None, sync=True, sync_timeout=None, log=None, log_every=1,
+                 stage_bytes=DEFAULT_STAGE_BYTES):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         # The reference takes whatever its deque, `in` and `>` take: None (an unbounded ring),
@@ -115,6 +120,8 @@ class DebugUnderflowOverflow:
             raise ValueError(f"check must be one of {CHECK_MODES}, got {check!r}")
         if isinstance(buffer_rows, bool) or not isinstance(buffer_rows, int) or buffer_rows < 1:
             raise ValueError(f"buffer_rows must be a positive int, got {buffer_rows!r}")
+        if isinstance(stage_bytes, bool) or not isinstance(stage_bytes, int) or stage_bytes < 0:
+            raise ValueError(f"stage_bytes must be a non-negative int, got {stage_bytes!r}")
 
         self.model = model
         self.trace_batch_nums = trace_batch_nums
@@ -150,6 +157,7 @@ class DebugUnderflowOverflow:
 
         self._handles = []
         self._buffer_rows = buffer_rows
+        self._stage_bytes = stage_bytes
         self._new_readers()
         self._lock = threading.RLock()  # hooks may run on several threads
         self._backward_flush_task = None  # the backward pass whose end will flush (check="batch")
@@ -297,7 +305,7 @@ class DebugUnderflowOverflow:
     def _new_readers(self):
         self._reuse = ReuseCache(self.reuse_stats)  # rows read in this top-level forward
         self._reader = RowReader(self.backend, self._reuse)
-        self._deferred = DeferredRows(self._reader, self._buffer_rows)  # check="batch"
+        self._deferred = DeferredRows(self._reader, self._buffer_rows, self._stage_bytes)  # check="batch"
 
     def _forward_hook(self, module, input, output, kwargs=None):
         if self._stop_pending:
@@ -316,25 +324,32 @@ class DebugUnderflowOverflow:
         call = Call(frame, trace_mode, first_call, last_frame_of_batch, batch_before, self.batch_number,
                      self.total_calls)
 
-        self._check(call, tensors)
+        self._check(call, tensors, module)
 
         if self._abort_after is not None and self.batch_number > self._abort_after:
             self.flush()
             raise ValueError(report.abort_error(self.batch_number, self.abort_after_batch_num))
 
-    def _check(self, call, tensors):
-        """Decide now (check="module", traced batches, after a detection) or queue the call."""
+    def _check(self, call, tensors, module=None):
+        """Decide now (check="module", traced batches, after a detection) or queue the call.
+
+        ``module``: a forward hook's module. Inside a top-level forward its tensors are staged
+        (read when the forward ends); elsewhere (backward, a submodule driven alone, inference
+        mode, whose tensors keep no version counter) they are read in the hook, without a sync."""
+        in_backward = torch._C._current_graph_task_id() != -1
         if self.check == "batch" and not call.trace_mode and not self.detected_overflow:
             if self._deferred.must_read_before(tensors):
                 self.flush()  # a full buffer is read early (a submodule run alone still gets checked)
-            self._deferred.add(call, tensors)
+            stage = (module is not None and self._forward_depth > 0 and self.reuse_stats and not in_backward
+                     and not torch.is_inference_mode_enabled())
+            self._deferred.add(call, tensors, module if stage else None)
             if call.last_frame_of_batch:
                 self.flush()
         else:
             self.flush()  # earlier calls first: one of them may be the first bad one
             self._reader.read_now(call.frame, tensors)
             self._replay(call)
-        if torch._C._current_graph_task_id() != -1 and (self.check == "batch" or self._sync_wanted()):
+        if in_backward and (self.check == "batch" or self._sync_wanted()):
             self._flush_when_backward_ends()
 
     def _gradient_hook(self, frame, tensors):

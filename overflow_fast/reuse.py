@@ -13,38 +13,42 @@ _MAX_REMEMBERED = 1 << 16
 
 
 class ReuseCache:
-    __slots__ = ("enabled", "_open", "_rows")
+    __slots__ = ("enabled", "_open", "rows")
 
     def __init__(self, enabled=True):
         self.enabled = enabled
         self._open = 0  # top-level forwards running (re-entered, or on several threads)
-        self._rows = {}  # id(tensor) -> (weakref, version, row or where the row waits)
+        self.rows = {}  # id(tensor) -> (weakref, version, row or where the row waits)
 
     def open(self):
         if self._open == 0:
-            self._rows.clear()
+            self.rows.clear()
         self._open += 1
 
     def close(self):
         self._open = max(0, self._open - 1)
         if self._open == 0:
-            self._rows.clear()
+            self.rows.clear()
+
+    @property
+    def is_open(self):
+        return self._open > 0
 
     def clear(self):
-        self._rows.clear()
+        self.rows.clear()
 
     def reset(self):
         """Forget everything, the open forwards included (hooks removed, detector unpickled)."""
         self._open = 0
-        self._rows.clear()
+        self.rows.clear()
 
     def lookup(self, tensors):
         """Each tensor's known row (or None), and the positions still to read."""
         sources = [None] * len(tensors)
-        if not self._open or not self._rows:
+        if not self._open or not self.rows:
             return sources, list(range(len(tensors)))
         fresh = []
-        rows = self._rows
+        rows = self.rows
         for position, tensor in enumerate(tensors):
             entry = rows.get(id(tensor))
             if entry is not None and entry[0]() is tensor and entry[1] == tensor._version:
@@ -53,13 +57,18 @@ class ReuseCache:
                 fresh.append(position)
         return sources, fresh
 
-    def remember(self, tensor, source):
-        # inference tensors keep no version counter, so a change to them could not be seen
-        if not (self.enabled and self._open) or tensor.is_inference():
+    def remember(self, tensor, source, version=None):
+        """Keep ``source`` for ``tensor`` (whose ``_version`` the caller may have read already)."""
+        if not (self.enabled and self._open):
             return
-        if len(self._rows) >= _MAX_REMEMBERED:
-            self._rows.clear()
+        if len(self.rows) >= _MAX_REMEMBERED:
+            self.rows.clear()
         try:
-            self._rows[id(tensor)] = (weakref.ref(tensor), tensor._version, source)
+            if version is None:
+                version = tensor._version
+            if version >= 0:
+                self.rows[id(tensor)] = (weakref.ref(tensor), version, source)
         except (RuntimeError, TypeError):
-            pass  # a tensor subclass without a version counter or weak references: read it again
+            # inference tensors keep no version counter (a change to them could not be seen), and
+            # a tensor subclass may lack one or weak references: read it again
+            pass

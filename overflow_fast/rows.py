@@ -23,42 +23,48 @@ def _shard_infos(tensors):
 
 
 class RowReader:
-    """Reads frames' tensors through ``tensor_stats``; if the engine fails on a frame, it warns
-    once and reads that frame's tensors one at a time with the torch backend, so that only a
-    tensor nothing can read loses its line."""
+    """Reads frames' tensors through ``tensor_stats``; if the engine fails on a call, it warns
+    once and reads those tensors one at a time with the torch backend, so that only a tensor
+    nothing can read loses its line."""
 
     def __init__(self, backend, reuse):
         self.backend = backend
         self.reuse = reuse
         self._warned = False
 
-    def stats(self, frame, tensors, positions, out=None):
-        """The StatsBatch of ``tensors`` (at ``positions`` among the frame's tensors), or their
-        host rows if the engine failed."""
+    def stats(self, tensors, out=None):
+        """The StatsBatch of ``tensors``; if the engine failed: ``(host rows, {index: reason})``,
+        the reasons for the tensors nothing could read (their rows are zeros)."""
         try:
             return tensor_stats(tensors, self.backend, out=out)
         except Exception as error:
             if not self._warned:
                 self._warned = True
                 warnings.warn(f"overflow_fast: tensor_stats failed ({type(error).__name__}: {error}); "
-                              "the detector reads such frames one tensor at a time with the 'torch' "
+                              "the detector reads such tensors one at a time with the 'torch' "
                               "backend, with a host sync each", RuntimeWarning, stacklevel=5)
         rows = []
-        for position, tensor in zip(positions, tensors):
+        reasons = {}
+        for index, tensor in enumerate(tensors):
             try:
                 rows.append(tensor_stats([tensor], "torch").host_rows()[0])
             except Exception as error:
                 rows.append([0] * NUM_COLUMNS)
-                frame.mark_unreadable(position, short_reason(f"{type(error).__name__}: {error}"))
-        return rows
+                reasons[index] = short_reason(f"{type(error).__name__}: {error}")
+        return rows, reasons
 
     def read_now(self, frame, tensors):
         """Set ``frame.rows`` to host rows: one engine call and one host read for what is new."""
         sources, fresh = self.reuse.lookup(tensors)
         if fresh:
-            result = self.stats(frame, [tensors[i] for i in fresh], fresh)
-            engine_read = not isinstance(result, list)  # rows of a failed read are not reused
-            rows = result.host_rows() if engine_read else result
+            result = self.stats([tensors[i] for i in fresh])
+            engine_read = not isinstance(result, tuple)  # rows of a failed read are not reused
+            if engine_read:
+                rows = result.host_rows()
+            else:
+                rows, reasons = result
+                for index, reason in reasons.items():
+                    frame.mark_unreadable(fresh[index], reason)
             infos = _shard_infos([tensors[i] for i in fresh])
             if infos is not None:  # DTensor shards: the whole tensors' rows (one collective)
                 bad = {}
@@ -72,15 +78,73 @@ class RowReader:
         frame.rows = sources
 
 
-class DeferredRows:
-    """Calls waiting for their rows, which the kernels write into per-device buffers of
-    ``capacity`` rows; ``read()`` brings every buffer to the host in one copy per device."""
+# What a forward hook's tensor at a given position of a given module needs (DeferredRows.modes):
+# not seen yet (read it in its hook, and watch whether it changes before the forward ends), seen
+# unchanged until the forward ended (stage it), seen changed in place after its hook (read it in
+# its hook from then on).
+UNKNOWN, STAGE, AT_ONCE = 0, 1, 2
 
-    def __init__(self, reader, capacity):
+CHANGED_IN_PLACE = "changed in place after this hook, before the forward's read; read in its hook from now on"
+
+DEFAULT_STAGE_BYTES = 1 << 30
+
+
+class _DeviceRows:
+    """One device's buffer of rows: ``[0, launched)`` have their kernels enqueued, ``[launched,
+    used)`` belong to staged tensors, read by the next launch."""
+
+    __slots__ = ("buffer", "used", "launched", "staged", "versions", "keys", "staged_bytes", "infos", "stale",
+                 "unreadable")
+
+    def __init__(self, buffer):
+        self.buffer = buffer
+        self.used = 0
+        self.launched = 0
+        self.staged = []  # the tensors of slots [launched, used), kept alive until launched
+        self.versions = []  # their version counters when their hook ran
+        self.keys = []  # per staged tensor: [(modes list, position)] of the entries showing it, or None
+        self.staged_bytes = 0
+        self.infos = None  # per slot: DTensor/ZeRO-3 shard info, or None when there is none
+        self.stale = set()  # slots whose tensor changed in place before it was read
+        self.unreadable = {}  # slot -> reason: nothing could read that tensor
+
+    def clear(self):
+        self.used = self.launched = self.staged_bytes = 0
+        self.staged = []
+        self.versions = []
+        self.keys = []
+        self.infos = None
+        self.stale = set()
+        self.unreadable = {}
+
+
+class DeferredRows:
+    """Calls waiting for their rows (check="batch").
+
+    Inside a top-level forward a hook only *stages* its tensors: each gets the next row of its
+    device's buffer, and the tensor waits, with its version counter, until one engine call per
+    device reads every staged tensor (``launch``): when the forward ends, or earlier when
+    ``stage_bytes`` of tensors wait (so that staging keeps few activations alive that the forward
+    would have freed). ``read()`` then brings each buffer to the host in one copy.
+
+    Staging changes *when* a tensor is read, so a tensor changed in place after its hook
+    (``ReLU(inplace=True)`` on a layer's output, ``x += residual``) would show its later values.
+    Each (module, tensor position) is therefore learned: the first time it is seen its tensor is
+    read in the hook (launched at once: stream order, no host sync) and watched until the forward
+    ends; unchanged, it is staged from then on; changed, it is always read in its hook. A staged
+    tensor found changed at launch (a pattern not seen before) gets a line saying so, never its
+    later numbers, and is read in its hook from then on.
+    """
+
+    def __init__(self, reader, capacity, stage_bytes=DEFAULT_STAGE_BYTES):
         self.reader = reader
         self.capacity = capacity
+        self.stage_bytes = stage_bytes
         self.pending = []  # calls in hook order
-        self._buffers = {}  # device -> [int64 buffer (capacity, 8), rows used, shard infos or None]
+        self._devices = {}  # device -> _DeviceRows
+        self.modes = {}  # module -> [UNKNOWN | STAGE | AT_ONCE per tensor position]
+        self._watched = []  # (tensor, version, modes, position) read at once, first seen this forward
+        self._watched_bytes = 0
 
     def __len__(self):
         return len(self.pending)
@@ -90,74 +154,187 @@ class DeferredRows:
         if len(self.pending) >= self.capacity:
             return True  # calls without tensors take no rows, but their frames wait all the same
         if tensors and len(tensors) <= self.capacity:
-            state = self._buffers.get(tensors[0].device)
-            return state is not None and state[1] + len(tensors) > self.capacity
+            state = self._devices.get(tensors[0].device)
+            return state is not None and state.used + len(tensors) > self.capacity
         return False
 
-    def add(self, call, tensors):
-        """Queue a call; ``frame.rows`` holds, per tensor, a host row or the (device, slot) where its
-        row waits. Call ``must_read_before`` first."""
+    def add(self, call, tensors, module=None):
+        """Queue a call; ``frame.rows`` holds, per tensor, a host row or the (device rows, slot)
+        where its row will be. ``module``: the forward hook's module, whose tensors may be staged
+        (None: read them now). Call ``must_read_before`` first."""
         frame = call.frame
+        self.pending.append(call)
+        if not tensors:
+            frame.rows = []
+            return
         if len(tensors) > self.capacity:
             self.reader.read_now(frame, tensors)
-        elif tensors:
-            state = self._buffer(tensors[0].device)
-            sources, fresh = self.reader.reuse.lookup(tensors)
-            if fresh:
-                # the kernels write straight into the next free rows of the buffer
-                start = state[1]
-                rows = state[0][start:start + len(fresh)]
-                result = self.reader.stats(frame, [tensors[i] for i in fresh], fresh, out=rows)
-                if isinstance(result, list):  # the engine failed, or tensors on several devices
-                    for position, row in zip(fresh, result):
-                        sources[position] = row
+            return
+        device = tensors[0].device
+        state = self._devices.get(device)
+        if state is None:
+            buffer = torch.empty((self.capacity, NUM_COLUMNS), dtype=torch.int64, device=device)
+            state = self._devices[device] = _DeviceRows(buffer)
+        reuse = self.reader.reuse
+        sources, fresh = reuse.lookup(tensors)
+        modes = None
+        if module is not None:
+            modes = self.modes.get(module)
+            if modes is None or len(modes) < len(tensors):
+                modes = self.modes[module] = (modes or []) + [UNKNOWN] * (len(tensors) - len(modes or ()))
+        launch_now = modes is None
+        if fresh:
+            fresh_tensors = [tensors[i] for i in fresh] if len(fresh) < len(tensors) else tensors
+            index = fresh_tensors[0].get_device()
+            if len(fresh_tensors) > 1 and any(t.get_device() != index for t in fresh_tensors):
+                frame.rows = sources
+                self._read_apart(frame, fresh, fresh_tensors)
+                return
+            start = state.used
+            infos = _shard_infos(fresh_tensors)
+            if infos is not None or state.infos is not None:
+                # which slots hold DTensor shards, combined across ranks when read
+                state.infos = (state.infos or [None] * start) + (infos or [None] * len(fresh))
+            remembered = reuse.rows if reuse.enabled and reuse.is_open else None
+            staged, versions, keys = state.staged, state.versions, state.keys
+            for offset, position in enumerate(fresh):
+                tensor = fresh_tensors[offset]
+                source = sources[position] = (state, start + offset)
+                try:
+                    version = tensor._version
+                except RuntimeError:  # an inference tensor: no version counter, so never staged
+                    version = -1
+                    launch_now = True
+                staged.append(tensor)
+                versions.append(version)
+                state.staged_bytes += tensor.nbytes
+                if modes is None:
+                    keys.append(None)
                 else:
-                    infos = _shard_infos([tensors[i] for i in fresh])
-                    if infos is not None or state[2] is not None:
-                        # which slots hold DTensor shards, combined across ranks when read
-                        state[2] = (state[2] or [None] * start) + (infos or [None] * len(fresh))
-                    state[1] += len(fresh)
-                    for offset, position in enumerate(fresh):
-                        sources[position] = (rows.device, start + offset)
-                        self.reader.reuse.remember(tensors[position], sources[position])
-            frame.rows = sources
+                    keys.append([(modes, position)])
+                    mode = modes[position]
+                    if mode != STAGE:
+                        launch_now = True
+                        if mode == UNKNOWN:
+                            self._watched.append((tensor, version, modes, position))
+                            self._watched_bytes += tensor.nbytes
+                if remembered is not None and version >= 0:
+                    reuse.remember(tensor, source, version)
+            state.used += len(fresh)
+        if modes is not None and len(fresh) < len(tensors):
+            for position, source in enumerate(sources):
+                if position not in fresh and isinstance(source, tuple):
+                    # a tensor an earlier hook staged: its row serves this entry too
+                    owner, slot = source
+                    if slot >= owner.launched:  # still waiting: a change before its launch concerns this entry
+                        owner.keys[slot - owner.launched].append((modes, position))
+                    mode = modes[position]
+                    if mode != STAGE:
+                        launch_now = launch_now or slot >= owner.launched
+                        if mode == UNKNOWN:
+                            self._watched.append((tensors[position], _version(tensors[position]), modes, position))
+        frame.rows = sources
+        if launch_now or state.staged_bytes + self._watched_bytes > self.stage_bytes:
+            self.launch()
+
+    def launch(self):
+        """Enqueue the engine calls that read every staged tensor (one per device; no host sync)."""
+        for state in self._devices.values():
+            if state.used == state.launched:
+                continue
+            start, end = state.launched, state.used
+            staged, versions = state.staged, state.versions
+            for offset, tensor in enumerate(staged):
+                if _version(tensor) != versions[offset]:
+                    self._changed(state, start + offset, state.keys[offset])
+            result = self.reader.stats(staged, out=state.buffer[start:end])
+            if isinstance(result, tuple):  # the engine failed: the torch backend's rows
+                rows, reasons = result
+                state.buffer[start:end].copy_(torch.tensor(rows, dtype=torch.int64))
+                for index, reason in reasons.items():
+                    state.unreadable[start + index] = reason
+            state.launched = end
+            state.staged = []
+            state.versions = []
+            state.keys = []
+            state.staged_bytes = 0
+        if self._watched_bytes > self.stage_bytes:
+            self.learn()
+
+    def learn(self):
+        """Tensors read at once on their first sight: staged from now on if nothing changed them."""
+        for tensor, version, modes, position in self._watched:
+            if modes[position] == UNKNOWN:
+                modes[position] = STAGE if _version(tensor) == version else AT_ONCE
+            elif _version(tensor) != version:
+                modes[position] = AT_ONCE
+        self._watched = []
+        self._watched_bytes = 0
+
+    def _changed(self, state, slot, keys):
+        """A staged tensor changed in place before its launch: its row would be later numbers."""
+        state.stale.add(slot)
+        for modes, position in keys or ():
+            modes[position] = AT_ONCE
+
+    def _read_apart(self, frame, fresh, tensors):
+        """Tensors on several devices in one call: read now, host rows in the frame."""
+        result = self.reader.stats(tensors)
+        if isinstance(result, tuple):
+            rows, reasons = result
+            for index, reason in reasons.items():
+                frame.mark_unreadable(fresh[index], reason)
         else:
-            frame.rows = []
-        self.pending.append(call)
+            rows = result.host_rows()
+        for position, row in zip(fresh, rows):
+            frame.rows[position] = row
 
     def read(self):
         """The pending calls, in order, with host rows; the queue and the buffers start empty again."""
+        self.launch()
+        self.learn()
         host = {}
-        bad = {}  # (device, slot) -> ranks whose DTensor shard holds a nan/inf
-        for device, state in self._buffers.items():
-            if state[1]:
-                rows = state[0][:state[1]]
-                if state[2] is not None:  # one collective per read, not per tensor
+        bad = {}  # (device rows, slot) -> ranks whose DTensor shard holds a nan/inf
+        for state in self._devices.values():
+            if state.used:
+                rows = state.buffer[:state.used]
+                if state.infos is not None:  # one collective per read, not per tensor
                     shards = {}
-                    rows = distributed.global_rows(rows, state[2], bad_shards=shards)
-                    bad.update(((device, slot), ranks) for slot, ranks in shards.items())
-                host[device] = rows.tolist()
+                    rows = distributed.global_rows(rows, state.infos, bad_shards=shards)
+                    bad.update(((id(state), slot), ranks) for slot, ranks in shards.items())
+                host[id(state)] = (state, rows.tolist())
         calls = self.pending
+        marks = {}
+        for key, (state, _) in host.items():
+            for slot in state.stale:
+                marks[(key, slot)] = CHANGED_IN_PLACE
+            for slot, reason in state.unreadable.items():
+                marks[(key, slot)] = reason
         self.discard()
         for call in calls:
             frame = call.frame
-            if bad:
-                for index, source in enumerate(frame.rows):
-                    if not isinstance(source, list) and source in bad:
-                        frame.bad_shards[index] = bad[source]
-            frame.rows = [s if isinstance(s, list) else host[s[0]][s[1]] for s in frame.rows]
+            rows = frame.rows
+            for index, source in enumerate(rows):
+                if isinstance(source, tuple):
+                    key = (id(source[0]), source[1])
+                    rows[index] = host[key[0]][1][source[1]]
+                    if key in marks:
+                        frame.mark_unreadable(index, marks[key])
+                    if key in bad:
+                        frame.bad_shards[index] = bad[key]
         return calls
 
     def discard(self):
         self.pending = []
         self.reader.reuse.clear()  # the buffer slots are reused from here on
-        for state in self._buffers.values():
-            state[1] = 0
-            state[2] = None
+        for state in self._devices.values():
+            state.clear()
+        self._watched = []
+        self._watched_bytes = 0
 
-    def _buffer(self, device):
-        state = self._buffers.get(device)
-        if state is None:
-            buffer = torch.empty((self.capacity, NUM_COLUMNS), dtype=torch.int64, device=device)
-            state = self._buffers[device] = [buffer, 0, None]
-        return state
+
+def _version(tensor):
+    try:
+        return tensor._version
+    except RuntimeError:  # an inference tensor has no version counter: never staged
+        return -1
