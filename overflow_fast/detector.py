@@ -14,9 +14,10 @@ import threading
 import warnings
 
 import torch
+from torch.compiler import is_compiling
 
 from . import distributed, report
-from .frames import BACKWARD, FORWARD, Call, forward_frame
+from .frames import BACKWARD, FORWARD, Call, Frame, class_name, entries_of, forward_frame, forward_items
 from .flight import StepLog
 from .gradients import GradientHooks
 from .policy import Policy, is_bad, source_line
@@ -156,6 +157,7 @@ class DebugUnderflowOverflow:
         self._reported_pass = None  # on_detect="warn"/"record": (phase, batch) already detected
 
         self._handles = []
+        self._traced = []  # records of hooks traced by torch.compile, not replayed yet
         self._buffer_rows = buffer_rows
         self._stage_bytes = stage_bytes
         self._new_readers()
@@ -238,10 +240,14 @@ class DebugUnderflowOverflow:
             self._handles.append(module.register_forward_hook(self.forward_hook))
 
     def forward_hook(self, module, input, output):
+        if is_compiling():
+            return self._traced_hook(module, input, output)
         with self._lock:
             self._forward_hook(module, input, output)
 
     def _forward_hook_with_kwargs(self, module, input, kwargs, output):
+        if is_compiling():
+            return self._traced_hook(module, input, output, kwargs)
         with self._lock:
             self._forward_hook(module, input, output, kwargs)
 
@@ -281,7 +287,7 @@ class DebugUnderflowOverflow:
         for name in ("_reuse", "_reader", "_deferred", "_lock"):
             del state[name]
         state.update(_first_bad=None, _backward_flush_task=None, _stop_pending=False, _forward_depth=0,
-                     _log=None)  # a copy does not write into the original's log
+                     _log=None, _traced=[])  # a copy does not write into the original's log
         return state
 
     def __setstate__(self, state):
@@ -308,8 +314,20 @@ class DebugUnderflowOverflow:
         self._deferred = DeferredRows(self._reader, self._buffer_rows, self._stage_bytes)  # check="batch"
 
     def _forward_hook(self, module, input, output, kwargs=None):
+        if self._traced:
+            self._absorb_traced()  # a compiled region ran before this call
         if self._stop_pending:
             return  # this rank reported; it stops with the others at the end of this pass
+        frame, tensors = forward_frame(self.module_names.get(module, "?"), module, input, output,
+                                       kwargs, self.containers)
+        call = self._call(module, frame)
+        if self._gradients is not None:
+            self._gradients.watch_outputs(module, frame, tensors)
+        self._check(call, tensors, module)
+        self._abort_if_due()
+
+    def _call(self, module, frame):
+        """The reference's bookkeeping of one forward hook call."""
         trace_mode = self.batch_number in self.trace_batch_nums
         first_call = self.total_calls == 0
         batch_before = self.batch_number
@@ -317,18 +335,52 @@ class DebugUnderflowOverflow:
         last_frame_of_batch = module is self.model
         if last_frame_of_batch:
             self.batch_number += 1
-        frame, tensors = forward_frame(self.module_names.get(module, "?"), module, input, output,
-                                       kwargs, self.containers)
-        if self._gradients is not None:
-            self._gradients.watch_outputs(module, frame, tensors)
-        call = Call(frame, trace_mode, first_call, last_frame_of_batch, batch_before, self.batch_number,
-                     self.total_calls)
+        return Call(frame, trace_mode, first_call, last_frame_of_batch, batch_before, self.batch_number,
+                    self.total_calls)
 
-        self._check(call, tensors, module)
-
+    def _abort_if_due(self):
         if self._abort_after is not None and self.batch_number > self._abort_after:
             self.flush()
             raise ValueError(report.abort_error(self.batch_number, self.abort_after_batch_num))
+
+    # -- under torch.compile ----------------------------------------------------------------
+    #
+    # While dynamo traces a model, a forward hook must neither take the lock, nor read the
+    # detector's counters (each value read would become a guard, and every batch a recompile),
+    # nor sync. It only computes its rows inside the graph (one engine op node) and records the
+    # frame's static entries; the records are replayed through the reference's state machine by
+    # the first eager hook after the compiled region, or by the end of the top-level forward
+    # (``_after_forward``, kept out of the graph: the forward's one graph break).
+
+    def _traced_hook(self, module, input, output, kwargs=None):
+        entries, tensors = entries_of(forward_items(module, input, output, kwargs, self.containers))
+        rows = tensor_stats(tensors, self.backend).values if tensors else None
+        self._traced.append((module, entries, [t.dtype for t in tensors], rows))
+
+    def _absorb_traced(self):
+        """Replay the records of a compiled region: one host read per device for all of them."""
+        records = list(self._traced)
+        self._traced.clear()  # the same list: its identity is a guard of the compiled graph
+        host = {}
+        for device in {rows.device for _, _, _, rows in records if rows is not None}:
+            same = [rows for _, _, _, rows in records if rows is not None and rows.device == device]
+            host[device] = iter(torch.cat(same).tolist())
+        for module, entries, dtypes, rows in records:
+            if self._stop_pending:
+                return
+            frame = Frame(self.module_names.get(module, "?"), class_name(module), list(entries), dtypes)
+            frame.rows = [next(host[rows.device]) for _ in dtypes] if rows is not None else []
+            call = self._call(module, frame)
+            if self.check == "batch" and not call.trace_mode and not self.detected_overflow:
+                if len(self._deferred) >= self._deferred.capacity:
+                    self.flush()
+                self._deferred.pending.append(call)  # its rows are on the host already
+                if call.last_frame_of_batch:
+                    self.flush()
+            else:
+                self.flush()
+                self._replay(call)
+            self._abort_if_due()
 
     def _check(self, call, tensors, module=None):
         """Decide now (check="module", traced batches, after a detection) or queue the call.
@@ -362,16 +414,21 @@ class DebugUnderflowOverflow:
             self._check(call, tensors)
 
     def _before_forward(self, module, input):
+        if is_compiling():
+            return
         with self._lock:
             self._forward_depth += 1
             self._reuse.open()
             if self._gradients is not None:
                 self._gradients.new_forward()
 
+    @torch.compiler.disable
     def _after_forward(self, module, input, output):
         # Reached with work pending (check="batch") only when the forward raised: print the
         # report, let that error propagate.
         with self._lock:
+            if self._traced:
+                self._absorb_traced()
             self._forward_depth = max(0, self._forward_depth - 1)
             self._reuse.close()
             try:

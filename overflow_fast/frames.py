@@ -115,6 +115,12 @@ def forward_frame(module_name, module, input, output, kwargs=None, containers=Fa
     lists, ModelOutputs, dataclasses, deeper tuples) are opened instead, one line per tensor
     inside, named by its path (``output[loss]``, ``output[1][0][2]``).
     """
+    items = forward_items(module, input, output, kwargs, containers)
+    return frame_of(module_name, class_name(module), items)
+
+
+def forward_items(module, input, output, kwargs=None, containers=False):
+    """``(value, ctx)`` of one forward hook call, in the reference's order (see forward_frame)."""
     items = own_parameters(module)
     if isinstance(input, tuple):
         items.extend(zip(input, _INPUT_CTX if len(input) <= _CTX_CACHE else _ctx("input", len(input))))
@@ -134,7 +140,7 @@ def forward_frame(module_name, module, input, output, kwargs=None, containers=Fa
         items.append((output, "output"))
     if containers:
         items = [leaf for var, ctx in items for leaf in _open(var, ctx)]
-    return frame_of(module_name, class_name(module), items)
+    return items
 
 
 _MAX_DEPTH = 8
@@ -172,6 +178,12 @@ def _open(value, ctx, depth=0):
 
 def frame_of(module_name, class_name, items, phase=FORWARD):
     """A frame of ``(value, ctx)`` items, and the tensors among them that the engine reads."""
+    entries, tensors = entries_of(items)
+    return Frame(module_name, class_name, entries, [t.dtype for t in tensors], phase), tensors
+
+
+def entries_of(items):
+    """The entries of ``(value, ctx)`` items and the tensors among them that the engine reads."""
     entries = []
     tensors = []
     for var, ctx in items:
@@ -189,4 +201,4 @@ def frame_of(module_name, class_name, items, phase=FORWARD):
             entries.append((NONE, ctx, None))
         else:
             entries.append((NOT_A_TENSOR, ctx, None))
-    return Frame(module_name, class_name, entries, [t.dtype for t in tensors], phase), tensors
+    return entries, tensors

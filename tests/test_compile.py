@@ -1,0 +1,136 @@
+"""torch.compile with the detector attached: one graph break per forward (the end-of-forward host
+read), no recompiles from batch to batch, and exactly the report eager prints."""
+
+import contextlib
+import io
+
+import pytest
+import torch
+import torch._dynamo as dynamo
+from torch import nn
+from torch._dynamo.utils import counters
+
+import models
+from overflow_fast import DebugUnderflowOverflow, watch
+
+INF = float("inf")
+
+
+def mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.LayerNorm(32), nn.ReLU(),
+                         nn.Linear(32, 16), nn.Tanh(), nn.Linear(16, 8), nn.Softmax(-1))
+
+
+def mlp_batches(bad_at=2):
+    torch.manual_seed(1)
+    data = [torch.randn(4, 16) for _ in range(4)]
+    if bad_at is not None:
+        data[bad_at][1, 3] = INF
+    return data
+
+
+def attach(model, variant):
+    if variant == "watch":
+        return watch(model)
+    return DebugUnderflowOverflow(model, check=variant, max_frames_to_save=6)
+
+
+def run(fn, batches, train=False):
+    """stdout and the error (message start) or None of each batch."""
+    out = io.StringIO()
+    outcomes = []
+    with contextlib.redirect_stdout(out):
+        for batch in batches:
+            try:
+                if train:
+                    fn(batch).sum().backward()
+                else:
+                    with torch.no_grad():
+                        fn(batch)
+                outcomes.append(None)
+            except ValueError as error:
+                outcomes.append(str(error).splitlines()[0])
+    return out.getvalue(), outcomes
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    dynamo.reset()
+    yield
+    dynamo.reset()
+
+
+@pytest.mark.parametrize("variant", ["batch", "module", "watch"])
+def test_one_graph_break_per_forward(variant):
+    model = mlp()
+    assert dynamo.explain(model)(mlp_batches(None)[0]).graph_break_count == 0
+    attach(model, variant)
+    dynamo.reset()
+    explained = dynamo.explain(model)(mlp_batches(None)[0])
+    assert explained.graph_break_count == 1, [str(r.reason)[:200] for r in explained.break_reasons]
+
+
+def test_one_graph_break_on_a_transformers_model():
+    model = models.gpt2().eval()
+    ids = models.token_batch(0)
+    DebugUnderflowOverflow(model, check="batch", kwargs=True, containers=True)
+    explained = dynamo.explain(model)(ids)
+    assert explained.graph_break_count == 1, [str(r.reason)[:200] for r in explained.break_reasons]
+
+
+@pytest.mark.parametrize("variant", ["batch", "module"])
+@pytest.mark.parametrize("bad_at", [None, 0, 2])
+def test_compiled_model_prints_what_eager_prints(variant, bad_at):
+    model = mlp()
+    attach(model, variant)
+    want = run(model, mlp_batches(bad_at))
+    model = mlp()
+    detector = attach(model, variant)
+    got = run(torch.compile(model, backend="aot_eager"), mlp_batches(bad_at))
+    assert got == want
+    assert (bad_at is None) == (want[1] == [None] * 4)
+    assert detector.total_calls > 0
+
+
+def test_inductor_compiled_model_prints_what_eager_prints():
+    model = mlp()
+    attach(model, "batch")
+    want = run(model, mlp_batches(2))
+    model = mlp()
+    attach(model, "batch")
+    got = run(torch.compile(model), mlp_batches(2))
+    assert got == want and "has infs" in got[0]
+
+
+def test_no_recompile_from_batch_to_batch():
+    model = mlp()
+    detector = attach(model, "batch")
+    counters.clear()
+    compiled = torch.compile(model, backend="aot_eager")
+    run(compiled, mlp_batches(None) * 2)
+    assert counters["stats"]["unique_graphs"] == 2  # the forward before and after its one break
+    assert detector.batch_number == 8
+
+
+def test_compiled_submodules_keep_the_order_of_frames():
+    # only some modules compiled: their records must come back between the eager frames around them
+    model = mlp()
+    attach(model, "batch")
+    want = run(model, mlp_batches(2))
+    model = mlp()
+    attach(model, "batch")
+    model[2].compile(backend="aot_eager")
+    model[5].compile(backend="aot_eager")
+    got = run(model, mlp_batches(2))
+    assert got == want
+
+
+def test_compiled_training_step_reports_the_forward_as_eager():
+    model = mlp()
+    attach(model, "batch")
+    want = run(model, mlp_batches(2), train=True)
+    model = mlp()
+    attach(model, "batch")
+    got = run(torch.compile(model, backend="aot_eager"), mlp_batches(2), train=True)
+    assert got == want and "has infs" in got[0]
