@@ -24,15 +24,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import _results  # noqa: E402
 
-# name -> (script, quick arguments, smoke arguments); None: not measured yet (a placeholder row)
+# name -> (script, quick arguments, smoke arguments)
 SUITE = {
     "kernel": ("bench_cpu_kernel.py", ["--quick"], ["--quick", "--repeats", "1"]),
     "hook": ("bench_hook_overhead.py", ["--repeats", "30"], ["--repeats", "2"]),
     "host": ("bench_host_path.py", ["--repeats", "5", "--inner", "2"], ["--quick", "--no-cpu", "--repeats", "1"]),
     "e2e": ("bench_end_to_end.py", ["--quick"], ["--quick", "--models", "gpt2", "--repeats", "1"]),
-    "compile": None,
+    "compile": ("bench_compile.py", ["--calls", "5"], ["--models", "mlp", "--backend", "aot_eager", "--calls", "1"]),
 }
-PLACEHOLDERS = {"compile": ("compile", "graph breaks and compile time", "not measured: no compile benchmark yet", "")}
 
 
 def main(argv=None):
@@ -61,14 +60,7 @@ def main(argv=None):
     failed = []
     with tempfile.TemporaryDirectory() as tmp:
         for index, name in enumerate(names, 1):
-            entry = SUITE[name]
-            if entry is None:
-                benchmark, metric, value, unit = PLACEHOLDERS[name]
-                m = _results.machine()
-                rows.append({"benchmark": benchmark, "metric": metric, "value": value, "unit": unit, **m})
-                print(f"[{index}/{len(names)}] {name}: {value}", flush=True)
-                continue
-            script, quick, smoke = entry
+            script, quick, smoke = SUITE[name]
             part = os.path.join(tmp, f"{name}.csv")
             log = os.path.join(out_dir, f"{name}.log")
             command = [sys.executable, os.path.join(HERE, script), *(smoke if args.smoke else quick), "--csv", part]

@@ -51,7 +51,7 @@ def test_bench_all_csv_columns(tmp_path):
     result = _run([os.path.join(BENCH, "bench_all.py"), "--smoke", "--only", "hook,compile", "--out", str(out)])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert re.search(r"\[1/2\] hook: .* ok, \d+ s", result.stdout)
-    assert "not measured: no compile benchmark yet" in result.stdout
+    assert re.search(r"\[2/2\] compile: .* ok, \d+ s", result.stdout)
     with open(out, newline="") as f:
         reader = csv.DictReader(f)
         rows = list(reader)
@@ -59,3 +59,5 @@ def test_bench_all_csv_columns(tmp_path):
                                  "torch", "date"]
     assert {r["benchmark"] for r in rows} == {"hook_overhead", "compile"}
     assert all(r["cpu_model"] and r["threads"] and r["torch"] and r["date"] for r in rows)
+    breaks = {r["metric"]: float(r["value"]) for r in rows if r["metric"].endswith("graph breaks")}
+    assert breaks["mlp none: graph breaks"] == 0 and breaks["mlp batch: graph breaks"] == 1
