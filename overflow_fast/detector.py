@@ -353,9 +353,9 @@ class DebugUnderflowOverflow:
     # (``_after_forward``, kept out of the graph: the forward's one graph break).
 
     def _traced_hook(self, module, input, output, kwargs=None):
-        entries, tensors = entries_of(forward_items(module, input, output, kwargs, self.containers))
+        entries, tensors, dtypes = entries_of(forward_items(module, input, output, kwargs, self.containers))
         rows = tensor_stats(tensors, self.backend).values if tensors else None
-        self._traced.append((module, entries, [t.dtype for t in tensors], rows))
+        self._traced.append((module, entries, dtypes, rows))
 
     def _absorb_traced(self):
         """Replay the records of a compiled region: one host read per device for all of them."""

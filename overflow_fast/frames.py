@@ -13,6 +13,7 @@ from .stats.kinds import PLAIN_TYPES, SUPPORTED_DTYPES
 
 
 FORWARD, BACKWARD = "forward", "backward"
+_STRIDED = torch.strided
 
 
 class Frame:
@@ -178,27 +179,31 @@ def _open(value, ctx, depth=0):
 
 def frame_of(module_name, class_name, items, phase=FORWARD):
     """A frame of ``(value, ctx)`` items, and the tensors among them that the engine reads."""
-    entries, tensors = entries_of(items)
-    return Frame(module_name, class_name, entries, [t.dtype for t in tensors], phase), tensors
+    entries, tensors, dtypes = entries_of(items)
+    return Frame(module_name, class_name, entries, dtypes, phase), tensors
 
 
 def entries_of(items):
-    """The entries of ``(value, ctx)`` items and the tensors among them that the engine reads."""
+    """The entries of ``(value, ctx)`` items, the tensors among them that the engine reads and
+    their dtypes."""
     entries = []
     tensors = []
+    dtypes = []
     for var, ctx in items:
         if isinstance(var, torch.Tensor):
             # the common case first, without a call: a plain strided tensor of a supported dtype
-            readable = (type(var) in PLAIN_TYPES and var.dtype in SUPPORTED_DTYPES
-                        and var.layout == torch.strided and not var.is_meta and not var.is_nested)
+            dtype = var.dtype
+            readable = (type(var) in PLAIN_TYPES and dtype in SUPPORTED_DTYPES and var.layout is _STRIDED
+                        and not var.is_meta and not var.is_nested)
             reason = None if readable else unreadable_reason(var)
             if reason is None:
                 entries.append((TENSOR, ctx, len(tensors)))
                 tensors.append(var)
+                dtypes.append(dtype)
             else:
                 entries.append((UNREADABLE, ctx, reason))
         elif var is None:
             entries.append((NONE, ctx, None))
         else:
             entries.append((NOT_A_TENSOR, ctx, None))
-    return entries, tensors
+    return entries, tensors, dtypes

@@ -207,7 +207,8 @@ class DeferredRows:
                     launch_now = True
                 staged.append(tensor)
                 versions.append(version)
-                state.staged_bytes += tensor.nbytes
+                size = _bytes_of(tensor)
+                state.staged_bytes += size
                 if modes is None:
                     keys.append(None)
                 else:
@@ -217,7 +218,7 @@ class DeferredRows:
                         launch_now = True
                         if mode == UNKNOWN:
                             self._watched.append((tensor, version, modes, position))
-                            self._watched_bytes += tensor.nbytes
+                            self._watched_bytes += size
                 if remembered is not None and version >= 0:
                     reuse.remember(tensor, source, version)
             state.used += len(fresh)
@@ -331,6 +332,13 @@ class DeferredRows:
             state.clear()
         self._watched = []
         self._watched_bytes = 0
+
+
+def _bytes_of(tensor):
+    try:
+        return tensor.nbytes
+    except RuntimeError:  # sparse tensors have no nbytes: their dense size bounds what they hold
+        return tensor.numel() * tensor.element_size()
 
 
 def _version(tensor):
