@@ -7,7 +7,7 @@ each run) whose rows carry benchmark, metric, value, unit, CPU model, AVX level,
 torch version and date (``benchmarks/_results.py``). Each script's own output goes to
 ``benchmarks/results/<name>.log``.
 
-    .venv/bin/python benchmarks/bench_all.py [--only kernel,hook,host,e2e,compile] [--out PATH] [--smoke]
+    .venv/bin/python benchmarks/bench_all.py [--only kernel,hook,host,e2e,compile,memory] [--out PATH] [--smoke]
 
 ``--smoke`` (tests): the smallest settings of each benchmark run; its figures mean nothing.
 """
@@ -31,6 +31,7 @@ SUITE = {
     "host": ("bench_host_path.py", ["--repeats", "5", "--inner", "2"], ["--quick", "--no-cpu", "--repeats", "1"]),
     "e2e": ("bench_end_to_end.py", ["--quick"], ["--quick", "--models", "gpt2", "--repeats", "1"]),
     "compile": ("bench_compile.py", ["--calls", "5"], ["--models", "mlp", "--backend", "aot_eager", "--calls", "1"]),
+    "memory": ("bench_staging_memory.py", [], ["--batch", "1", "--seq", "8"]),
 }
 
 

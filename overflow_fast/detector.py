@@ -85,7 +85,9 @@ class DebugUnderflowOverflow:
     - ``buffer_rows``: rows of the device buffer of ``check="batch"`` (read early when full).
     - ``stage_bytes``: with ``check="batch"``, a forward's hooks only stage their tensors, which
       are read together when it ends; staged tensors stay alive until then, so once this many
-      bytes wait they are read at once (no host sync). 0 reads each hook's tensors in the hook.
+      bytes of tensors outside autograd (which keeps a training forward's activations until
+      backward anyway) wait, they are read at once (no host sync). 0 reads each hook's tensors
+      in the hook.
       Staging relies on version counters, as ``reuse_stats`` does: it is off without it.
     - ``kwargs``: keyword tensor inputs get lines too (``input[hidden_states]``); the reference
       sees positional inputs only.

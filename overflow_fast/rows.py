@@ -124,8 +124,9 @@ class DeferredRows:
     Inside a top-level forward a hook only *stages* its tensors: each gets the next row of its
     device's buffer, and the tensor waits, with its version counter, until one engine call per
     device reads every staged tensor (``launch``): when the forward ends, or earlier when
-    ``stage_bytes`` of tensors wait (so that staging keeps few activations alive that the forward
-    would have freed). ``read()`` then brings each buffer to the host in one copy.
+    ``stage_bytes`` of tensors that do not require grad wait (activations the forward would have
+    freed: autograd keeps the others until backward anyway). ``read()`` then brings each buffer
+    to the host in one copy.
 
     Staging changes *when* a tensor is read, so a tensor changed in place after its hook
     (``ReLU(inplace=True)`` on a layer's output, ``x += residual``) would show its later values.
@@ -207,7 +208,9 @@ class DeferredRows:
                     launch_now = True
                 staged.append(tensor)
                 versions.append(version)
-                size = _bytes_of(tensor)
+                # only what staging alone keeps alive counts: autograd holds a tensor that
+                # requires grad (weights, a training forward's activations) until backward anyway
+                size = 0 if tensor.requires_grad else _bytes_of(tensor)
                 state.staged_bytes += size
                 if modes is None:
                     keys.append(None)
