@@ -59,3 +59,13 @@ def test_bench_all_csv_columns(tmp_path):
                                  "torch", "date"]
     assert {r["benchmark"] for r in rows} == {"hook_overhead", "compile"}
     assert all(r["cpu_model"] and r["threads"] and r["torch"] and r["date"] for r in rows)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="the benchmark needs triton")
+def test_bench_triton_host_smoke():
+    result = _run([os.path.join(BENCH, "bench_triton_host.py"), "--counts", "1,8", "--calls", "3", "--rounds", "1"])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = [line.split(" | ") for line in result.stdout.splitlines() if re.match(r"^\| \d+ \|", line)]
+    assert [row[0] for row in rows] == ["| 1", "| 8"]
+    for row in rows:
+        assert row[5] == "2"  # new launches per call

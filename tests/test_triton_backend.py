@@ -35,7 +35,7 @@ needs_backend = pytest.mark.skipif(
 
 DTYPES = [d for d in ALL_DTYPES if not d.is_complex]
 # Small launch shape: chunks of 32 elements, so tensors of a few dozen elements span several
-# chunks and tensor boundaries fall inside the chunk table.
+# chunks and the binary search over the chunk prefix sums crosses tensor boundaries.
 SMALL = dict(block_size=16, blocks_per_chunk=2)
 
 
