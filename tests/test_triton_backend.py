@@ -227,6 +227,9 @@ def test_pinned_staging_reuses_only_buffers_no_copy_reads():
             self.waited = True
             self.done = True
 
+        def record(self):
+            self.done = False  # a copy from the buffer is now pending
+
     staging = tb._PinnedStaging(pinned_empty=lambda n: torch.empty(n, dtype=torch.int64), event=Event)
     first = staging.take(10)
     first[2].done = False  # its copy is pending
@@ -245,6 +248,18 @@ def test_pinned_staging_reuses_only_buffers_no_copy_reads():
     staging.MAX_BUFFERS = 2
     oldest = staging.buffers[0]
     assert staging.take(10) is oldest and oldest[2].waited  # at the cap: wait for the oldest
+
+    # upload(): the table packed into a free buffer, copied to the front of the destination, and
+    # the buffer marked pending until the copy has run (a CPU destination stands for the device)
+    staging = tb._PinnedStaging(pinned_empty=lambda n: torch.empty(n, dtype=torch.int64), event=Event)
+    table = [2**47 + 16, -1, 0, 2**63 - 1, -(2**63)]
+    device_buffer = torch.full((8,), 7, dtype=torch.int64)
+    staging.upload(table, device_buffer)
+    assert device_buffer.tolist() == table + [7, 7, 7]
+    (pending,) = staging.buffers
+    assert not pending[2].done
+    staging.upload([1, 2], device_buffer)
+    assert device_buffer[:2].tolist() == [1, 2] and len(staging.buffers) == 2  # not the pending one
 
 
 @needs_backend
