@@ -8,6 +8,7 @@ Triton everything skips except the check that the package imports and falls back
 """
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -413,7 +414,7 @@ def test_gpu_check_dry_run_and_mismatch_exit():
     assert broken.returncode == 1 and "EXACTNESS MISMATCH" in broken.stdout, broken.stdout + broken.stderr
 
 
-def _compile_for_sm90(kernel, signature, constexprs, num_warps):
+def _compile_for_sm90(kernel, signature, constexprs, num_warps, **options):
     try:
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
@@ -422,7 +423,7 @@ def _compile_for_sm90(kernel, signature, constexprs, num_warps):
     signature = dict(signature, **{name: "constexpr" for name in constexprs})
     try:
         return tb.triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32),
-                                 options={"num_warps": num_warps})
+                                 options={"num_warps": num_warps, **options})
     except FileNotFoundError as error:  # no ptxas in this triton install
         pytest.skip(str(error))
 
@@ -431,7 +432,7 @@ def _compile_partials(formats, any_unaligned, search_steps=3):
     constexprs = dict(FORMATS=formats, ANY_UNALIGNED=any_unaligned, SEARCH_STEPS=search_steps,
                       BLOCK_SIZE=tb.BLOCK_SIZE, BLOCKS_PER_CHUNK=tb.BLOCKS_PER_CHUNK)
     return _compile_for_sm90(tb._stats_partials_kernel, {"Table_ptr": "*i64", "num_tensors": "i32"}, constexprs,
-                             tb.NUM_WARPS)
+                             tb.NUM_WARPS, **tb._REGISTER_CAP)
 
 
 def _vector_loads(ptx):
@@ -458,11 +459,20 @@ def test_compiles_for_sm90_without_a_gpu(dtype):
 
 @pytest.mark.skipif(tb.triton is None or tb._INTERPRET, reason="needs triton's compiler (not the interpreter)")
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
-def test_every_format_compiles_in_one_kernel():
+def test_every_format_compiles_in_one_kernel(tmp_path):
     """All 15 format branches, aligned and unaligned, in one partials kernel (the largest variant)."""
     every = (1 << len(tb._FORMATS)) - 1
-    ptx = _compile_partials(every, True, search_steps=8).asm["ptx"]
-    assert _vector_loads(ptx) >= len(tb._FORMATS)
+    kernel = _compile_partials(every, True, search_steps=8)
+    assert _vector_loads(kernel.asm["ptx"]) >= len(tb._FORMATS)
+    # the register cap holds without spills (cuobjdump ships with triton's CUDA backend)
+    cuobjdump = os.path.join(os.path.dirname(tb.triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if os.path.exists(cuobjdump) and tb._REGISTER_CAP:
+        cubin = os.path.join(str(tmp_path), "partials.cubin")
+        with open(cubin, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        usage = subprocess.run([cuobjdump, "--dump-resource-usage", cubin], capture_output=True, text=True).stdout
+        registers = int(re.search(r"REG:(\d+)", usage).group(1))
+        assert registers <= tb.MAX_REGISTERS and "LOCAL:0" in usage and "STACK:0" in usage, usage
 
 
 @needs_backend

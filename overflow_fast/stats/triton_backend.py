@@ -22,8 +22,10 @@ format (the load dtype and the classification constants are constexprs of each b
 constexpr bitmask ``FORMATS`` of the formats present in the launch gates the branches, so only
 those are compiled (the set of formats of a model's forward is stable: the compile cache stays
 small). Aligned tensors take a loop with 16-byte alignment hints (vector loads); the unaligned
-variant is compiled only when the launch has an unaligned tensor (``ANY_UNALIGNED``). The combine
-kernel reads the format's parameters from the word as run-time scalars.
+variant is compiled only when the launch has an unaligned tensor (``ANY_UNALIGNED``). The kernel
+takes the registers of its widest branch, so they are capped (``MAX_REGISTERS``) to keep the
+occupancy of the bf16 loop when an int64 tensor shares the launch. The combine kernel reads the
+format's parameters from the word as run-time scalars.
 
 Floating values are classified on their raw bits, never converted: with the sign bit cleared,
 the bits of a float order like its magnitude, so abs-min/abs-max are integer min/max, and NaN,
@@ -87,6 +89,13 @@ BLOCK_SIZE = 4096
 BLOCKS_PER_CHUNK = 16
 NUM_WARPS = 8
 COMBINE_BLOCK = 128
+# The partials kernel holds the loop of every format present, and the compiler gives it the
+# registers of the widest one: on sm90, 91 per thread for bf16 alone but ~140 once an int64 tensor
+# (input_ids) is in the launch, one program of 8 warps per SM instead of two for the bf16 loop that
+# moves most of the bytes. 128 keeps two, without spills (cuobjdump of every format for sm90:
+# LOCAL:0). A CUDA option (HIP's Triton rejects it; the interpreter ignores it).
+MAX_REGISTERS = 128
+_REGISTER_CAP = {"maxnreg": MAX_REGISTERS} if getattr(torch.version, "hip", None) is None else {}
 
 # The formats the kernels read, in the order of their codes; ``_stats_partials_kernel`` has one
 # branch per code, in the same order. (dtype name, kind, exponent bits, mantissa bits, has inf)
@@ -584,6 +593,6 @@ def _launch(buffer, out, num_tensors, num_chunks, formats, any_unaligned, block_
         _stats_partials_kernel[(num_chunks,)](
             buffer, num_tensors, FORMATS=formats, ANY_UNALIGNED=any_unaligned,
             SEARCH_STEPS=(num_tensors - 1).bit_length(), BLOCK_SIZE=block_size,
-            BLOCKS_PER_CHUNK=blocks_per_chunk, num_warps=NUM_WARPS,
+            BLOCKS_PER_CHUNK=blocks_per_chunk, num_warps=NUM_WARPS, **_REGISTER_CAP,
         )
     _stats_combine_kernel[(num_tensors,)](buffer, out, num_tensors, BLOCK_SIZE=COMBINE_BLOCK, num_warps=2)
