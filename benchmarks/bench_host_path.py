@@ -1,7 +1,7 @@
 """Host work of the GPU path per hook, measured without a GPU (issue 12 item 1).
 
 On a GPU the CPU only issues kernels, so what a hook costs the step is its host work: Python,
-dispatch, the Triton backend's chunk tables, launches and uploads. This script runs that host
+dispatch, the Triton backend's tables, launches and uploads. This script runs that host
 work for real on the GPT-2-small hook sequence and stubs only what needs a GPU:
 
 - The hook sequence: ``GPT2LMHeadModel`` with GPT-2 small's module tree (12 layers, n_embd 768,
@@ -18,20 +18,21 @@ work for real on the GPT-2-small hook sequence and stubs only what needs a GPU:
   ``Module.__call__`` (about 1 us per module; the replay's "noop" row is the Python call alone).
 - Dispatch sends these CPU tensors to the ``triton`` backend (``triton_backend.supports`` and
   ``unavailable_reason`` patched, ``dispatch._PREFERRED["cpu"] = "triton"``, as under
-  ``TRITON_INTERPRET=1``); its ``compute()`` runs unchanged: flat sources, dtype groups, the
-  Python chunk lists, ``torch.tensor(list)`` for the table, the table slices and constexpr
-  arguments in ``_launch``.
+  ``TRITON_INTERPRET=1``); its ``compute()`` runs unchanged: flat sources, the per-tensor table
+  (``_table``), the buffer that holds it and the partial rows (``_buffer``: on CPU tensors the
+  table is packed straight into it), the constexpr arguments in ``_launch``.
 - Stubbed: the two Triton kernels' ``kernel[grid](...)`` calls (counted: launches and programs;
   the combine stub zeroes the rows it would write, about 1 us of host time a real launch does not
-  spend), and a non-dense tensor's ``.contiguous()`` copy (counted; a GPU kernel). The H2D upload
-  of the tables (``pin_memory().to(device)``, skipped for CPU tensors) is counted once per
-  ``compute()`` call and costed in the projection.
+  spend), and a non-dense tensor's ``.contiguous()`` copy (counted; a GPU kernel). On CUDA the
+  table goes through a pinned staging buffer and one ``copy_(non_blocking=True)``; here (CPU
+  tensors) it is packed into the buffer directly: the upload is counted once per ``compute()``
+  call and costed in the projection (UPLOAD_US).
 
 Measured per forward, side by side in one process, medians of round-robin runs: no hooks (the
 replay loop), a no-op forward hook on every module, check="module", check="batch" and
 ``watch()`` (forward hooks only: the forward's hook sequence, no grad). Host us per hook =
 (replay time - no-hook replay time) / hooks. An instrumented extra replay per variant counts
-engine calls, launches, uploads, chunk-table entries, bytes read and the time inside
+engine calls, launches, uploads, chunks (partials programs), table ints, bytes read and the time inside
 ``triton_backend.compute`` and in the end-of-forward ``flush``. ``--profile`` adds cProfile's top
 functions of check="batch".
 
@@ -121,18 +122,18 @@ class _StubKernel:
             COUNT.launches += 1
             COUNT.programs += grid[0]
             if self.name == "combine":
-                # the rows the kernel would write: zeros (finite, nothing detected); about 1 us of
-                # host time per call that a real launch does not spend
-                args[5].zero_()
+                # the rows the kernel would write (its argument Out_ptr): zeros (finite, nothing
+                # detected); about 1 us of host time per call that a real launch does not spend
+                args[1].zero_()
         return launch
 
 
 def _counting_launch(real):
-    def launch(plan, tables, partials, out, block_size, blocks_per_chunk):
-        COUNT.uploads += 1  # on CUDA: tables.pin_memory().to(device, non_blocking=True), once per call
-        COUNT.table_ints += tables.numel()
-        COUNT.chunks += sum(group[3] for group in plan)
-        return real(plan, tables, partials, out, block_size, blocks_per_chunk)
+    def launch(buffer, out, num_tensors, num_chunks, *args):
+        COUNT.uploads += 1  # on CUDA: one copy from the pinned staging buffer per call (_buffer)
+        COUNT.table_ints += 4 * num_tensors + 1  # the table at the start of buffer (_table)
+        COUNT.chunks += num_chunks
+        return real(buffer, out, num_tensors, num_chunks, *args)
     return launch
 
 
@@ -164,7 +165,7 @@ def triton_on_cpu():
     its kernel launches stubbed."""
 
     def supports(tensor):
-        return (tensor.device.type == "cpu" and tensor.dtype in triton_backend._LOAD_DTYPE
+        return (tensor.device.type == "cpu" and tensor.dtype in triton_backend.SUPPORTED_DTYPES
                 and tensor.layout == torch.strided)
 
     triton_backend._REAL_FLAT_SOURCE = triton_backend._flat_source
@@ -496,7 +497,7 @@ def host_path(args, csv_rows):
           f"{args.inner} replayed forwards ('none': the replay loop alone, {none * 1e3:.2f} ms; torch's own "
           f"hook-calling path in Module.__call__ is not in the replay)")
     print()
-    print("| variant | forward (ms) | host us/hook | engine calls | launches | uploads | chunk entries "
+    print("| variant | forward (ms) | host us/hook | engine calls | launches | uploads | chunks "
           "| table ints | tensors read | MB read | copies | us/hook in compute() | flush (ms) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for v in VARIANTS:

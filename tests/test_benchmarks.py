@@ -61,3 +61,13 @@ def test_bench_all_csv_columns(tmp_path):
     assert all(r["cpu_model"] and r["threads"] and r["torch"] and r["date"] for r in rows)
     breaks = {r["metric"]: float(r["value"]) for r in rows if r["metric"].endswith("graph breaks")}
     assert breaks["mlp none: graph breaks"] == 0 and breaks["mlp batch: graph breaks"] == 1
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="the benchmark needs triton")
+def test_bench_triton_host_smoke():
+    result = _run([os.path.join(BENCH, "bench_triton_host.py"), "--counts", "1,8", "--calls", "3", "--rounds", "1"])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = [line.split(" | ") for line in result.stdout.splitlines() if re.match(r"^\| \d+ \|", line)]
+    assert [row[0] for row in rows] == ["| 1", "| 8"]
+    for row in rows:
+        assert row[5] == "2"  # new launches per call

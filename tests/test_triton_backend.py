@@ -8,6 +8,7 @@ Triton everything skips except the check that the package imports and falls back
 """
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -35,7 +36,7 @@ needs_backend = pytest.mark.skipif(
 
 DTYPES = [d for d in ALL_DTYPES if not d.is_complex]
 # Small launch shape: chunks of 32 elements, so tensors of a few dozen elements span several
-# chunks and tensor boundaries fall inside the chunk table.
+# chunks and the binary search over the chunk prefix sums crosses tensor boundaries.
 SMALL = dict(block_size=16, blocks_per_chunk=2)
 
 
@@ -153,6 +154,113 @@ def test_mixed_dtypes_in_one_call():
     tensors.append(special_values(torch.float32))
     _check(tensors, "mixed", **SMALL)
     _check(tensors, "mixed default launch")
+
+
+@needs_backend
+@pytest.mark.parametrize("count", [1, 2, 3, 5, 17, 70])
+def test_many_tensors_one_table(count):
+    """Tensors of every dtype, sizes from empty to several chunks, aligned and not, empty ones
+    first, last and in runs: the binary search over the chunk prefix sums finds every chunk's
+    tensor (``count`` sets the number of search steps)."""
+    gen = _gen(10 + count)
+    sizes = [0, 0, 70, 1, 32, 0, 33, 64, 5]
+    tensors = []
+    for i in range(count):
+        dtype = DTYPES[(3 * i) % len(DTYPES)]
+        n = sizes[i % len(sizes)]
+        t = random_bits(dtype, (n + 1,), gen)
+        tensors.append(t[1:] if i % 3 == 2 else t[:n])  # [1:]: off a 16-byte boundary
+    assert any(t.data_ptr() % 16 for t in tensors if t.numel()) or count < 3
+    _check(tensors, f"{count} tensors", **SMALL)
+    if count in (1, 70):
+        _check(tensors, f"{count} tensors default launch")
+
+
+@needs_backend
+def test_one_launch_pair_and_one_table_per_call(monkeypatch):
+    """Any mix of dtypes and alignments: two launches, the partials one with one program per
+    chunk; a table of 4 ints per tensor plus one, whatever the number of chunks."""
+    launches = []
+
+    class Counting:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append((self.kernel, grid, kwargs))
+                return self.kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(tb, "_stats_partials_kernel", Counting(tb._stats_partials_kernel))
+    monkeypatch.setattr(tb, "_stats_combine_kernel", Counting(tb._stats_combine_kernel))
+    gen = _gen(11)
+    tensors = [random_bits(torch.bfloat16, (100,), gen), random_bits(torch.int64, (33,), gen)[1:],
+               torch.empty(0, dtype=torch.bool), random_bits(torch.float32, (7,), gen),
+               random_bits(torch.bfloat16, (40,), gen)[3:]]
+    _check(tensors, "launch count", **SMALL)
+    partials, combine = launches
+    assert partials[1] == (4 + 1 + 0 + 1 + 2,)  # chunks of 32 elements
+    assert partials[2]["FORMATS"] == sum(1 << (tb._FORMAT_WORD[d] & 15) for d in
+                                         (torch.bfloat16, torch.int64, torch.bool, torch.float32))
+    assert partials[2]["ANY_UNALIGNED"] and partials[2]["SEARCH_STEPS"] == 3
+    assert combine[1] == (5,)
+    table, formats, any_unaligned, num_chunks = tb._table([tb._flat_source(t) for t in tensors], [tb._FORMAT_WORD[t.dtype] for t in tensors], 32)
+    assert len(table) == 4 * 5 + 1 and table[-6:] == [0, 4, 5, 5, 6, 8] and num_chunks == 8
+    launches.clear()
+    _check([torch.empty(0), torch.empty(0, dtype=torch.int8)], "only empty", **SMALL)
+    assert [grid for _, grid, _ in launches] == [(2,)]  # no chunks: the combine launch only
+
+
+def test_pinned_staging_reuses_only_buffers_no_copy_reads():
+    """The staging policy, with fake events (no GPU): a buffer whose copy may be pending is never
+    handed out again; buffers are reused once their copy is done, grown when too small, and the
+    oldest is waited for only at the cap."""
+    class Event:
+        def __init__(self):
+            self.done = True
+            self.waited = False
+
+        def query(self):
+            return self.done
+
+        def synchronize(self):
+            self.waited = True
+            self.done = True
+
+        def record(self):
+            self.done = False  # a copy from the buffer is now pending
+
+    staging = tb._PinnedStaging(pinned_empty=lambda n: torch.empty(n, dtype=torch.int64), event=Event)
+    first = staging.take(10)
+    first[2].done = False  # its copy is pending
+    second = staging.take(10)
+    assert second[0] is not first[0]
+    second[2].done = False
+    first[2].done = True  # the oldest copy ran: its buffer is reused
+    again = staging.take(10)
+    assert again[0] is first[0] and len(staging.buffers) == 2
+    again[2].done = False
+    second[2].done = True
+    grown = staging.take(5000)  # second's buffer is free but too small: replaced
+    assert grown[0].numel() >= 5000 and len(staging.buffers) == 2
+    for entry in staging.buffers:
+        entry[2].done = False
+    staging.MAX_BUFFERS = 2
+    oldest = staging.buffers[0]
+    assert staging.take(10) is oldest and oldest[2].waited  # at the cap: wait for the oldest
+
+    # upload(): the table packed into a free buffer, copied to the front of the destination, and
+    # the buffer marked pending until the copy has run (a CPU destination stands for the device)
+    staging = tb._PinnedStaging(pinned_empty=lambda n: torch.empty(n, dtype=torch.int64), event=Event)
+    table = [2**47 + 16, -1, 0, 2**63 - 1, -(2**63)]
+    device_buffer = torch.full((8,), 7, dtype=torch.int64)
+    staging.upload(table, device_buffer)
+    assert device_buffer.tolist() == table + [7, 7, 7]
+    (pending,) = staging.buffers
+    assert not pending[2].done
+    staging.upload([1, 2], device_buffer)
+    assert device_buffer[:2].tolist() == [1, 2] and len(staging.buffers) == 2  # not the pending one
 
 
 @needs_backend
@@ -306,37 +414,65 @@ def test_gpu_check_dry_run_and_mismatch_exit():
     assert broken.returncode == 1 and "EXACTNESS MISMATCH" in broken.stdout, broken.stdout + broken.stderr
 
 
-@pytest.mark.skipif(tb.triton is None or tb._INTERPRET, reason="needs triton's compiler (not the interpreter)")
-@pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn, torch.int64, torch.bool], ids=str)
-def test_compiles_for_sm90_without_a_gpu(dtype):
-    """The interpreter accepts code the compiler rejects: compile both kernels for an H100-class
-    target (no GPU needed) and check that full blocks use 16-byte vector loads."""
+def _compile_for_sm90(kernel, signature, constexprs, num_warps, **options):
     try:
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
     except ImportError as error:
         pytest.skip(f"triton's compiler API moved: {error}")
-    args = tb._kernel_args(dtype)
-    constexprs = dict(
-        LOAD_DTYPE=tb._LOAD_DTYPE[dtype], KIND=args["kind"], EXP_BITS=args["exp_bits"],
-        MANT_BITS=args["mant_bits"], HAS_INF=args["has_inf"], KEY_DTYPE=args["key_dtype"],
-        FLIP=args["flip"], ALIGNED=True, BLOCK_SIZE=tb.BLOCK_SIZE, BLOCKS_PER_CHUNK=tb.BLOCKS_PER_CHUNK,
-    )
-    signature = {name: "*i64" for name in ("Ptrs_ptr", "Numel_ptr", "ChunkTensor_ptr", "ChunkStart_ptr", "Partials_ptr")}
-    signature.update({name: "constexpr" for name in constexprs})
-    target = GPUTarget("cuda", 90, 32)
+    signature = dict(signature, **{name: "constexpr" for name in constexprs})
     try:
-        kernel = tb.triton.compile(ASTSource(tb._stats_partials_kernel, signature, constexprs), target=target,
-                                   options={"num_warps": tb.NUM_WARPS})
+        return tb.triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32),
+                                 options={"num_warps": num_warps, **options})
     except FileNotFoundError as error:  # no ptxas in this triton install
         pytest.skip(str(error))
-    assert "ld.global.v4.b32" in kernel.asm["ptx"] or "ld.global.v2.b64" in kernel.asm["ptx"]
-    combine = {k: constexprs[k] for k in ("KIND", "EXP_BITS", "MANT_BITS", "HAS_INF", "FLIP")}
-    combine["BLOCK_SIZE"] = tb.COMBINE_BLOCK
-    signature = {name: "*i64" for name in ("Partials_ptr", "FirstChunk_ptr", "NumChunks_ptr", "Numel_ptr", "Row_ptr", "Out_ptr")}
-    signature.update({name: "constexpr" for name in combine})
-    tb.triton.compile(ASTSource(tb._stats_combine_kernel, signature, combine), target=target, options={"num_warps": 2})
+
+
+def _compile_partials(formats, any_unaligned, search_steps=3):
+    constexprs = dict(FORMATS=formats, ANY_UNALIGNED=any_unaligned, SEARCH_STEPS=search_steps,
+                      BLOCK_SIZE=tb.BLOCK_SIZE, BLOCKS_PER_CHUNK=tb.BLOCKS_PER_CHUNK)
+    return _compile_for_sm90(tb._stats_partials_kernel, {"Table_ptr": "*i64", "num_tensors": "i32"}, constexprs,
+                             tb.NUM_WARPS, **tb._REGISTER_CAP)
+
+
+def _vector_loads(ptx):
+    return ptx.count("ld.global.v4.b32") + ptx.count("ld.global.v2.b64")
+
+
+@pytest.mark.skipif(tb.triton is None or tb._INTERPRET, reason="needs triton's compiler (not the interpreter)")
+@pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.int64, torch.bool], ids=str)
+def test_compiles_for_sm90_without_a_gpu(dtype):
+    """The interpreter accepts code the compiler rejects: compile both kernels for an H100-class
+    target (no GPU needed) and check that full blocks use 16-byte vector loads, also in a launch
+    that has unaligned tensors (their scalar loop must not take the hint from the aligned one)."""
+    code = tb._FORMAT_WORD[dtype] & 15
+    aligned_only = _compile_partials(1 << code, False).asm["ptx"]
+    assert _vector_loads(aligned_only) > 0
+    both = _compile_partials(1 << code, True).asm["ptx"]
+    assert _vector_loads(both) == _vector_loads(aligned_only)
+    scalar = {1: "ld.global.b8", 2: "ld.global.b16", 4: "ld.global.b32", 8: "ld.global.b64"}[dtype.itemsize]
+    assert both.count(scalar) > aligned_only.count(scalar)  # the unaligned loop
+    _compile_for_sm90(tb._stats_combine_kernel, {"Table_ptr": "*i64", "Out_ptr": "*i64", "num_tensors": "i32"},
+                      {"BLOCK_SIZE": tb.COMBINE_BLOCK}, 2)
+
+
+@pytest.mark.skipif(tb.triton is None or tb._INTERPRET, reason="needs triton's compiler (not the interpreter)")
+@pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
+def test_every_format_compiles_in_one_kernel(tmp_path):
+    """All 15 format branches, aligned and unaligned, in one partials kernel (the largest variant)."""
+    every = (1 << len(tb._FORMATS)) - 1
+    kernel = _compile_partials(every, True, search_steps=8)
+    assert _vector_loads(kernel.asm["ptx"]) >= len(tb._FORMATS)
+    # the register cap holds without spills (cuobjdump ships with triton's CUDA backend)
+    cuobjdump = os.path.join(os.path.dirname(tb.triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if os.path.exists(cuobjdump) and tb._REGISTER_CAP:
+        cubin = os.path.join(str(tmp_path), "partials.cubin")
+        with open(cubin, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        usage = subprocess.run([cuobjdump, "--dump-resource-usage", cubin], capture_output=True, text=True).stdout
+        registers = int(re.search(r"REG:(\d+)", usage).group(1))
+        assert registers <= tb.MAX_REGISTERS and "LOCAL:0" in usage and "STACK:0" in usage, usage
 
 
 @needs_backend

@@ -113,7 +113,7 @@ def traceable(backend_name, tensors):
         from . import triton_backend
 
         return triton_backend.unavailable_reason() is None and all(
-            t.dtype in triton_backend._LOAD_DTYPE for t in tensors)
+            t.dtype in triton_backend.SUPPORTED_DTYPES for t in tensors)
     return False
 
 

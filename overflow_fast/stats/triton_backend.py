@@ -1,12 +1,31 @@
-"""The Triton backend: every statistic in one pass over each tensor, many tensors per launch.
+"""The Triton backend: every statistic in one pass over each tensor, all tensors of a call at once.
 
-Per dtype group of a ``compute`` call there are two launches and no host sync:
+A ``compute`` call makes two launches and one host-to-device upload per device, whatever the mix of
+dtypes and alignments of its tensors, and no host sync:
 
-1. ``_stats_partials_kernel``: one program per chunk (a fixed run of elements of one tensor,
-   found through a pointer table and a chunk table), writing one partial row of 8 int64.
+1. ``_stats_partials_kernel``: one program per chunk (a fixed run of ``BLOCK_SIZE *
+   BLOCKS_PER_CHUNK`` elements of one tensor), writing one partial row of 8 int64.
 2. ``_stats_combine_kernel``: one program per tensor, folding that tensor's partial rows into its
    result row (layout.py). Two stages instead of atomics: deterministic, and no float atomics
    (Triton has them only for fp32/fp64).
+
+The host describes the tensors in one int64 table that grows with the tensors, not with the chunks
+(as grouped GEMMs do): per tensor its address, numel, format word and the prefix sum of chunk
+counts (see ``_table``). A partials program finds its tensor by a binary search over the prefix
+sums (``SEARCH_STEPS``, a constexpr: log2 of the tensor count rounded up to a power of two) and its
+chunk within the tensor from the same sums. The same device buffer holds the partial rows after the
+table: one allocation, one upload.
+
+The format word of a tensor carries its format code, its 16-byte alignment and the parameters of
+its format. The partials kernel branches on the code at run time to a loop specialised for that
+format (the load dtype and the classification constants are constexprs of each branch); a
+constexpr bitmask ``FORMATS`` of the formats present in the launch gates the branches, so only
+those are compiled (the set of formats of a model's forward is stable: the compile cache stays
+small). Aligned tensors take a loop with 16-byte alignment hints (vector loads); the unaligned
+variant is compiled only when the launch has an unaligned tensor (``ANY_UNALIGNED``). The kernel
+takes the registers of its widest branch, so they are capped (``MAX_REGISTERS``) to keep the
+occupancy of the bf16 loop when an int64 tensor shares the launch. The combine kernel reads the
+format's parameters from the word as run-time scalars.
 
 Floating values are classified on their raw bits, never converted: with the sign bit cleared,
 the bits of a float order like its magnitude, so abs-min/abs-max are integer min/max, and NaN,
@@ -18,6 +37,9 @@ result is poisoned from the count. The combine kernel turns the winning bits int
 Integers use exact magnitudes: 8/16-bit values widen to int32, 32-bit values to int64, and 64-bit
 magnitudes (|-2**63| = 2**63) are compared as unsigned by flipping the sign bit.
 
+Element offsets, chunk indices and counts are int64 in both kernels, so tensors over 2**31 elements
+do not wrap.
+
 Complex tensors are left to the torch backend (``supports`` is False): their magnitude is
 torch's hypot, whose rounding this kernel would have to reproduce bit for bit.
 
@@ -25,12 +47,19 @@ Tensors that are not contiguous but non-overlapping and dense are read flat over
 span (the statistics do not depend on element order); other strided tensors are copied with
 ``.contiguous()`` first (one extra device read and write of that tensor, still no sync).
 
+On CUDA the table is written into a pinned host buffer reused across calls (``_PinnedStaging``)
+and copied asynchronously into a device buffer from the caching allocator.
+
 Under ``TRITON_INTERPRET=1`` (set before this module is imported) the kernels run on CPU
-tensors through Triton's interpreter; that is how the tests run without a GPU.
+tensors through Triton's interpreter; that is how the tests run without a GPU. The table is then
+a plain CPU tensor: no staging, no upload.
 """
 
+import collections
 import contextlib
+import itertools
 import os
+import struct
 
 import torch
 
@@ -50,7 +79,7 @@ else:
 # The interpreter is chosen when triton.jit decorates a kernel, i.e. at import of this module.
 _INTERPRET = triton is not None and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
-# Element kinds, a constexpr of the kernels.
+# Element kinds.
 _FLOAT, _SIGNED, _UNSIGNED, _BOOL = 0, 1, 2, 3
 
 # Launch shape. A chunk is BLOCK_SIZE * BLOCKS_PER_CHUNK elements of one tensor: large enough that
@@ -60,38 +89,54 @@ BLOCK_SIZE = 4096
 BLOCKS_PER_CHUNK = 16
 NUM_WARPS = 8
 COMBINE_BLOCK = 128
+# The partials kernel holds the loop of every format present, and the compiler gives it the
+# registers of the widest one: on sm90, 91 per thread for bf16 alone but ~140 once an int64 tensor
+# (input_ids) is in the launch, one program of 8 warps per SM instead of two for the bf16 loop that
+# moves most of the bytes. 128 keeps two, without spills (cuobjdump of every format for sm90:
+# LOCAL:0). A CUDA option (HIP's Triton rejects it; the interpreter ignores it).
+MAX_REGISTERS = 128
+_REGISTER_CAP = {"maxnreg": MAX_REGISTERS} if getattr(torch.version, "hip", None) is None else {}
 
-if triton is not None:
-    _LOAD_DTYPE = {
-        # floats load as same-width signed ints: classification works on the bits
-        torch.float64: tl.int64,
-        torch.float32: tl.int32,
-        torch.float16: tl.int16,
-        torch.bfloat16: tl.int16,
-        torch.float8_e4m3fn: tl.int8,
-        torch.float8_e5m2: tl.int8,
-        torch.uint8: tl.uint8,
-        torch.int8: tl.int8,
-        torch.int16: tl.int16,
-        torch.int32: tl.int32,
-        torch.int64: tl.int64,
-        torch.bool: tl.uint8,  # torch stores bool as one byte holding 0 or 1
-    }
-    for _name, _tl_type in (("uint16", tl.uint16), ("uint32", tl.uint32), ("uint64", tl.uint64)):
-        if hasattr(torch, _name):
-            _LOAD_DTYPE[getattr(torch, _name)] = _tl_type
-else:
-    _LOAD_DTYPE = {}
+# The formats the kernels read, in the order of their codes; ``_stats_partials_kernel`` has one
+# branch per code, in the same order. (dtype name, kind, exponent bits, mantissa bits, has inf)
+_FORMATS = (
+    ("float64", _FLOAT, 11, 52, True),
+    ("float32", _FLOAT, 8, 23, True),
+    ("float16", _FLOAT, 5, 10, True),
+    ("bfloat16", _FLOAT, 8, 7, True),
+    ("float8_e4m3fn", _FLOAT, 4, 3, False),  # no inf; NaN is S.1111.111
+    ("float8_e5m2", _FLOAT, 5, 2, True),
+    ("uint8", _UNSIGNED, 0, 0, False),
+    ("int8", _SIGNED, 0, 0, False),
+    ("int16", _SIGNED, 0, 0, False),
+    ("int32", _SIGNED, 0, 0, False),
+    ("int64", _SIGNED, 0, 0, False),
+    ("bool", _BOOL, 0, 0, False),  # torch stores bool as one byte holding 0 or 1
+    ("uint16", _UNSIGNED, 0, 0, False),  # uint16/32/64: when this torch has them
+    ("uint32", _UNSIGNED, 0, 0, False),
+    ("uint64", _UNSIGNED, 0, 0, False),
+)
 
-# (exponent bits, mantissa bits, has infinities) of each floating format
-_FLOAT_FORMAT = {
-    torch.float64: (11, 52, True),
-    torch.float32: (8, 23, True),
-    torch.float16: (5, 10, True),
-    torch.bfloat16: (8, 7, True),
-    torch.float8_e4m3fn: (4, 3, False),  # no inf; NaN is S.1111.111
-    torch.float8_e5m2: (5, 2, True),
-}
+# The format word of a tensor (int64): bits 0-3 the format code, bit 4 set when the data starts on
+# a 16-byte boundary, then the format's parameters for the combine kernel: bits 5-6 kind, bit 7
+# flip (64-bit integers: unsigned order through a sign-bit flip), bit 8 has inf, bits 9-12
+# exponent bits, bits 13-18 mantissa bits.
+_ALIGNED_BIT = 1 << 4
+
+
+def _format_word(code, dtype, kind, exp_bits, mant_bits, has_inf):
+    flip = kind != _FLOAT and dtype.itemsize == 8
+    return code | kind << 5 | flip << 7 | has_inf << 8 | exp_bits << 9 | mant_bits << 13
+
+
+_FORMAT_WORD = {}  # dtype -> its format word, alignment bit clear
+for _code, (_name, _kind, _exp, _mant, _inf) in enumerate(_FORMATS):
+    if hasattr(torch, _name):
+        _dtype = getattr(torch, _name)
+        _FORMAT_WORD[_dtype] = _format_word(_code, _dtype, _kind, _exp, _mant, _inf)
+
+# The dtypes the kernels read (as the other backends' SUPPORTED_DTYPES).
+SUPPORTED_DTYPES = frozenset(_FORMAT_WORD) if triton is not None else frozenset()
 
 
 def unavailable_reason():
@@ -106,7 +151,7 @@ def supports(tensor: torch.Tensor) -> bool:
     # The interpreter reads the pointer table as host addresses, so it takes CPU tensors only;
     # compiled kernels take CUDA tensors only.
     device_ok = tensor.device.type == ("cpu" if _INTERPRET else "cuda")
-    return device_ok and tensor.dtype in _LOAD_DTYPE and tensor.layout == torch.strided
+    return device_ok and tensor.dtype in SUPPORTED_DTYPES and tensor.layout == torch.strided
 
 
 if triton is not None:
@@ -153,32 +198,13 @@ if triton is not None:
         return key, counts
 
     @triton.jit
-    def _stats_partials_kernel(
-        Ptrs_ptr,  # int64[T]: address of each tensor's first element
-        Numel_ptr,  # int64[T]
-        ChunkTensor_ptr,  # int64[C]: which tensor (index into Ptrs) the chunk reads
-        ChunkStart_ptr,  # int64[C]: the chunk's first element within that tensor
-        Partials_ptr,  # int64[C, 8]: one partial row per chunk
-        LOAD_DTYPE: tl.constexpr,
-        KIND: tl.constexpr,
-        EXP_BITS: tl.constexpr,
-        MANT_BITS: tl.constexpr,
-        HAS_INF: tl.constexpr,
-        KEY_DTYPE: tl.constexpr,  # int32, or int64 where int32 cannot hold the magnitude
-        FLIP: tl.constexpr,  # 64-bit integers: keys compared as unsigned via a sign-bit flip
-        ALIGNED: tl.constexpr,  # every tensor of the launch starts on a 16-byte boundary
-        BLOCK_SIZE: tl.constexpr,
-        BLOCKS_PER_CHUNK: tl.constexpr,
-    ):
-        tl.static_assert(BLOCKS_PER_CHUNK <= 31)
-        # int64 from the start: element offsets of tensors over 2**31 elements must not wrap.
-        chunk = tl.program_id(0).to(tl.int64)
-        tensor = tl.load(ChunkTensor_ptr + chunk)
-        start = tl.load(ChunkStart_ptr + chunk)
-        numel = tl.load(Numel_ptr + tensor)
-        end = tl.minimum(start + BLOCK_SIZE * BLOCKS_PER_CHUNK, numel)
-        X = tl.load(Ptrs_ptr + tensor).to(tl.pointer_type(LOAD_DTYPE))
+    def _chunk_stats(X, start, end, out, KIND: tl.constexpr, EXP_BITS: tl.constexpr,
+                     MANT_BITS: tl.constexpr, HAS_INF: tl.constexpr, KEY_DTYPE: tl.constexpr,
+                     FLIP: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+        """The partial row (8 int64 at ``out``) of elements [start, end) of the tensor at ``X``.
 
+        The alignment hints of ``X`` and ``start`` are the caller's: ``tl.multiple_of`` marks the
+        op that defines a value, so it has no effect on a function's parameter."""
         if KIND == 0:
             KEY_MAX: tl.constexpr = (1 << (EXP_BITS + MANT_BITS)) - 1
         elif FLIP:
@@ -197,11 +223,8 @@ if triton is not None:
         # 3 +inf, 4 NaN, 5 -inf. Integers use field 1 only: nonzero values.
         packed = tl.zeros([BLOCK_SIZE], tl.int32)
 
-        # Full blocks load without a mask: with the alignment hints below, Triton emits 16-byte
+        # Full blocks load without a mask: with the caller's alignment hints, Triton emits 16-byte
         # vector loads (a masked load whose bound is only known at run time stays scalar).
-        if ALIGNED:
-            X = tl.multiple_of(X, 16)
-        start = tl.multiple_of(start, BLOCK_SIZE)  # chunks start at multiples of the chunk size
         n_full = (end - start) // BLOCK_SIZE
         for i in range(n_full):
             offsets = start + i * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
@@ -227,7 +250,6 @@ if triton is not None:
         posinf = tl.sum((packed >> 15) & 31, axis=0).to(tl.int64)
         nan = tl.sum((packed >> 20) & 31, axis=0).to(tl.int64)
         neginf = tl.sum((packed >> 25) & 31, axis=0).to(tl.int64)
-        out = Partials_ptr + chunk * 8
         tl.store(out + 0, tl.min(key_min, axis=0).to(tl.int64))
         tl.store(out + 1, tl.max(key_max, axis=0).to(tl.int64))
         tl.store(out + 2, nan)
@@ -242,25 +264,111 @@ if triton is not None:
         tl.store(out + 7, count)
 
     @triton.jit
+    def _format_branch(address, code, aligned, start, end, out, FORMATS: tl.constexpr,
+                       ANY_UNALIGNED: tl.constexpr, CODE: tl.constexpr, LOAD_DTYPE: tl.constexpr,
+                       KIND: tl.constexpr, EXP_BITS: tl.constexpr, MANT_BITS: tl.constexpr,
+                       HAS_INF: tl.constexpr, KEY_DTYPE: tl.constexpr, FLIP: tl.constexpr,
+                       BLOCK_SIZE: tl.constexpr):
+        """The chunk's statistics when its tensor has format ``CODE``. Compiled only when the
+        launch has a tensor of that format; floats load as same-width integers (their bits)."""
+        if (FORMATS >> CODE) & 1:
+            if code == CODE:
+                # ANY_UNALIGNED False (a constexpr) ends the `and` at compile time: no scalar loop
+                if ANY_UNALIGNED and not aligned:
+                    X = address.to(tl.pointer_type(LOAD_DTYPE))
+                    _chunk_stats(X, start, end, out, KIND, EXP_BITS, MANT_BITS, HAS_INF, KEY_DTYPE, FLIP,
+                                 BLOCK_SIZE)
+                else:
+                    # The hint must stay in this branch: a value merged from both would lose it.
+                    X = tl.multiple_of(address.to(tl.pointer_type(LOAD_DTYPE)), 16)
+                    _chunk_stats(X, start, end, out, KIND, EXP_BITS, MANT_BITS, HAS_INF, KEY_DTYPE, FLIP,
+                                 BLOCK_SIZE)
+
+    @triton.jit
+    def _stats_partials_kernel(
+        Table_ptr,  # int64: the table (see _table), then one partial row of 8 per chunk
+        num_tensors,
+        FORMATS: tl.constexpr,  # bit c set: a tensor of format code c is in this launch
+        ANY_UNALIGNED: tl.constexpr,  # a tensor of this launch starts off a 16-byte boundary
+        SEARCH_STEPS: tl.constexpr,  # 2**SEARCH_STEPS >= num_tensors
+        BLOCK_SIZE: tl.constexpr,
+        BLOCKS_PER_CHUNK: tl.constexpr,
+    ):
+        tl.static_assert(BLOCKS_PER_CHUNK <= 31)
+        # int64 from the start: element offsets of tensors over 2**31 elements must not wrap.
+        chunk = tl.program_id(0).to(tl.int64)
+        T = num_tensors.to(tl.int64)
+        Ptrs = Table_ptr
+        Numels = Table_ptr + T
+        Words = Table_ptr + 2 * T
+        FirstChunk = Table_ptr + 3 * T  # T + 1 entries: the prefix sums of the chunk counts
+        Partials = Table_ptr + 4 * T + 1
+
+        # The chunk's tensor: the last t with FirstChunk[t] <= chunk (an empty tensor shares its
+        # FirstChunk with the next one, so the last is the one that has chunks). Invariant: the
+        # answer is in [tensor, tensor + 2**(SEARCH_STEPS - step)); FirstChunk[T] (all chunks)
+        # > chunk stops a probe past the end.
+        tensor = chunk * 0
+        for step in tl.static_range(SEARCH_STEPS):
+            probe = tl.minimum(tensor + (1 << (SEARCH_STEPS - 1 - step)), T)
+            tensor = tl.where(tl.load(FirstChunk + probe) <= chunk, probe, tensor)
+
+        start = (chunk - tl.load(FirstChunk + tensor)) * (BLOCK_SIZE * BLOCKS_PER_CHUNK)
+        start = tl.multiple_of(start, BLOCK_SIZE)  # for the vector loads
+        end = tl.minimum(start + BLOCK_SIZE * BLOCKS_PER_CHUNK, tl.load(Numels + tensor))
+        word = tl.load(Words + tensor)
+        code = word & 15
+        aligned = (word & 16) != 0
+        address = tl.load(Ptrs + tensor)
+        out = Partials + chunk * 8
+        # One branch per format code (_FORMATS, same order): code, load dtype (floats as their
+        # bits), kind, exponent bits, mantissa bits, has inf, key dtype (int64 where int32 cannot
+        # hold the magnitude), flip (64-bit integers: unsigned order through a sign-bit flip).
+        _format_branch(address, code, aligned, start, end, out, FORMATS, ANY_UNALIGNED,
+                       0, tl.int64, 0, 11, 52, True, tl.int64, False, BLOCK_SIZE)  # float64
+        _format_branch(address, code, aligned, start, end, out, FORMATS, ANY_UNALIGNED,
+                       1, tl.int32, 0, 8, 23, True, tl.int32, False, BLOCK_SIZE)  # float32
+        _format_branch(address, code, aligned, start, end, out, FORMATS, ANY_UNALIGNED,
+                       2, tl.int16, 0, 5, 10, True, tl.int32, False, BLOCK_SIZE)  # float16
+        _format_branch(address, code, aligned, start, end, out, FORMATS, ANY_UNALIGNED,
+                       3, tl.int16, 0, 8, 7, True, tl.int32, False, BLOCK_SIZE)  # bfloat16
+        _format_branch(address, code, aligned, start, end, out, FORMATS, ANY_UNALIGNED,
+                       4, tl.int8, 0, 4, 3, False, tl.int32, False, BLOCK_SIZE)  # float8_e4m3fn
+        _format_branch(address, code, aligned, start, end, out, FORMATS, ANY_UNALIGNED,
+                       5, tl.int8, 0, 5, 2, True, tl.int32, False, BLOCK_SIZE)  # float8_e5m2
+        _format_branch(address, code, aligned, start, end, out, FORMATS, ANY_UNALIGNED,
+                       6, tl.uint8, 2, 0, 0, False, tl.int32, False, BLOCK_SIZE)  # uint8
+        _format_branch(address, code, aligned, start, end, out, FORMATS, ANY_UNALIGNED,
+                       7, tl.int8, 1, 0, 0, False, tl.int32, False, BLOCK_SIZE)  # int8
+        _format_branch(address, code, aligned, start, end, out, FORMATS, ANY_UNALIGNED,
+                       8, tl.int16, 1, 0, 0, False, tl.int32, False, BLOCK_SIZE)  # int16
+        _format_branch(address, code, aligned, start, end, out, FORMATS, ANY_UNALIGNED,
+                       9, tl.int32, 1, 0, 0, False, tl.int64, False, BLOCK_SIZE)  # int32
+        _format_branch(address, code, aligned, start, end, out, FORMATS, ANY_UNALIGNED,
+                       10, tl.int64, 1, 0, 0, False, tl.int64, True, BLOCK_SIZE)  # int64
+        _format_branch(address, code, aligned, start, end, out, FORMATS, ANY_UNALIGNED,
+                       11, tl.uint8, 3, 0, 0, False, tl.int32, False, BLOCK_SIZE)  # bool
+        _format_branch(address, code, aligned, start, end, out, FORMATS, ANY_UNALIGNED,
+                       12, tl.uint16, 2, 0, 0, False, tl.int32, False, BLOCK_SIZE)  # uint16
+        _format_branch(address, code, aligned, start, end, out, FORMATS, ANY_UNALIGNED,
+                       13, tl.uint32, 2, 0, 0, False, tl.int64, False, BLOCK_SIZE)  # uint32
+        _format_branch(address, code, aligned, start, end, out, FORMATS, ANY_UNALIGNED,
+                       14, tl.uint64, 2, 0, 0, False, tl.int64, True, BLOCK_SIZE)  # uint64
+
+    @triton.jit
     def _stats_combine_kernel(
-        Partials_ptr,  # int64[C, 8]
-        FirstChunk_ptr,  # int64[T]: first partial row of each tensor
-        NumChunks_ptr,  # int64[T]
-        Numel_ptr,  # int64[T]
-        Row_ptr,  # int64[T]: the tensor's row in Out
-        Out_ptr,  # int64[N, 8]
-        KIND: tl.constexpr,
-        EXP_BITS: tl.constexpr,
-        MANT_BITS: tl.constexpr,
-        HAS_INF: tl.constexpr,
-        FLIP: tl.constexpr,
+        Table_ptr,  # int64: the table, then the partial rows (as in the partials kernel)
+        Out_ptr,  # int64[T, 8]
+        num_tensors,
         BLOCK_SIZE: tl.constexpr,
     ):
         tensor = tl.program_id(0).to(tl.int64)
-        first = tl.load(FirstChunk_ptr + tensor)
-        num_chunks = tl.load(NumChunks_ptr + tensor)
-        numel = tl.load(Numel_ptr + tensor)
-        row = tl.load(Row_ptr + tensor)
+        T = num_tensors.to(tl.int64)
+        numel = tl.load(Table_ptr + T + tensor)
+        word = tl.load(Table_ptr + 2 * T + tensor)
+        first = tl.load(Table_ptr + 3 * T + tensor)
+        num_chunks = tl.load(Table_ptr + 3 * T + tensor + 1) - first
+        Partials = Table_ptr + 4 * T + 1
 
         key_min = tl.full([BLOCK_SIZE], 2**63 - 1, tl.int64)
         key_max = tl.full([BLOCK_SIZE], -(2**63), tl.int64)
@@ -272,7 +380,7 @@ if triton is not None:
         for c in range(0, num_chunks, BLOCK_SIZE):
             index = c + tl.arange(0, BLOCK_SIZE)
             mask = index < num_chunks
-            p = Partials_ptr + (first + index) * 8
+            p = Partials + (first + index) * 8
             key_min = tl.minimum(key_min, tl.load(p + 0, mask=mask, other=2**63 - 1))
             key_max = tl.maximum(key_max, tl.load(p + 1, mask=mask, other=-(2**63)))
             nan += tl.load(p + 2, mask=mask, other=0)
@@ -284,24 +392,30 @@ if triton is not None:
         hi = tl.max(key_max, axis=0)
         nan_count = tl.sum(nan, axis=0)
 
-        if KIND == 0:
+        # the format's parameters, run-time scalars of the word (see _format_word)
+        kind = (word >> 5) & 3
+        flip = (word >> 7) & 1
+        has_inf = (word >> 8) & 1
+        exp_bits = (word >> 9) & 15
+        mant_bits = (word >> 13) & 63
+        if kind == 0:
             # magnitude bits of the format -> float64 bits
-            if MANT_BITS != 52:
-                lo = _float_bits_to_f64(lo, EXP_BITS, MANT_BITS, HAS_INF)
-                hi = _float_bits_to_f64(hi, EXP_BITS, MANT_BITS, HAS_INF)
+            if mant_bits != 52:
+                lo = _float_bits_to_f64(lo, exp_bits, mant_bits, has_inf)
+                hi = _float_bits_to_f64(hi, exp_bits, mant_bits, has_inf)
             # any NaN poisons both, as torch's abs().min()/max() do
             lo = tl.where(nan_count > 0, 0x7FF8000000000000, lo)
             hi = tl.where(nan_count > 0, 0x7FF8000000000000, hi)
-        elif KIND == 3:
+        elif kind == 3:
             lo = tl.where(lo != 0, 0x3FF0000000000000, 0)  # 1.0 : 0.0
             hi = tl.where(hi != 0, 0x3FF0000000000000, 0)
-        elif FLIP:
+        elif flip != 0:
             lo = lo ^ (-(2**63))
             hi = hi ^ (-(2**63))
 
         # an empty tensor has no chunks and a row of zeros
         empty = numel == 0
-        out = Out_ptr + row * 8
+        out = Out_ptr + tensor * 8
         tl.store(out + 0, tl.where(empty, 0, lo))
         tl.store(out + 1, tl.where(empty, 0, hi))
         tl.store(out + 2, nan_count)
@@ -312,19 +426,19 @@ if triton is not None:
         tl.store(out + 7, numel)
 
     @triton.jit
-    def _float_bits_to_f64(a, EXP_BITS: tl.constexpr, MANT_BITS: tl.constexpr, HAS_INF: tl.constexpr):
-        """Float64 bits of the non-negative value whose bits (sign cleared) in a narrower format are a."""
-        BIAS: tl.constexpr = (1 << (EXP_BITS - 1)) - 1
-        exponent = a >> MANT_BITS
-        mantissa = a & ((1 << MANT_BITS) - 1)
-        normal = ((exponent + (1023 - BIAS)) << 52) | (mantissa << (52 - MANT_BITS))
-        # subnormal: mantissa * 2**(1 - BIAS - MANT_BITS); the int -> float64 conversion is exact
+    def _float_bits_to_f64(a, exp_bits, mant_bits, has_inf):
+        """Float64 bits of the non-negative value whose bits (sign cleared) in a narrower format are
+        ``a``; the format's parameters are run-time int64 scalars."""
+        bias = (1 << (exp_bits - 1)) - 1
+        exponent = a >> mant_bits
+        mantissa = a & ((1 << mant_bits) - 1)
+        normal = ((exponent + (1023 - bias)) << 52) | (mantissa << (52 - mant_bits))
+        # subnormal: mantissa * 2**(1 - bias - mant_bits); the int -> float64 conversion is exact
         # and the scaling by a power of two is an exponent subtraction, so no rounding anywhere
-        scaled = mantissa.to(tl.float64).to(tl.int64, bitcast=True) - ((BIAS + MANT_BITS - 1) << 52)
+        scaled = mantissa.to(tl.float64).to(tl.int64, bitcast=True) - ((bias + mant_bits - 1) << 52)
         result = tl.where(exponent == 0, tl.where(mantissa == 0, 0, scaled), normal)
-        if HAS_INF:
-            result = tl.where(a == ((1 << EXP_BITS) - 1) << MANT_BITS, 0x7FF0000000000000, result)
-        return result
+        is_inf = (has_inf != 0) & (a == ((1 << exp_bits) - 1) << mant_bits)
+        return tl.where(is_inf, 0x7FF0000000000000, result)
 
 
 def _is_dense(tensor: torch.Tensor) -> bool:
@@ -348,20 +462,91 @@ def _flat_source(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().contiguous()
 
 
-def _kernel_args(dtype):
-    """The constexprs describing ``dtype`` to both kernels."""
-    if dtype in _FLOAT_FORMAT:
-        exp_bits, mant_bits, has_inf = _FLOAT_FORMAT[dtype]
-        kind, flip = _FLOAT, False
-        key_dtype = tl.int64 if mant_bits == 52 else tl.int32
+def _table(sources, words, chunk):
+    """The kernels' table for ``sources`` (flat tensors) whose format words are ``words``, as a
+    list of 4 * T + 1 ints:
+
+        address[T], numel[T], format word[T] (alignment bit set), first chunk[T + 1]
+
+    where first chunk is the prefix sum of the chunk counts (its last entry: all chunks). Also the
+    FORMATS bitmask, whether a tensor is unaligned, and the number of chunks. List comprehensions,
+    one per column: the per-tensor cost is a few attribute reads, nothing per chunk.
+    """
+    addresses = [s.data_ptr() for s in sources]
+    numels = [s.numel() for s in sources]
+    formats = 0
+    for word in set(words):
+        formats |= 1 << (word & 15)
+    # 16-byte aligned starts allow vector loads
+    words = [w | _ALIGNED_BIT if a & 15 == 0 else w for w, a in zip(words, addresses)]
+    any_unaligned = any(a & 15 for a in addresses)
+    firsts = [0, *itertools.accumulate([-(-n // chunk) for n in numels])]
+    return addresses + numels + words + firsts, formats, any_unaligned, firsts[-1]
+
+
+class _PinnedStaging:
+    """Pinned host buffers for the table uploads to one CUDA device, reused across calls.
+
+    A buffer is rewritten only once the copy that last read it has run (its event has completed).
+    Waiting for that event instead would stall the host whenever it runs ahead of the GPU, which
+    is the normal state of an asynchronous training step, so a buffer still being read is left
+    alone and another one is taken; buffers are added as needed, up to MAX_BUFFERS, beyond which
+    the oldest copy is waited for. Oldest first: copies on one stream complete in order.
+    """
+
+    MAX_BUFFERS = 64
+    MIN_INTS = 1024
+
+    def __init__(self, pinned_empty=None, event=None):
+        # the allocator and event factory are parameters only so that tests run without a GPU
+        self._pinned_empty = pinned_empty or (lambda n: torch.empty(n, dtype=torch.int64, pin_memory=True))
+        self._event = event or torch.cuda.Event
+        self.buffers = collections.deque()  # [pinned int64 tensor, its numpy view, event], oldest use first
+
+    def take(self, n):
+        """A pinned buffer of at least ``n`` int64 that no pending copy reads, now the newest."""
+        buffers = self.buffers
+        entry = None
+        if buffers and buffers[0][2].query():
+            entry = buffers.popleft()
+        elif len(buffers) >= self.MAX_BUFFERS:
+            entry = buffers.popleft()
+            entry[2].synchronize()
+        if entry is None or entry[0].numel() < n:
+            pinned = self._pinned_empty(max(n, self.MIN_INTS, entry[0].numel() * 2 if entry else 0))
+            entry = [pinned, pinned.numpy(), self._event()]
+        buffers.append(entry)
+        return entry
+
+    def upload(self, table, device_buffer):
+        """Copy ``table`` (ints) into the start of ``device_buffer`` (int64, on the current device),
+        asynchronously on the current stream."""
+        n = len(table)
+        pinned, view, event = self.take(n)
+        struct.pack_into(f"{n}q", view, 0, *table)
+        device_buffer[:n].copy_(pinned[:n], non_blocking=True)
+        event.record()  # on the current stream: the copy above
+
+
+_STAGING = {}  # CUDA device index -> _PinnedStaging
+
+
+def _buffer(table, num_chunks, device):
+    """A device int64 buffer holding ``table`` then room for ``num_chunks`` partial rows.
+
+    From the caching allocator, on every call: it hands back the same memory call after call at
+    no cost, and its reuse follows the order of the current stream (the stream may change between
+    calls, where a buffer of our own would need an event or a sync)."""
+    n = len(table)
+    buffer = torch.empty(n + num_chunks * NUM_COLUMNS, dtype=torch.int64, device=device)
+    if device.type == "cpu":  # the interpreter reads host memory: write the table in place
+        struct.pack_into(f"{n}q", buffer.numpy(), 0, *table)
     else:
-        exp_bits, mant_bits, has_inf = 0, 0, False
-        size = dtype.itemsize
-        kind = _BOOL if dtype == torch.bool else _UNSIGNED if not dtype.is_signed else _SIGNED
-        flip = size == 8
-        key_dtype = tl.int64 if size >= 4 else tl.int32
-    return dict(kind=kind, exp_bits=exp_bits, mant_bits=mant_bits, has_inf=has_inf,
-                key_dtype=key_dtype, flip=flip)
+        staging = _STAGING.get(device.index)
+        if staging is None:
+            staging = _STAGING[device.index] = _PinnedStaging()
+        staging.upload(table, buffer)
+    return buffer
 
 
 def compute(tensors, out=None, block_size=None, blocks_per_chunk=None) -> torch.Tensor:
@@ -375,51 +560,25 @@ def compute(tensors, out=None, block_size=None, blocks_per_chunk=None) -> torch.
         raise RuntimeError(f"triton backend: {reason}")
     block_size = block_size or BLOCK_SIZE
     blocks_per_chunk = blocks_per_chunk or BLOCKS_PER_CHUNK
-    chunk = block_size * blocks_per_chunk
     tensors = list(tensors)
     if not tensors:
         return torch.zeros((0, NUM_COLUMNS), dtype=torch.int64)
     device = tensors[0].device
-    for t in tensors:
-        if t.device != device or not supports(t):
-            raise ValueError(f"triton backend cannot read a {t.dtype} tensor on {t.device} in this batch")
+    # supports() for every tensor, with the device type checked once (a few attribute reads per
+    # tensor are most of the host cost of a call)
+    words = [_FORMAT_WORD.get(t.dtype) for t in tensors]
+    if not supports(tensors[0]) or None in words or any(t.device != device or t.layout != torch.strided
+                                                         for t in tensors):
+        bad = next(t for t in tensors if t.device != device or not supports(t))
+        raise ValueError(f"triton backend cannot read a {bad.dtype} tensor on {bad.device} in this batch")
 
-    # Group by dtype (and by 16-byte alignment, which allows vector loads): one launch pair per
-    # group. All groups' tables share one int64 host buffer: one host-to-device copy per call.
     sources = [_flat_source(t) for t in tensors]  # kept alive until the kernels are enqueued
-    groups = {}
-    for row, t in enumerate(sources):
-        groups.setdefault((t.dtype, t.data_ptr() % 16 == 0), []).append(row)
-    host = []
-    plan = []
-    total_chunks = 0
-    for (dtype, aligned), rows in groups.items():
-        ptrs, numels, firsts, counts = [], [], [], []
-        chunk_tensor, chunk_start = [], []
-        for local, row in enumerate(rows):
-            n = sources[row].numel()
-            starts = range(0, n, chunk)
-            ptrs.append(sources[row].data_ptr() if n else 0)
-            numels.append(n)
-            firsts.append(len(chunk_tensor))
-            counts.append(len(starts))
-            chunk_tensor.extend([local] * len(starts))
-            chunk_start.extend(starts)
-        base = len(host)
-        host += ptrs + numels + firsts + counts + rows + chunk_tensor + chunk_start
-        plan.append((dtype, aligned, len(rows), len(chunk_tensor), base, total_chunks))
-        total_chunks += len(chunk_tensor)
-
+    table, formats, any_unaligned, num_chunks = _table(sources, words, block_size * blocks_per_chunk)
     with on_device(device):  # the upload and the launches go to the tensors' device and stream
-        tables = torch.tensor(host, dtype=torch.int64)
-        if device.type != "cpu":
-            # torch.tensor(list, device=cuda) would copy synchronously. A pinned source copies
-            # asynchronously, and the caching host allocator keeps it until the copy has run.
-            tables = tables.pin_memory().to(device, non_blocking=True)
-        partials = torch.empty((max(total_chunks, 1), NUM_COLUMNS), dtype=torch.int64, device=device)
+        buffer = _buffer(table, num_chunks, device)
         if out is None:
             out = torch.empty((len(tensors), NUM_COLUMNS), dtype=torch.int64, device=device)
-        _launch(plan, tables, partials, out, block_size, blocks_per_chunk)
+        _launch(buffer, out, len(tensors), num_chunks, formats, any_unaligned, block_size, blocks_per_chunk)
     return out
 
 
@@ -429,25 +588,11 @@ def on_device(device: torch.device):
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
-def _launch(plan, tables, partials, out, block_size, blocks_per_chunk):
-    for dtype, aligned, n_tensors, n_chunks, base, chunk_base in plan:
-        sizes = [n_tensors] * 5 + [n_chunks] * 2
-        offsets = [base + sum(sizes[:k]) for k in range(len(sizes) + 1)]
-        t_ptrs, t_numel, t_first, t_count, t_rows, c_tensor, c_start = (
-            tables[offsets[k]: offsets[k + 1]] for k in range(len(sizes))
+def _launch(buffer, out, num_tensors, num_chunks, formats, any_unaligned, block_size, blocks_per_chunk):
+    if num_chunks:  # a batch of empty tensors has no chunks
+        _stats_partials_kernel[(num_chunks,)](
+            buffer, num_tensors, FORMATS=formats, ANY_UNALIGNED=any_unaligned,
+            SEARCH_STEPS=(num_tensors - 1).bit_length(), BLOCK_SIZE=block_size,
+            BLOCKS_PER_CHUNK=blocks_per_chunk, num_warps=NUM_WARPS, **_REGISTER_CAP,
         )
-        args = _kernel_args(dtype)
-        group_partials = partials[chunk_base: chunk_base + n_chunks]
-        if n_chunks:
-            _stats_partials_kernel[(n_chunks,)](
-                t_ptrs, t_numel, c_tensor, c_start, group_partials,
-                LOAD_DTYPE=_LOAD_DTYPE[dtype], KIND=args["kind"], EXP_BITS=args["exp_bits"],
-                MANT_BITS=args["mant_bits"], HAS_INF=args["has_inf"], KEY_DTYPE=args["key_dtype"],
-                FLIP=args["flip"], ALIGNED=aligned, BLOCK_SIZE=block_size, BLOCKS_PER_CHUNK=blocks_per_chunk,
-                num_warps=NUM_WARPS,
-            )
-        _stats_combine_kernel[(n_tensors,)](
-            group_partials if n_chunks else partials, t_first, t_count, t_numel, t_rows, out,
-            KIND=args["kind"], EXP_BITS=args["exp_bits"], MANT_BITS=args["mant_bits"],
-            HAS_INF=args["has_inf"], FLIP=args["flip"], BLOCK_SIZE=COMBINE_BLOCK, num_warps=2,
-        )
+    _stats_combine_kernel[(num_tensors,)](buffer, out, num_tensors, BLOCK_SIZE=COMBINE_BLOCK, num_warps=2)
