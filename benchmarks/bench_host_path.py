@@ -30,7 +30,8 @@ work for real on the GPT-2-small hook sequence and stubs only what needs a GPU:
 
 Measured per forward, side by side in one process, medians of round-robin runs: no hooks (the
 replay loop), a no-op forward hook on every module, check="module", check="batch" and
-``watch()`` (forward hooks only: the forward's hook sequence, no grad). Host us per hook =
+``watch()`` (forward hooks only: the forward's hook sequence; the replay runs under no_grad, but
+the activations require grad as in a training forward unless ``--no-grad``). Host us per hook =
 (replay time - no-hook replay time) / hooks. An instrumented extra replay per variant counts
 engine calls, launches, uploads, chunks (partials programs), table ints, bytes read and the time inside
 ``triton_backend.compute`` and in the end-of-forward ``flush``. ``--profile`` adds cProfile's top
@@ -282,10 +283,12 @@ def record(model, forward):
     return events, Counter.ops
 
 
-def materialize(events, empty_on="cpu"):
+def materialize(events, empty_on="cpu", requires_grad=False):
     """The events with every meta tensor replaced by an uninitialised CPU tensor of the same size,
     strides and dtype (``torch.empty_strided``: virtual memory only, never written), the same meta
-    tensor always by the same CPU tensor, so the detector's reuse of rows works as in a real run."""
+    tensor always by the same CPU tensor, so the detector's reuse of rows works as in a real run.
+    ``requires_grad``: floating-point activations require grad, as in a training forward (where
+    autograd keeps them until backward, so staging them costs no memory of its own)."""
     memo = {}
 
     def convert(value):
@@ -294,8 +297,10 @@ def materialize(events, empty_on="cpu"):
                 return value
             key = id(value)
             if key not in memo:
-                memo[key] = (value, torch.empty_strided(value.shape, value.stride(), dtype=value.dtype,
-                                                         device=empty_on))
+                empty = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=empty_on)
+                if requires_grad and empty.is_floating_point():
+                    empty.requires_grad_()
+                memo[key] = (value, empty)
             return memo[key][1]
         if isinstance(value, tuple) and hasattr(value, "_fields"):
             return type(value)(*(convert(v) for v in value))
@@ -476,11 +481,12 @@ def host_path(args, csv_rows):
             meta_model(input_ids=ids)
 
     print(f"== Triton path host work: GPT-2 small tree ({layers} layers, n_embd 768, 12 heads), bf16, "
-          f"batch {batch} x {seq} tokens, no grad: the hook sequence of a meta-device forward, replayed on "
+          f"batch {batch} x {seq} tokens, activations {'without' if args.no_grad else 'requiring'} grad: the hook "
+          f"sequence of a meta-device forward, replayed on "
           f"uninitialised CPU tensors of the same sizes; kernel launches stubbed", flush=True)
     events, ops = record(meta_model, forward)
     model = gpt2_small(layers, "meta", torch.bfloat16).to_empty(device="cpu")  # virtual memory only
-    events = materialize(events)
+    events = materialize(events, requires_grad=not args.no_grad)
     hooks = sum(1 for event in events if event[0] == "post")
 
     def run():
@@ -602,6 +608,10 @@ def main(argv=None):
     parser.add_argument("--profile", action="store_true", help="cProfile check='batch' and print the top costs")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--no-cpu", action="store_true", help="skip the CPU-backend run")
+    parser.add_argument("--no-grad", action="store_true",
+                        help="activations as in an inference forward (no grad): staging then reads early once "
+                             "stage_bytes of them wait; by default they require grad, as in the training step "
+                             "the projection is about")
     parser.add_argument("--csv", default=None, help="append machine-readable rows to this CSV")
     args = parser.parse_args(argv)
     quick = args.quick

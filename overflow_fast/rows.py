@@ -315,6 +315,13 @@ class DeferredRows:
             for slot, reason in state.unreadable.items():
                 marks[(key, slot)] = reason
         self.discard()
+        if len(host) == 1 and not marks and not bad:
+            # the common case: one device, nothing to mark; a slot's row is its index
+            (_, rows_of), = host.values()
+            for call in calls:
+                frame = call.frame
+                frame.rows = [rows_of[s[1]] if s.__class__ is tuple else s for s in frame.rows]
+            return calls
         for call in calls:
             frame = call.frame
             rows = frame.rows
