@@ -9,7 +9,7 @@ exactly one top-level forward: emptied when it opens and when it closes, never f
 
 import weakref
 
-_MAX_REMEMBERED = 1 << 16
+MAX_REMEMBERED = 1 << 16
 
 
 class ReuseCache:
@@ -61,7 +61,7 @@ class ReuseCache:
         """Keep ``source`` for ``tensor`` (whose ``_version`` the caller may have read already)."""
         if not (self.enabled and self._open):
             return
-        if len(self.rows) >= _MAX_REMEMBERED:
+        if len(self.rows) >= MAX_REMEMBERED:
             self.rows.clear()
         try:
             if version is None:

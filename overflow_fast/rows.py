@@ -2,13 +2,16 @@
 deferred into a preallocated device buffer that is read once for many frames (check="batch").
 Either way a tensor already read in this forward, unchanged, is not read again (``reuse``)."""
 
+import sys
 import warnings
+import weakref
 
 import torch
 
 from . import distributed
 from .stats import tensor_stats
 from .stats.kinds import PLAIN_TYPES, is_zero3_released, short_reason
+from .reuse import MAX_REMEMBERED
 from .stats.layout import NUM_COLUMNS
 
 
@@ -187,17 +190,22 @@ class DeferredRows:
         if fresh:
             fresh_tensors = [tensors[i] for i in fresh] if len(fresh) < len(tensors) else tensors
             index = fresh_tensors[0].get_device()
-            if len(fresh_tensors) > 1 and any(t.get_device() != index for t in fresh_tensors):
-                frame.rows = sources
-                self._read_apart(frame, fresh, fresh_tensors)
-                return
+            plain = True
+            for tensor in fresh_tensors:
+                if tensor.get_device() != index:  # one call, several devices: read apart, now
+                    frame.rows = sources
+                    self._read_apart(frame, fresh, fresh_tensors)
+                    return
+                plain = plain and type(tensor) in PLAIN_TYPES
             start = state.used
-            infos = _shard_infos(fresh_tensors)
+            # DTensor shards and ZeRO-3 partitions: which slots hold them, combined across ranks when read
+            infos = None if plain and "deepspeed" not in sys.modules else _shard_infos(fresh_tensors)
             if infos is not None or state.infos is not None:
-                # which slots hold DTensor shards, combined across ranks when read
                 state.infos = (state.infos or [None] * start) + (infos or [None] * len(fresh))
             remembered = reuse.rows if reuse.enabled and reuse.is_open else None
-            staged, versions, keys = state.staged, state.versions, state.keys
+            if remembered is not None and len(remembered) >= MAX_REMEMBERED:
+                remembered.clear()
+            staged, versions, keys, watched = state.staged, state.versions, state.keys, self._watched
             for offset, position in enumerate(fresh):
                 tensor = fresh_tensors[offset]
                 source = sources[position] = (state, start + offset)
@@ -220,10 +228,13 @@ class DeferredRows:
                     if mode != STAGE:
                         launch_now = True
                         if mode == UNKNOWN:
-                            self._watched.append((tensor, version, modes, position))
+                            watched.append((tensor, version, modes, position))
                             self._watched_bytes += size
                 if remembered is not None and version >= 0:
-                    reuse.remember(tensor, source, version)
+                    try:
+                        remembered[id(tensor)] = (weakref.ref(tensor), version, source)
+                    except TypeError:
+                        pass  # a tensor subclass without weak references: read again when seen again
             state.used += len(fresh)
         if modes is not None and len(fresh) < len(tensors):
             for position, source in enumerate(sources):
