@@ -67,6 +67,7 @@ import transformers
 import overflow_fast
 from overflow_fast import DebugUnderflowOverflow
 from overflow_fast.detector import DebugUnderflowOverflow as _Detector
+from overflow_fast.rows import DeferredRows
 from overflow_fast.stats import cpu_backend, dispatch, triton_backend
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -105,6 +106,7 @@ class Counters:
         self.copy_bytes = 0
         self.compute_s = 0.0
         self.flush_s = 0.0
+        self.flush_launch_s = 0.0  # of flush_s: the final engine call, issued before the host read
         self.kernel_calls = 0  # _C.compute (CPU backend)
         self.kernel_s = 0.0
 
@@ -214,9 +216,20 @@ class _TimedC:
 
 @contextlib.contextmanager
 def instrumented():
-    """Time spent in triton_backend.compute and in the detector's flush (an extra, counted pass)."""
+    """Time spent in triton_backend.compute, in the detector's flush and in the engine calls the
+    flush issues before its host read (an extra, counted pass)."""
     real_compute = triton_backend.compute
     real_flush = _Detector.flush
+    real_launch = DeferredRows.launch
+    in_flush = [False]
+
+    def launch(self):
+        start = time.perf_counter()
+        try:
+            return real_launch(self)
+        finally:
+            if in_flush[0]:
+                COUNT.flush_launch_s += time.perf_counter() - start
 
     def compute(*args, **kwargs):
         start = time.perf_counter()
@@ -228,12 +241,15 @@ def instrumented():
 
     def flush(self):
         start = time.perf_counter()
+        in_flush[0] = True
         try:
             return real_flush(self)
         finally:
+            in_flush[0] = False
             COUNT.flush_s += time.perf_counter() - start
 
     with patched(triton_backend, "compute", compute), patched(_Detector, "flush", flush), \
+            patched(DeferredRows, "launch", launch), \
             patched(cpu_backend, "_C", _TimedC(cpu_backend._C) if cpu_backend._C is not None else None):
         yield
 
@@ -435,7 +451,7 @@ def gpt2_gpu_model(batch, seq, layers=12, d=768, vocab=50257):
 
 
 def project(counts, host_per_hook_us, flush_us, hooks, check, base_host_forward_ms, step_ms=STEP_MS,
-            host_speedup=1.0):
+            host_speedup=1.0, flush_launch_us=0.0):
     """Added step time (ms) and overhead (fraction) on an H200, from the host figures measured here.
 
     Timeline model: the GPU runs the step's work (``step_ms``, the forward one third of it) and,
@@ -444,10 +460,14 @@ def project(counts, host_per_hook_us, flush_us, hooks, check, base_host_forward_
     model's ops (``base_host_forward_ms``) plus, per hook, the detector's Python and table work
     measured here (``host_per_hook_us``), TRITON_LAUNCH_US per launch, UPLOAD_US per upload and
     ATEN_LAUNCH_US per copy, all divided by ``host_speedup`` (a faster host CPU).
-    - check="batch": host and GPU overlap within the forward; it ends with one sync, so the forward
-      takes max(host, GPU), then SYNC_US and the flush (the replay, measured here) run with the
-      GPU idle, then one launch's worth of bubble before the backward starts. The backward is
-      untouched (forward hooks only).
+    - check="batch": host and GPU overlap within the forward. The host issues the model's ops, the
+      hooks' work and, at the end, the engine call over the staged tensors (``flush_launch_us``,
+      part of the flush measured here); the detector's kernels queue behind the forward's on the
+      GPU. Then one sync (SYNC_US) and the rest of the flush (the host read and the replay) run
+      with the GPU idle, then one launch's worth of bubble before the backward starts. So the
+      forward takes max(host issue, GPU forward) + detector GPU + SYNC_US + the rest of the flush.
+      ``host_per_hook_us`` includes the flush (it is the replay's whole time per hook), so the
+      flush is taken out of the hooks' share. The backward is untouched (forward hooks only).
     - check="module": every hook syncs, so the GPU idles while the detector's host work runs:
       the forward takes its GPU time plus, per hook, SYNC_US and all of the detector's host work.
     Without a detector the host runs ahead of the GPU (no sync in the step): the step is step_ms
@@ -463,8 +483,11 @@ def project(counts, host_per_hook_us, flush_us, hooks, check, base_host_forward_
     if check == "module":
         forward = max(forward_gpu, base_host) + detector_gpu + detector_host + hooks * SYNC_US / 1e3
     else:
-        forward = (max(base_host + detector_host, forward_gpu + detector_gpu) + SYNC_US / 1e3
-                   + flush_us / 1e3 / host_speedup + ATEN_LAUNCH_US / 1e3)
+        flush = flush_us / 1e3 / host_speedup
+        flush_launch = flush_launch_us / 1e3 / host_speedup
+        issue = base_host + (detector_host - flush) + flush_launch
+        forward = (max(issue, forward_gpu) + detector_gpu + SYNC_US / 1e3 + (flush - flush_launch)
+                   + ATEN_LAUNCH_US / 1e3)
     step = forward + (baseline - max(forward_gpu, base_host))
     return step - baseline, step / baseline - 1, detector_gpu, detector_host
 
@@ -504,13 +527,13 @@ def host_path(args, csv_rows):
           f"hook-calling path in Module.__call__ is not in the replay)")
     print()
     print("| variant | forward (ms) | host us/hook | engine calls | launches | uploads | chunks "
-          "| table ints | tensors read | MB read | copies | us/hook in compute() | flush (ms) |")
+          "| table ints | tensors read | MB read | copies | us/hook in compute() | flush (ms; of it the engine call) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for v in VARIANTS:
         c = counts.get(v)
         cells = (f"{c['compute_calls']} | {c['launches']} | {c['uploads']} | {c['chunks']} | {c['table_ints']} | "
                  f"{c['tensors']} | {c['bytes'] / 1e6:.0f} | {c['copies']} | {c['compute_s'] / hooks * 1e6:.1f} | "
-                 f"{c['flush_s'] * 1e3:.2f}") if c else " | ".join(["-"] * 10)
+                 f"{c['flush_s'] * 1e3:.2f} ({c['flush_launch_s'] * 1e3:.2f})") if c else " | ".join(["-"] * 10)
         print(f"| {v} | {times[v] * 1e3:.2f} | {per_hook[v]:.1f} | {cells} |")
     for v in VARIANTS:
         csv_rows.append((f"triton host {v}: forward", times[v] * 1e3, "ms"))
@@ -540,7 +563,8 @@ def host_path(args, csv_rows):
         for speedup in (1.0, 1.7):
             added, overhead, det_gpu, det_host = project(
                 counts[v], per_hook[v], counts[v]["flush_s"] * 1e6, hooks,
-                "module" if v == "module" else "batch", base_host_ms, host_speedup=speedup)
+                "module" if v == "module" else "batch", base_host_ms, host_speedup=speedup,
+                flush_launch_us=counts[v]["flush_launch_s"] * 1e6)
             results[(v, speedup)] = overhead
             label = "this one" if speedup == 1.0 else f"{speedup}x faster"
             print(f"| {v} | {label} | {det_host:.2f} | {det_gpu:.2f} | {added:+.2f} | {overhead * 100:+.1f}% |")

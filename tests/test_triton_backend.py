@@ -527,3 +527,42 @@ def test_device_guard_names_the_tensors_cuda_device():
     guard = tb.on_device(torch.device("cuda", 1))
     assert isinstance(guard, torch.cuda.device) and guard.idx == 1  # entering needs a GPU
     assert not isinstance(tb.on_device(torch.device("cpu")), torch.cuda.device)
+
+
+@needs_backend
+def test_detector_stages_a_forward_into_one_launch_pair(monkeypatch):
+    """check="batch" on the Triton backend: after the first forward (which learns what changes in
+    place), one compute() call, so one launch pair and one table, per forward; the report is the
+    reference's, byte for byte."""
+    from torch import nn
+
+    import copy
+
+    from compat import ReferenceDetector, forward, run
+    from overflow_fast import DebugUnderflowOverflow
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 4))
+    data = [torch.randn(2, 8) for _ in range(4)]
+    data[3][0, 0] = float("inf")
+    calls = []
+    real = tb.compute
+
+    def counting(tensors, *args, **kwargs):
+        calls.append(len(tensors))
+        return real(tensors, *args, **kwargs)
+
+    monkeypatch.setattr(tb, "compute", counting)
+    model = model.to(DEVICE)
+    data = [x.to(DEVICE) for x in data]
+    want = run(ReferenceDetector, copy.deepcopy(model), data, forward)[:2]
+    got = run(DebugUnderflowOverflow, copy.deepcopy(model), data, forward, check="batch", backend="triton")[:2]
+    assert got == want and "has infs" in got[0]
+    # forwards 2 and 3: the ReLU(inplace=True) rewrites the second Linear's output after its hook,
+    # so that Linear reads in its hook; everything else waits for the end of the forward
+    fresh = DebugUnderflowOverflow(model, check="batch", backend="triton")
+    for x in data[:3]:
+        calls.clear()
+        forward(model, x)
+    assert len(calls) == 2, calls
+    fresh.remove()

@@ -4,6 +4,7 @@ once and falls back to the torch backend, so ``import overflow_fast`` never fail
 
 import importlib
 import os
+import sys
 import warnings
 
 import torch
@@ -27,7 +28,9 @@ _PREFERRED = {"cpu": "cpu", "cuda": "triton"}
 
 _loaded = {}
 _warned = set()
-_choices = {}  # requested backend -> {(device, dtype, layout): backend module}
+_choices = {}  # requested backend -> {(device, dtype): backend module} of plain strided tensors
+_STRIDED = torch.strided
+_is_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 
 
 def _load(name):
@@ -144,12 +147,13 @@ def _check_out(out, tensors):
     storage_first = storage.data_ptr()
     storage_last = storage_first + storage.nbytes()
     out_first, out_last = _byte_extent(out)
+    device = out.device
     for index, tensor in enumerate(tensors):
         if not isinstance(tensor, torch.Tensor):
             continue
-        if tensor.device != out.device:
-            raise ValueError(f"out is on {out.device} but tensors[{index}] is on {tensor.device}")
-        if (type(tensor) in PLAIN_TYPES and tensor.layout == torch.strided and not tensor.is_meta
+        if tensor.device != device:
+            raise ValueError(f"out is on {device} but tensors[{index}] is on {tensor.device}")
+        if (type(tensor) in PLAIN_TYPES and tensor.layout is _STRIDED and not tensor.is_meta
                 and storage_first <= tensor.data_ptr() < storage_last and tensor.numel()):
             first, last = _byte_extent(tensor)
             if first < out_last and out_first < last:
@@ -213,17 +217,18 @@ def tensor_stats(tensors, backend=None, *, out=None) -> StatsBatch:
         _check_out(out, tensors)
     requested, origin = requested_backend(backend)
     # Called once per module forward with a few tensors, so the choice of backend is cached per
-    # (device, dtype, layout) (all that readability and supports() look at for a plain tensor),
+    # (device, dtype) of plain strided tensors (all that readability and supports() look at),
     # and the common case, one device and one backend, makes a single group without a dict.
     choices = _choices.setdefault(requested, {})
     first = None
     groups = None
     targets = tensors
     sparse = None  # index -> dense numel, for rows that must count implicit zeros
+    zero3 = "deepspeed" in sys.modules  # a released ZeRO-3 parameter is a plain, empty tensor
     for index, tensor in enumerate(tensors):
-        if (type(tensor) in PLAIN_TYPES and tensor.layout == torch.strided and not tensor.is_nested
-                and not kinds.is_functorch_wrapped(tensor) and not kinds.is_zero3_released(tensor)):
-            key = (tensor.device, tensor.dtype, tensor.layout)
+        if (type(tensor) in PLAIN_TYPES and tensor.layout is _STRIDED and not tensor.is_nested
+                and not _is_functorch_wrapped(tensor) and not (zero3 and kinds.is_zero3_released(tensor))):
+            key = (tensor.device, tensor.dtype)
             module = choices.get(key)
             if module is None:
                 module = choices[key] = _choose(index, tensor, requested, origin)
@@ -243,7 +248,7 @@ def tensor_stats(tensors, backend=None, *, out=None) -> StatsBatch:
                 module = _ThroughOps
             else:
                 module = _choose(index, plan.target, requested, origin)
-            key = (plan.target.device, None, None)
+            key = (plan.target.device, None)
         group = (key[0], module)
         if first is None:
             first = group
