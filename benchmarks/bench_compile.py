@@ -3,8 +3,8 @@
 For each variant (no detector, check="batch", check="module", ``watch()``) on a model built fresh
 from the same seed: ``torch._dynamo.explain`` (graphs, graph breaks, their reasons), then the time
 of the first call of ``torch.compile(model)`` (``--backend``, inductor by default: tracing plus code
-generation, with a cold dynamo cache; inductor's on-disk caches are redirected to a fresh temporary
-directory so no variant reuses another's kernels), the median time of the following calls, and
+generation, with a cold dynamo cache and inductor's caches off, so no variant reuses another's
+kernels), the median time of the following calls, and
 whether later batches recompiled. Forward only, under no_grad.
 
 Models: ``mlp`` (the 9-module MLP of RESULTS.md: Linear, GELU, Linear, LayerNorm, ReLU, Linear,
@@ -19,7 +19,6 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
@@ -63,13 +62,22 @@ def attach(model, variant):
     return DebugUnderflowOverflow(model, check=variant)
 
 
+def _reason(record):
+    """A graph break's reason in one short line, with where it happened."""
+    text = " ".join(str(record.reason).split())[:80]
+    where = record.user_stack[-1] if record.user_stack else None
+    return f"{text} ({os.path.basename(where.filename)}:{where.lineno})" if where else text
+
+
 def measure(build, variant, backend, calls):
     model, args = build()
     attach(model, variant)
     dynamo.reset()
     explained = dynamo.explain(model)(*args)
-    reasons = sorted({next((line.strip() for line in str(r.reason).splitlines() if line.strip()), "")[:90]
-                      for r in explained.break_reasons})
+    reasons = sorted({_reason(r) for r in explained.break_reasons})
+    if explained.graph_break_count and not reasons:
+        # dynamo records no reason for a call to a torch.compiler.disable'd function
+        reasons = ["a torch.compiler.disable'd call (the detector's end-of-forward read)"]
     model, args = build()
     attach(model, variant)
     dynamo.reset()
@@ -98,8 +106,10 @@ def main(argv=None):
     args = parser.parse_args(argv)
     print(_results.machine_line(), flush=True)
     rows = []
-    with tempfile.TemporaryDirectory() as cache:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache  # no variant reuses another's generated code
+    import torch._inductor.config
+
+    torch._inductor.config.force_disable_caches = True  # no variant reuses another's generated code
+    if True:
         print(f"backend={args.backend}; first call = dynamo tracing + {args.backend} compile; "
               f"graphs after {args.calls + 1} calls = unique graphs compiled (more than 'graphs' means recompiles)")
         # one-time costs (inductor's imports, its worker pool) go to a throwaway compile first
