@@ -1,5 +1,5 @@
-// The single-pass kernel, compiled once per instruction set: kernel_default.cpp and
-// kernel_avx2.cpp include this file with different CPU_CAPABILITY macros and flags.
+// The single-pass kernel, compiled once per instruction set: kernel_default.cpp, kernel_avx2.cpp
+// and kernel_avx512.cpp include this file with different CPU_CAPABILITY macros and flags.
 //
 // Everything sits in the namespace CPU_CAPABILITY (as at::vec does), so the builds never share
 // a symbol, and nothing here is a non-trivial global: a global's initializer would run with
@@ -8,7 +8,7 @@
 #pragma once
 
 #ifndef CPU_CAPABILITY
-#error "define CPU_CAPABILITY (DEFAULT, AVX2) before including kernel.h"
+#error "define CPU_CAPABILITY (DEFAULT, AVX2, AVX512) before including kernel.h"
 #endif
 
 #include <ATen/cpu/vec/vec.h>

@@ -1,10 +1,12 @@
 """The C++ backend (csrc/, overflow_fast._C): exact equality with the float64 oracle and with the
-torch backend, on every dtype, special value, layout and size class, on both kernel builds
-(AVX2 and the portable baseline); and the fallback when the extension cannot be used."""
+torch backend, on every dtype, special value, layout and size class, on every kernel build this
+CPU runs (AVX-512, AVX2, the portable baseline; the others are skipped, saying why); and the
+fallback when the extension cannot be used."""
 
 import importlib
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -28,23 +30,22 @@ pytestmark = pytest.mark.skipif(
 FLOATING = [d for d in ALL_DTYPES if d.is_floating_point]
 
 
+def capability_reasons():
+    """{kernel build: why this module or CPU cannot run it, '' when it can}, for every build."""
+    if cpu_backend._C is None or not hasattr(cpu_backend._C, "capabilities"):
+        return {"default": ""}
+    return dict(cpu_backend._C.capabilities())
+
+
 def capabilities():
-    if cpu_backend._C is None:
-        return ["default"]
-    names = ["default"]
-    try:
-        previous = cpu_backend._C.capability()
-        cpu_backend._C.set_capability("avx2")
-        cpu_backend._C.set_capability(previous)
-        names.append("avx2")
-    except RuntimeError:
-        pass
-    return names
+    """The kernel builds this CPU runs."""
+    return [name for name, why in capability_reasons().items() if not why]
 
 
-@pytest.fixture(params=capabilities())
+@pytest.fixture(params=[pytest.param(name, marks=pytest.mark.skipif(bool(why), reason=f"{name} kernel: {why}"))
+                        for name, why in capability_reasons().items()])
 def capability(request):
-    """Run the test on each kernel build this CPU can run."""
+    """Run the test on each kernel build; those this CPU cannot run are skipped, saying why."""
     previous = cpu_backend._C.capability()
     cpu_backend._C.set_capability(request.param)
     yield request.param
@@ -400,28 +401,59 @@ def test_baseline_kernel_when_torch_is_told_so():
     assert out.stdout.strip() == "default"
 
 
-def test_avx_instructions_only_in_the_avx2_kernel():
-    """A function outside namespace overflow_fast::AVX2 that used AVX (say, an inline helper the
-    linker took from the AVX2 object) would crash on a CPU without AVX2 before any check."""
+AVX512_REGISTER = re.compile(r"%zmm|%k[0-7]\b|%[xy]mm(1[6-9]|2[0-9]|3[01])\b")
+
+
+def test_avx_instructions_only_in_the_avx_kernels():
+    """A function outside namespaces overflow_fast::AVX2 and overflow_fast::AVX512 that used AVX
+    (say, an inline helper the linker took from an AVX object) would crash on a CPU without AVX2
+    before any check; and a zmm register outside overflow_fast::AVX512, on one without AVX-512."""
     objdump = shutil.which("objdump")
     if objdump is None:
         pytest.skip("objdump not found")
     library = cpu_backend._C.__file__
     listing = subprocess.run([objdump, "-d", "-C", "--no-show-raw-insn", library],
                              capture_output=True, text=True, check=True).stdout
-    function, offenders, avx2_kernel_seen = None, set(), False
+    function, offenders, seen = None, set(), set()
     for line in listing.splitlines():
         if line.endswith(">:") and " <" in line:
             function = line.split(" <", 1)[1][:-2]
         elif "\t" in line:
             mnemonic = line.split("\t")[1].split(" ")[0] if len(line.split("\t")) > 1 else ""
-            if mnemonic.startswith("v") or "%ymm" in line or "%zmm" in line:
-                if "overflow_fast::AVX2::" not in function:
-                    offenders.add(function)
+            # zmm, opmask and the 16 upper xmm/ymm registers exist only with AVX-512
+            avx512 = AVX512_REGISTER.search(line) is not None
+            if mnemonic.startswith("v") or "%ymm" in line or avx512:
+                if "overflow_fast::AVX512::" in function:
+                    seen.add("avx512")
+                elif "overflow_fast::AVX2::" in function and not avx512:
+                    seen.add("avx2")
                 else:
-                    avx2_kernel_seen = True
+                    offenders.add(function)
     assert not offenders, sorted(offenders)[:10]
-    assert avx2_kernel_seen == ("avx2" in capabilities())
+    built = {name for name, why in capability_reasons().items() if "built without" not in why}
+    assert seen == built - {"default"}, (seen, built)
+
+
+def test_forcing_a_kernel_the_cpu_lacks_is_refused():
+    """set_capability names what is missing; the kernel in use does not change."""
+    previous = cpu_backend._C.capability()
+    for name, why in capability_reasons().items():
+        if why:
+            with pytest.raises(RuntimeError, match=f"cannot use the '{name}' kernel: .*(lacks|built without)"):
+                cpu_backend._C.set_capability(name)
+            assert cpu_backend._C.capability() == previous
+    with pytest.raises(RuntimeError, match="unknown capability 'sse'"):
+        cpu_backend._C.set_capability("sse")
+    # the build chosen at load time is the best this CPU runs
+    assert previous == capabilities()[-1]
+
+
+def test_aten_cpu_capability_caps_the_choice():
+    """ATEN_CPU_CAPABILITY=avx2 (torch's own cap) keeps an AVX-512 CPU on the AVX2 kernel too."""
+    code = "import overflow_fast._C as C; print(C.capability())"
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="avx2")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ("avx2" if "avx2" in capabilities() else "default")
 
 
 def test_rows_written_into_out(capability):
