@@ -130,6 +130,65 @@ def test_one_special_value_anywhere(dtype, n, where, capability):
         assert_stats_equal(got, tensors)
 
 
+# The vector kernels read 16 KB blocks and re-read a block only when its smallest / largest key
+# says it can hold a zero, subnormal, NaN or inf: each case in one block of several, in every
+# block, in none, at block edges and in the scalar tail (after the last whole vector).
+BLOCK_BYTES = 16 * 1024
+NON_COMPLEX = [d for d in ALL_DTYPES if not d.is_complex]
+
+
+def _block_cases(dtype):
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    block = BLOCK_BYTES // itemsize
+    n = 5 * block + 64 // itemsize * 3 + 5  # 5 blocks, a partial block of 3 AVX-512 vectors, a tail
+    if dtype == torch.bool:
+        base, zero, others = torch.ones(n, dtype=dtype), False, []
+    elif dtype.is_floating_point:
+        base = torch.full((n,), 0.75).to(dtype)
+        tiny = {torch.float8_e4m3fn: 2.0**-8, torch.float8_e5m2: 2.0**-15}.get(dtype, torch.finfo(dtype).tiny / 2)
+        zero = 0.0
+        others = [("negative zero", -0.0), ("subnormal", tiny), ("negative subnormal", -tiny), ("nan", float("nan"))]
+        if dtype != torch.float8_e4m3fn:
+            others += [("inf", float("inf")), ("-inf", float("-inf"))]
+        others.append(("max finite", float(torch.finfo(dtype).max)))
+    else:
+        base = torch.full((n,), 3, dtype=dtype)
+        zero = 0
+        others = [("min", torch.iinfo(dtype).min), ("max", torch.iinfo(dtype).max)]
+    cases = [("none", base.clone())]
+    every = base.clone()
+    every[::97] = zero
+    cases.append(("zeros in every block", every))
+    half = base.clone()
+    half[::2] = zero  # ReLU-like: every block holds zeros
+    cases.append(("half zeros", half))
+    positions = {"block 3 only": 3 * block + 17, "last of block 1": block - 1, "first of block 2": block,
+                 "partial block": 5 * block + 1, "tail": n - 1, "first": 0}
+    for where, i in positions.items():
+        x = base.clone()
+        x[i] = zero
+        cases.append((f"zero at {where}", x))
+        for name, value in others:
+            x = base.clone()
+            x[i] = value
+            cases.append((f"{name} at {where}", x))
+    # the same runs starting off a vector boundary, so blocks cut them elsewhere
+    cases += [(f"{label} [3:]", x[3:]) for label, x in cases[:3]]
+    return cases
+
+
+@pytest.mark.parametrize("dtype", NON_COMPLEX, ids=ids)
+def test_blocks_with_and_without_rare_values(dtype, capability):
+    cases = _block_cases(dtype)
+    tensors = [x for _, x in cases]
+    got = cpu_stats(tensors)
+    for (label, x), g, w in zip(cases, got, torch_stats(tensors)):
+        assert same_stats(g, w), f"{capability} {dtype} {label}: cpu {g} != torch {w}"
+    # the oracle walks elements in Python: a subset covers every kind of case
+    picks = [i for i, (label, _) in enumerate(cases) if "block 3" in label or "tail" in label or i < 3]
+    assert_stats_equal([got[i] for i in picks], [tensors[i] for i in picks], capability)
+
+
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=ids)
 def test_empty_and_zero_dim(dtype, capability):
     generator = torch.Generator().manual_seed(3)
