@@ -111,6 +111,18 @@ inline L lane_min(const Vectorized<L>& v) {
   return *std::min_element(buf, buf + Vectorized<L>::size());
 }
 
+// Whether any lane of a compare's result (all ones or all zeros per lane) is set: one
+// instruction or two, where a reduction over the lanes (lane_min) takes a dozen.
+template <typename L>
+inline bool any_lane(const Vectorized<L>& mask) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512i m = mask;
+  return _mm512_test_epi64_mask(m, m) != 0;
+#else
+  return _mm256_movemask_epi8(mask) != 0;
+#endif
+}
+
 // Per-lane counters are as narrow as the elements (a compare gives -1 per matching lane, so
 // subtracting it counts), so they move into int64 after this many vectors, before an 8-bit
 // lane can overflow.
@@ -245,7 +257,8 @@ void count_non_finite(const L* p, int64_t n, const Consts<L>& c, Partial& acc) {
 }
 
 // Bytes per block: small enough that a block read a second time right after the first is still
-// in L1 (32-48 KB per core on current x86), whatever the vector width.
+// in L1 (32-48 KB per core on current x86), whatever the vector width, and large enough that
+// the per-block checks and the mispredicted exit of the block's loop cost a few percent.
 constexpr int64_t kBlockBytes = 16 * 1024;
 
 // One pass over n contiguous elements, a block at a time. Per vector only the key (abs bits,
@@ -265,8 +278,8 @@ void scan_lanes(const L* p, int64_t n, const Consts<L>& c, Partial& acc) {
   constexpr int64_t kBlock = kBlockBytes / sizeof(L);
   constexpr bool kFloat = M == Mode::Float || M == Mode::FloatNoInf;
   const VConsts<L> v(c);
-  L kmin = std::numeric_limits<L>::max();
-  L kmax = std::numeric_limits<L>::lowest();
+  V vmin(std::numeric_limits<L>::max());
+  V vmax(std::numeric_limits<L>::lowest());
   bool counting = false;  // the previous block held zeros or subnormals
   const int64_t n_vec = n - n % W;
   for (int64_t begin = 0; begin < n_vec;) {
@@ -278,30 +291,32 @@ void scan_lanes(const L* p, int64_t n, const Consts<L>& c, Partial& acc) {
     } else {
       keys_only<L, M>(p + begin, end - begin, v, bmin, bmax);
     }
-    const L smallest = lane_min(bmin);
-    const L largest = lane_max(bmax);
     bool has_small;
     if constexpr (kFloat) {
-      has_small = smallest < c.tiny;
-      if (largest > c.nan_above || (M == Mode::Float && largest == c.pos_inf)) {
+      has_small = any_lane(v.tiny > bmin);
+      V non_finite = bmax > V(c.nan_above);
+      if constexpr (M == Mode::Float) {
+        non_finite = non_finite | (bmax == V(c.pos_inf));
+      }
+      if (any_lane(non_finite)) {
         count_non_finite<L, M>(p + begin, end - begin, c, acc);
       }
     } else if constexpr (M == Mode::Signed) {
-      has_small = largest == 0;
+      has_small = any_lane(bmax == v.zero);
     } else {
-      has_small = smallest == static_cast<L>(0x80);
+      has_small = any_lane(bmin == v.flip);
     }
     if (has_small && !counting) {
       count_small<L, M>(p + begin, end - begin, v, acc);
     }
     counting = has_small;
-    kmin = std::min(kmin, smallest);
-    kmax = std::max(kmax, largest);
+    vmin = at::vec::minimum(vmin, bmin);
+    vmax = at::vec::maximum(vmax, bmax);
     begin = end;
   }
   if (n_vec > 0) {
-    acc.kmin = std::min<int64_t>(acc.kmin, kmin);
-    acc.kmax = std::max<int64_t>(acc.kmax, kmax);
+    acc.kmin = std::min<int64_t>(acc.kmin, lane_min(vmin));
+    acc.kmax = std::max<int64_t>(acc.kmax, lane_max(vmax));
   }
   scan_scalar<L, M>(p + n_vec, n - n_vec, c, acc);
 }
