@@ -10,6 +10,12 @@ Every figure is the median of repeated runs; GB/s counts each tensor's bytes onc
 
     .venv/bin/python benchmarks/bench_cpu_kernel.py [--repeats N] [--threads T] [--quick]
     .venv/bin/python benchmarks/bench_cpu_kernel.py --complex    complex64/complex128 only
+    .venv/bin/python benchmarks/bench_cpu_kernel.py --vs-sum     kernel / x.sum() per dtype, size, kernel build
+
+``--vs-sum``: the kernel alone (``_C.compute([x])``, no host copy of the rows) against ``x.sum()``
+on the same tensor with the same threads, per dtype at 256 KB (in cache) and 64 MB (out of cache),
+on every kernel build this CPU runs. torch has no CPU sum for float8: their ``x.sum()`` column is
+the same bytes summed as uint8 (``x.view(torch.uint8).sum()``).
 """
 
 import argparse
@@ -118,6 +124,8 @@ def main():
     parser.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
     parser.add_argument("--complex", action="store_true",
                         help="complex64 and complex128 tensors (the kernel's scalar path) instead")
+    parser.add_argument("--vs-sum", action="store_true",
+                        help="kernel / x.sum() per dtype and size (256 KB, 64 MB), per kernel build, instead")
     parser.add_argument("--csv", default=None, help="append machine-readable rows to this CSV")
     args = parser.parse_args()
     if args.threads:
@@ -129,6 +137,9 @@ def main():
     generator = torch.Generator().manual_seed(0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, kernel {cpu_backend._C.capability()}, "
           f"medians of {repeats} interleaved runs")
+    if args.vs_sum:
+        vs_sum(repeats, args.quick, args.csv)
+        return
     rows = []
     if args.complex:
         for dtype in (torch.complex64, torch.complex128):
@@ -151,6 +162,119 @@ def main():
     rows.append(row("300 mixed (256..270K)", mixed_model(generator), repeats))
     print_table(rows)
     _write_csv(args.csv, "cpu_kernel", csv_rows(rows))
+
+
+# name -> (dtype, maker(numel, generator)); the values the kernel meets in a model's tensors
+def _randn(dtype):
+    return lambda n, g: torch.randn(n, generator=g).mul_(3).to(dtype)
+
+
+def _relu(dtype):
+    # ReLU outputs: half the elements exact zeros, so every block is read a second time to count them
+    return lambda n, g: torch.randn(n, generator=g).mul_(3).relu_().to(dtype)
+
+
+def _every97(dtype):
+    return lambda n, g: _randn(dtype)(n, g).index_fill_(0, torch.arange(0, n, 97), 0)
+
+
+def _ints(dtype, bound):
+    return lambda n, g: torch.randint(-bound, bound, (n,), generator=g, dtype=torch.int64).to(dtype)
+
+
+VS_SUM_CASES = {
+    "float32": (torch.float32, _randn(torch.float32)),
+    "float16": (torch.float16, _randn(torch.float16)),
+    "bfloat16": (torch.bfloat16, _randn(torch.bfloat16)),
+    "float64": (torch.float64, _randn(torch.float64)),
+    "float8_e4m3fn": (torch.float8_e4m3fn, _randn(torch.float8_e4m3fn)),
+    "float8_e5m2": (torch.float8_e5m2, _randn(torch.float8_e5m2)),
+    # int8 over its whole range: a zero every 256 elements on average, so every block holds one
+    "int8": (torch.int8, _ints(torch.int8, 128)),
+    "int32": (torch.int32, _ints(torch.int32, 1 << 20)),
+    "int64": (torch.int64, _ints(torch.int64, 1 << 20)),
+    "bool": (torch.bool, lambda n, g: torch.rand(n, generator=g) < 0.5),
+    "float32 relu": (torch.float32, _relu(torch.float32)),
+    "float16 relu": (torch.float16, _relu(torch.float16)),
+    "bfloat16 relu": (torch.bfloat16, _relu(torch.bfloat16)),
+    "bfloat16 1/97 zero": (torch.bfloat16, _every97(torch.bfloat16)),
+}
+VS_SUM_SIZES = {"256KB": 256 * 1024, "64MB": 64 << 20}
+
+
+def _kernel(x):
+    cpu_backend._C.compute([x])
+
+
+def _sum(x):
+    if x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        x.view(torch.uint8).sum()
+    else:
+        x.sum()
+
+
+def alternating_calls(fns, x, budget=0.05):
+    """{name: [seconds of each call]}: the functions called in turn, one call each, each call timed
+    alone, about `budget` seconds in all (at least 3 calls each). Taking turns call by call puts
+    every function under the same load from other processes; on a shared machine a call whose
+    OpenMP team waits for a descheduled thread stalls for a scheduler tick (~10 ms), and the
+    median of single calls leaves those out, where the mean of a batch would not."""
+    for fn in fns.values():
+        fn(x)  # warm up (allocator, thread pool)
+    start = time.perf_counter()
+    for fn in fns.values():
+        fn(x)
+    count = max(3, int(budget / max(time.perf_counter() - start, 1e-7)))
+    samples = {name: [] for name in fns}
+    for _ in range(count):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn(x)
+            samples[name].append(time.perf_counter() - start)
+    return samples
+
+
+def vs_sum(repeats, quick, csv_path):
+    """kernel / x.sum() per dtype and size, on every kernel build this CPU runs: the median of
+    single calls pooled over `repeats` interleaved rounds."""
+    builds = [name for name, why in cpu_backend._C.capabilities() if not why]
+    skipped = [f"{name} ({why})" for name, why in cpu_backend._C.capabilities() if why]
+    cases = VS_SUM_CASES if not quick else {k: VS_SUM_CASES[k] for k in ("float32", "bfloat16", "int8")}
+    sizes = VS_SUM_SIZES if not quick else {"256KB": VS_SUM_SIZES["256KB"]}
+    generator = torch.Generator().manual_seed(0)
+    previous = cpu_backend._C.capability()
+    print("kernel = _C.compute([x]); sum = x.sum() (float8: x.view(torch.uint8).sum()); ratio = kernel / sum; "
+          f"medians of single calls, kernel and sum in turn, {repeats} rounds; builds {builds}"
+          + (f"; not run: {'; '.join(skipped)}" if skipped else ""))
+    header = f"{'case':<20}{'size':>7}" + "".join(f"{b + ' us':>12}{'ratio':>8}" for b in builds) + f"{'sum us':>11}"
+    print(header)
+    print("-" * len(header))
+    out = []
+    try:
+        for label, (dtype, make) in cases.items():
+            for size_label, nbytes in sizes.items():
+                x = make(nbytes // torch.empty(0, dtype=dtype).element_size(), generator)
+                kernel_samples = {b: [] for b in builds}
+                sum_samples = []
+                for _ in range(repeats):
+                    for b in builds:
+                        cpu_backend._C.set_capability(b)
+                        got = alternating_calls({"kernel": _kernel, "sum": _sum}, x)
+                        kernel_samples[b] += got["kernel"]
+                        sum_samples += got["sum"]
+                t_sum = statistics.median(sum_samples)
+                line = f"{label:<20}{size_label:>7}"
+                for b in builds:
+                    t = statistics.median(kernel_samples[b])
+                    line += f"{t * 1e6:>12.1f}{t / t_sum:>7.2f}x"
+                    out.append((f"{label} {size_label}: {b} / sum", t / t_sum, "x"))
+                    out.append((f"{label} {size_label}: {b}", t * 1e6, "us"))
+                print(line + f"{t_sum * 1e6:>11.1f}", flush=True)
+                out.append((f"{label} {size_label}: sum", t_sum * 1e6, "us"))
+                del x
+    finally:
+        cpu_backend._C.set_capability(previous)
+    _write_csv(csv_path, "cpu_kernel_vs_sum", out)
 
 
 def csv_rows(rows):

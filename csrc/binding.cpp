@@ -20,6 +20,10 @@
 #include <utility>
 #include <vector>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
+
 #include "stats.h"
 
 #ifndef OVERFLOW_FAST_TORCH_VERSION
@@ -37,7 +41,8 @@ namespace {
 // 4: the kernel is also registered as the torch ops overflow_fast::tensor_stats and
 //    overflow_fast::tensor_stats_out (TORCH_LIBRARY below); _C.compute records that name for the
 //    profiler.
-constexpr int kAbiVersion = 4;
+// 5: an AVX-512 kernel; capabilities() says which builds this CPU runs (and why not).
+constexpr int kAbiVersion = 5;
 
 // Columns of a row (overflow_fast/stats/layout.py).
 enum Column : int64_t { ABS_MIN, ABS_MAX, NAN_COUNT, POSINF, NEGINF, ZERO, SUBNORMAL, NUMEL, NUM_COLUMNS };
@@ -52,43 +57,120 @@ constexpr int64_t kComplexCostFactor = 16;
 ScanFn g_scan = nullptr;
 const char* g_capability = "default";
 
-#ifdef OVERFLOW_FAST_HAVE_AVX2
-// Everything kernel_avx2.cpp is compiled for (-mavx2 -mfma -mf16c), as the CPU and OS report it.
-bool cpu_has_avx2() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-         __builtin_cpu_supports("f16c");
+// The kernel builds, worst first; the index orders them like ATen's CPUCapability.
+constexpr const char* kCapabilities[] = {"default", "avx2", "avx512"};
+
+#if defined(OVERFLOW_FAST_HAVE_AVX2) || defined(OVERFLOW_FAST_HAVE_AVX512)
+// Whether the OS saves (and so enables) the register state in `mask` of XCR0. A CPU may report
+// AVX or AVX-512 in CPUID while the OS (or the hypervisor) leaves their state off; then the
+// first such instruction faults. cpuinfo, which ATen asks, reads the same bits (its
+// avx512_regs: XCR0 & 0xE6), after CPUID's OSXSAVE bit says XGETBV may be executed.
+bool os_saves(uint64_t mask) {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx)) {
+    return false;
+  }
+  constexpr unsigned kXsaveAndOsxsave = (1u << 26) | (1u << 27);
+  if ((ecx & kXsaveAndOsxsave) != kXsaveAndOsxsave) {
+    return false;
+  }
+  uint32_t lo = 0, hi = 0;
+  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  const uint64_t xcr0 = (static_cast<uint64_t>(hi) << 32) | lo;
+  return (xcr0 & mask) == mask;
+}
+
+// XCR0 bits: SSE (1) and the upper halves of ymm0-15 (2); for AVX-512 also the opmask
+// registers (5), the upper halves of zmm0-15 (6) and zmm16-31 (7).
+constexpr uint64_t kYmmState = 0x06;
+constexpr uint64_t kZmmState = 0xE6;
+
+// Adds `name` to the list of what this CPU lacks unless it `has` it.
+void need(bool has, const char* name, std::string& missing) {
+  if (!has) {
+    missing += (missing.empty() ? "" : ", ") + std::string(name);
+  }
 }
 #endif
+
+// Why this module cannot run the named build on this CPU; "" when it can.
+std::string unavailable_reason(const std::string& name) {
+  if (name == "default") {
+    return "";
+  }
+  if (name == "avx2") {
+#ifdef OVERFLOW_FAST_HAVE_AVX2
+    // everything kernel_avx2.cpp is compiled for (-mavx2 -mfma -mf16c)
+    __builtin_cpu_init();
+    std::string missing;
+    need(__builtin_cpu_supports("avx2"), "avx2", missing);
+    need(__builtin_cpu_supports("fma"), "fma", missing);
+    need(__builtin_cpu_supports("f16c"), "f16c", missing);
+    need(os_saves(kYmmState), "the OS's saving of the ymm registers (XCR0)", missing);
+    return missing.empty() ? "" : "this CPU cannot run the AVX2 kernel: it lacks " + missing;
+#else
+    return "this module was built without the AVX2 kernel (not an x86-64 build)";
+#endif
+  }
+  if (name == "avx512") {
+#ifdef OVERFLOW_FAST_HAVE_AVX512
+    // everything kernel_avx512.cpp is compiled for (setup.py's AVX512_FLAGS)
+    __builtin_cpu_init();
+    std::string missing;
+    need(__builtin_cpu_supports("avx512f"), "avx512f", missing);
+    need(__builtin_cpu_supports("avx512bw"), "avx512bw", missing);
+    need(__builtin_cpu_supports("avx512vl"), "avx512vl", missing);
+    need(__builtin_cpu_supports("avx512dq"), "avx512dq", missing);
+    need(__builtin_cpu_supports("fma"), "fma", missing);
+    need(__builtin_cpu_supports("f16c"), "f16c", missing);
+    need(os_saves(kZmmState), "the OS's saving of the zmm and opmask registers (XCR0)", missing);
+    return missing.empty() ? "" : "this CPU cannot run the AVX-512 kernel: it lacks " + missing;
+#else
+    return "this module was built without the AVX-512 kernel (the compiler could not build it, or "
+           "OVERFLOW_FAST_NO_AVX512=1)";
+#endif
+  }
+  return "unknown capability '" + name + "' (known: default, avx2, avx512)";
+}
 
 void set_capability(const std::string& name) {
-  if (name == "default") {
-    g_scan = scan_default;
-    g_capability = "default";
+  const std::string reason = unavailable_reason(name);
+  TORCH_CHECK(reason.empty(), "overflow_fast._C: cannot use the '", name, "' kernel: ", reason);
+#ifdef OVERFLOW_FAST_HAVE_AVX512
+  if (name == "avx512") {
+    g_scan = scan_avx512;
+    g_capability = kCapabilities[2];
     return;
   }
+#endif
 #ifdef OVERFLOW_FAST_HAVE_AVX2
   if (name == "avx2") {
-    TORCH_CHECK(cpu_has_avx2(), "overflow_fast._C: this CPU has no AVX2");
     g_scan = scan_avx2;
-    g_capability = "avx2";
+    g_capability = kCapabilities[1];
     return;
   }
 #endif
-  TORCH_CHECK(false, "overflow_fast._C: unknown or unavailable capability '", name, "'");
+  g_scan = scan_default;
+  g_capability = kCapabilities[0];
 }
 
-// The best kernel for this CPU, unless ATEN_CPU_CAPABILITY=default asks torch (and us) for the baseline.
+// The best kernel this CPU runs, as ATen picks its own: AVX-512, else AVX2, else the baseline;
+// ATEN_CPU_CAPABILITY=default|avx2|avx512 caps the choice (for torch and for us).
 void choose_capability() {
-  const char* env = std::getenv("ATEN_CPU_CAPABILITY");
-  const bool forced_default = env != nullptr && std::string(env) == "default";
-#ifdef OVERFLOW_FAST_HAVE_AVX2
-  if (!forced_default && cpu_has_avx2()) {
-    set_capability("avx2");
-    return;
+  int best = 2;
+  if (const char* env = std::getenv("ATEN_CPU_CAPABILITY")) {
+    for (int i = 0; i < 3; i++) {
+      if (std::string(env) == kCapabilities[i]) {
+        best = i;
+      }
+    }
   }
-#endif
-  (void)forced_default;
+  for (int i = best; i > 0; i--) {
+    if (unavailable_reason(kCapabilities[i]).empty()) {
+      set_capability(kCapabilities[i]);
+      return;
+    }
+  }
   set_capability("default");
 }
 
@@ -548,9 +630,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>(),
         "Statistics rows [len(tensors), 8] int64 (layout.py) of a list of CPU tensors, into `out` if given");
   m.def("capability", []() { return std::string(overflow_fast::g_capability); },
-        "The kernel build in use: 'avx2' or 'default'");
+        "The kernel build in use: 'avx512', 'avx2' or 'default'");
   m.def("set_capability", &overflow_fast::set_capability, py::arg("name"),
-        "Use the 'avx2' or 'default' kernel (for tests and benchmarks)");
+        "Use the 'avx512', 'avx2' or 'default' kernel (for tests and benchmarks); a RuntimeError "
+        "saying why when this module or this CPU cannot run it");
+  m.def("capabilities", []() {
+          std::vector<std::pair<std::string, std::string>> out;
+          for (const char* name : overflow_fast::kCapabilities) {
+            out.emplace_back(name, overflow_fast::unavailable_reason(name));
+          }
+          return out;
+        },
+        "[(name, why not)] for every kernel build, worst first: why not is '' for the builds "
+        "this module holds and this CPU runs");
   m.attr("ABI_VERSION") = overflow_fast::kAbiVersion;
   m.attr("TORCH_VERSION") = OVERFLOW_FAST_TORCH_VERSION;
   m.attr("SOURCE_HASH") = OVERFLOW_FAST_SOURCE_HASH;

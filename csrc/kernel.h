@@ -1,5 +1,5 @@
-// The single-pass kernel, compiled once per instruction set: kernel_default.cpp and
-// kernel_avx2.cpp include this file with different CPU_CAPABILITY macros and flags.
+// The single-pass kernel, compiled once per instruction set: kernel_default.cpp, kernel_avx2.cpp
+// and kernel_avx512.cpp include this file with different CPU_CAPABILITY macros and flags.
 //
 // Everything sits in the namespace CPU_CAPABILITY (as at::vec does), so the builds never share
 // a symbol, and nothing here is a non-trivial global: a global's initializer would run with
@@ -8,7 +8,7 @@
 #pragma once
 
 #ifndef CPU_CAPABILITY
-#error "define CPU_CAPABILITY (DEFAULT, AVX2) before including kernel.h"
+#error "define CPU_CAPABILITY (DEFAULT, AVX2, AVX512) before including kernel.h"
 #endif
 
 #include <ATen/cpu/vec/vec.h>
@@ -111,71 +111,206 @@ inline L lane_min(const Vectorized<L>& v) {
   return *std::min_element(buf, buf + Vectorized<L>::size());
 }
 
+// Whether any lane of a compare's result (all ones or all zeros per lane) is set: one
+// instruction or two, where a reduction over the lanes (lane_min) takes a dozen.
+template <typename L>
+inline bool any_lane(const Vectorized<L>& mask) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512i m = mask;
+  return _mm512_test_epi64_mask(m, m) != 0;
+#else
+  return _mm256_movemask_epi8(mask) != 0;
+#endif
+}
+
+// Per-lane counters are as narrow as the elements (a compare gives -1 per matching lane, so
+// subtracting it counts), so they move into int64 after this many vectors, before an 8-bit
+// lane can overflow.
+template <typename L>
+constexpr int64_t kCountVectors = sizeof(L) == 1 ? 127 : 1024;
+
+// The vectors of constants a pass needs, built once per call.
+template <typename L>
+struct VConsts {
+  Vectorized<L> abs_mask, tiny, zero, flip;
+  explicit VConsts(const Consts<L>& c)
+      : abs_mask(c.abs_mask), tiny(c.tiny), zero(L(0)), flip(static_cast<L>(0x80)) {}
+};
+
+// The key of each lane: abs bits (floats), -|x| (signed; the most negative value wraps onto
+// itself) or x^0x80 (uint8/bool).
+template <typename L, Mode M>
+inline Vectorized<L> key_of(const Vectorized<L>& x, const VConsts<L>& v) {
+  if constexpr (M == Mode::Float || M == Mode::FloatNoInf) {
+    return x & v.abs_mask;
+  } else if constexpr (M == Mode::Signed) {
+    return at::vec::minimum(x, v.zero - x);
+  } else {
+    return x ^ v.flip;
+  }
+}
+
+// Adds the lane counts of zeros and of |x| < smallest normal (floats only) in x to the counters.
+template <typename L, Mode M>
+inline void count_lanes(const Vectorized<L>& x, const VConsts<L>& v, Vectorized<L>& zeros,
+                        Vectorized<L>& smalls) {
+  if constexpr (M == Mode::Float || M == Mode::FloatNoInf) {
+    const Vectorized<L> k = x & v.abs_mask;
+    zeros = zeros - (k == v.zero);
+    smalls = smalls - (v.tiny > k);
+  } else {
+    zeros = zeros - (x == v.zero);
+  }
+}
+
+template <typename L>
+inline void add_counts(const Vectorized<L>& zeros, const Vectorized<L>& smalls, Partial& acc) {
+  acc.zero += lane_sum(zeros);
+  acc.small += lane_sum(smalls);  // stays 0 for integers
+}
+
+// Keys' min and max per lane over n whole-vector elements, nothing else: the common pass.
+// Two vectors per step with their own min/max, so that the one-cycle dependency of a running
+// min does not limit the loop to one vector per cycle.
+template <typename L, Mode M>
+inline void keys_only(const L* p, int64_t n, const VConsts<L>& v, Vectorized<L>& bmin,
+                      Vectorized<L>& bmax) {
+  using V = Vectorized<L>;
+  constexpr int64_t W = V::size();
+  V min1 = bmin, max1 = bmax;
+  int64_t i = 0;
+  for (; i + 2 * W <= n; i += 2 * W) {
+    const V k0 = key_of<L, M>(V::loadu(p + i), v);
+    const V k1 = key_of<L, M>(V::loadu(p + i + W), v);
+    bmin = at::vec::minimum(bmin, k0);
+    bmax = at::vec::maximum(bmax, k0);
+    min1 = at::vec::minimum(min1, k1);
+    max1 = at::vec::maximum(max1, k1);
+  }
+  if (i < n) {
+    const V k = key_of<L, M>(V::loadu(p + i), v);
+    min1 = at::vec::minimum(min1, k);
+    max1 = at::vec::maximum(max1, k);
+  }
+  bmin = at::vec::minimum(bmin, min1);
+  bmax = at::vec::maximum(bmax, max1);
+}
+
+// Keys' min and max and the zero/small counts in one read: for a block that follows one that
+// held zeros or subnormals (ReLU outputs hold them everywhere), where a second read would cost
+// more than counting as it goes.
+template <typename L, Mode M>
+inline void keys_and_counts(const L* p, int64_t n, const VConsts<L>& v, Vectorized<L>& bmin,
+                            Vectorized<L>& bmax, Partial& acc) {
+  using V = Vectorized<L>;
+  constexpr int64_t W = V::size();
+  for (int64_t begin = 0; begin < n; begin += kCountVectors<L> * W) {
+    const int64_t end = std::min(n, begin + kCountVectors<L> * W);
+    V zeros(L(0)), smalls(L(0));
+    for (int64_t i = begin; i < end; i += W) {
+      const V x = V::loadu(p + i);
+      const V k = key_of<L, M>(x, v);
+      bmin = at::vec::minimum(bmin, k);
+      bmax = at::vec::maximum(bmax, k);
+      count_lanes<L, M>(x, v, zeros, smalls);
+    }
+    add_counts(zeros, smalls, acc);
+  }
+}
+
+// The zero/small counts alone: the second read of a block found to hold some.
+template <typename L, Mode M>
+void count_small(const L* p, int64_t n, const VConsts<L>& v, Partial& acc) {
+  using V = Vectorized<L>;
+  constexpr int64_t W = V::size();
+  for (int64_t begin = 0; begin < n; begin += kCountVectors<L> * W) {
+    const int64_t end = std::min(n, begin + kCountVectors<L> * W);
+    V zeros(L(0)), smalls(L(0));
+    for (int64_t i = begin; i < end; i += W) {
+      count_lanes<L, M>(V::loadu(p + i), v, zeros, smalls);
+    }
+    add_counts(zeros, smalls, acc);
+  }
+}
+
 // NaN and +-inf counts of whole vectors; only for blocks known to hold some (rare).
 template <typename L, Mode M>
 void count_non_finite(const L* p, int64_t n, const Consts<L>& c, Partial& acc) {
   using V = Vectorized<L>;
+  constexpr int64_t W = V::size();
   const V abs_mask(c.abs_mask), nan_above(c.nan_above), pos_inf(c.pos_inf), neg_inf(c.neg_inf);
-  V nans(L(0)), pinfs(L(0)), ninfs(L(0));
-  for (int64_t i = 0; i < n; i += V::size()) {
-    const V x = V::loadu(p + i);
-    nans = nans - ((x & abs_mask) > nan_above);
-    if constexpr (M == Mode::Float) {
-      pinfs = pinfs - (x == pos_inf);
-      ninfs = ninfs - (x == neg_inf);
+  for (int64_t begin = 0; begin < n; begin += kCountVectors<L> * W) {
+    const int64_t end = std::min(n, begin + kCountVectors<L> * W);
+    V nans(L(0)), pinfs(L(0)), ninfs(L(0));
+    for (int64_t i = begin; i < end; i += W) {
+      const V x = V::loadu(p + i);
+      nans = nans - ((x & abs_mask) > nan_above);
+      if constexpr (M == Mode::Float) {
+        pinfs = pinfs - (x == pos_inf);
+        ninfs = ninfs - (x == neg_inf);
+      }
     }
+    acc.nan += lane_sum(nans);
+    acc.posinf += lane_sum(pinfs);
+    acc.neginf += lane_sum(ninfs);
   }
-  acc.nan += lane_sum(nans);
-  acc.posinf += lane_sum(pinfs);
-  acc.neginf += lane_sum(ninfs);
 }
 
-// One pass over n contiguous elements, a block of vectors at a time. Per vector: the key (abs
-// bits, -|x| or x^0x80), its running min and max, and the counts that are common: a compare
-// gives -1 per matching lane, so subtracting it counts. NaN and inf are rare, so floats do not
-// count them per vector: their abs bits sort above every finite value, so a block whose
-// largest key is finite has none, and only a block that has some is read again to count them.
-// Lane counters are as narrow as the elements, so they move into int64 after every block,
-// before they can overflow (127 vectors for 8-bit lanes).
+// Bytes per block: small enough that a block read a second time right after the first is still
+// in L1 (32-48 KB per core on current x86), whatever the vector width, and large enough that
+// the per-block checks and the mispredicted exit of the block's loop cost a few percent.
+constexpr int64_t kBlockBytes = 16 * 1024;
+
+// One pass over n contiguous elements, a block at a time. Per vector only the key (abs bits,
+// -|x| or x^0x80) and its running min and max per lane. Every count is of values that sit at
+// one end of the key order, so a block's smallest and largest keys say whether it can hold
+// any, and only such a block is read again (from L1) to count them:
+// - floats: zeros and subnormals have the smallest abs bits (below the smallest normal); NaN
+//   and inf the largest (above / at inf's bits);
+// - signed integers: zero is the largest key (-|x| = 0); uint8/bool: the smallest (0 ^ 0x80).
+// Zeros come in runs of blocks (ReLU outputs, sparse weights, bool masks): after a block that
+// held some, the next block counts them as it reads, and returns to the keys-only pass after a
+// block that held none.
 template <typename L, Mode M>
 void scan_lanes(const L* p, int64_t n, const Consts<L>& c, Partial& acc) {
   using V = Vectorized<L>;
   constexpr int64_t W = V::size();
-  constexpr int64_t kBlockVectors = sizeof(L) == 1 ? 127 : 1024;
+  constexpr int64_t kBlock = kBlockBytes / sizeof(L);
   constexpr bool kFloat = M == Mode::Float || M == Mode::FloatNoInf;
-  const V abs_mask(c.abs_mask), tiny(c.tiny), zero(L(0)), flip(static_cast<L>(0x80));
+  const VConsts<L> v(c);
   V vmin(std::numeric_limits<L>::max());
   V vmax(std::numeric_limits<L>::lowest());
+  bool counting = false;  // the previous block held zeros or subnormals
   const int64_t n_vec = n - n % W;
   for (int64_t begin = 0; begin < n_vec;) {
-    const int64_t end = std::min(n_vec, begin + kBlockVectors * W);
+    const int64_t end = std::min(n_vec, begin + kBlock);
+    V bmin(std::numeric_limits<L>::max());
     V bmax(std::numeric_limits<L>::lowest());
-    V zeros(L(0)), smalls(L(0));
-    for (int64_t i = begin; i < end; i += W) {
-      const V x = V::loadu(p + i);
-      V k;
-      if constexpr (kFloat) {
-        k = x & abs_mask;
-        zeros = zeros - (k == zero);
-        smalls = smalls - (tiny > k);
-      } else if constexpr (M == Mode::Signed) {
-        k = at::vec::minimum(x, zero - x);  // -|x|; the most negative value wraps onto itself
-        zeros = zeros - (x == zero);
-      } else {
-        k = x ^ flip;
-        zeros = zeros - (k == flip);
-      }
-      vmin = at::vec::minimum(vmin, k);
-      bmax = at::vec::maximum(bmax, k);
+    if (counting) {
+      keys_and_counts<L, M>(p + begin, end - begin, v, bmin, bmax, acc);
+    } else {
+      keys_only<L, M>(p + begin, end - begin, v, bmin, bmax);
     }
-    acc.zero += lane_sum(zeros);
+    bool has_small;
     if constexpr (kFloat) {
-      acc.small += lane_sum(smalls);
-      const L largest = lane_max(bmax);
-      if (largest > c.nan_above || (M == Mode::Float && largest == c.pos_inf)) {
+      has_small = any_lane(v.tiny > bmin);
+      V non_finite = bmax > V(c.nan_above);
+      if constexpr (M == Mode::Float) {
+        non_finite = non_finite | (bmax == V(c.pos_inf));
+      }
+      if (any_lane(non_finite)) {
         count_non_finite<L, M>(p + begin, end - begin, c, acc);
       }
+    } else if constexpr (M == Mode::Signed) {
+      has_small = any_lane(bmax == v.zero);
+    } else {
+      has_small = any_lane(bmin == v.flip);
     }
+    if (has_small && !counting) {
+      count_small<L, M>(p + begin, end - begin, v, acc);
+    }
+    counting = has_small;
+    vmin = at::vec::minimum(vmin, bmin);
     vmax = at::vec::maximum(vmax, bmax);
     begin = end;
   }

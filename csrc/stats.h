@@ -50,6 +50,9 @@ void scan_default(Kind kind, const void* data, int64_t n, Partial& acc);
 #ifdef OVERFLOW_FAST_HAVE_AVX2
 void scan_avx2(Kind kind, const void* data, int64_t n, Partial& acc);
 #endif
+#ifdef OVERFLOW_FAST_HAVE_AVX512
+void scan_avx512(Kind kind, const void* data, int64_t n, Partial& acc);
+#endif
 // Complex kinds only; scalar (std::hypot in float64), the same on every instruction set.
 void scan_complex(Kind kind, const void* data, int64_t n, Partial& acc);
 

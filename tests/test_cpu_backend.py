@@ -1,10 +1,12 @@
 """The C++ backend (csrc/, overflow_fast._C): exact equality with the float64 oracle and with the
-torch backend, on every dtype, special value, layout and size class, on both kernel builds
-(AVX2 and the portable baseline); and the fallback when the extension cannot be used."""
+torch backend, on every dtype, special value, layout and size class, on every kernel build this
+CPU runs (AVX-512, AVX2, the portable baseline; the others are skipped, saying why); and the
+fallback when the extension cannot be used."""
 
 import importlib
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -28,23 +30,22 @@ pytestmark = pytest.mark.skipif(
 FLOATING = [d for d in ALL_DTYPES if d.is_floating_point]
 
 
+def capability_reasons():
+    """{kernel build: why this module or CPU cannot run it, '' when it can}, for every build."""
+    if cpu_backend._C is None or not hasattr(cpu_backend._C, "capabilities"):
+        return {"default": ""}
+    return dict(cpu_backend._C.capabilities())
+
+
 def capabilities():
-    if cpu_backend._C is None:
-        return ["default"]
-    names = ["default"]
-    try:
-        previous = cpu_backend._C.capability()
-        cpu_backend._C.set_capability("avx2")
-        cpu_backend._C.set_capability(previous)
-        names.append("avx2")
-    except RuntimeError:
-        pass
-    return names
+    """The kernel builds this CPU runs."""
+    return [name for name, why in capability_reasons().items() if not why]
 
 
-@pytest.fixture(params=capabilities())
+@pytest.fixture(params=[pytest.param(name, marks=pytest.mark.skipif(bool(why), reason=f"{name} kernel: {why}"))
+                        for name, why in capability_reasons().items()])
 def capability(request):
-    """Run the test on each kernel build this CPU can run."""
+    """Run the test on each kernel build; those this CPU cannot run are skipped, saying why."""
     previous = cpu_backend._C.capability()
     cpu_backend._C.set_capability(request.param)
     yield request.param
@@ -127,6 +128,65 @@ def test_one_special_value_anywhere(dtype, n, where, capability):
         assert same_stats(g, w), (g, w)
     if n < 1000:
         assert_stats_equal(got, tensors)
+
+
+# The vector kernels read 16 KB blocks and re-read a block only when its smallest / largest key
+# says it can hold a zero, subnormal, NaN or inf: each case in one block of several, in every
+# block, in none, at block edges and in the scalar tail (after the last whole vector).
+BLOCK_BYTES = 16 * 1024
+NON_COMPLEX = [d for d in ALL_DTYPES if not d.is_complex]
+
+
+def _block_cases(dtype):
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    block = BLOCK_BYTES // itemsize
+    n = 5 * block + 64 // itemsize * 3 + 5  # 5 blocks, a partial block of 3 AVX-512 vectors, a tail
+    if dtype == torch.bool:
+        base, zero, others = torch.ones(n, dtype=dtype), False, []
+    elif dtype.is_floating_point:
+        base = torch.full((n,), 0.75).to(dtype)
+        tiny = {torch.float8_e4m3fn: 2.0**-8, torch.float8_e5m2: 2.0**-15}.get(dtype, torch.finfo(dtype).tiny / 2)
+        zero = 0.0
+        others = [("negative zero", -0.0), ("subnormal", tiny), ("negative subnormal", -tiny), ("nan", float("nan"))]
+        if dtype != torch.float8_e4m3fn:
+            others += [("inf", float("inf")), ("-inf", float("-inf"))]
+        others.append(("max finite", float(torch.finfo(dtype).max)))
+    else:
+        base = torch.full((n,), 3, dtype=dtype)
+        zero = 0
+        others = [("min", torch.iinfo(dtype).min), ("max", torch.iinfo(dtype).max)]
+    cases = [("none", base.clone())]
+    every = base.clone()
+    every[::97] = zero
+    cases.append(("zeros in every block", every))
+    half = base.clone()
+    half[::2] = zero  # ReLU-like: every block holds zeros
+    cases.append(("half zeros", half))
+    positions = {"block 3 only": 3 * block + 17, "last of block 1": block - 1, "first of block 2": block,
+                 "partial block": 5 * block + 1, "tail": n - 1, "first": 0}
+    for where, i in positions.items():
+        x = base.clone()
+        x[i] = zero
+        cases.append((f"zero at {where}", x))
+        for name, value in others:
+            x = base.clone()
+            x[i] = value
+            cases.append((f"{name} at {where}", x))
+    # the same runs starting off a vector boundary, so blocks cut them elsewhere
+    cases += [(f"{label} [3:]", x[3:]) for label, x in cases[:3]]
+    return cases
+
+
+@pytest.mark.parametrize("dtype", NON_COMPLEX, ids=ids)
+def test_blocks_with_and_without_rare_values(dtype, capability):
+    cases = _block_cases(dtype)
+    tensors = [x for _, x in cases]
+    got = cpu_stats(tensors)
+    for (label, x), g, w in zip(cases, got, torch_stats(tensors)):
+        assert same_stats(g, w), f"{capability} {dtype} {label}: cpu {g} != torch {w}"
+    # the oracle walks elements in Python: a subset covers every kind of case
+    picks = [i for i, (label, _) in enumerate(cases) if "block 3" in label or "tail" in label or i < 3]
+    assert_stats_equal([got[i] for i in picks], [tensors[i] for i in picks], capability)
 
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=ids)
@@ -400,28 +460,59 @@ def test_baseline_kernel_when_torch_is_told_so():
     assert out.stdout.strip() == "default"
 
 
-def test_avx_instructions_only_in_the_avx2_kernel():
-    """A function outside namespace overflow_fast::AVX2 that used AVX (say, an inline helper the
-    linker took from the AVX2 object) would crash on a CPU without AVX2 before any check."""
+AVX512_REGISTER = re.compile(r"%zmm|%k[0-7]\b|%[xy]mm(1[6-9]|2[0-9]|3[01])\b")
+
+
+def test_avx_instructions_only_in_the_avx_kernels():
+    """A function outside namespaces overflow_fast::AVX2 and overflow_fast::AVX512 that used AVX
+    (say, an inline helper the linker took from an AVX object) would crash on a CPU without AVX2
+    before any check; and a zmm register outside overflow_fast::AVX512, on one without AVX-512."""
     objdump = shutil.which("objdump")
     if objdump is None:
         pytest.skip("objdump not found")
     library = cpu_backend._C.__file__
     listing = subprocess.run([objdump, "-d", "-C", "--no-show-raw-insn", library],
                              capture_output=True, text=True, check=True).stdout
-    function, offenders, avx2_kernel_seen = None, set(), False
+    function, offenders, seen = None, set(), set()
     for line in listing.splitlines():
         if line.endswith(">:") and " <" in line:
             function = line.split(" <", 1)[1][:-2]
         elif "\t" in line:
             mnemonic = line.split("\t")[1].split(" ")[0] if len(line.split("\t")) > 1 else ""
-            if mnemonic.startswith("v") or "%ymm" in line or "%zmm" in line:
-                if "overflow_fast::AVX2::" not in function:
-                    offenders.add(function)
+            # zmm, opmask and the 16 upper xmm/ymm registers exist only with AVX-512
+            avx512 = AVX512_REGISTER.search(line) is not None
+            if mnemonic.startswith("v") or "%ymm" in line or avx512:
+                if "overflow_fast::AVX512::" in function:
+                    seen.add("avx512")
+                elif "overflow_fast::AVX2::" in function and not avx512:
+                    seen.add("avx2")
                 else:
-                    avx2_kernel_seen = True
+                    offenders.add(function)
     assert not offenders, sorted(offenders)[:10]
-    assert avx2_kernel_seen == ("avx2" in capabilities())
+    built = {name for name, why in capability_reasons().items() if "built without" not in why}
+    assert seen == built - {"default"}, (seen, built)
+
+
+def test_forcing_a_kernel_the_cpu_lacks_is_refused():
+    """set_capability names what is missing; the kernel in use does not change."""
+    previous = cpu_backend._C.capability()
+    for name, why in capability_reasons().items():
+        if why:
+            with pytest.raises(RuntimeError, match=f"cannot use the '{name}' kernel: .*(lacks|built without)"):
+                cpu_backend._C.set_capability(name)
+            assert cpu_backend._C.capability() == previous
+    with pytest.raises(RuntimeError, match="unknown capability 'sse'"):
+        cpu_backend._C.set_capability("sse")
+    # the build chosen at load time is the best this CPU runs
+    assert previous == capabilities()[-1]
+
+
+def test_aten_cpu_capability_caps_the_choice():
+    """ATEN_CPU_CAPABILITY=avx2 (torch's own cap) keeps an AVX-512 CPU on the AVX2 kernel too."""
+    code = "import overflow_fast._C as C; print(C.capability())"
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="avx2")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ("avx2" if "avx2" in capabilities() else "default")
 
 
 def test_rows_written_into_out(capability):
