@@ -7,8 +7,8 @@ and one pass measured: the peak above the resident memory before it (VmHWM - VmR
 ``no_grad`` (a forward of --batch x --seq tokens: staging alone keeps the activations the forward
 would free, up to ``stage_bytes``) and ``train`` (forward and backward: autograd keeps most
 activations until backward anyway). Variants: no detector; check="module"; check="batch" reading
-in each hook (``stage_bytes=0``); check="batch" staging (default ``stage_bytes``, 1 GiB); and
-staging with ``stage_bytes=256 MiB``.
+in each hook (``stage_bytes=0``); check="batch" staging (default ``stage_bytes``, 256 MiB); and
+staging with ``stage_bytes=1 GiB``.
 
     .venv/bin/python benchmarks/bench_staging_memory.py [--batch 4] [--seq 384] [--csv PATH]
 """
@@ -27,8 +27,8 @@ VARIANTS = {
     "none": None,
     "module": {"check": "module"},
     "batch, read in hooks (stage_bytes=0)": {"check": "batch", "stage_bytes": 0},
-    "batch, staged (default)": {"check": "batch"},
-    "batch, staged (stage_bytes=256 MiB)": {"check": "batch", "stage_bytes": 256 << 20},
+    "batch, staged (default: stage_bytes=256 MiB)": {"check": "batch"},
+    "batch, staged (stage_bytes=1 GiB)": {"check": "batch", "stage_bytes": 1 << 30},
 }
 
 

@@ -89,7 +89,7 @@ UNKNOWN, STAGE, AT_ONCE = 0, 1, 2
 
 CHANGED_IN_PLACE = "changed in place after this hook, before the forward's read; read in its hook from now on"
 
-DEFAULT_STAGE_BYTES = 1 << 30
+DEFAULT_STAGE_BYTES = 256 << 20
 
 
 class _DeviceRows:
