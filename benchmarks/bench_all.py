@@ -7,7 +7,7 @@ each run) whose rows carry benchmark, metric, value, unit, CPU model, AVX level,
 torch version and date (``benchmarks/_results.py``). Each script's own output goes to
 ``benchmarks/results/<name>.log``.
 
-    .venv/bin/python benchmarks/bench_all.py [--only kernel,hook,host,e2e,compile,memory] [--out PATH] [--smoke]
+    .venv/bin/python benchmarks/bench_all.py [--only kernel,hook,host,e2e,compile,memory,forward] [--out PATH] [--smoke]
 
 ``--smoke`` (tests): the smallest settings of each benchmark run; its figures mean nothing.
 """
@@ -32,6 +32,7 @@ SUITE = {
     "e2e": ("bench_end_to_end.py", ["--quick"], ["--quick", "--models", "gpt2", "--repeats", "1"]),
     "compile": ("bench_compile.py", ["--calls", "5"], ["--models", "mlp", "--backend", "aot_eager", "--calls", "1"]),
     "memory": ("bench_staging_memory.py", [], ["--batch", "1", "--seq", "8"]),
+    "forward": ("bench_cpu_forward.py", ["--repeats", "15"], ["--batch", "1", "--seq", "16", "--repeats", "1"]),
 }
 
 

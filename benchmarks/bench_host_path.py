@@ -65,6 +65,7 @@ import torch
 import transformers
 
 import overflow_fast
+import overflow_fast.rows
 from overflow_fast import DebugUnderflowOverflow
 from overflow_fast.detector import DebugUnderflowOverflow as _Detector
 from overflow_fast.rows import DeferredRows
@@ -180,6 +181,7 @@ def triton_on_cpu():
             (triton_backend, "_stats_combine_kernel", _StubKernel("combine")),
             (triton_backend, "_launch", _counting_launch(triton_backend._launch)),
             (triton_backend, "_flat_source", _flat_source),
+            (overflow_fast.rows, "STAGE_CPU_TENSORS", True),  # these CPU tensors stand for GPU ones
         ):
             stack.enter_context(patched(obj, name, value))
         preferred = dict(dispatch._PREFERRED)

@@ -91,6 +91,13 @@ CHANGED_IN_PLACE = "changed in place after this hook, before the forward's read;
 
 DEFAULT_STAGE_BYTES = 256 << 20
 
+# CPU tensors are read in their hooks: there the kernel runs in the calling thread, so staging
+# saves no host work, and a tensor read in its hook is still in cache (a 4-layer GPT-2 forward at
+# 4x384: +9% read in hooks, +14% staged; RESULTS.md). Staging is for accelerators, whose host
+# work per engine call is the cost. Tests and the host-path benchmark, which run the GPU path's
+# host work on CPU tensors, turn it on.
+STAGE_CPU_TENSORS = False
+
 
 class _DeviceRows:
     """One device's buffer of rows: ``[0, launched)`` have their kernels enqueued, ``[launched,
@@ -124,7 +131,8 @@ class _DeviceRows:
 class DeferredRows:
     """Calls waiting for their rows (check="batch").
 
-    Inside a top-level forward a hook only *stages* its tensors: each gets the next row of its
+    Inside a top-level forward a hook only *stages* its tensors (on accelerators: see
+    STAGE_CPU_TENSORS): each gets the next row of its
     device's buffer, and the tensor waits, with its version counter, until one engine call per
     device reads every staged tensor (``launch``): when the forward ends, or earlier when
     ``stage_bytes`` of tensors that do not require grad wait (activations the forward would have
@@ -179,6 +187,8 @@ class DeferredRows:
         if state is None:
             buffer = torch.empty((self.capacity, NUM_COLUMNS), dtype=torch.int64, device=device)
             state = self._devices[device] = _DeviceRows(buffer)
+        if module is not None and device.type == "cpu" and not STAGE_CPU_TENSORS:
+            module = None
         reuse = self.reader.reuse
         sources, fresh = reuse.lookup(tensors)
         modes = None

@@ -16,6 +16,22 @@ from overflow_fast.rows import AT_ONCE, CHANGED_IN_PLACE, STAGE
 INF, NAN = float("inf"), float("nan")
 
 
+@pytest.fixture(autouse=True)
+def stage_cpu_tensors(monkeypatch):
+    """Staging is the accelerators' path; its logic does not depend on the device, so these tests
+    run it on CPU tensors."""
+    monkeypatch.setattr(rows_module, "STAGE_CPU_TENSORS", True)
+
+
+def test_cpu_tensors_are_read_in_their_hooks_by_default(monkeypatch):
+    monkeypatch.setattr(rows_module, "STAGE_CPU_TENSORS", False)
+    model = seeded(Erased, False)
+    detector = DebugUnderflowOverflow(model, check="batch")
+    for batch in vectors(2):
+        forward(model, batch)
+    assert detector._deferred.modes == {}
+
+
 class Block(nn.Module):
     """A ResNet basic block: ReLU(inplace=True) rewrites each BatchNorm's output after its hook,
     and the residual is added in place into the second one."""

@@ -553,6 +553,9 @@ def test_detector_stages_a_forward_into_one_launch_pair(monkeypatch):
         return real(tensors, *args, **kwargs)
 
     monkeypatch.setattr(tb, "compute", counting)
+    import overflow_fast.rows
+
+    monkeypatch.setattr(overflow_fast.rows, "STAGE_CPU_TENSORS", True)  # the interpreter's tensors are on the CPU
     model = model.to(DEVICE)
     data = [x.to(DEVICE) for x in data]
     want = run(ReferenceDetector, copy.deepcopy(model), data, forward)[:2]
