@@ -87,7 +87,8 @@ class RowReader:
 # its hook from then on).
 UNKNOWN, STAGE, AT_ONCE = 0, 1, 2
 
-CHANGED_IN_PLACE = "changed in place after this hook, before the forward's read; read in its hook from now on"
+CHANGED_IN_PLACE = ("changed after this hook (in place, or its memory freed or swapped) before the forward's "
+                    "read; read in its hook from now on")
 
 DEFAULT_STAGE_BYTES = 256 << 20
 
@@ -103,8 +104,8 @@ class _DeviceRows:
     """One device's buffer of rows: ``[0, launched)`` have their kernels enqueued, ``[launched,
     used)`` belong to staged tensors, read by the next launch."""
 
-    __slots__ = ("buffer", "used", "launched", "staged", "versions", "keys", "staged_bytes", "infos", "stale",
-                 "unreadable")
+    __slots__ = ("buffer", "used", "launched", "staged", "versions", "pointers", "keys", "staged_bytes", "infos",
+                 "stale", "unreadable")
 
     def __init__(self, buffer):
         self.buffer = buffer
@@ -112,6 +113,9 @@ class _DeviceRows:
         self.launched = 0
         self.staged = []  # the tensors of slots [launched, used), kept alive until launched
         self.versions = []  # their version counters when their hook ran
+        # and their data pointers (None for wrappers without one): neither `.data = ...` nor a
+        # storage freed by `resize_(0)` (FSDP, ZeRO-3) bumps the version counter
+        self.pointers = []
         self.keys = []  # per staged tensor: [(modes list, position)] of the entries showing it, or None
         self.staged_bytes = 0
         self.infos = None  # per slot: DTensor/ZeRO-3 shard info, or None when there is none
@@ -122,6 +126,7 @@ class _DeviceRows:
         self.used = self.launched = self.staged_bytes = 0
         self.staged = []
         self.versions = []
+        self.pointers = []
         self.keys = []
         self.infos = None
         self.stale = set()
@@ -155,7 +160,7 @@ class DeferredRows:
         self.pending = []  # calls in hook order
         self._devices = {}  # device -> _DeviceRows
         self.modes = {}  # module -> [UNKNOWN | STAGE | AT_ONCE per tensor position]
-        self._watched = []  # (tensor, version, modes, position) read at once, first seen this forward
+        self._watched = []  # (tensor, version, data pointer, modes, position): read at once, first seen
         self._watched_bytes = 0
 
     def __len__(self):
@@ -215,7 +220,8 @@ class DeferredRows:
             remembered = reuse.rows if reuse.enabled and reuse.is_open else None
             if remembered is not None and len(remembered) >= MAX_REMEMBERED:
                 remembered.clear()
-            staged, versions, keys, watched = state.staged, state.versions, state.keys, self._watched
+            staged, versions, pointers, keys, watched = (state.staged, state.versions, state.pointers, state.keys,
+                                                         self._watched)
             for offset, position in enumerate(fresh):
                 tensor = fresh_tensors[offset]
                 source = sources[position] = (state, start + offset)
@@ -226,6 +232,8 @@ class DeferredRows:
                     launch_now = True
                 staged.append(tensor)
                 versions.append(version)
+                pointer = _pointer(tensor)
+                pointers.append(pointer)
                 # only what staging alone keeps alive counts: autograd holds a tensor that
                 # requires grad (weights, a training forward's activations) until backward anyway
                 size = 0 if tensor.requires_grad else _bytes_of(tensor)
@@ -238,7 +246,7 @@ class DeferredRows:
                     if mode != STAGE:
                         launch_now = True
                         if mode == UNKNOWN:
-                            watched.append((tensor, version, modes, position))
+                            watched.append((tensor, version, pointer, modes, position))
                             self._watched_bytes += size
                 if remembered is not None and version >= 0:
                     try:
@@ -257,7 +265,9 @@ class DeferredRows:
                     if mode != STAGE:
                         launch_now = launch_now or slot >= owner.launched
                         if mode == UNKNOWN:
-                            self._watched.append((tensors[position], _version(tensors[position]), modes, position))
+                            tensor = tensors[position]
+                            pointer = _pointer(tensor)
+                            self._watched.append((tensor, _version(tensor), pointer, modes, position))
         frame.rows = sources
         if launch_now or state.staged_bytes + self._watched_bytes > self.stage_bytes:
             self.launch()
@@ -268,10 +278,14 @@ class DeferredRows:
             if state.used == state.launched:
                 continue
             start, end = state.launched, state.used
-            staged, versions = state.staged, state.versions
+            staged, versions, pointers = state.staged, state.versions, state.pointers
             for offset, tensor in enumerate(staged):
-                if _version(tensor) != versions[offset]:
+                pointer = pointers[offset]
+                if _version(tensor) != versions[offset] or (pointer is not None and tensor.data_ptr() != pointer):
                     self._changed(state, start + offset, state.keys[offset])
+                    # never handed to the engine: its memory may be gone (torch's own ops on a
+                    # storage resized to 0 read freed memory); its line says what happened
+                    staged[offset] = torch.empty(0, dtype=torch.uint8, device=state.buffer.device)
             result = self.reader.stats(staged, out=state.buffer[start:end])
             if isinstance(result, tuple):  # the engine failed: the torch backend's rows
                 rows, reasons = result
@@ -281,6 +295,7 @@ class DeferredRows:
             state.launched = end
             state.staged = []
             state.versions = []
+            state.pointers = []
             state.keys = []
             state.staged_bytes = 0
         if self._watched_bytes > self.stage_bytes:
@@ -288,11 +303,12 @@ class DeferredRows:
 
     def learn(self):
         """Tensors read at once on their first sight: staged from now on if nothing changed them."""
-        for tensor, version, modes, position in self._watched:
-            if modes[position] == UNKNOWN:
-                modes[position] = STAGE if _version(tensor) == version else AT_ONCE
-            elif _version(tensor) != version:
+        for tensor, version, pointer, modes, position in self._watched:
+            changed = _version(tensor) != version or (pointer is not None and tensor.data_ptr() != pointer)
+            if changed:
                 modes[position] = AT_ONCE
+            elif modes[position] == UNKNOWN:
+                modes[position] = STAGE
         self._watched = []
         self._watched_bytes = 0
 
@@ -370,6 +386,16 @@ def _bytes_of(tensor):
         return tensor.nbytes
     except RuntimeError:  # sparse tensors have no nbytes: their dense size bounds what they hold
         return tensor.numel() * tensor.element_size()
+
+
+def _pointer(tensor):
+    """Where a plain tensor's data starts, or None (wrappers, sparse tensors: no one pointer)."""
+    if type(tensor) not in PLAIN_TYPES:
+        return None
+    try:
+        return tensor.data_ptr()
+    except RuntimeError:
+        return None
 
 
 def _version(tensor):

@@ -257,3 +257,41 @@ def test_stage_bytes_is_validated():
     for bad in (-1, 1.5, True, "1"):
         with pytest.raises(ValueError, match="stage_bytes"):
             DebugUnderflowOverflow(nn.Linear(2, 2), check="batch", stage_bytes=bad)
+
+
+class Released(nn.Module):
+    """After ``a``'s hook the parent frees or swaps its output's memory, as FSDP's ``resize_(0)``
+    and ZeRO-3's ``param.data = ...`` do to parameters; neither bumps the version counter."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+        self.how = how
+
+    def forward(self, x):
+        y = self.a(x)
+        z = self.b(y.clone())
+        if self.how == "swap":
+            y.data = torch.full_like(y, NAN)
+        elif self.how == "free":
+            y.untyped_storage().resize_(0)
+        return z
+
+
+@pytest.mark.parametrize("how", ["swap", "free"])
+def test_memory_freed_or_swapped_after_the_hook_is_never_read(how):
+    # learned from the first forward: read in its hook, the report is the reference's
+    assert_identical(seeded(Released, how), vectors(3), check="batch")
+    # a pattern the learning never saw: the line says so, no nan from the swapped data, no crash
+    model = seeded(Released, None)
+    detector = DebugUnderflowOverflow(model, check="batch", max_frames_to_save=10)
+    forward(model, vectors(1)[0])
+    model.how = how
+    out, error = capture(lambda: forward(model, vectors(1)[0]))
+    assert error is None and "nan" not in out
+    a_frame = [f for f in detector.frames if not isinstance(f, str) and f.module_name == "a"][-1]
+    assert str(a_frame).splitlines()[-1].endswith(f"unreadable output ({CHANGED_IN_PLACE})")
+    forward(model, vectors(1)[0])  # read in its hook from then on
+    a_frame = [f for f in detector.frames if not isinstance(f, str) and f.module_name == "a"][-1]
+    assert "unreadable" not in str(a_frame)
