@@ -93,10 +93,10 @@ CHANGED_IN_PLACE = ("changed after this hook (in place, or its memory freed or s
 DEFAULT_STAGE_BYTES = 256 << 20
 
 # CPU tensors are read in their hooks: there the kernel runs in the calling thread, so staging
-# saves no host work, and a tensor read in its hook is still in cache (a 4-layer GPT-2 forward at
-# 4x384: +4% read in hooks, +15% read once at the end; RESULTS.md). Staging is for accelerators, whose host
-# work per engine call is the cost. Tests and the host-path benchmark, which run the GPU path's
-# host work on CPU tensors, turn it on.
+# saves no host work, and a tensor read in its hook is still in cache (a 4-layer GPT-2 forward
+# at 4x384: +4% read in hooks, +15% read once at the end; RESULTS.md). Staging is for
+# accelerators, whose host work per engine call is the cost. Tests and the host-path benchmark,
+# which run the GPU path's host work on CPU tensors, turn it on.
 STAGE_CPU_TENSORS = False
 
 
