@@ -9,46 +9,42 @@ exactly one top-level forward: emptied when it opens and when it closes, never f
 
 import weakref
 
-MAX_REMEMBERED = 1 << 16
+_MAX_REMEMBERED = 1 << 16
 
 
 class ReuseCache:
-    __slots__ = ("enabled", "_open", "rows")
+    __slots__ = ("enabled", "_open", "_rows")
 
     def __init__(self, enabled=True):
         self.enabled = enabled
         self._open = 0  # top-level forwards running (re-entered, or on several threads)
-        self.rows = {}  # id(tensor) -> (weakref, version, row or where the row waits)
+        self._rows = {}  # id(tensor) -> (weakref, version, row or where the row waits)
 
     def open(self):
         if self._open == 0:
-            self.rows.clear()
+            self._rows.clear()
         self._open += 1
 
     def close(self):
         self._open = max(0, self._open - 1)
         if self._open == 0:
-            self.rows.clear()
-
-    @property
-    def is_open(self):
-        return self._open > 0
+            self._rows.clear()
 
     def clear(self):
-        self.rows.clear()
+        self._rows.clear()
 
     def reset(self):
         """Forget everything, the open forwards included (hooks removed, detector unpickled)."""
         self._open = 0
-        self.rows.clear()
+        self._rows.clear()
 
     def lookup(self, tensors):
         """Each tensor's known row (or None), and the positions still to read."""
         sources = [None] * len(tensors)
-        if not self._open or not self.rows:
+        if not self._open or not self._rows:
             return sources, list(range(len(tensors)))
         fresh = []
-        rows = self.rows
+        rows = self._rows
         for position, tensor in enumerate(tensors):
             entry = rows.get(id(tensor))
             if entry is not None and entry[0]() is tensor and entry[1] == tensor._version:
@@ -61,13 +57,13 @@ class ReuseCache:
         """Keep ``source`` for ``tensor`` (whose ``_version`` the caller may have read already)."""
         if not (self.enabled and self._open):
             return
-        if len(self.rows) >= MAX_REMEMBERED:
-            self.rows.clear()
+        if len(self._rows) >= _MAX_REMEMBERED:
+            self._rows.clear()
         try:
             if version is None:
                 version = tensor._version
             if version >= 0:
-                self.rows[id(tensor)] = (weakref.ref(tensor), version, source)
+                self._rows[id(tensor)] = (weakref.ref(tensor), version, source)
         except (RuntimeError, TypeError):
             # inference tensors keep no version counter (a change to them could not be seen), and
             # a tensor subclass may lack one or weak references: read it again

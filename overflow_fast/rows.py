@@ -4,14 +4,12 @@ Either way a tensor already read in this forward, unchanged, is not read again (
 
 import sys
 import warnings
-import weakref
 
 import torch
 
 from . import distributed
 from .stats import tensor_stats
 from .stats.kinds import PLAIN_TYPES, is_zero3_released, short_reason
-from .reuse import MAX_REMEMBERED
 from .stats.layout import NUM_COLUMNS
 
 
@@ -19,7 +17,8 @@ def _shard_infos(tensors):
     """Per tensor, what combining the rows of a DTensor's shards (or a ZeRO-3 parameter's
     partitions) across ranks needs (None for other tensors), or None when there is no such tensor
     among them (the common case: one type check per tensor)."""
-    if all(type(t) in PLAIN_TYPES and not is_zero3_released(t) for t in tensors):
+    zero3 = "deepspeed" in sys.modules  # a released ZeRO-3 parameter is a plain, empty tensor
+    if all(type(t) in PLAIN_TYPES and not (zero3 and is_zero3_released(t)) for t in tensors):
         return None
     infos = [distributed.shard_info(t) for t in tensors]
     return infos if any(info is not None for info in infos) else None
@@ -122,12 +121,17 @@ class _DeviceRows:
         self.stale = set()  # slots whose tensor changed in place before it was read
         self.unreadable = {}  # slot -> reason: nothing could read that tensor
 
-    def clear(self):
-        self.used = self.launched = self.staged_bytes = 0
+    def drop_staged(self):
+        """Forget the staged tensors (read by a launch, or discarded)."""
         self.staged = []
         self.versions = []
         self.pointers = []
         self.keys = []
+        self.staged_bytes = 0
+
+    def clear(self):
+        self.used = self.launched = 0
+        self.drop_staged()
         self.infos = None
         self.stale = set()
         self.unreadable = {}
@@ -205,21 +209,16 @@ class DeferredRows:
         if fresh:
             fresh_tensors = [tensors[i] for i in fresh] if len(fresh) < len(tensors) else tensors
             index = fresh_tensors[0].get_device()
-            plain = True
             for tensor in fresh_tensors:
                 if tensor.get_device() != index:  # one call, several devices: read apart, now
                     frame.rows = sources
                     self._read_apart(frame, fresh, fresh_tensors)
                     return
-                plain = plain and type(tensor) in PLAIN_TYPES
             start = state.used
             # DTensor shards and ZeRO-3 partitions: which slots hold them, combined across ranks when read
-            infos = None if plain and "deepspeed" not in sys.modules else _shard_infos(fresh_tensors)
+            infos = _shard_infos(fresh_tensors)
             if infos is not None or state.infos is not None:
                 state.infos = (state.infos or [None] * start) + (infos or [None] * len(fresh))
-            remembered = reuse.rows if reuse.enabled and reuse.is_open else None
-            if remembered is not None and len(remembered) >= MAX_REMEMBERED:
-                remembered.clear()
             staged, versions, pointers, keys, watched = (state.staged, state.versions, state.pointers, state.keys,
                                                          self._watched)
             for offset, position in enumerate(fresh):
@@ -248,11 +247,7 @@ class DeferredRows:
                         if mode == UNKNOWN:
                             watched.append((tensor, version, pointer, modes, position))
                             self._watched_bytes += size
-                if remembered is not None and version >= 0:
-                    try:
-                        remembered[id(tensor)] = (weakref.ref(tensor), version, source)
-                    except TypeError:
-                        pass  # a tensor subclass without weak references: read again when seen again
+                reuse.remember(tensor, source, version)
             state.used += len(fresh)
         if modes is not None and len(fresh) < len(tensors):
             for position, source in enumerate(sources):
@@ -280,8 +275,7 @@ class DeferredRows:
             start, end = state.launched, state.used
             staged, versions, pointers = state.staged, state.versions, state.pointers
             for offset, tensor in enumerate(staged):
-                pointer = pointers[offset]
-                if _version(tensor) != versions[offset] or (pointer is not None and tensor.data_ptr() != pointer):
+                if _changed_since(tensor, versions[offset], pointers[offset]):
                     self._changed(state, start + offset, state.keys[offset])
                     # never handed to the engine: its memory may be gone (torch's own ops on a
                     # storage resized to 0 read freed memory); its line says what happened
@@ -293,19 +287,14 @@ class DeferredRows:
                 for index, reason in reasons.items():
                     state.unreadable[start + index] = reason
             state.launched = end
-            state.staged = []
-            state.versions = []
-            state.pointers = []
-            state.keys = []
-            state.staged_bytes = 0
+            state.drop_staged()
         if self._watched_bytes > self.stage_bytes:
             self.learn()
 
     def learn(self):
         """Tensors read at once on their first sight: staged from now on if nothing changed them."""
         for tensor, version, pointer, modes, position in self._watched:
-            changed = _version(tensor) != version or (pointer is not None and tensor.data_ptr() != pointer)
-            if changed:
+            if _changed_since(tensor, version, pointer):
                 modes[position] = AT_ONCE
             elif modes[position] == UNKNOWN:
                 modes[position] = STAGE
@@ -386,6 +375,11 @@ def _bytes_of(tensor):
         return tensor.nbytes
     except RuntimeError:  # sparse tensors have no nbytes: their dense size bounds what they hold
         return tensor.numel() * tensor.element_size()
+
+
+def _changed_since(tensor, version, pointer):
+    """Whether ``tensor`` changed since its version counter and data pointer were taken."""
+    return _version(tensor) != version or (pointer is not None and tensor.data_ptr() != pointer)
 
 
 def _pointer(tensor):

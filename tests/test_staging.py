@@ -121,7 +121,9 @@ def test_an_overflow_erased_in_place_after_its_hook_is_still_caught(bad_at):
     assert "a Linear" in out and "output has infs" in out
 
 
-def test_staged_tensors_are_read_once_per_forward_after_the_first():
+@pytest.fixture
+def engine_calls(monkeypatch):
+    """The number of tensors of each engine call the detector makes, as a list that grows."""
     calls = []
     real = rows_module.tensor_stats
 
@@ -129,17 +131,18 @@ def test_staged_tensors_are_read_once_per_forward_after_the_first():
         calls.append(len(tensors))
         return real(tensors, backend, out=out)
 
+    monkeypatch.setattr(rows_module, "tensor_stats", counting)
+    return calls
+
+
+def test_staged_tensors_are_read_once_per_forward_after_the_first(engine_calls):
     model = seeded(Erased, False)
     detector = DebugUnderflowOverflow(model, check="batch")
-    rows_module.tensor_stats = counting
-    try:
-        per_forward = []
-        for batch in vectors(3):
-            calls.clear()
-            forward(model, batch)
-            per_forward.append(list(calls))
-    finally:
-        rows_module.tensor_stats = real
+    per_forward = []
+    for batch in vectors(3):
+        engine_calls.clear()
+        forward(model, batch)
+        per_forward.append(list(engine_calls))
     # first sight: each hook reads in the hook and watches; then one engine call per forward
     assert per_forward[0] == [4, 3]  # a: weight, bias, input, output; b: the same but its input (a's output)
     assert per_forward[1] == per_forward[2] == [sum(per_forward[0])]
@@ -186,14 +189,7 @@ def test_a_new_pattern_after_learning_matches_the_reference_from_then_on():
     assert_identical(model, batches, steps=steps, check="batch", max_frames_to_save=1)
 
 
-def test_stage_bytes_bounds_what_waits_and_keeps_the_report():
-    calls = []
-    real = rows_module.tensor_stats
-
-    def counting(tensors, backend=None, *, out=None):
-        calls.append(len(tensors))
-        return real(tensors, backend, out=out)
-
+def test_stage_bytes_bounds_what_waits_and_keeps_the_report(engine_calls):
     def chain():
         torch.manual_seed(0)
         return nn.Sequential(*[nn.Linear(8, 8) for _ in range(6)])
@@ -201,20 +197,16 @@ def test_stage_bytes_bounds_what_waits_and_keeps_the_report():
     data = [torch.randn(4, 8) for _ in range(3)]
     data[2][0, 0] = INF
     want = run(DebugUnderflowOverflow, chain(), data, forward, check="module")[:2]
-    rows_module.tensor_stats = counting
-    try:
-        got = run(DebugUnderflowOverflow, chain(), data, forward, check="batch", stage_bytes=300)[:2]
-        small = DebugUnderflowOverflow(chain(), check="batch", stage_bytes=300)
-        for _ in range(2):
-            calls.clear()
-            forward(small.model, data[0])
-        no_grad_calls = len(calls)
-        for _ in range(2):
-            calls.clear()
-            small.model(data[0]).sum().backward()
-        training_calls = len(calls)
-    finally:
-        rows_module.tensor_stats = real
+    got = run(DebugUnderflowOverflow, chain(), data, forward, check="batch", stage_bytes=300)[:2]
+    small = DebugUnderflowOverflow(chain(), check="batch", stage_bytes=300)
+    for _ in range(2):
+        engine_calls.clear()
+        forward(small.model, data[0])
+    no_grad_calls = len(engine_calls)
+    for _ in range(2):
+        engine_calls.clear()
+        small.model(data[0]).sum().backward()
+    training_calls = len(engine_calls)
     assert got == want
     # under no_grad each Linear's output (4 x 8 float32: 128 bytes) is kept alive by staging
     # alone: read every third hook; the weights, which autograd keeps, do not count
