@@ -372,21 +372,13 @@ class DebugUnderflowOverflow:
                 return
             frame = Frame(self.module_names.get(module, "?"), class_name(module), list(entries), dtypes)
             frame.rows = [next(host[rows.device]) for _ in dtypes] if rows is not None else []
-            call = self._call(module, frame)
-            if self.check == "batch" and not call.trace_mode and not self.detected_overflow:
-                if len(self._deferred) >= self._deferred.capacity:
-                    self.flush()
-                self._deferred.pending.append(call)  # its rows are on the host already
-                if call.last_frame_of_batch:
-                    self.flush()
-            else:
-                self.flush()
-                self._replay(call)
+            self._check(self._call(module, frame), None)
             self._abort_if_due()
 
     def _check(self, call, tensors, module=None):
         """Decide now (check="module", traced batches, after a detection) or queue the call.
 
+        ``tensors`` None: the frame's rows are on the host already (a compiled graph's).
         ``module``: a forward hook's module. Inside a top-level forward its tensors are staged
         (read when the forward ends); elsewhere (backward, a submodule driven alone, inference
         mode, whose tensors keep no version counter) they are read in the hook, without a sync."""
@@ -401,7 +393,8 @@ class DebugUnderflowOverflow:
                 self.flush()
         else:
             self.flush()  # earlier calls first: one of them may be the first bad one
-            self._reader.read_now(call.frame, tensors)
+            if tensors is not None:
+                self._reader.read_now(call.frame, tensors)
             self._replay(call)
         if in_backward and (self.check == "batch" or self._sync_wanted()):
             self._flush_when_backward_ends()

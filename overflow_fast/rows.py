@@ -182,9 +182,12 @@ class DeferredRows:
     def add(self, call, tensors, module=None):
         """Queue a call; ``frame.rows`` holds, per tensor, a host row or the (device rows, slot)
         where its row will be. ``module``: the forward hook's module, whose tensors may be staged
-        (None: read them now). Call ``must_read_before`` first."""
+        (None: read them now). ``tensors`` None: the frame's rows are on the host already. Call
+        ``must_read_before`` first."""
         frame = call.frame
         self.pending.append(call)
+        if tensors is None:
+            return
         if not tensors:
             frame.rows = []
             return
