@@ -54,6 +54,13 @@ def run(fn, batches, train=False):
     return out.getvalue(), outcomes
 
 
+def eager_report(variant, batches, train=False):
+    """What the uncompiled model with the detector prints (``run``'s result), to compare with."""
+    model = mlp()
+    attach(model, variant)
+    return run(model, batches, train)
+
+
 @pytest.fixture(autouse=True)
 def fresh_dynamo():
     dynamo.reset()
@@ -82,9 +89,7 @@ def test_one_graph_break_on_a_transformers_model():
 @pytest.mark.parametrize("variant", ["batch", "module"])
 @pytest.mark.parametrize("bad_at", [None, 0, 2])
 def test_compiled_model_prints_what_eager_prints(variant, bad_at):
-    model = mlp()
-    attach(model, variant)
-    want = run(model, mlp_batches(bad_at))
+    want = eager_report(variant, mlp_batches(bad_at))
     model = mlp()
     detector = attach(model, variant)
     got = run(torch.compile(model, backend="aot_eager"), mlp_batches(bad_at))
@@ -94,9 +99,7 @@ def test_compiled_model_prints_what_eager_prints(variant, bad_at):
 
 
 def test_inductor_compiled_model_prints_what_eager_prints():
-    model = mlp()
-    attach(model, "batch")
-    want = run(model, mlp_batches(2))
+    want = eager_report("batch", mlp_batches(2))
     model = mlp()
     attach(model, "batch")
     got = run(torch.compile(model), mlp_batches(2))
@@ -115,9 +118,7 @@ def test_no_recompile_from_batch_to_batch():
 
 def test_compiled_submodules_keep_the_order_of_frames():
     # only some modules compiled: their records must come back between the eager frames around them
-    model = mlp()
-    attach(model, "batch")
-    want = run(model, mlp_batches(2))
+    want = eager_report("batch", mlp_batches(2))
     model = mlp()
     attach(model, "batch")
     model[2].compile(backend="aot_eager")
@@ -127,9 +128,7 @@ def test_compiled_submodules_keep_the_order_of_frames():
 
 
 def test_compiled_training_step_reports_the_forward_as_eager():
-    model = mlp()
-    attach(model, "batch")
-    want = run(model, mlp_batches(2), train=True)
+    want = eager_report("batch", mlp_batches(2), train=True)
     model = mlp()
     attach(model, "batch")
     got = run(torch.compile(model, backend="aot_eager"), mlp_batches(2), train=True)
