@@ -1,7 +1,8 @@
 """The detector's cost in a CPU forward, against its floors (issue 12 item 6).
 
 A GPT-2-style model (transformers GPT2LMHeadModel: 4 layers, n_embd 256, 4 heads, vocab 2048,
-random weights; the end-to-end benchmark's model) in fp32 on the CPU, one no_grad forward of
+random weights: the end-to-end benchmark's sizes, with 512 positions for 384 tokens) in fp32 on
+the CPU, one no_grad forward of
 batch 4 x 384 tokens. Variants, each on its own copy of the model, round-robin in one process,
 medians:
 
