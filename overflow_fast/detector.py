@@ -23,7 +23,7 @@ from .gradients import GradientHooks
 from .policy import Policy, is_bad, source_line
 from .report import NONE, NOT_A_TENSOR, TENSOR, UNREADABLE
 from .reuse import ReuseCache
-from .rows import DEFAULT_STAGE_BYTES, DeferredRows, RowReader
+from .rows import DEFAULT_STAGE_BYTES, DeferredRows, RowReader, resolve
 from .stats import tensor_stats, unreadable_reason
 from .stats.dispatch import backend_status, check_backend_name, requested_backend
 
@@ -305,7 +305,15 @@ class DebugUnderflowOverflow:
         with self._lock:
             if not self._deferred:
                 return
-            for call in self._deferred.read():
+            calls, finite_rows = self._deferred.read(lazy=self._log is None and self._policy.warn_above is None)
+            if finite_rows is not None and not self.detected_overflow and not any(
+                    call.trace_mode for call in calls):
+                self._replay_finite(calls, finite_rows)
+                return
+            if finite_rows is not None:
+                for call in calls:
+                    resolve(call.frame, finite_rows)
+            for call in calls:
                 self._replay(call)  # raises at the first bad call: those after it never happened
 
     # -- internals --------------------------------------------------------------------------
@@ -510,6 +518,25 @@ class DebugUnderflowOverflow:
                 self.batch_number = call.batch_after
                 self.total_calls = call.total_calls
             self._detected(frame, batch, call.batch_after)
+
+    def _replay_finite(self, calls, rows):
+        """``_replay`` of calls none of whose rows counts a nan/inf, with nothing to trace, warn
+        or log: only the ring and the pending batch lines change, and the ring keeps the last
+        frames alone, so only those get their host rows (``rows``, read lazily)."""
+        keep = self.frames.maxlen
+        first_kept = 0 if keep is None else len(calls) - keep
+        ring = self.frames
+        for index, call in enumerate(calls):
+            frame = call.frame
+            if call.first_call:
+                self.frame.extend(report.batch_start_lines(call.batch_before))
+            if frame.phase == FORWARD:
+                frame.lead, self.frame = self.frame, []
+            if index >= first_kept:
+                resolve(frame, rows)
+                ring.append(frame)
+            if call.last_frame_of_batch:
+                self.frame.extend(report.batch_start_lines(call.batch_after))
 
     def _save(self, frame, batch=None):
         """Attach the pending lead lines, print the nan/inf lines, keep the frame in the ring."""

@@ -14,6 +14,7 @@ from .stats.kinds import PLAIN_TYPES, SUPPORTED_DTYPES
 
 FORWARD, BACKWARD = "forward", "backward"
 _STRIDED = torch.strided
+_Tensor = torch.Tensor
 
 
 class Frame:
@@ -101,7 +102,8 @@ def own_parameters(module):
     them; without the generator machinery when the module does not override it (it runs per hook)."""
     if type(module).named_parameters is _named_parameters:
         pairs = [(p, name) for name, p in module._parameters.items() if p is not None]
-        if len(pairs) < 2 or len({id(p) for p, _ in pairs}) == len(pairs):
+        count = len(pairs)
+        if count < 2 or (pairs[0][0] is not pairs[1][0] if count == 2 else len({id(p) for p, _ in pairs}) == count):
             return pairs
     # overridden, or one tensor under two names (the first wins)
     return [(p, name) for name, p in module.named_parameters(recurse=False)]
@@ -190,12 +192,16 @@ def entries_of(items):
     tensors = []
     dtypes = []
     for var, ctx in items:
-        if isinstance(var, torch.Tensor):
+        if isinstance(var, _Tensor):
             # the common case first, without a call: a plain strided tensor of a supported dtype
             dtype = var.dtype
-            readable = (type(var) in PLAIN_TYPES and dtype in SUPPORTED_DTYPES and var.layout is _STRIDED
-                        and not var.is_meta and not var.is_nested)
-            reason = None if readable else unreadable_reason(var)
+            if (type(var) in PLAIN_TYPES and dtype in SUPPORTED_DTYPES and var.layout is _STRIDED
+                    and not var.is_meta and not var.is_nested):
+                entries.append((TENSOR, ctx, len(tensors)))
+                tensors.append(var)
+                dtypes.append(dtype)
+                continue
+            reason = unreadable_reason(var)
             if reason is None:
                 entries.append((TENSOR, ctx, len(tensors)))
                 tensors.append(var)

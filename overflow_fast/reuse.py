@@ -38,6 +38,16 @@ class ReuseCache:
         self._open = 0
         self._rows.clear()
 
+    def open_rows(self, adding):
+        """The table ``id(tensor) -> (weak reference, version, row or where it waits)`` for a
+        caller that looks up and remembers up to ``adding`` tensors itself, or None outside a
+        top-level forward (or with reuse off)."""
+        if not (self.enabled and self._open):
+            return None
+        if len(self._rows) + adding > _MAX_REMEMBERED:
+            self._rows.clear()
+        return self._rows
+
     def lookup(self, tensors):
         """Each tensor's known row (or None), and the positions still to read."""
         sources = [None] * len(tensors)

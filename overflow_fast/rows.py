@@ -4,13 +4,14 @@ Either way a tensor already read in this forward, unchanged, is not read again (
 
 import sys
 import warnings
+import weakref
 
 import torch
 
 from . import distributed
 from .stats import tensor_stats
 from .stats.kinds import PLAIN_TYPES, is_zero3_released, short_reason
-from .stats.layout import NUM_COLUMNS
+from .stats.layout import NAN, NEGINF, NUM_COLUMNS, POSINF
 
 
 def _shard_infos(tensors):
@@ -166,6 +167,7 @@ class DeferredRows:
         self.modes = {}  # module -> [UNKNOWN | STAGE | AT_ONCE per tensor position]
         self._watched = []  # (tensor, version, data pointer, modes, position): read at once, first seen
         self._watched_bytes = 0
+        self._host_rows = False  # a pending frame holds host rows (read apart, or a compiled graph's)
 
     def __len__(self):
         return len(self.pending)
@@ -187,85 +189,107 @@ class DeferredRows:
         frame = call.frame
         self.pending.append(call)
         if tensors is None:
+            self._host_rows = True
             return
         if not tensors:
             frame.rows = []
             return
         if len(tensors) > self.capacity:
+            self._host_rows = True
             self.reader.read_now(frame, tensors)
             return
-        device = tensors[0].device
+        first = tensors[0]
+        if len(tensors) > 1:
+            index = first.get_device()
+            for tensor in tensors:
+                if tensor.get_device() != index:  # one call, several devices: read apart, now
+                    self._read_apart(frame, tensors)
+                    return
+        device = first.device
         state = self._devices.get(device)
         if state is None:
             buffer = torch.empty((self.capacity, NUM_COLUMNS), dtype=torch.int64, device=device)
             state = self._devices[device] = _DeviceRows(buffer)
         if module is not None and device.type == "cpu" and not STAGE_CPU_TENSORS:
             module = None
-        reuse = self.reader.reuse
-        sources, fresh = reuse.lookup(tensors)
         modes = None
         if module is not None:
             modes = self.modes.get(module)
             if modes is None or len(modes) < len(tensors):
                 modes = self.modes[module] = (modes or []) + [UNKNOWN] * (len(tensors) - len(modes or ()))
         launch_now = modes is None
-        if fresh:
-            fresh_tensors = [tensors[i] for i in fresh] if len(fresh) < len(tensors) else tensors
-            index = fresh_tensors[0].get_device()
-            for tensor in fresh_tensors:
-                if tensor.get_device() != index:  # one call, several devices: read apart, now
-                    frame.rows = sources
-                    self._read_apart(frame, fresh, fresh_tensors)
-                    return
-            start = state.used
-            # DTensor shards and ZeRO-3 partitions: which slots hold them, combined across ranks when read
-            infos = _shard_infos(fresh_tensors)
-            if infos is not None or state.infos is not None:
-                state.infos = (state.infos or [None] * start) + (infos or [None] * len(fresh))
-            staged, versions, pointers, keys, watched = (state.staged, state.versions, state.pointers, state.keys,
-                                                         self._watched)
-            for offset, position in enumerate(fresh):
-                tensor = fresh_tensors[offset]
-                source = sources[position] = (state, start + offset)
+        # One pass per tensor: a row this forward already has (same tensor, same version) serves
+        # again; a new tensor gets the next slot, its version and data pointer, and is remembered.
+        # (A call per tensor, or a list per column, costs more than the work itself here.)
+        known = self.reader.reuse.open_rows(len(tensors))
+        start = state.used
+        staged, versions, pointers, keys, watched = (state.staged, state.versions, state.pointers, state.keys,
+                                                     self._watched)
+        sources = []
+        plain = True  # every new tensor a plain one (else DTensor shards, ZeRO-3 partitions may be among them)
+        for position, tensor in enumerate(tensors):
+            try:
+                version = tensor._version
+            except RuntimeError:  # an inference tensor: no version counter, so never staged or reused
+                version = -1
+            if known is not None and version >= 0:
+                entry = known.get(id(tensor))
+                if entry is not None and entry[1] == version and entry[0]() is tensor:
+                    source = entry[2]
+                    sources.append(source)
+                    if modes is not None and type(source) is tuple:
+                        # a tensor an earlier hook staged: its row serves this entry too
+                        owner, slot = source
+                        waiting = slot >= owner.launched
+                        if waiting:  # a change before its launch concerns this entry too
+                            owner.keys[slot - owner.launched].append((modes, position))
+                        mode = modes[position]
+                        if mode != STAGE:
+                            launch_now = launch_now or waiting
+                            if mode == UNKNOWN:
+                                watched.append((tensor, version, _pointer(tensor), modes, position))
+                    continue
+            source = (state, state.used)
+            state.used += 1
+            sources.append(source)
+            if type(tensor) in PLAIN_TYPES:
                 try:
-                    version = tensor._version
-                except RuntimeError:  # an inference tensor: no version counter, so never staged
-                    version = -1
+                    pointer = tensor.data_ptr()
+                except RuntimeError:
+                    pointer = None
+            else:
+                plain = False
+                pointer = None
+            if version < 0:
+                launch_now = True
+            staged.append(tensor)
+            versions.append(version)
+            pointers.append(pointer)
+            # only what staging alone keeps alive counts: autograd holds a tensor that
+            # requires grad (weights, a training forward's activations) until backward anyway
+            size = 0 if tensor.requires_grad else _bytes_of(tensor)
+            state.staged_bytes += size
+            if modes is None:
+                keys.append(None)
+            else:
+                keys.append([(modes, position)])
+                mode = modes[position]
+                if mode != STAGE:
                     launch_now = True
-                staged.append(tensor)
-                versions.append(version)
-                pointer = _pointer(tensor)
-                pointers.append(pointer)
-                # only what staging alone keeps alive counts: autograd holds a tensor that
-                # requires grad (weights, a training forward's activations) until backward anyway
-                size = 0 if tensor.requires_grad else _bytes_of(tensor)
-                state.staged_bytes += size
-                if modes is None:
-                    keys.append(None)
-                else:
-                    keys.append([(modes, position)])
-                    mode = modes[position]
-                    if mode != STAGE:
-                        launch_now = True
-                        if mode == UNKNOWN:
-                            watched.append((tensor, version, pointer, modes, position))
-                            self._watched_bytes += size
-                reuse.remember(tensor, source, version)
-            state.used += len(fresh)
-        if modes is not None and len(fresh) < len(tensors):
-            for position, source in enumerate(sources):
-                if position not in fresh and isinstance(source, tuple):
-                    # a tensor an earlier hook staged: its row serves this entry too
-                    owner, slot = source
-                    if slot >= owner.launched:  # still waiting: a change before its launch concerns this entry
-                        owner.keys[slot - owner.launched].append((modes, position))
-                    mode = modes[position]
-                    if mode != STAGE:
-                        launch_now = launch_now or slot >= owner.launched
-                        if mode == UNKNOWN:
-                            tensor = tensors[position]
-                            pointer = _pointer(tensor)
-                            self._watched.append((tensor, _version(tensor), pointer, modes, position))
+                    if mode == UNKNOWN:
+                        watched.append((tensor, version, pointer, modes, position))
+                        self._watched_bytes += size
+            if known is not None and version >= 0:
+                try:
+                    known[id(tensor)] = (weakref.ref(tensor), version, source)
+                except TypeError:  # a tensor subclass without weak references: read it again
+                    pass
+        added = state.used - start
+        if added and (not plain or "deepspeed" in sys.modules or state.infos is not None):
+            # DTensor shards and ZeRO-3 partitions: which slots hold them, combined across ranks when read
+            infos = _shard_infos(staged[len(staged) - added:])
+            if infos is not None or state.infos is not None:
+                state.infos = (state.infos or [None] * start) + (infos or [None] * added)
         frame.rows = sources
         if launch_now or state.staged_bytes + self._watched_bytes > self.stage_bytes:
             self.launch()
@@ -277,12 +301,13 @@ class DeferredRows:
                 continue
             start, end = state.launched, state.used
             staged, versions, pointers = state.staged, state.versions, state.pointers
-            for offset, tensor in enumerate(staged):
-                if _changed_since(tensor, versions[offset], pointers[offset]):
-                    self._changed(state, start + offset, state.keys[offset])
-                    # never handed to the engine: its memory may be gone (torch's own ops on a
-                    # storage resized to 0 read freed memory); its line says what happened
-                    staged[offset] = torch.empty(0, dtype=torch.uint8, device=state.buffer.device)
+            if not _all_unchanged(staged, versions, pointers):
+                for offset, tensor in enumerate(staged):
+                    if _changed_since(tensor, versions[offset], pointers[offset]):
+                        self._changed(state, start + offset, state.keys[offset])
+                        # never handed to the engine: its memory may be gone (torch's own ops on a
+                        # storage resized to 0 read freed memory); its line says what happened
+                        staged[offset] = torch.empty(0, dtype=torch.uint8, device=state.buffer.device)
             result = self.reader.stats(staged, out=state.buffer[start:end])
             if isinstance(result, tuple):  # the engine failed: the torch backend's rows
                 rows, reasons = result
@@ -310,9 +335,14 @@ class DeferredRows:
         for modes, position in keys or ():
             modes[position] = AT_ONCE
 
-    def _read_apart(self, frame, fresh, tensors):
+    def _read_apart(self, frame, tensors):
         """Tensors on several devices in one call: read now, host rows in the frame."""
-        result = self.reader.stats(tensors)
+        self._host_rows = True
+        sources, fresh = self.reader.reuse.lookup(tensors)
+        frame.rows = sources
+        if not fresh:
+            return
+        result = self.reader.stats([tensors[i] for i in fresh])
         if isinstance(result, tuple):
             rows, reasons = result
             for index, reason in reasons.items():
@@ -322,12 +352,17 @@ class DeferredRows:
         for position, row in zip(fresh, rows):
             frame.rows[position] = row
 
-    def read(self):
-        """The pending calls, in order, with host rows; the queue and the buffers start empty again."""
+    def read(self, lazy=False):
+        """``(calls, rows)``: the pending calls, in order; the queue and the buffers start empty
+        again. ``rows`` is None when every frame has its host rows. With ``lazy``, when one device
+        holds every row, none of them counts a nan/inf and none is marked, ``rows`` is that
+        device's host rows and the frames still hold their sources: ``resolve(frame, rows)`` gives
+        a frame its rows (a caller that keeps only the last frames resolves only those)."""
         self.launch()
         self.learn()
         host = {}
         bad = {}  # (device rows, slot) -> ranks whose DTensor shard holds a nan/inf
+        finite = True
         for state in self._devices.values():
             if state.used:
                 rows = state.buffer[:state.used]
@@ -335,8 +370,12 @@ class DeferredRows:
                     shards = {}
                     rows = distributed.global_rows(rows, state.infos, bad_shards=shards)
                     bad.update(((id(state), slot), ranks) for slot, ranks in shards.items())
-                host[id(state)] = (state, rows.tolist())
+                rows = rows.tolist()  # the one host read (sync) of this device
+                if lazy and finite:
+                    finite = not any(row[NAN] or row[POSINF] or row[NEGINF] for row in rows)
+                host[id(state)] = (state, rows)
         calls = self.pending
+        host_rows = self._host_rows
         marks = {}
         for key, (state, _) in host.items():
             for slot in state.stale:
@@ -347,10 +386,11 @@ class DeferredRows:
         if len(host) == 1 and not marks and not bad:
             # the common case: one device, nothing to mark; a slot's row is its index
             (_, rows_of), = host.values()
+            if lazy and finite and not host_rows:
+                return calls, rows_of
             for call in calls:
-                frame = call.frame
-                frame.rows = [rows_of[s[1]] if s.__class__ is tuple else s for s in frame.rows]
-            return calls
+                resolve(call.frame, rows_of)
+            return calls, None
         for call in calls:
             frame = call.frame
             rows = frame.rows
@@ -362,10 +402,11 @@ class DeferredRows:
                         frame.mark_unreadable(index, marks[key])
                     if key in bad:
                         frame.bad_shards[index] = bad[key]
-        return calls
+        return calls, None
 
     def discard(self):
         self.pending = []
+        self._host_rows = False
         self.reader.reuse.clear()  # the buffer slots are reused from here on
         for state in self._devices.values():
             state.clear()
@@ -373,11 +414,27 @@ class DeferredRows:
         self._watched_bytes = 0
 
 
+def resolve(frame, rows):
+    """Give a frame read lazily (``DeferredRows.read``) its host rows: a pending slot's row is
+    its index in ``rows``."""
+    frame.rows = [rows[source[1]] if type(source) is tuple else source for source in frame.rows]
+
+
 def _bytes_of(tensor):
     try:
         return tensor.nbytes
     except RuntimeError:  # sparse tensors have no nbytes: their dense size bounds what they hold
         return tensor.numel() * tensor.element_size()
+
+
+def _all_unchanged(tensors, versions, pointers):
+    """True when no tensor changed since its version and pointer were taken (False: look at
+    each); one comprehension per column instead of a call per tensor."""
+    try:
+        return ([t._version for t in tensors] == versions
+                and [t.data_ptr() if type(t) in PLAIN_TYPES else None for t in tensors] == pointers)
+    except RuntimeError:  # inference tensors (no version counter), storage-less ones: one at a time
+        return False
 
 
 def _changed_since(tensor, version, pointer):

@@ -268,7 +268,7 @@ def test_warn_above_reports_underflow(check):
 def test_batch_mode_reads_the_host_once_per_forward_and_once_per_backward(check, monkeypatch):
     reads, now = [], []
     real_read, real_now = DeferredRows.read, RowReader.read_now
-    monkeypatch.setattr(DeferredRows, "read", lambda self: reads.append(1) or real_read(self))
+    monkeypatch.setattr(DeferredRows, "read", lambda self, **kw: reads.append(1) or real_read(self, **kw))
     monkeypatch.setattr(RowReader, "read_now", lambda self, *a: now.append(1) or real_now(self, *a))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
