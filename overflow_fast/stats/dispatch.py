@@ -286,7 +286,7 @@ def tensor_stats(tensors, backend=None, *, out=None) -> StatsBatch:
     if out is not None:
         _check_out_shape(out, len(tensors))
     requested, origin = requested_backend(backend)
-    if tensors:
+    if tensors:  # the detector's common call: plain tensors on one GPU, checked in one C++ loop
         batch = _plain_stats(tensors, requested, out)
         if batch is not None:
             return batch

@@ -16,6 +16,14 @@ sums (``SEARCH_STEPS``, a constexpr: log2 of the tensor count rounded up to a po
 chunk within the tensor from the same sums. The same device buffer holds the partial rows after the
 table: one allocation, one upload.
 
+On a GPU a call's host work is its cost, and building the table was most of it: a few microseconds
+of Python per tensor. When the extension ``overflow_fast._C`` is loaded, one C++ loop
+(``_C.triton_table``, csrc/table.cpp; ``scan`` here) checks every tensor and writes the table
+straight into the host tensor the upload reads; ``dispatch.tensor_stats`` calls it directly for
+lists of plain tensors on one device, so that its own per-tensor checks run in the same loop. Calls
+it does not take (any tensor not plain, or no extension) build the same table in Python
+(``_table``).
+
 The format word of a tensor carries its format code, its 16-byte alignment and the parameters of
 its format. The partials kernel branches on the code at run time to a loop specialised for that
 format (the load dtype and the classification constants are constexprs of each branch); a
@@ -471,7 +479,7 @@ def _flat_source(tensor: torch.Tensor) -> torch.Tensor:
 
 def _table(sources, words, chunk):
     """The kernels' table for ``sources`` (flat tensors) whose format words are ``words``, as a
-    list of 4 * T + 1 ints:
+    list of 4 * T + 1 ints (the Python path; ``scan`` writes the same ints from C++):
 
         address[T], numel[T], format word[T] (alignment bit set), first chunk[T + 1]
 
