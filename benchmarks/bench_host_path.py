@@ -110,6 +110,15 @@ class Counters:
         self.flush_launch_s = 0.0  # of flush_s: the final engine call, issued before the host read
         self.kernel_calls = 0  # _C.compute (CPU backend)
         self.kernel_s = 0.0
+        self.described = []  # lists of tensors the triton tables describe, summed by settle()
+
+    def settle(self):
+        """Add the described tensors to ``tensors`` and ``bytes`` (summed here, not in the timed
+        calls: the sums cost more than the C++ table itself)."""
+        for tensors in self.described:
+            self.tensors += len(tensors)
+            self.bytes += sum(t.numel() * t.element_size() for t in tensors)
+        self.described = []
 
 
 COUNT = Counters()
@@ -144,13 +153,29 @@ def _counting_launch(real):
 def _flat_source(tensor):
     """triton_backend._flat_source, except that the copy of a non-dense tensor (one ATen kernel on
     a GPU) is counted and stands as an uninitialised tensor: its data are never read here."""
-    COUNT.tensors += 1
-    COUNT.bytes += tensor.numel() * tensor.element_size()
     if tensor.is_neg() or tensor.is_contiguous() or triton_backend._is_dense(tensor):
         return triton_backend._REAL_FLAT_SOURCE(tensor)
     COUNT.copies += 1
     COUNT.copy_bytes += tensor.numel() * tensor.element_size()
     return torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+
+
+def _counting_table(real):
+    """triton_backend._table (the Python table) counting the tensors it describes."""
+    def table(sources, words, chunk):
+        COUNT.described.append(sources)
+        return real(sources, words, chunk)
+    return table
+
+
+def _counting_scan(real):
+    """triton_backend.scan (the table built by the C++ loop) counting the tensors it describes."""
+    def scan(tensors, *args, **kwargs):
+        scanned = real(tensors, *args, **kwargs)
+        if scanned is not None:
+            COUNT.described.append(tensors)
+        return scanned
+    return scan
 
 
 @contextlib.contextmanager
@@ -181,6 +206,8 @@ def triton_on_cpu():
             (triton_backend, "_stats_combine_kernel", _StubKernel("combine")),
             (triton_backend, "_launch", _counting_launch(triton_backend._launch)),
             (triton_backend, "_flat_source", _flat_source),
+            (triton_backend, "_table", _counting_table(triton_backend._table)),
+            (triton_backend, "scan", _counting_scan(triton_backend.scan)),
             (overflow_fast.rows, "STAGE_CPU_TENSORS", True),  # these CPU tensors stand for GPU ones
         ):
             stack.enter_context(patched(obj, name, value))
@@ -233,13 +260,26 @@ def instrumented():
             if in_flush[0]:
                 COUNT.flush_launch_s += time.perf_counter() - start
 
-    def compute(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return real_compute(*args, **kwargs)
-        finally:
-            COUNT.compute_calls += 1
-            COUNT.compute_s += time.perf_counter() - start
+    depth = [0]  # compute() runs scan() and compute_scanned(): time the outermost call only
+
+    def timed(real, counts_call):
+        def call(*args, **kwargs):
+            depth[0] += 1
+            start = time.perf_counter()
+            try:
+                return real(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+                if not depth[0]:
+                    COUNT.compute_calls += counts_call
+                    COUNT.compute_s += time.perf_counter() - start
+        return call
+
+    # the backend's work: compute(), or where dispatch builds the table in C++ itself, scan()
+    # then compute_scanned() (one engine call)
+    compute = timed(real_compute, 1)
+    scan = timed(triton_backend.scan, 0)
+    compute_scanned = timed(triton_backend.compute_scanned, 1)
 
     def flush(self):
         start = time.perf_counter()
@@ -250,7 +290,8 @@ def instrumented():
             in_flush[0] = False
             COUNT.flush_s += time.perf_counter() - start
 
-    with patched(triton_backend, "compute", compute), patched(_Detector, "flush", flush), \
+    with patched(triton_backend, "compute", compute), patched(triton_backend, "scan", scan), \
+            patched(triton_backend, "compute_scanned", compute_scanned), patched(_Detector, "flush", flush), \
             patched(DeferredRows, "launch", launch), \
             patched(cpu_backend, "_C", _TimedC(cpu_backend._C) if cpu_backend._C is not None else None):
         yield
@@ -408,6 +449,7 @@ def counted(model, run, variant):
         with instrumented():
             COUNT.reset()
             run()
+            COUNT.settle()
             snapshot = dict(vars(COUNT))
     finally:
         detach()

@@ -42,7 +42,8 @@ namespace {
 //    overflow_fast::tensor_stats_out (TORCH_LIBRARY below); _C.compute records that name for the
 //    profiler.
 // 5: an AVX-512 kernel; capabilities() says which builds this CPU runs (and why not).
-constexpr int kAbiVersion = 5;
+// 6: triton_table (table.cpp), the Triton backend's table built in one loop.
+constexpr int kAbiVersion = 6;
 
 // Columns of a row (overflow_fast/stats/layout.py).
 enum Column : int64_t { ABS_MIN, ABS_MAX, NAN_COUNT, POSINF, NEGINF, ZERO, SUBNORMAL, NUMEL, NUM_COLUMNS };
@@ -596,6 +597,12 @@ void tensor_stats_out_autograd(at::TensorList tensors, at::Tensor& out) {
 }
 
 }  // namespace
+
+// table.cpp
+py::object triton_table(const py::list& tensors, const py::tuple& plain_types, const at::Device& device,
+                        const py::dict& words, int64_t chunk, const at::Tensor& table, int64_t aligned_bit,
+                        int64_t overlap_first, int64_t overlap_last, bool list_empty);
+
 }  // namespace overflow_fast
 
 TORCH_LIBRARY(overflow_fast, m) {
@@ -643,6 +650,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         },
         "[(name, why not)] for every kernel build, worst first: why not is '' for the builds "
         "this module holds and this CPU runs");
+  m.def("triton_table", &overflow_fast::triton_table, "The Triton backend's table of plain tensors (table.cpp)");
   m.attr("ABI_VERSION") = overflow_fast::kAbiVersion;
   m.attr("TORCH_VERSION") = OVERFLOW_FAST_TORCH_VERSION;
   m.attr("SOURCE_HASH") = OVERFLOW_FAST_SOURCE_HASH;

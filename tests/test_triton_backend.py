@@ -18,7 +18,7 @@ import torch
 
 from oracle import ALL_DTYPES, assert_stats_equal, random_bits, same_stats, special_values
 from overflow_fast import tensor_stats
-from overflow_fast.stats import StatsBatch
+from overflow_fast.stats import StatsBatch, dispatch
 from overflow_fast.stats import triton_backend as tb
 
 _CHILD_ENV = "_OVERFLOW_FAST_TRITON_TEST_CHILD"
@@ -210,6 +210,28 @@ def test_one_launch_pair_and_one_table_per_call(monkeypatch):
     launches.clear()
     _check([torch.empty(0), torch.empty(0, dtype=torch.int8)], "only empty", **SMALL)
     assert [grid for _, grid, _ in launches] == [(2,)]  # no chunks: the combine launch only
+
+
+@needs_backend
+def test_cpp_table_and_python_table_give_the_same_rows(monkeypatch):
+    """compute() and tensor_stats(out=) through the C++ table (dispatch's one loop), and through the
+    Python table (no extension): the same rows, for dense, strided, expanded, negated, unaligned
+    and empty tensors of several dtypes."""
+    if tb._TRITON_TABLE is None:
+        pytest.skip("overflow_fast._C is not loaded")
+    gen = _gen(12)
+    base = random_bits(torch.float32, (6, 40), gen).to(DEVICE)
+    tensors = [base, base.t(), base[:, 1:7], base[0, :7].expand(3, 7), torch._neg_view(base[1]),
+               random_bits(torch.bfloat16, (71,), gen).to(DEVICE)[1:], torch.empty(0, dtype=torch.int8, device=DEVICE),
+               random_bits(torch.int64, (33,), gen).to(DEVICE)]
+    out = torch.full((len(tensors) + 1, 8), -1, dtype=torch.int64, device=DEVICE)[1:]
+    native = tb.compute(tensors, **SMALL).tolist()
+    dispatched = tensor_stats(tensors, backend="triton", out=out).values.tolist()
+    monkeypatch.setattr(tb, "_TRITON_TABLE", None)
+    monkeypatch.setattr(dispatch, "_choices", {})
+    assert tb.compute(tensors, **SMALL).tolist() == native
+    assert tensor_stats(tensors, backend="triton", out=out.fill_(-1)).values.tolist() == dispatched == native
+    assert_stats_equal(_rows_to_dicts(torch.tensor(native), tensors), [t.cpu() for t in tensors], "C++ table")
 
 
 def test_pinned_staging_reuses_only_buffers_no_copy_reads():
@@ -546,13 +568,14 @@ def test_detector_stages_a_forward_into_one_launch_pair(monkeypatch):
     data = [torch.randn(2, 8) for _ in range(4)]
     data[3][0, 0] = float("inf")
     calls = []
-    real = tb.compute
+    real = tb._launch
 
-    def counting(tensors, *args, **kwargs):
-        calls.append(len(tensors))
-        return real(tensors, *args, **kwargs)
+    def counting(buffer, out, num_tensors, *args):
+        # one per engine call, through compute() or dispatch's C++ table (compute_scanned())
+        calls.append(num_tensors)
+        return real(buffer, out, num_tensors, *args)
 
-    monkeypatch.setattr(tb, "compute", counting)
+    monkeypatch.setattr(tb, "_launch", counting)
     import overflow_fast.rows
 
     monkeypatch.setattr(overflow_fast.rows, "STAGE_CPU_TENSORS", True)  # the interpreter's tensors are on the CPU

@@ -131,22 +131,39 @@ def _byte_extent(tensor):
     return start + low * tensor.element_size(), start + (high + 1) * tensor.element_size()
 
 
-def _check_out(out, tensors):
+def _check_out_shape(out, count):
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"out must be a tensor, got {type(out).__name__}")
     if (type(out) not in PLAIN_TYPES or out.dtype != torch.int64 or out.layout != torch.strided
-            or tuple(out.shape) != (len(tensors), NUM_COLUMNS) or not out.is_contiguous()):
+            or tuple(out.shape) != (count, NUM_COLUMNS) or not out.is_contiguous()):
         raise ValueError(
-            f"out must be a contiguous int64 tensor of shape ({len(tensors)}, {NUM_COLUMNS}), "
+            f"out must be a contiguous int64 tensor of shape ({count}, {NUM_COLUMNS}), "
             f"got {type(out).__name__} {out.dtype} {tuple(out.shape)}"
         )
+
+
+def _storage_bytes(out):
+    """[first, last) bytes of ``out``'s allocation."""
+    storage = out.untyped_storage()
+    first = storage.data_ptr()
+    return first, first + storage.nbytes()
+
+
+def _check_overlap(out, index, tensor):
+    """Raise if ``tensor`` (plain, strided, non-empty, starting inside ``out``'s allocation) shares
+    memory with ``out``."""
+    out_first, out_last = _byte_extent(out)
+    first, last = _byte_extent(tensor)
+    if first < out_last and out_first < last:
+        raise ValueError(f"out overlaps the memory of tensors[{index}]; its rows would overwrite it")
+
+
+def _check_out(out, tensors):
+    _check_out_shape(out, len(tensors))
     # Rows are zeroed or written before every input is read: out must not share their memory.
     # Only a tensor starting inside out's allocation can share it (allocations never overlap),
     # so the exact extents are computed for those alone (this runs in every check="batch" hook).
-    storage = out.untyped_storage()
-    storage_first = storage.data_ptr()
-    storage_last = storage_first + storage.nbytes()
-    out_first, out_last = _byte_extent(out)
+    storage_first, storage_last = _storage_bytes(out)
     device = out.device
     for index, tensor in enumerate(tensors):
         if not isinstance(tensor, torch.Tensor):
@@ -155,9 +172,62 @@ def _check_out(out, tensors):
             raise ValueError(f"out is on {device} but tensors[{index}] is on {tensor.device}")
         if (type(tensor) in PLAIN_TYPES and tensor.layout is _STRIDED and not tensor.is_meta
                 and storage_first <= tensor.data_ptr() < storage_last and tensor.numel()):
-            first, last = _byte_extent(tensor)
-            if first < out_last and out_first < last:
-                raise ValueError(f"out overlaps the memory of tensors[{index}]; its rows would overwrite it")
+            _check_overlap(out, index, tensor)
+
+
+_SCAN = object()  # key in _choices[requested]: (device, _SCAN) -> (module, words) or None
+
+
+def _scan_plan(device, requested):
+    """(backend module, {dtype: format word}) when the backend chosen for ``device`` builds its
+    table of plain tensors in one C++ loop (the triton backend with the extension loaded): the
+    dtypes are those it would be chosen for, as ``_module_for`` decides. Else None."""
+    name = requested if requested is not None else _PREFERRED.get(device.type)
+    if name != "triton":
+        return None
+    module, reason = _load(name)
+    if reason is not None or module._TRITON_TABLE is None:
+        return None
+    words = {}
+    for dtype, word in module._FORMAT_WORD.items():
+        # supports() looks only at the device, dtype and layout: an empty probe answers for all
+        if dtype in kinds.SUPPORTED_DTYPES and module.supports(torch.empty(0, dtype=dtype, device=device)):
+            words[dtype] = word
+    return (module, words) if words else None
+
+
+def _plain_stats(tensors, requested, out):
+    """``tensor_stats`` of a list of plain strided tensors on one device whose backend builds its
+    table in C++ (``_scan_plan``): one C++ loop checks every tensor and writes the table, where the
+    general path spends a few microseconds of Python per tensor. None when the call is not that
+    case (nothing launched; the general path then runs, and raises what it raises)."""
+    first = tensors[0]
+    if type(first) not in PLAIN_TYPES:
+        return None
+    device = first.device
+    choices = _choices.setdefault(requested, {})
+    key = (device, _SCAN)
+    if key not in choices:
+        choices[key] = _scan_plan(device, requested)
+    plan = choices[key]
+    if plan is None:
+        return None
+    module, words = plan
+    out_storage = None
+    if out is not None:
+        if out.device != device:
+            return None
+        out_storage = _storage_bytes(out)
+    zero3 = "deepspeed" in sys.modules  # a released ZeRO-3 parameter is a plain, empty tensor
+    scanned = module.scan(tensors if type(tensors) is list else list(tensors), words,
+                          module.BLOCK_SIZE * module.BLOCKS_PER_CHUNK, out_storage, zero3)
+    if scanned is None:
+        return None
+    for index in scanned.overlaps:
+        _check_overlap(out, index, tensors[index])
+    if zero3 and any(kinds.is_zero3_released(tensors[index]) for index in scanned.empties):
+        return None
+    return StatsBatch(scanned.dtypes, [(range(len(tensors)), module.compute_scanned(scanned, out))])
 
 
 class _ThroughOps:
@@ -214,8 +284,14 @@ def tensor_stats(tensors, backend=None, *, out=None) -> StatsBatch:
             + (" (wrap a single tensor in a list)" if isinstance(tensors, torch.Tensor) else "")
         )
     if out is not None:
-        _check_out(out, tensors)
+        _check_out_shape(out, len(tensors))
     requested, origin = requested_backend(backend)
+    if tensors:  # the detector's common call: plain tensors on one GPU, checked in one C++ loop
+        batch = _plain_stats(tensors, requested, out)
+        if batch is not None:
+            return batch
+    if out is not None:
+        _check_out(out, tensors)
     # Called once per module forward with a few tensors, so the choice of backend is cached per
     # (device, dtype) of plain strided tensors (all that readability and supports() look at),
     # and the common case, one device and one backend, makes a single group without a dict.

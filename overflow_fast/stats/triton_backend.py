@@ -16,6 +16,14 @@ sums (``SEARCH_STEPS``, a constexpr: log2 of the tensor count rounded up to a po
 chunk within the tensor from the same sums. The same device buffer holds the partial rows after the
 table: one allocation, one upload.
 
+On a GPU a call's host work is its cost, and building the table was most of it: a few microseconds
+of Python per tensor. When the extension ``overflow_fast._C`` is loaded, one C++ loop
+(``_C.triton_table``, csrc/table.cpp; ``scan`` here) checks every tensor and writes the table
+straight into the host tensor the upload reads; ``dispatch.tensor_stats`` calls it directly for
+lists of plain tensors on one device, so that its own per-tensor checks run in the same loop. Calls
+it does not take (any tensor not plain, or no extension) build the same table in Python
+(``_table``).
+
 The format word of a tensor carries its format code, its 16-byte alignment and the parameters of
 its format. The partials kernel branches on the code at run time to a loop specialised for that
 format (the load dtype and the classification constants are constexprs of each branch); a
@@ -63,9 +71,16 @@ import struct
 
 import torch
 
+from . import cpu_backend
 from .layout import NUM_COLUMNS
 
 NAME = "triton"
+
+# The table in one C++ loop (csrc/table.cpp) when the extension loads; else the Python _table.
+_TRITON_TABLE = cpu_backend._C.triton_table if cpu_backend.unavailable_reason() is None else None
+# Exact types the C++ loop reads (subclasses take the Python path).
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+_functorch_interpreter = torch._C._functorch.peek_interpreter_stack  # None outside vmap/grad
 
 try:
     import triton
@@ -464,7 +479,7 @@ def _flat_source(tensor: torch.Tensor) -> torch.Tensor:
 
 def _table(sources, words, chunk):
     """The kernels' table for ``sources`` (flat tensors) whose format words are ``words``, as a
-    list of 4 * T + 1 ints:
+    list of 4 * T + 1 ints (the Python path; ``scan`` writes the same ints from C++):
 
         address[T], numel[T], format word[T] (alignment bit set), first chunk[T + 1]
 
@@ -522,8 +537,15 @@ class _PinnedStaging:
         """Copy ``table`` (ints) into the start of ``device_buffer`` (int64, on the current device),
         asynchronously on the current stream."""
         n = len(table)
-        pinned, view, event = self.take(n)
-        struct.pack_into(f"{n}q", view, 0, *table)
+        entry = self.take(n)
+        struct.pack_into(f"{n}q", entry[1], 0, *table)
+        self.send(entry, n, device_buffer)
+
+    @staticmethod
+    def send(entry, n, device_buffer):
+        """Copy the first ``n`` int64 of ``entry``'s buffer (from ``take``, already written) into
+        the start of ``device_buffer``, asynchronously on the current stream."""
+        pinned, _, event = entry
         device_buffer[:n].copy_(pinned[:n], non_blocking=True)
         event.record()  # on the current stream: the copy above
 
@@ -542,11 +564,15 @@ def _buffer(table, num_chunks, device):
     if device.type == "cpu":  # the interpreter reads host memory: write the table in place
         struct.pack_into(f"{n}q", buffer.numpy(), 0, *table)
     else:
-        staging = _STAGING.get(device.index)
-        if staging is None:
-            staging = _STAGING[device.index] = _PinnedStaging()
-        staging.upload(table, buffer)
+        _staging(device).upload(table, buffer)
     return buffer
+
+
+def _staging(device):
+    staging = _STAGING.get(device.index)
+    if staging is None:
+        staging = _STAGING[device.index] = _PinnedStaging()
+    return staging
 
 
 def compute(tensors, out=None, block_size=None, blocks_per_chunk=None) -> torch.Tensor:
@@ -564,6 +590,10 @@ def compute(tensors, out=None, block_size=None, blocks_per_chunk=None) -> torch.
     if not tensors:
         return torch.zeros((0, NUM_COLUMNS), dtype=torch.int64)
     device = tensors[0].device
+    if _TRITON_TABLE is not None and supports(tensors[0]):
+        scanned = scan(tensors, _FORMAT_WORD, block_size * blocks_per_chunk)
+        if scanned is not None:  # else some tensor is not plain: the Python path below decides
+            return compute_scanned(scanned, out, block_size, blocks_per_chunk)
     # supports() for every tensor, with the device type checked once (a few attribute reads per
     # tensor are most of the host cost of a call)
     words = [_FORMAT_WORD.get(t.dtype) for t in tensors]
@@ -579,6 +609,85 @@ def compute(tensors, out=None, block_size=None, blocks_per_chunk=None) -> torch.
         if out is None:
             out = torch.empty((len(tensors), NUM_COLUMNS), dtype=torch.int64, device=device)
         _launch(buffer, out, len(tensors), num_chunks, formats, any_unaligned, block_size, blocks_per_chunk)
+    return out
+
+
+class Scanned:
+    """The table of a call, built by ``_C.triton_table`` in a host int64 tensor (``scan``), with
+    what the launch needs; ``flat`` ([(index, copy)] or None) keeps the copies of the tensors read
+    through one alive until the kernels are enqueued."""
+
+    __slots__ = ("tensors", "device", "table", "staged", "formats", "any_unaligned", "num_chunks",
+                 "flat", "overlaps", "empties", "dtypes")
+
+
+def scan(tensors, words, chunk, out_storage=None, list_empty=False):
+    """The table of ``tensors`` (a list of plain strided tensors on the device of the first, whose
+    dtypes are keys of ``words``, {dtype: format word}) in one C++ loop, or None when some tensor
+    is not such a tensor (nothing was launched or changed: take the general path).
+
+    ``out_storage``: (first, last) bytes of a rows buffer; ``overlaps`` lists the non-empty tensors
+    that start inside it (their exact extents are the caller's to check). ``list_empty``: list the
+    empty tensors in ``empties``. Needs ``overflow_fast._C`` (``_TRITON_TABLE`` not None).
+    """
+    if _functorch_interpreter() is not None:
+        return None  # inside vmap/grad even the table's own tensor would be wrapped
+    device = tensors[0].device
+    n = 4 * len(tensors) + 1
+    if device.type == "cuda":  # written where the upload copies from
+        staged = _staging(device).take(n)
+        table = staged[0]
+    else:  # the interpreter (CPU tensors), or a device the loop will refuse
+        staged = None
+        table = torch.empty(n, dtype=torch.int64)
+    first, last = out_storage if out_storage is not None else (0, 0)
+    result = _TRITON_TABLE(tensors, _PLAIN_TYPES, device, words, chunk, table, _ALIGNED_BIT, first, last,
+                           list_empty)
+    if result is None:
+        return None
+    scanned = Scanned()
+    scanned.tensors = tensors
+    scanned.device = device
+    scanned.table = table
+    scanned.staged = staged
+    (scanned.formats, scanned.any_unaligned, scanned.num_chunks, flat, scanned.overlaps, scanned.empties,
+     scanned.dtypes) = result
+    scanned.flat = None
+    if flat:
+        # Rare (a transposed slice, an expanded bias, a lazy negation): read through a flat copy,
+        # whose address and alignment replace the tensor's (numel, word and chunks are the same).
+        count = len(tensors)
+        scanned.flat = []
+        for index in flat:
+            source = _flat_source(tensors[index])
+            scanned.flat.append((index, source))
+            address = source.data_ptr()
+            table[index] = address
+            if address & 15:
+                table[2 * count + index] &= ~_ALIGNED_BIT
+                scanned.any_unaligned = True
+            else:
+                table[2 * count + index] |= _ALIGNED_BIT
+    return scanned
+
+
+def compute_scanned(scanned, out=None, block_size=None, blocks_per_chunk=None):
+    """``compute`` of the tensors of ``scanned`` (from ``scan`` with the same launch shape)."""
+    block_size = block_size or BLOCK_SIZE
+    blocks_per_chunk = blocks_per_chunk or BLOCKS_PER_CHUNK
+    device = scanned.device
+    num_tensors = len(scanned.tensors)
+    n = 4 * num_tensors + 1
+    with on_device(device):  # the upload and the launches go to the tensors' device and stream
+        buffer = torch.empty(n + scanned.num_chunks * NUM_COLUMNS, dtype=torch.int64, device=device)
+        if scanned.staged is None:  # the interpreter reads host memory
+            buffer[:n].copy_(scanned.table[:n])
+        else:
+            _PinnedStaging.send(scanned.staged, n, buffer)
+        if out is None:
+            out = torch.empty((num_tensors, NUM_COLUMNS), dtype=torch.int64, device=device)
+        _launch(buffer, out, num_tensors, scanned.num_chunks, scanned.formats, scanned.any_unaligned,
+                block_size, blocks_per_chunk)
     return out
 
 
