@@ -107,7 +107,7 @@ class Counters:
         self.copy_bytes = 0
         self.compute_s = 0.0
         self.flush_s = 0.0
-        self.flush_launch_s = 0.0  # of flush_s: the final engine call, issued before the host read
+        self.flush_before_read_s = 0.0  # of flush_s: before its host read (the final engine call, ...)
         self.kernel_calls = 0  # _C.compute (CPU backend)
         self.kernel_s = 0.0
         self.described = []  # lists of tensors the triton tables describe, summed by settle()
@@ -245,20 +245,20 @@ class _TimedC:
 
 @contextlib.contextmanager
 def instrumented():
-    """Time spent in triton_backend.compute, in the detector's flush and in the engine calls the
-    flush issues before its host read (an extra, counted pass)."""
+    """Time spent in triton_backend.compute, in the detector's flush and, of it, before the flush's
+    host read (an extra, counted pass)."""
     real_compute = triton_backend.compute
     real_flush = _Detector.flush
-    real_launch = DeferredRows.launch
-    in_flush = [False]
+    real_to_host = overflow_fast.rows.to_host
+    flush_start = [None]  # while a flush runs: when it started, until its first host read
 
-    def launch(self):
-        start = time.perf_counter()
-        try:
-            return real_launch(self)
-        finally:
-            if in_flush[0]:
-                COUNT.flush_launch_s += time.perf_counter() - start
+    def to_host(rows):
+        # on a GPU the host read waits for the device: what the flush did before it (the final
+        # engine call, the bookkeeping that needs no rows) overlaps the device's work
+        if flush_start[0] is not None:
+            COUNT.flush_before_read_s += time.perf_counter() - flush_start[0]
+            flush_start[0] = None
+        return real_to_host(rows)
 
     depth = [0]  # compute() runs scan() and compute_scanned(): time the outermost call only
 
@@ -282,17 +282,16 @@ def instrumented():
     compute_scanned = timed(triton_backend.compute_scanned, 1)
 
     def flush(self):
-        start = time.perf_counter()
-        in_flush[0] = True
+        start = flush_start[0] = time.perf_counter()
         try:
             return real_flush(self)
         finally:
-            in_flush[0] = False
+            flush_start[0] = None
             COUNT.flush_s += time.perf_counter() - start
 
     with patched(triton_backend, "compute", compute), patched(triton_backend, "scan", scan), \
             patched(triton_backend, "compute_scanned", compute_scanned), patched(_Detector, "flush", flush), \
-            patched(DeferredRows, "launch", launch), \
+            patched(overflow_fast.rows, "to_host", to_host), \
             patched(cpu_backend, "_C", _TimedC(cpu_backend._C) if cpu_backend._C is not None else None):
         yield
 
@@ -441,19 +440,28 @@ def measure(model, run, variants, repeats, inner, kernel_time=False):
     return medians
 
 
-def counted(model, run, variant):
-    """One instrumented replay of ``variant``: a snapshot of the counters."""
+TIMED_COUNTERS = ("compute_s", "flush_s", "flush_before_read_s", "kernel_s")
+
+
+def counted(model, run, variant, passes=7):
+    """Instrumented replays of ``variant``: the counters of one, the timed ones the medians of
+    ``passes`` replays (a single flush is too short to time alone on a shared machine)."""
     detach = attach(variant, model)
+    snapshots = []
     try:
         run()
         with instrumented():
-            COUNT.reset()
-            run()
-            COUNT.settle()
-            snapshot = dict(vars(COUNT))
+            for _ in range(passes):
+                COUNT.reset()
+                run()
+                COUNT.settle()
+                snapshots.append(dict(vars(COUNT)))
     finally:
         detach()
     COUNT.reset()
+    snapshot = snapshots[0]
+    for name in TIMED_COUNTERS:
+        snapshot[name] = statistics.median(s[name] for s in snapshots)
     return snapshot
 
 
@@ -495,7 +503,7 @@ def gpt2_gpu_model(batch, seq, layers=12, d=768, vocab=50257):
 
 
 def project(counts, host_per_hook_us, flush_us, hooks, check, base_host_forward_ms, step_ms=STEP_MS,
-            host_speedup=1.0, flush_launch_us=0.0):
+            host_speedup=1.0, flush_before_read_us=0.0):
     """Added step time (ms) and overhead (fraction) on an H200, from the host figures measured here.
 
     Timeline model: the GPU runs the step's work (``step_ms``, the forward one third of it) and,
@@ -505,8 +513,9 @@ def project(counts, host_per_hook_us, flush_us, hooks, check, base_host_forward_
     measured here (``host_per_hook_us``), TRITON_LAUNCH_US per launch, UPLOAD_US per upload and
     ATEN_LAUNCH_US per copy, all divided by ``host_speedup`` (a faster host CPU).
     - check="batch": host and GPU overlap within the forward. The host issues the model's ops, the
-      hooks' work and, at the end, the engine call over the staged tensors (``flush_launch_us``,
-      part of the flush measured here); the detector's kernels queue behind the forward's on the
+      hooks' work and, at the end, the flush up to its host read: the engine call over the staged
+      tensors and the bookkeeping that needs no rows (``flush_before_read_us``, part of the flush
+      measured here); the detector's kernels queue behind the forward's on the
       GPU. Then one sync (SYNC_US) and the rest of the flush (the host read and the replay) run
       with the GPU idle, then one launch's worth of bubble before the backward starts. So the
       forward takes max(host issue, GPU forward) + detector GPU + SYNC_US + the rest of the flush.
@@ -528,9 +537,9 @@ def project(counts, host_per_hook_us, flush_us, hooks, check, base_host_forward_
         forward = max(forward_gpu, base_host) + detector_gpu + detector_host + hooks * SYNC_US / 1e3
     else:
         flush = flush_us / 1e3 / host_speedup
-        flush_launch = flush_launch_us / 1e3 / host_speedup
-        issue = base_host + (detector_host - flush) + flush_launch
-        forward = (max(issue, forward_gpu) + detector_gpu + SYNC_US / 1e3 + (flush - flush_launch)
+        flush_before_read = flush_before_read_us / 1e3 / host_speedup
+        issue = base_host + (detector_host - flush) + flush_before_read
+        forward = (max(issue, forward_gpu) + detector_gpu + SYNC_US / 1e3 + (flush - flush_before_read)
                    + ATEN_LAUNCH_US / 1e3)
     step = forward + (baseline - max(forward_gpu, base_host))
     return step - baseline, step / baseline - 1, detector_gpu, detector_host
@@ -571,13 +580,13 @@ def host_path(args, csv_rows):
           f"hook-calling path in Module.__call__ is not in the replay)")
     print()
     print("| variant | forward (ms) | host us/hook | engine calls | launches | uploads | chunks "
-          "| table ints | tensors read | MB read | copies | us/hook in compute() | flush (ms; of it the engine call) |")
+          "| table ints | tensors read | MB read | copies | us/hook in compute() | flush (ms; of it before the host read) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for v in VARIANTS:
         c = counts.get(v)
         cells = (f"{c['compute_calls']} | {c['launches']} | {c['uploads']} | {c['chunks']} | {c['table_ints']} | "
                  f"{c['tensors']} | {c['bytes'] / 1e6:.0f} | {c['copies']} | {c['compute_s'] / hooks * 1e6:.1f} | "
-                 f"{c['flush_s'] * 1e3:.2f} ({c['flush_launch_s'] * 1e3:.2f})") if c else " | ".join(["-"] * 10)
+                 f"{c['flush_s'] * 1e3:.2f} ({c['flush_before_read_s'] * 1e3:.2f})") if c else " | ".join(["-"] * 10)
         print(f"| {v} | {times[v] * 1e3:.2f} | {per_hook[v]:.1f} | {cells} |")
     for v in VARIANTS:
         csv_rows.append((f"triton host {v}: forward", times[v] * 1e3, "ms"))
@@ -608,7 +617,7 @@ def host_path(args, csv_rows):
             added, overhead, det_gpu, det_host = project(
                 counts[v], per_hook[v], counts[v]["flush_s"] * 1e6, hooks,
                 "module" if v == "module" else "batch", base_host_ms, host_speedup=speedup,
-                flush_launch_us=counts[v]["flush_launch_s"] * 1e6)
+                flush_before_read_us=counts[v]["flush_before_read_s"] * 1e6)
             results[(v, speedup)] = overhead
             label = "this one" if speedup == 1.0 else f"{speedup}x faster"
             print(f"| {v} | {label} | {det_host:.2f} | {det_gpu:.2f} | {added:+.2f} | {overhead * 100:+.1f}% |")

@@ -28,6 +28,7 @@ from .stats import tensor_stats, unreadable_reason
 from .stats.dispatch import backend_status, check_backend_name, requested_backend
 
 CHECK_MODES = ("module", "batch")
+_TRACE_MODE = operator.attrgetter("trace_mode")
 DEFAULT_BUFFER_ROWS = 1 << 16
 
 
@@ -306,8 +307,7 @@ class DebugUnderflowOverflow:
             if not self._deferred:
                 return
             calls, finite_rows = self._deferred.read(lazy=self._log is None and self._policy.warn_above is None)
-            if finite_rows is not None and not self.detected_overflow and not any(
-                    call.trace_mode for call in calls):
+            if finite_rows is not None and not self.detected_overflow and not any(map(_TRACE_MODE, calls)):
                 self._replay_finite(calls, finite_rows)
                 return
             if finite_rows is not None:
@@ -524,9 +524,16 @@ class DebugUnderflowOverflow:
         or log: only the ring and the pending batch lines change, and the ring keeps the last
         frames alone, so only those get their host rows (``rows``, read lazily)."""
         keep = self.frames.maxlen
-        first_kept = 0 if keep is None else len(calls) - keep
+        first_kept = 0 if keep is None else max(0, len(calls) - keep)
+        # Frames the ring would drop matter only through the batch lines still pending after
+        # them: those after the last forward frame among them (a forward frame takes the
+        # pending lines as its lead), so the replay starts there.
+        start = first_kept - 1
+        while start >= 0 and calls[start].frame.phase != FORWARD:
+            start -= 1
         ring = self.frames
-        for index, call in enumerate(calls):
+        for index in range(max(start, 0), len(calls)):
+            call = calls[index]
             frame = call.frame
             if call.first_call:
                 self.frame.extend(report.batch_start_lines(call.batch_before))

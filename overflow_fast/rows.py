@@ -360,29 +360,32 @@ class DeferredRows:
         a frame its rows (a caller that keeps only the last frames resolves only those)."""
         self.launch()
         self.learn()
+        calls = self.pending
+        host_rows = self._host_rows
+        # what needs no rows is done before the host read, which waits for the device
+        marks = {}
+        pending = []
+        for state in self._devices.values():
+            if state.used:
+                key = id(state)
+                for slot in state.stale:
+                    marks[(key, slot)] = CHANGED_IN_PLACE
+                for slot, reason in state.unreadable.items():
+                    marks[(key, slot)] = reason
+                pending.append((state, state.buffer[:state.used], state.infos))
+        self.discard()
         host = {}
         bad = {}  # (device rows, slot) -> ranks whose DTensor shard holds a nan/inf
         finite = True
-        for state in self._devices.values():
-            if state.used:
-                rows = state.buffer[:state.used]
-                if state.infos is not None:  # one collective per read, not per tensor
-                    shards = {}
-                    rows = distributed.global_rows(rows, state.infos, bad_shards=shards)
-                    bad.update(((id(state), slot), ranks) for slot, ranks in shards.items())
-                rows = rows.tolist()  # the one host read (sync) of this device
-                if lazy and finite:
-                    finite = not any(row[NAN] or row[POSINF] or row[NEGINF] for row in rows)
-                host[id(state)] = (state, rows)
-        calls = self.pending
-        host_rows = self._host_rows
-        marks = {}
-        for key, (state, _) in host.items():
-            for slot in state.stale:
-                marks[(key, slot)] = CHANGED_IN_PLACE
-            for slot, reason in state.unreadable.items():
-                marks[(key, slot)] = reason
-        self.discard()
+        for state, rows, infos in pending:
+            if infos is not None:  # one collective per read, not per tensor
+                shards = {}
+                rows = distributed.global_rows(rows, infos, bad_shards=shards)
+                bad.update(((id(state), slot), ranks) for slot, ranks in shards.items())
+            rows = to_host(rows)
+            if lazy and finite:
+                finite = not any(row[NAN] or row[POSINF] or row[NEGINF] for row in rows)
+            host[id(state)] = (state, rows)
         if len(host) == 1 and not marks and not bad:
             # the common case: one device, nothing to mark; a slot's row is its index
             (_, rows_of), = host.values()
@@ -412,6 +415,11 @@ class DeferredRows:
             state.clear()
         self._watched = []
         self._watched_bytes = 0
+
+
+def to_host(rows):
+    """The one host read of a device's rows (it waits for the device's work)."""
+    return rows.tolist()
 
 
 def resolve(frame, rows):
