@@ -189,6 +189,80 @@ def test_blocks_with_and_without_rare_values(dtype, capability):
     assert_stats_equal([got[i] for i in picks], [tensors[i] for i in picks], capability)
 
 
+# After a block that held zeros the next block counts as it reads: integers their zeros; floats
+# only |x| < smallest normal while no subnormal shows up (the zeros are then as many, and the
+# smallest key 0, or the smallest nonzero key tracked on the side when the block held none), a
+# block with a subnormal read again for its zeros, and both counts after such a block. Each
+# switch at block edges, in partial blocks, at counter flushes (float8: 127 vectors), with the
+# extreme keys (int min, whose |x| wraps; the smallest subnormal; max finite; NaN) in the
+# counting blocks.
+def _zero_run_cases(dtype):
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    block = BLOCK_BYTES // itemsize
+    n = 6 * block + 64 // itemsize * 3 + 5
+    if dtype == torch.bool:
+        base, zero = torch.ones(n, dtype=dtype), False
+        extremes = []
+    elif dtype.is_floating_point:
+        base = torch.full((n,), 0.75).to(dtype)
+        zero = 0.0
+        tiny = {torch.float8_e4m3fn: 2.0**-8, torch.float8_e5m2: 2.0**-15}.get(dtype, torch.finfo(dtype).tiny / 2)
+        smallest = {torch.float8_e4m3fn: 2.0**-9, torch.float8_e5m2: 2.0**-16}.get(
+            dtype, torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps)
+        extremes = [("subnormal", tiny), ("smallest subnormal", smallest), ("-subnormal", -tiny),
+                    ("smallest normal", float(torch.finfo(dtype).smallest_normal)),
+                    ("max finite", float(torch.finfo(dtype).max)), ("nan", float("nan")), ("-0", -0.0)]
+        if dtype != torch.float8_e4m3fn:
+            extremes.append(("-inf", float("-inf")))
+    else:
+        base = torch.full((n,), 3, dtype=dtype)
+        zero = 0
+        info = torch.iinfo(dtype)
+        extremes = [("min", info.min), ("max", info.max), ("1", 1), ("-1", -1) if info.min < 0 else ("2", 2)]
+    cases = []
+    runs = {"zeros everywhere": (0, n), "zeros in blocks 0-1": (0, 2 * block), "zeros from block 2": (2 * block, n),
+            "zeros in block 1 only": (block, 2 * block), "zeros in blocks 1-2 and the partial block": (block, 3 * block)}
+    for run, (lo, hi) in runs.items():
+        x = base.clone()
+        x[lo:hi:2] = zero  # a zero in every other element: every block of the run counts
+        cases.append((run, x))
+        for name, value in extremes:
+            for where in (hi - 1, block * 3):
+                y = x.clone()
+                y[min(where, n - 1)] = value
+                cases.append((f"{run}, {name} at {where}", y))
+    all_zero = torch.zeros(n).to(dtype) if dtype != torch.bool else torch.zeros(n, dtype=dtype)
+    cases.append(("all zero", all_zero))
+    if dtype.is_floating_point:
+        sub = base.clone()
+        sub[::2] = extremes[0][1]  # subnormals in every block: both counts after the first
+        cases.append(("subnormals everywhere", sub))
+        mixed = sub.clone()
+        mixed[1::4] = zero
+        cases.append(("subnormals and zeros everywhere", mixed))
+        both_then_zeros = x = base.clone()
+        x[: 2 * block : 2] = extremes[0][1]
+        x[2 * block :: 2] = zero
+        cases.append(("subnormals in blocks 0-1, then zeros", x))
+    cases += [(f"{label} [5:]", x[5:]) for label, x in cases[:5]]
+    return cases
+
+
+@pytest.mark.parametrize("dtype", NON_COMPLEX, ids=ids)
+def test_runs_of_zero_blocks(dtype, capability):
+    cases = _zero_run_cases(dtype)
+    tensors = [x for _, x in cases]
+    got = cpu_stats(tensors)
+    for (label, x), g, w in zip(cases, got, torch_stats(tensors)):
+        assert same_stats(g, w), f"{capability} {dtype} {label}: cpu {g} != torch {w}"
+    # the oracle walks elements in Python: a few cases of each kind
+    picks = [i for i, (label, _) in enumerate(cases)
+             if label in ("zeros in blocks 0-1", "subnormals and zeros everywhere", "all zero")
+             or label.startswith("zeros in block 1 only, ") and label.split(", ")[1].split(" at ")[0] in ("min", "subnormal")]
+    picks = picks[:3]
+    assert_stats_equal([got[i] for i in picks], [tensors[i] for i in picks], capability)
+
+
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=ids)
 def test_empty_and_zero_dim(dtype, capability):
     generator = torch.Generator().manual_seed(3)
