@@ -352,12 +352,16 @@ class DeferredRows:
         for position, row in zip(fresh, rows):
             frame.rows[position] = row
 
-    def read(self, lazy=False):
+    def read(self, keep=False):
         """``(calls, rows)``: the pending calls, in order; the queue and the buffers start empty
-        again. ``rows`` is None when every frame has its host rows. With ``lazy``, when one device
-        holds every row, none of them counts a nan/inf and none is marked, ``rows`` is that
-        device's host rows and the frames still hold their sources: ``resolve(frame, rows)`` gives
-        a frame its rows (a caller that keeps only the last frames resolves only those)."""
+        again. ``rows`` is None when every frame has its host rows.
+
+        ``keep``: False, or the number of last calls whose frames a caller that needs nothing
+        else from a read without nan/inf keeps (None: all). Then, when one device holds every
+        row and none is marked, the host read brings a summary row (any nan/inf at all?) and
+        only the rows those frames show; if nothing counts a nan/inf, every frame keeps its
+        sources and ``rows`` is ``{slot: host row}`` for them: ``resolve(frame, rows)`` gives a
+        kept frame its rows. Otherwise the whole buffer is read too, as without ``keep``."""
         self.launch()
         self.learn()
         calls = self.pending
@@ -374,23 +378,32 @@ class DeferredRows:
                     marks[(key, slot)] = reason
                 pending.append((state, state.buffer[:state.used], state.infos))
         self.discard()
+        if keep is not False and len(pending) == 1 and pending[0][2] is None and not marks and not host_rows:
+            rows = pending[0][1]
+            kept = calls if keep is None else calls[max(0, len(calls) - keep):] if keep else ()
+            slots = sorted({source[1] for call in kept for source in call.frame.rows if type(source) is tuple})
+            index = torch.tensor(slots, dtype=torch.int64)
+            if rows.is_cuda:  # pinned, so that the copy waits for nothing queued before it
+                index = index.pin_memory().to(rows.device, non_blocking=True)
+            elif index.device != rows.device:
+                index = index.to(rows.device)
+            # queued behind the engine call: per column the largest value (nonzero nan, +inf and
+            # -inf counts if any row has one), then the rows the kept frames show
+            summary = to_host(torch.cat((rows.amax(dim=0, keepdim=True), rows.index_select(0, index))))
+            top = summary[0]
+            if not (top[NAN] or top[POSINF] or top[NEGINF]):
+                return calls, dict(zip(slots, summary[1:]))
         host = {}
         bad = {}  # (device rows, slot) -> ranks whose DTensor shard holds a nan/inf
-        finite = True
         for state, rows, infos in pending:
             if infos is not None:  # one collective per read, not per tensor
                 shards = {}
                 rows = distributed.global_rows(rows, infos, bad_shards=shards)
                 bad.update(((id(state), slot), ranks) for slot, ranks in shards.items())
-            rows = to_host(rows)
-            if lazy and finite:
-                finite = not any(row[NAN] or row[POSINF] or row[NEGINF] for row in rows)
-            host[id(state)] = (state, rows)
+            host[id(state)] = (state, to_host(rows))
         if len(host) == 1 and not marks and not bad:
             # the common case: one device, nothing to mark; a slot's row is its index
             (_, rows_of), = host.values()
-            if lazy and finite and not host_rows:
-                return calls, rows_of
             for call in calls:
                 resolve(call.frame, rows_of)
             return calls, None
@@ -423,8 +436,8 @@ def to_host(rows):
 
 
 def resolve(frame, rows):
-    """Give a frame read lazily (``DeferredRows.read``) its host rows: a pending slot's row is
-    its index in ``rows``."""
+    """Give a frame its host rows: a pending slot's row is ``rows[slot]`` (a list of every slot's
+    row, or ``{slot: row}``)."""
     frame.rows = [rows[source[1]] if type(source) is tuple else source for source in frame.rows]
 
 
