@@ -29,7 +29,9 @@ work for real on the GPT-2-small hook sequence and stubs only what needs a GPU:
   call and costed in the projection (UPLOAD_US).
 
 Measured per forward, side by side in one process, medians of round-robin runs: no hooks (the
-replay loop), a no-op forward hook on every module, check="module", check="batch" and
+replay loop), a no-op forward hook on every module, a "floor" hook (flatten the call as the
+reference does and keep each tensor with its version counter: the least a staging hook does in
+Python), check="module", check="batch" and
 ``watch()`` (forward hooks only: the forward's hook sequence; the replay runs under no_grad, but
 the activations require grad as in a training forward unless ``--no-grad``). Host us per hook =
 (replay time - no-hook replay time) / hooks. An instrumented extra replay per variant counts
@@ -68,6 +70,7 @@ import overflow_fast
 import overflow_fast.rows
 from overflow_fast import DebugUnderflowOverflow
 from overflow_fast.detector import DebugUnderflowOverflow as _Detector
+from overflow_fast.frames import forward_items
 from overflow_fast.rows import DeferredRows
 from overflow_fast.stats import cpu_backend, dispatch, triton_backend
 
@@ -85,7 +88,8 @@ KERNEL_MIN_US = 3.0  # smallest duration of a kernel on the GPU
 SYNC_US = 25.0  # one host read: wait for the stream, D2H copy of the rows, wake up
 MODEL_OP_HOST_US = 10.0  # the model's own host work per ATen op on a GPU (Python, dispatch, launch)
 
-VARIANTS = ("none", "noop", "module", "batch", "watch")
+VARIANTS = ("none", "noop", "floor", "module", "batch", "watch")
+DETECTORS = VARIANTS[3:]
 
 
 # -- stubs: the GPU-only steps of the Triton path -----------------------------------------------------
@@ -404,6 +408,19 @@ def attach(variant, model):
         handles = []
         model.apply(lambda m: handles.append(m.register_forward_hook(lambda *a: None)))
         return lambda: [h.remove() for h in handles]
+    if variant == "floor":
+        # the least a staging hook does in Python: flatten its call as the reference does and keep
+        # each tensor with its version counter (what the detector adds to this is its own cost)
+        staged = []
+        handles = [model.register_forward_pre_hook(lambda *a: staged.clear())]
+
+        def stage(module, args, output):
+            for value, _ in forward_items(module, args, output):
+                if isinstance(value, torch.Tensor):
+                    staged.append((value, value._version))
+
+        model.apply(lambda m: handles.append(m.register_forward_hook(stage)))
+        return lambda: [h.remove() for h in handles]
     if variant in ("module", "batch"):
         detector = DebugUnderflowOverflow(model, check=variant)
     elif variant == "watch":
@@ -570,7 +587,7 @@ def host_path(args, csv_rows):
 
     with triton_on_cpu():
         times = measure(model, run, VARIANTS, args.repeats, args.inner)
-        counts = {v: counted(model, run, v) for v in VARIANTS[2:]}
+        counts = {v: counted(model, run, v) for v in DETECTORS}
         prof = profile(model, run, "batch", args.inner, args.top) if args.profile else None
     none = times["none"]
     per_hook = {v: (times[v] - none) / hooks * 1e6 for v in VARIANTS}
@@ -648,7 +665,7 @@ def cpu_path(args, csv_rows):
         replay(model, events)
 
     times, kernel_s = measure(model, run, VARIANTS, args.repeats, args.inner, kernel_time=True)
-    counts = {v: counted(model, run, v) for v in VARIANTS[2:]}
+    counts = {v: counted(model, run, v) for v in DETECTORS}
     none = times["none"]
     print(f"{hooks} hooks per forward; medians of {args.repeats} round-robin rounds of {args.inner} replays")
     print()
