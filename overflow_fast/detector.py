@@ -271,6 +271,7 @@ class DebugUnderflowOverflow:
             try:
                 self.flush()  # its records and detection still reach the log
             finally:
+                self._spent_calls = None
                 if self._log is not None:
                     self._log.close()
 
