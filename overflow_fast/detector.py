@@ -161,9 +161,10 @@ class DebugUnderflowOverflow:
 
         self._handles = []
         self._traced = []  # records of hooks traced by torch.compile, not replayed yet
-        # the calls of the last clean read, freed when the next forward starts: on a GPU freeing a
-        # forward's frames right after its host read would keep the device idle that long
-        self._spent_calls = None
+        # the calls of the last clean read and the frames its replay pushed out of the ring, freed
+        # when the next forward starts: on a GPU freeing a forward's frames right after its host
+        # read would keep the device idle that long
+        self._spent = None
         self._buffer_rows = buffer_rows
         self._stage_bytes = stage_bytes
         self._new_readers()
@@ -271,7 +272,7 @@ class DebugUnderflowOverflow:
             try:
                 self.flush()  # its records and detection still reach the log
             finally:
-                self._spent_calls = None
+                self._spent = None
                 if self._log is not None:
                     self._log.close()
 
@@ -294,7 +295,7 @@ class DebugUnderflowOverflow:
         for name in ("_reuse", "_reader", "_deferred", "_lock"):
             del state[name]
         state.update(_first_bad=None, _backward_flush_task=None, _stop_pending=False, _forward_depth=0,
-                     _spent_calls=None, _log=None, _traced=[])  # a copy does not write into the original's log
+                     _spent=None, _log=None, _traced=[])  # a copy does not write into the original's log
         return state
 
     def __setstate__(self, state):
@@ -314,10 +315,10 @@ class DebugUnderflowOverflow:
             # (nothing traced, logged or warned about needs every frame)
             lazy = (self._log is None and self._policy.warn_above is None and not self.detected_overflow
                     and not any(map(_TRACE_MODE, self._deferred.pending)))
-            calls, finite_rows = self._deferred.read(keep=self.frames.maxlen if lazy else False)
+            calls, finite_rows = self._deferred.read(lazy=lazy)
             if finite_rows is not None:
+                self._spent = (calls, list(self.frames))
                 self._replay_finite(calls, finite_rows)
-                self._spent_calls = calls
                 return
             for call in calls:
                 self._replay(call)  # raises at the first bad call: those after it never happened
@@ -426,7 +427,7 @@ class DebugUnderflowOverflow:
         if is_compiling():
             return
         with self._lock:
-            self._spent_calls = None
+            self._spent = None
             self._forward_depth += 1
             self._reuse.open()
             if self._gradients is not None:
@@ -529,7 +530,7 @@ class DebugUnderflowOverflow:
     def _replay_finite(self, calls, rows):
         """``_replay`` of calls none of whose rows counts a nan/inf, with nothing to trace, warn
         or log: only the ring and the pending batch lines change, and the ring keeps the last
-        frames alone, so only those get their host rows (``rows``: ``{slot: row}``)."""
+        frames alone, so only those get their host rows (``rows``: every slot's)."""
         keep = self.frames.maxlen
         first_kept = 0 if keep is None else max(0, len(calls) - keep)
         # Frames the ring would drop matter only through the batch lines still pending after

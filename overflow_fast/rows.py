@@ -352,16 +352,14 @@ class DeferredRows:
         for position, row in zip(fresh, rows):
             frame.rows[position] = row
 
-    def read(self, keep=False):
+    def read(self, lazy=False):
         """``(calls, rows)``: the pending calls, in order; the queue and the buffers start empty
         again. ``rows`` is None when every frame has its host rows.
 
-        ``keep``: False, or the number of last calls whose frames a caller that needs nothing
-        else from a read without nan/inf keeps (None: all). Then, when one device holds every
-        row and none is marked, the host read brings a summary row (any nan/inf at all?) and
-        only the rows those frames show; if nothing counts a nan/inf, every frame keeps its
-        sources and ``rows`` is ``{slot: host row}`` for them: ``resolve(frame, rows)`` gives a
-        kept frame its rows. Otherwise the whole buffer is read too, as without ``keep``."""
+        ``lazy``: the caller needs nothing from a read without nan/inf but the rows of the
+        frames it keeps. Then, when one device holds every row, none is marked and none counts
+        a nan/inf, the frames keep their sources and ``rows`` is that device's host rows
+        (``to_host``): ``resolve(frame, rows)`` gives a kept frame its rows."""
         self.launch()
         self.learn()
         calls = self.pending
@@ -378,22 +376,17 @@ class DeferredRows:
                     marks[(key, slot)] = reason
                 pending.append((state, state.buffer[:state.used], state.infos))
         self.discard()
-        if keep is not False and len(pending) == 1 and pending[0][2] is None and not marks and not host_rows:
-            rows = pending[0][1]
-            kept = calls if keep is None else calls[max(0, len(calls) - keep):] if keep else ()
-            slots = sorted({source[1] for call in kept for source in call.frame.rows if type(source) is tuple})
-            index = torch.tensor(slots, dtype=torch.int64)
-            if rows.is_cuda:  # pinned, so that the copy waits for nothing queued before it
-                index = index.pin_memory().to(rows.device, non_blocking=True)
-            elif index.device != rows.device:
-                index = index.to(rows.device)
-            # queued behind the engine call: per column the largest value (nonzero nan, +inf and
-            # -inf counts if any row has one), then the rows the kept frames show
-            summary = to_host(torch.cat((rows.amax(dim=0, keepdim=True), rows.index_select(0, index))))
-            top = summary[0]
-            if not (top[NAN] or top[POSINF] or top[NEGINF]):
-                return calls, dict(zip(slots, summary[1:]))
-        host = {}
+        if lazy and len(pending) == 1 and pending[0][2] is None and not marks and not host_rows:
+            # the whole buffer in one copy, and no kernel of the read's own: the engine's
+            # launches stay the forward's only ones
+            state, rows, _ = pending[0]
+            rows = to_host(rows)
+            if not any(any(rows[column::NUM_COLUMNS]) for column in (NAN, POSINF, NEGINF)):
+                return calls, rows
+            host = {id(state): (state, rows)}
+            pending = []
+        else:
+            host = {}
         bad = {}  # (device rows, slot) -> ranks whose DTensor shard holds a nan/inf
         for state, rows, infos in pending:
             if infos is not None:  # one collective per read, not per tensor
@@ -413,7 +406,7 @@ class DeferredRows:
             for index, source in enumerate(rows):
                 if isinstance(source, tuple):
                     key = (id(source[0]), source[1])
-                    rows[index] = host[key[0]][1][source[1]]
+                    rows[index] = _row(host[key[0]][1], source[1])
                     if key in marks:
                         frame.mark_unreadable(index, marks[key])
                     if key in bad:
@@ -431,14 +424,19 @@ class DeferredRows:
 
 
 def to_host(rows):
-    """The one host read of a device's rows (it waits for the device's work)."""
-    return rows.tolist()
+    """The one host read of a device's rows (it waits for the device's work), as one flat list:
+    a list per row would cost more than the read."""
+    return rows.reshape(-1).tolist()
 
 
-def resolve(frame, rows):
-    """Give a frame its host rows: a pending slot's row is ``rows[slot]`` (a list of every slot's
-    row, or ``{slot: row}``)."""
-    frame.rows = [rows[source[1]] if type(source) is tuple else source for source in frame.rows]
+def _row(values, slot):
+    return values[slot * NUM_COLUMNS:(slot + 1) * NUM_COLUMNS]
+
+
+def resolve(frame, values):
+    """Give a frame its host rows from ``values``, a device's rows as one flat list (``to_host``)."""
+    frame.rows = [values[source[1] * NUM_COLUMNS:(source[1] + 1) * NUM_COLUMNS] if type(source) is tuple
+                  else source for source in frame.rows]
 
 
 def _bytes_of(tensor):
