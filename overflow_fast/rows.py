@@ -202,8 +202,9 @@ class DeferredRows:
         if len(tensors) > 1:
             index = first.get_device()
             for tensor in tensors:
-                if tensor.get_device() != index:  # one call, several devices: read apart, now
-                    self._read_apart(frame, tensors)
+                if tensor.get_device() != index:  # one call, several devices: read now, host rows
+                    self._host_rows = True
+                    self.reader.read_now(frame, tensors)
                     return
         device = first.device
         state = self._devices.get(device)
@@ -334,23 +335,6 @@ class DeferredRows:
         state.stale.add(slot)
         for modes, position in keys or ():
             modes[position] = AT_ONCE
-
-    def _read_apart(self, frame, tensors):
-        """Tensors on several devices in one call: read now, host rows in the frame."""
-        self._host_rows = True
-        sources, fresh = self.reader.reuse.lookup(tensors)
-        frame.rows = sources
-        if not fresh:
-            return
-        result = self.reader.stats([tensors[i] for i in fresh])
-        if isinstance(result, tuple):
-            rows, reasons = result
-            for index, reason in reasons.items():
-                frame.mark_unreadable(fresh[index], reason)
-        else:
-            rows = result.host_rows()
-        for position, row in zip(fresh, rows):
-            frame.rows[position] = row
 
     def read(self, lazy=False):
         """``(calls, rows)``: the pending calls, in order; the queue and the buffers start empty
