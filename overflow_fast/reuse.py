@@ -63,17 +63,14 @@ class ReuseCache:
                 fresh.append(position)
         return sources, fresh
 
-    def remember(self, tensor, source, version=None):
-        """Keep ``source`` for ``tensor`` (whose ``_version`` the caller may have read already)."""
+    def remember(self, tensor, source):
+        """Keep ``source`` for ``tensor``."""
         if not (self.enabled and self._open):
             return
         if len(self._rows) >= _MAX_REMEMBERED:
             self._rows.clear()
         try:
-            if version is None:
-                version = tensor._version
-            if version >= 0:
-                self._rows[id(tensor)] = (weakref.ref(tensor), version, source)
+            self._rows[id(tensor)] = (weakref.ref(tensor), tensor._version, source)
         except (RuntimeError, TypeError):
             # inference tensors keep no version counter (a change to them could not be seen), and
             # a tensor subclass may lack one or weak references: read it again
