@@ -71,7 +71,6 @@ import overflow_fast.rows
 from overflow_fast import DebugUnderflowOverflow
 from overflow_fast.detector import DebugUnderflowOverflow as _Detector
 from overflow_fast.frames import forward_items
-from overflow_fast.rows import DeferredRows
 from overflow_fast.stats import cpu_backend, dispatch, triton_backend
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

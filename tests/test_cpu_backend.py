@@ -246,7 +246,7 @@ def _zero_run_cases(dtype):
         mixed = sub.clone()
         mixed[1::4] = zero
         cases.append(("subnormals and zeros everywhere", mixed))
-        both_then_zeros = x = base.clone()
+        x = base.clone()
         x[: 2 * block : 2] = extremes[0][1]
         x[2 * block :: 2] = zero
         cases.append(("subnormals in blocks 0-1, then zeros", x))
