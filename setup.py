@@ -105,7 +105,8 @@ if os.environ.get("OVERFLOW_FAST_NO_EXTENSION") != "1":
     common = ["-O3", "-fopenmp", "-Wno-unknown-pragmas", "-ffp-contract=off"]
     extension = CppExtension(
         name="overflow_fast._C",
-        sources=[f"{CSRC}/kernel_default.cpp", f"{CSRC}/complex.cpp", f"{CSRC}/table.cpp"],
+        sources=[f"{CSRC}/kernel_default.cpp", f"{CSRC}/complex.cpp", f"{CSRC}/table.cpp",
+                 f"{CSRC}/staging.cpp"],
         depends=[f"{CSRC}/stats.h", f"{CSRC}/kernel.h"],
         extra_compile_args={"cxx": common},
         extra_link_args=["-fopenmp"],

@@ -43,7 +43,8 @@ namespace {
 //    profiler.
 // 5: an AVX-512 kernel; capabilities() says which builds this CPU runs (and why not).
 // 6: triton_table (table.cpp), the Triton backend's table built in one loop.
-constexpr int kAbiVersion = 6;
+// 7: hook_setup, frame_entries, stage_tensors, all_unchanged (staging.cpp), a hook's loops.
+constexpr int kAbiVersion = 7;
 
 // Columns of a row (overflow_fast/stats/layout.py).
 enum Column : int64_t { ABS_MIN, ABS_MAX, NAN_COUNT, POSINF, NEGINF, ZERO, SUBNORMAL, NUMEL, NUM_COLUMNS };
@@ -603,6 +604,9 @@ py::object triton_table(const py::list& tensors, const py::tuple& plain_types, c
                         const py::dict& words, int64_t chunk, const at::Tensor& table, int64_t aligned_bit,
                         int64_t overlap_first, int64_t overlap_last, bool list_empty);
 
+// staging.cpp
+void add_staging_functions(PyObject* module);
+
 }  // namespace overflow_fast
 
 TORCH_LIBRARY(overflow_fast, m) {
@@ -651,6 +655,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "[(name, why not)] for every kernel build, worst first: why not is '' for the builds "
         "this module holds and this CPU runs");
   m.def("triton_table", &overflow_fast::triton_table, "The Triton backend's table of plain tensors (table.cpp)");
+  overflow_fast::add_staging_functions(m.ptr());
   m.attr("ABI_VERSION") = overflow_fast::kAbiVersion;
   m.attr("TORCH_VERSION") = OVERFLOW_FAST_TORCH_VERSION;
   m.attr("SOURCE_HASH") = OVERFLOW_FAST_SOURCE_HASH;

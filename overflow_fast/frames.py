@@ -6,7 +6,7 @@ import dataclasses
 
 import torch
 
-from . import report
+from . import native, report
 from .report import NONE, NOT_A_TENSOR, TENSOR, UNREADABLE
 from .stats import unreadable_reason
 from .stats.kinds import PLAIN_TYPES, SUPPORTED_DTYPES
@@ -66,15 +66,13 @@ class Call:
         self.total_calls = total_calls
 
 
-_CTX_CACHE = 16
-
-
 def _ctx(name, count):
     return [f"{name}[{i}]" for i in range(count)]
 
 
-_INPUT_CTX = _ctx("input", _CTX_CACHE)
-_OUTPUT_CTX = _ctx("output", _CTX_CACHE)
+_INPUT_CTX = native.INPUT_NAMES
+_OUTPUT_CTX = native.OUTPUT_NAMES
+_CTX_CACHE = len(_INPUT_CTX)
 _named_parameters = torch.nn.Module.named_parameters
 
 
@@ -118,8 +116,11 @@ def forward_frame(module_name, module, input, output, kwargs=None, containers=Fa
     lists, ModelOutputs, dataclasses, deeper tuples) are opened instead, one line per tensor
     inside, named by its path (``output[loss]``, ``output[1][0][2]``).
     """
-    items = forward_items(module, input, output, kwargs, containers)
-    return frame_of(module_name, class_name(module), items)
+    if native.frame_entries is not None and not containers and type(module).named_parameters is _named_parameters:
+        entries, tensors, dtypes = native.frame_entries(module._parameters, input, output, kwargs or None)
+    else:
+        entries, tensors, dtypes = entries_of(forward_items(module, input, output, kwargs, containers))
+    return Frame(module_name, class_name(module), entries, dtypes), tensors
 
 
 def forward_items(module, input, output, kwargs=None, containers=False):

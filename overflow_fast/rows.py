@@ -8,7 +8,7 @@ import weakref
 
 import torch
 
-from . import distributed
+from . import distributed, native
 from .stats import tensor_stats
 from .stats.kinds import PLAIN_TYPES, is_zero3_released, short_reason
 from .stats.layout import NAN, NEGINF, NUM_COLUMNS, POSINF
@@ -104,11 +104,12 @@ class _DeviceRows:
     """One device's buffer of rows: ``[0, launched)`` have their kernels enqueued, ``[launched,
     used)`` belong to staged tensors, read by the next launch."""
 
-    __slots__ = ("buffer", "used", "launched", "staged", "versions", "pointers", "keys", "staged_bytes", "infos",
-                 "stale", "unreadable")
+    __slots__ = ("buffer", "stages", "used", "launched", "staged", "versions", "pointers", "keys", "staged_bytes",
+                 "infos", "stale", "unreadable")
 
     def __init__(self, buffer):
         self.buffer = buffer
+        self.stages = buffer.device.type != "cpu" or STAGE_CPU_TENSORS  # else each call is read at once
         self.used = 0
         self.launched = 0
         self.staged = []  # the tensors of slots [launched, used), kept alive until launched
@@ -168,17 +169,18 @@ class DeferredRows:
         self._watched = []  # (tensor, version, data pointer, modes, position): read at once, first seen
         self._watched_bytes = 0
         self._host_rows = False  # a pending frame holds host rows (read apart, or a compiled graph's)
+        self._last_state = None  # the device buffer of the last staged call
 
     def __len__(self):
         return len(self.pending)
 
     def must_read_before(self, tensors):
-        """True when adding a call with these tensors would overflow the queue or a buffer."""
+        """True when adding a call with these tensors would overflow the queue or a buffer (with
+        several devices: the fullest one's)."""
         if len(self.pending) >= self.capacity:
             return True  # calls without tensors take no rows, but their frames wait all the same
         if tensors and len(tensors) <= self.capacity:
-            state = self._devices.get(tensors[0].device)
-            return state is not None and state.used + len(tensors) > self.capacity
+            return any(state.used + len(tensors) > self.capacity for state in self._devices.values())
         return False
 
     def add(self, call, tensors, module=None):
@@ -188,112 +190,77 @@ class DeferredRows:
         ``must_read_before`` first."""
         frame = call.frame
         self.pending.append(call)
-        if tensors is None:
-            self._host_rows = True
-            return
         if not tensors:
-            frame.rows = []
+            if tensors is None:
+                self._host_rows = True
+            else:
+                frame.rows = []
             return
         if len(tensors) > self.capacity:
             self._host_rows = True
             self.reader.read_now(frame, tensors)
             return
-        first = tensors[0]
-        if len(tensors) > 1:
-            index = first.get_device()
-            for tensor in tensors:
-                if tensor.get_device() != index:  # one call, several devices: read now, host rows
-                    self._host_rows = True
-                    self.reader.read_now(frame, tensors)
-                    return
-        device = first.device
-        state = self._devices.get(device)
-        if state is None:
-            buffer = torch.empty((self.capacity, NUM_COLUMNS), dtype=torch.int64, device=device)
-            state = self._devices[device] = _DeviceRows(buffer)
-        if module is not None and device.type == "cpu" and not STAGE_CPU_TENSORS:
-            module = None
-        modes = None
-        if module is not None:
-            modes = self.modes.get(module)
-            if modes is None or len(modes) < len(tensors):
-                modes = self.modes[module] = (modes or []) + [UNKNOWN] * (len(tensors) - len(modes or ()))
-        launch_now = modes is None
-        # One pass per tensor: a row this forward already has (same tensor, same version) serves
-        # again; a new tensor gets the next slot, its version and data pointer, and is remembered.
-        # (A call per tensor, or a list per column, costs more than the work itself here.)
-        known = self.reader.reuse.open_rows(len(tensors))
+        # Most calls are on the device of the call before: the C++ loop checks that as it goes
+        # (False: another device) and takes plain tensors only (None); the rest find their device.
+        state = self._last_state
+        staged = None
+        if state is not None and native.stage_tensors is not None:
+            modes = self._modes(module, len(tensors)) if state.stages else None
+            staged = native.stage_tensors(tensors, self.reader.reuse.open_rows(len(tensors)), state, modes,
+                                          self._watched)
+        plain = bool(staged)  # the C++ loop took them: plain tensors
+        if not plain:
+            state = self._state_of(tensors)
+            if state is None:  # one call, several devices: read now, host rows
+                self._host_rows = True
+                self.reader.read_now(frame, tensors)
+                return
+            self._last_state = state
+            modes = self._modes(module, len(tensors)) if state.stages else None
+            known = self.reader.reuse.open_rows(len(tensors))
+            staged = native.stage_tensors(tensors, known, state, modes, self._watched) if native.stage_tensors else None
+            plain = bool(staged)
+            if not plain:
+                staged = _stage(tensors, known, state, modes, self._watched)
         start = state.used
-        staged, versions, pointers, keys, watched = (state.staged, state.versions, state.pointers, state.keys,
-                                                     self._watched)
-        sources = []
-        plain = True  # every new tensor a plain one (else DTensor shards, ZeRO-3 partitions may be among them)
-        for position, tensor in enumerate(tensors):
-            try:
-                version = tensor._version
-            except RuntimeError:  # an inference tensor: no version counter, so never staged or reused
-                version = -1
-            if known is not None and version >= 0:
-                entry = known.get(id(tensor))
-                if entry is not None and entry[1] == version and entry[0]() is tensor:
-                    source = entry[2]
-                    sources.append(source)
-                    if modes is not None and type(source) is tuple:
-                        # a tensor an earlier hook staged: its row serves this entry too
-                        owner, slot = source
-                        waiting = slot >= owner.launched
-                        if waiting:  # a change before its launch concerns this entry too
-                            owner.keys[slot - owner.launched].append((modes, position))
-                        mode = modes[position]
-                        if mode != STAGE:
-                            launch_now = launch_now or waiting
-                            if mode == UNKNOWN:
-                                watched.append((tensor, version, _pointer(tensor), modes, position))
-                    continue
-            source = (state, state.used)
-            state.used += 1
-            sources.append(source)
-            if type(tensor) in PLAIN_TYPES:
-                try:
-                    pointer = tensor.data_ptr()
-                except RuntimeError:
-                    pointer = None
-            else:
-                plain = False
-                pointer = None
-            if version < 0:
-                launch_now = True
-            staged.append(tensor)
-            versions.append(version)
-            pointers.append(pointer)
-            # only what staging alone keeps alive counts: autograd holds a tensor that
-            # requires grad (weights, a training forward's activations) until backward anyway
-            size = 0 if tensor.requires_grad else _bytes_of(tensor)
-            state.staged_bytes += size
-            if modes is None:
-                keys.append(None)
-            else:
-                keys.append([(modes, position)])
-                mode = modes[position]
-                if mode != STAGE:
-                    launch_now = True
-                    if mode == UNKNOWN:
-                        watched.append((tensor, version, pointer, modes, position))
-                        self._watched_bytes += size
-            if known is not None and version >= 0:
-                try:
-                    known[id(tensor)] = (weakref.ref(tensor), version, source)
-                except TypeError:  # a tensor subclass without weak references: read it again
-                    pass
+        sources, state.used, launch_now, staged_bytes, watched_bytes = staged
+        state.staged_bytes += staged_bytes
+        self._watched_bytes += watched_bytes
         added = state.used - start
         if added and (not plain or "deepspeed" in sys.modules or state.infos is not None):
             # DTensor shards and ZeRO-3 partitions: which slots hold them, combined across ranks when read
-            infos = _shard_infos(staged[len(staged) - added:])
+            infos = _shard_infos(state.staged[len(state.staged) - added:])
             if infos is not None or state.infos is not None:
                 state.infos = (state.infos or [None] * start) + (infos or [None] * added)
         frame.rows = sources
         if launch_now or state.staged_bytes + self._watched_bytes > self.stage_bytes:
             self.launch()
+
+    def _state_of(self, tensors):
+        """The buffer of the device all ``tensors`` are on (made on first use), or None when they
+        are on several."""
+        first = tensors[0]
+        if len(tensors) > 1:
+            index = first.get_device()
+            for tensor in tensors:
+                if tensor.get_device() != index:
+                    return None
+        device = first.device
+        state = self._devices.get(device)
+        if state is None:
+            buffer = torch.empty((self.capacity, NUM_COLUMNS), dtype=torch.int64, device=device)
+            state = self._devices[device] = _DeviceRows(buffer)
+        return state
+
+    def _modes(self, module, count):
+        """The staging modes of ``module``'s tensor positions (None: not a forward hook's call
+        inside a top-level forward, read at once)."""
+        if module is None:
+            return None
+        modes = self.modes.get(module)
+        if modes is None or len(modes) < count:
+            modes = self.modes[module] = (modes or []) + [UNKNOWN] * (count - len(modes or ()))
+        return modes
 
     def launch(self):
         """Enqueue the engine calls that read every staged tensor (one per device; no host sync)."""
@@ -302,7 +269,7 @@ class DeferredRows:
                 continue
             start, end = state.launched, state.used
             staged, versions, pointers = state.staged, state.versions, state.pointers
-            if not _all_unchanged(staged, versions, pointers):
+            if not (native.all_unchanged or _all_unchanged)(staged, versions, pointers):
                 for offset, tensor in enumerate(staged):
                     if _changed_since(tensor, versions[offset], pointers[offset]):
                         self._changed(state, start + offset, state.keys[offset])
@@ -421,6 +388,72 @@ def resolve(frame, values):
     """Give a frame its host rows from ``values``, a device's rows as one flat list (``to_host``)."""
     frame.rows = [values[source[1] * NUM_COLUMNS:(source[1] + 1) * NUM_COLUMNS] if type(source) is tuple
                   else source for source in frame.rows]
+
+
+def _stage(tensors, known, state, modes, watched):
+    """The hook's pass over its tensors (``DeferredRows.add``): a row this forward already has
+    (same tensor, same version) serves again; a new tensor gets the next slot of ``state``, its
+    version and data pointer, and is remembered in ``known`` (None: no reuse). ``modes``: the
+    module's staging modes (None: read at once). Tensors first seen go to ``watched``.
+    Returns ``(sources, used, launch_now, staged_bytes, watched_bytes)``. (A call per tensor, or
+    a list per column, costs more than the work itself here; ``native.stage_tensors`` is its C++
+    twin, for plain tensors.)"""
+    launch_now = modes is None
+    used = state.used
+    staged, versions, pointers, keys = state.staged, state.versions, state.pointers, state.keys
+    staged_bytes = watched_bytes = 0
+    sources = []
+    for position, tensor in enumerate(tensors):
+        try:
+            version = tensor._version
+        except RuntimeError:  # an inference tensor: no version counter, so never staged or reused
+            version = -1
+        if known is not None and version >= 0:
+            entry = known.get(id(tensor))
+            if entry is not None and entry[1] == version and entry[0]() is tensor:
+                source = entry[2]
+                sources.append(source)
+                if modes is not None and type(source) is tuple:
+                    # a tensor an earlier hook staged: its row serves this entry too
+                    owner, slot = source
+                    waiting = slot >= owner.launched
+                    if waiting:  # a change before its launch concerns this entry too
+                        owner.keys[slot - owner.launched].append((modes, position))
+                    mode = modes[position]
+                    if mode != STAGE:
+                        launch_now = launch_now or waiting
+                        if mode == UNKNOWN:
+                            watched.append((tensor, version, _pointer(tensor), modes, position))
+                continue
+        source = (state, used)
+        used += 1
+        sources.append(source)
+        pointer = _pointer(tensor)
+        if version < 0:
+            launch_now = True
+        staged.append(tensor)
+        versions.append(version)
+        pointers.append(pointer)
+        # only what staging alone keeps alive counts: autograd holds a tensor that
+        # requires grad (weights, a training forward's activations) until backward anyway
+        size = 0 if tensor.requires_grad else _bytes_of(tensor)
+        staged_bytes += size
+        if modes is None:
+            keys.append(None)
+        else:
+            keys.append([(modes, position)])
+            mode = modes[position]
+            if mode != STAGE:
+                launch_now = True
+                if mode == UNKNOWN:
+                    watched.append((tensor, version, pointer, modes, position))
+                    watched_bytes += size
+        if known is not None and version >= 0:
+            try:
+                known[id(tensor)] = (weakref.ref(tensor), version, source)
+            except TypeError:  # a tensor subclass without weak references: read it again
+                pass
+    return sources, used, launch_now, staged_bytes, watched_bytes
 
 
 def _bytes_of(tensor):

@@ -15,7 +15,7 @@ from .source_hash import source_hash
 NAME = "cpu"
 
 # Must equal kAbiVersion in csrc/binding.cpp.
-ABI_VERSION = 6
+ABI_VERSION = 7
 
 SUPPORTED_DTYPES = frozenset({
     torch.float64, torch.float32, torch.float16, torch.bfloat16,
@@ -55,6 +55,11 @@ _reason = _check()
 
 def unavailable_reason():
     return _reason
+
+
+def extension():
+    """The extension module ``overflow_fast._C``, or None where ``unavailable_reason()`` says why not."""
+    return _C if _reason is None else None
 
 
 def supports(tensor: torch.Tensor) -> bool:

@@ -1,0 +1,613 @@
+// overflow_fast._C.frame_entries, stage_tensors, all_unchanged: the per-tensor loops a detector hook
+// runs with check="batch" (frames.py forward_items + entries_of; rows.py _stage, _all_unchanged),
+// in C++. They take and build the same Python objects as their Python twins, which stay the
+// fallback and the specification (tests/test_staging_native.py holds the two equal).
+//
+// On a GPU the host only issues kernels, so a hook's Python is the detector's cost: each tensor
+// attribute read costs ~100 ns there (a dozen per tensor), a few ns here. These are raw CPython
+// METH_FASTCALL functions: pybind11's argument dispatch would cost as much as the work.
+#include <torch/extension.h>
+
+#include <torch/csrc/DynamicTypes.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <c10/util/SmallVector.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+
+namespace overflow_fast {
+namespace {
+
+// Set once by hook_setup (frames.py / rows.py import time); strong references, never released.
+struct HookConstants {
+  bool ready = false;
+  PyTypeObject* plain[2] = {nullptr, nullptr};  // torch.Tensor, torch.nn.Parameter: read without questions
+  std::array<bool, static_cast<size_t>(c10::ScalarType::NumOptions)> supported{};
+  PyObject* input_names = nullptr;   // ["input[0]", ...]: a list, shared with frames.py
+  PyObject* output_names = nullptr;  // ["output[0]", ...]
+  PyObject* unreadable_reason = nullptr;  // stats.unreadable_reason
+  PyObject* input = nullptr;   // "input"
+  PyObject* output = nullptr;  // "output"
+  // attribute names of rows.py's _DeviceRows, interned once (a C string would be decoded and
+  // hashed at every lookup)
+  PyObject* used = nullptr;
+  PyObject* launched = nullptr;
+  PyObject* staged = nullptr;
+  PyObject* versions = nullptr;
+  PyObject* pointers = nullptr;
+  PyObject* keys = nullptr;
+  PyObject* buffer = nullptr;
+};
+HookConstants g;
+
+// Entry kinds (report.py) and staging modes (rows.py).
+constexpr long kTensor = 0, kNone = 1, kNotATensor = 2, kUnreadable = 3;
+constexpr long kUnknown = 0, kStage = 1;
+
+bool is_plain(PyObject* object) {
+  PyTypeObject* type = Py_TYPE(object);
+  return type == g.plain[0] || type == g.plain[1];
+}
+
+// A new reference to the Python int of a tensor's version counter, or -1 for a tensor without one
+// (an inference tensor: Python's `_version` raises there).
+int64_t version_of(const at::Tensor& tensor) {
+  const auto& counter = tensor.unsafeGetTensorImpl()->version_counter();
+  return counter.enabled() ? static_cast<int64_t>(counter.current_version()) : -1;
+}
+
+// A new reference: the tensor's data pointer as a Python int, or None where Python's data_ptr()
+// raises (no storage: sparse, functionalized, ...).
+PyObject* pointer_of(const at::Tensor& tensor) {
+  try {
+    return PyLong_FromVoidPtr(tensor.data_ptr());
+  } catch (const c10::Error&) {
+    Py_RETURN_NONE;
+  }
+}
+
+// Appends (kind, ctx, payload) to entries, and a readable tensor to tensors with its dtype.
+// Steals nothing; returns false with a Python error set.
+bool add_item(PyObject* entries, PyObject* tensors, PyObject* dtypes, PyObject* value, PyObject* ctx) {
+  long kind;
+  PyObject* payload;  // new reference
+  if (value == Py_None) {
+    kind = kNone;
+    payload = Py_NewRef(Py_None);
+  } else if (!THPVariable_Check(value)) {
+    if (PyErr_Occurred()) {
+      return false;
+    }
+    kind = kNotATensor;
+    payload = Py_NewRef(Py_None);
+  } else {
+    PyObject* dtype = nullptr;  // new reference
+    if (is_plain(value)) {
+      // entries_of's fast test: a plain strided tensor of a supported dtype
+      const at::Tensor& tensor = THPVariable_Unpack(value);
+      const auto type = tensor.scalar_type();
+      if (g.supported[static_cast<size_t>(type)] && tensor.layout() == at::kStrided && !tensor.is_meta() &&
+          !tensor.is_nested()) {
+        dtype = Py_NewRef(reinterpret_cast<PyObject*>(torch::getTHPDtype(type)));
+      }
+    }
+    if (dtype == nullptr) {
+      PyObject* reason = PyObject_CallOneArg(g.unreadable_reason, value);
+      if (reason == nullptr) {
+        return false;
+      }
+      if (reason != Py_None) {
+        kind = kUnreadable;
+        payload = reason;
+      } else {
+        Py_DECREF(reason);
+        dtype = PyObject_GetAttrString(value, "dtype");
+        if (dtype == nullptr) {
+          return false;
+        }
+      }
+    }
+    if (dtype != nullptr) {
+      kind = kTensor;
+      payload = PyLong_FromSsize_t(PyList_GET_SIZE(tensors));
+      const bool ok = payload != nullptr && PyList_Append(tensors, value) == 0 && PyList_Append(dtypes, dtype) == 0;
+      Py_DECREF(dtype);
+      if (!ok) {
+        Py_XDECREF(payload);
+        return false;
+      }
+    }
+  }
+  PyObject* entry = PyTuple_New(3);
+  if (entry == nullptr) {
+    Py_DECREF(payload);
+    return false;
+  }
+  PyTuple_SET_ITEM(entry, 0, PyLong_FromLong(kind));  // small ints: cached, never fail
+  PyTuple_SET_ITEM(entry, 1, Py_NewRef(ctx));
+  PyTuple_SET_ITEM(entry, 2, payload);
+  const bool ok = PyList_Append(entries, entry) == 0;
+  Py_DECREF(entry);
+  return ok;
+}
+
+// names[index] when the list has it, else a new "{base}[index]" (a new reference either way).
+PyObject* indexed_name(PyObject* names, const char* base, Py_ssize_t index) {
+  if (index < PyList_GET_SIZE(names)) {
+    return Py_NewRef(PyList_GET_ITEM(names, index));
+  }
+  return PyUnicode_FromFormat("%s[%zd]", base, index);
+}
+
+bool add_named(PyObject* entries, PyObject* tensors, PyObject* dtypes, PyObject* value, PyObject* ctx) {
+  if (ctx == nullptr) {
+    return false;
+  }
+  const bool ok = add_item(entries, tensors, dtypes, value, ctx);
+  Py_DECREF(ctx);
+  return ok;
+}
+
+bool check_ready(const char* name) {
+  if (!g.ready) {
+    PyErr_Format(PyExc_RuntimeError, "overflow_fast._C.%s: hook_setup was not called", name);
+    return false;
+  }
+  return true;
+}
+
+// hook_setup(plain_types, supported_dtypes, input_names, output_names, unreadable_reason)
+PyObject* hook_setup(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 5 || !PyTuple_Check(args[0]) || PyTuple_GET_SIZE(args[0]) != 2 || !PyList_Check(args[2]) ||
+      !PyList_Check(args[3]) || !PyCallable_Check(args[4])) {
+    PyErr_SetString(PyExc_TypeError,
+                    "hook_setup(plain_types: 2-tuple, supported_dtypes: iterable, input_names: list, "
+                    "output_names: list, unreadable_reason: callable)");
+    return nullptr;
+  }
+  for (Py_ssize_t i = 0; i < 2; ++i) {
+    PyObject* type = PyTuple_GET_ITEM(args[0], i);
+    if (!PyType_Check(type)) {
+      PyErr_SetString(PyExc_TypeError, "hook_setup: plain_types must hold types");
+      return nullptr;
+    }
+    g.plain[i] = reinterpret_cast<PyTypeObject*>(Py_NewRef(type));
+  }
+  PyObject* iterator = PyObject_GetIter(args[1]);
+  if (iterator == nullptr) {
+    return nullptr;
+  }
+  g.supported.fill(false);
+  while (PyObject* dtype = PyIter_Next(iterator)) {
+    const bool is_dtype = THPDtype_Check(dtype);
+    if (is_dtype) {
+      g.supported[static_cast<size_t>(reinterpret_cast<THPDtype*>(dtype)->scalar_type)] = true;
+    }
+    Py_DECREF(dtype);
+    if (!is_dtype) {
+      Py_DECREF(iterator);
+      PyErr_SetString(PyExc_TypeError, "hook_setup: supported_dtypes must hold torch dtypes");
+      return nullptr;
+    }
+  }
+  Py_DECREF(iterator);
+  if (PyErr_Occurred()) {
+    return nullptr;
+  }
+  g.input_names = Py_NewRef(args[2]);
+  g.output_names = Py_NewRef(args[3]);
+  g.unreadable_reason = Py_NewRef(args[4]);
+  g.input = PyUnicode_InternFromString("input");
+  g.output = PyUnicode_InternFromString("output");
+  g.used = PyUnicode_InternFromString("used");
+  g.launched = PyUnicode_InternFromString("launched");
+  g.staged = PyUnicode_InternFromString("staged");
+  g.versions = PyUnicode_InternFromString("versions");
+  g.pointers = PyUnicode_InternFromString("pointers");
+  g.keys = PyUnicode_InternFromString("keys");
+  g.buffer = PyUnicode_InternFromString("buffer");
+  g.ready = g.input != nullptr && g.output != nullptr && g.used != nullptr && g.launched != nullptr &&
+            g.staged != nullptr && g.versions != nullptr && g.pointers != nullptr && g.keys != nullptr && g.buffer != nullptr;
+  if (!g.ready) {
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
+// frame_entries(parameters, input, output, kwargs) -> (entries, tensors, dtypes): frames.py's
+// entries_of(forward_items(module, input, output, kwargs)) without containers, for a module whose
+// named_parameters is torch's own (parameters: module._parameters, in order, None skipped, one
+// tensor under two names listed under the first).
+PyObject* frame_entries(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!check_ready("frame_entries")) {
+    return nullptr;
+  }
+  if (nargs != 4 || !PyDict_Check(args[0]) || !(args[3] == Py_None || PyDict_Check(args[3]))) {
+    PyErr_SetString(PyExc_TypeError, "frame_entries(parameters: dict, input, output, kwargs: dict or None)");
+    return nullptr;
+  }
+  PyObject* parameters = args[0];
+  PyObject* input = args[1];
+  PyObject* output = args[2];
+  PyObject* kwargs = args[3];
+  PyObject* entries = PyList_New(0);
+  PyObject* tensors = PyList_New(0);
+  PyObject* dtypes = PyList_New(0);
+  if (entries == nullptr || tensors == nullptr || dtypes == nullptr) {
+    goto fail;
+  }
+  {
+    PyObject* name;
+    PyObject* parameter;
+    Py_ssize_t cursor = 0;
+    c10::SmallVector<PyObject*, 8> seen;  // named_parameters(remove_duplicate=True): the first name wins
+    while (PyDict_Next(parameters, &cursor, &name, &parameter)) {
+      if (parameter == Py_None || std::find(seen.begin(), seen.end(), parameter) != seen.end()) {
+        continue;
+      }
+      seen.push_back(parameter);
+      if (!add_item(entries, tensors, dtypes, parameter, name)) {
+        goto fail;
+      }
+    }
+  }
+  if (PyTuple_Check(input)) {
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(input); ++i) {
+      if (!add_named(entries, tensors, dtypes, PyTuple_GET_ITEM(input, i), indexed_name(g.input_names, "input", i))) {
+        goto fail;
+      }
+    }
+  } else if (!add_item(entries, tensors, dtypes, input, g.input)) {
+    goto fail;
+  }
+  if (kwargs != Py_None) {
+    PyObject* name;
+    PyObject* value;
+    Py_ssize_t cursor = 0;
+    while (PyDict_Next(kwargs, &cursor, &name, &value)) {
+      const int tensor = THPVariable_Check(value);
+      if (PyErr_Occurred()) {
+        goto fail;
+      }
+      if (tensor && !add_named(entries, tensors, dtypes, value, PyUnicode_FromFormat("input[%S]", name))) {
+        goto fail;
+      }
+    }
+  }
+  if (PyTuple_Check(output)) {
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(output); ++i) {
+      PyObject* value = PyTuple_GET_ITEM(output, i);
+      if (PyTuple_Check(value)) {
+        for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(value); ++j) {
+          if (!add_named(entries, tensors, dtypes, PyTuple_GET_ITEM(value, j),
+                         PyUnicode_FromFormat("output[%zd][%zd]", i, j))) {
+            goto fail;
+          }
+        }
+      } else if (!add_named(entries, tensors, dtypes, value, indexed_name(g.output_names, "output", i))) {
+        goto fail;
+      }
+    }
+  } else if (!add_item(entries, tensors, dtypes, output, g.output)) {
+    goto fail;
+  }
+  {
+    PyObject* result = PyTuple_Pack(3, entries, tensors, dtypes);
+    Py_DECREF(entries);
+    Py_DECREF(tensors);
+    Py_DECREF(dtypes);
+    return result;
+  }
+fail:
+  Py_XDECREF(entries);
+  Py_XDECREF(tensors);
+  Py_XDECREF(dtypes);
+  return nullptr;
+}
+
+// (modes, position): where a staged tensor's entry is (rows.py keys)
+PyObject* key_pair(PyObject* modes, Py_ssize_t position) {
+  PyObject* index = PyLong_FromSsize_t(position);
+  PyObject* pair = index == nullptr ? nullptr : PyTuple_Pack(2, modes, index);
+  Py_XDECREF(index);
+  return pair;
+}
+
+// (tensor, version, pointer, modes, position): a tensor read at once on its first sight (rows.py
+// _watched); null arguments (a failed allocation) give null
+PyObject* watch_record(PyObject* tensor, PyObject* version, PyObject* pointer, PyObject* modes, Py_ssize_t position) {
+  if (version == nullptr || pointer == nullptr) {
+    return nullptr;
+  }
+  PyObject* index = PyLong_FromSsize_t(position);
+  PyObject* record = index == nullptr ? nullptr : PyTuple_Pack(5, tensor, version, pointer, modes, index);
+  Py_XDECREF(index);
+  return record;
+}
+
+long as_long(PyObject* object) {
+  return PyLong_AsLong(object);  // the modes and slots here are small Python ints
+}
+
+// stage_tensors(tensors, known, state, modes, watched) -> (sources, used, launch_now, staged_bytes,
+// watched_bytes); None when a tensor is not of a plain type (Python's loop takes those), False
+// when one is not on the device of state.buffer. Nothing is changed in those two cases.
+// rows.py's _stage: see there for what each step is for.
+PyObject* stage_tensors(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!check_ready("stage_tensors")) {
+    return nullptr;
+  }
+  if (nargs != 5 || !PyList_Check(args[0]) || !(args[1] == Py_None || PyDict_Check(args[1])) ||
+      !(args[3] == Py_None || PyList_Check(args[3])) || !PyList_Check(args[4])) {
+    PyErr_SetString(PyExc_TypeError,
+                    "stage_tensors(tensors: list, known: dict or None, state, modes: list or None, watched: list)");
+    return nullptr;
+  }
+  PyObject* tensors = args[0];
+  PyObject* known = args[1] == Py_None ? nullptr : args[1];
+  PyObject* state = args[2];
+  PyObject* modes = args[3] == Py_None ? nullptr : args[3];
+  PyObject* watched = args[4];
+  const Py_ssize_t count = PyList_GET_SIZE(tensors);
+  for (Py_ssize_t i = 0; i < count; ++i) {
+    if (!is_plain(PyList_GET_ITEM(tensors, i))) {
+      Py_RETURN_NONE;
+    }
+  }
+  {
+    PyObject* buffer = PyObject_GetAttr(state, g.buffer);
+    if (buffer == nullptr) {
+      return nullptr;
+    }
+    if (!THPVariable_Check(buffer)) {
+      Py_DECREF(buffer);
+      PyErr_SetString(PyExc_TypeError, "stage_tensors: state.buffer must be a tensor");
+      return nullptr;
+    }
+    const at::Device device = THPVariable_Unpack(buffer).device();
+    Py_DECREF(buffer);
+    for (Py_ssize_t i = 0; i < count; ++i) {
+      if (THPVariable_Unpack(PyList_GET_ITEM(tensors, i)).device() != device) {
+        Py_RETURN_FALSE;  // not the buffer's device: the caller finds theirs
+      }
+    }
+  }
+  if (modes != nullptr && PyList_GET_SIZE(modes) < count) {
+    PyErr_SetString(PyExc_ValueError, "stage_tensors: modes is shorter than tensors");
+    return nullptr;
+  }
+  PyObject* used_object = PyObject_GetAttr(state, g.used);
+  PyObject* staged = used_object ? PyObject_GetAttr(state, g.staged) : nullptr;
+  PyObject* versions = staged ? PyObject_GetAttr(state, g.versions) : nullptr;
+  PyObject* pointers = versions ? PyObject_GetAttr(state, g.pointers) : nullptr;
+  PyObject* keys = pointers ? PyObject_GetAttr(state, g.keys) : nullptr;
+  PyObject* sources = PyList_New(0);
+  PyObject* result = nullptr;
+  long used = 0;
+  bool launch_now = modes == nullptr;
+  int64_t staged_bytes = 0;
+  int64_t watched_bytes = 0;
+  if (used_object == nullptr || staged == nullptr || versions == nullptr || pointers == nullptr || keys == nullptr ||
+      sources == nullptr || !PyList_Check(staged) || !PyList_Check(versions) || !PyList_Check(pointers) ||
+      !PyList_Check(keys)) {
+    if (!PyErr_Occurred()) {
+      PyErr_SetString(PyExc_TypeError, "stage_tensors: state must hold int used and lists staged, versions, "
+                                       "pointers, keys");
+    }
+    goto done;
+  }
+  used = as_long(used_object);
+  if (used == -1 && PyErr_Occurred()) {
+    goto done;
+  }
+  for (Py_ssize_t position = 0; position < count; ++position) {
+    PyObject* object = PyList_GET_ITEM(tensors, position);
+    const at::Tensor& tensor = THPVariable_Unpack(object);
+    const int64_t version = version_of(tensor);
+    PyObject* key = nullptr;
+    if (known != nullptr && version >= 0) {
+      key = PyLong_FromVoidPtr(object);  // id(tensor)
+      if (key == nullptr) {
+        goto done;
+      }
+      PyObject* entry = PyDict_GetItemWithError(known, key);  // borrowed
+      if (entry == nullptr && PyErr_Occurred()) {
+        Py_DECREF(key);
+        goto done;
+      }
+      if (entry != nullptr && PyTuple_Check(entry) && PyTuple_GET_SIZE(entry) == 3 &&
+          PyLong_AsLongLong(PyTuple_GET_ITEM(entry, 1)) == version &&
+          PyWeakref_GetObject(PyTuple_GET_ITEM(entry, 0)) == object) {
+        // a row this forward already has serves again
+        Py_DECREF(key);
+        PyObject* source = PyTuple_GET_ITEM(entry, 2);
+        if (PyList_Append(sources, source) != 0) {
+          goto done;
+        }
+        if (modes != nullptr && PyTuple_CheckExact(source)) {
+          // a tensor an earlier hook staged: its row serves this entry too
+          PyObject* owner = PyTuple_GET_ITEM(source, 0);
+          const long slot = as_long(PyTuple_GET_ITEM(source, 1));
+          PyObject* launched_object = PyObject_GetAttr(owner, g.launched);
+          if (launched_object == nullptr) {
+            goto done;
+          }
+          const long launched = as_long(launched_object);
+          Py_DECREF(launched_object);
+          const bool waiting = slot >= launched;
+          if (waiting) {  // a change before its launch concerns this entry too
+            PyObject* owner_keys = PyObject_GetAttr(owner, g.keys);
+            if (owner_keys == nullptr) {
+              goto done;
+            }
+            PyObject* slot_keys = PySequence_GetItem(owner_keys, slot - launched);
+            Py_DECREF(owner_keys);
+            if (slot_keys == nullptr) {
+              goto done;
+            }
+            PyObject* pair = key_pair(modes, position);
+            const bool ok = pair != nullptr && PyList_Append(slot_keys, pair) == 0;
+            Py_XDECREF(pair);
+            Py_DECREF(slot_keys);
+            if (!ok) {
+              goto done;
+            }
+          }
+          const long mode = as_long(PyList_GET_ITEM(modes, position));
+          if (mode != kStage) {
+            launch_now = launch_now || waiting;
+            if (mode == kUnknown) {
+              PyObject* version_object = PyLong_FromLongLong(version);
+              PyObject* pointer = pointer_of(tensor);
+              PyObject* record = watch_record(object, version_object, pointer, modes, position);
+              const bool ok = record != nullptr && PyList_Append(watched, record) == 0;
+              Py_XDECREF(record);
+              Py_XDECREF(version_object);
+              Py_XDECREF(pointer);
+              if (!ok) {
+                goto done;
+              }
+            }
+          }
+        }
+        continue;
+      }
+    }
+    // a new tensor: the next slot, its version and data pointer
+    PyObject* slot = PyLong_FromLong(used);
+    PyObject* source = slot == nullptr ? nullptr : PyTuple_Pack(2, state, slot);
+    Py_XDECREF(slot);
+    if (source == nullptr) {
+      Py_XDECREF(key);
+      goto done;
+    }
+    ++used;
+    PyObject* version_object = PyLong_FromLongLong(version);
+    PyObject* pointer = pointer_of(tensor);
+    bool ok = version_object != nullptr && pointer != nullptr && PyList_Append(sources, source) == 0 &&
+              PyList_Append(staged, object) == 0 && PyList_Append(versions, version_object) == 0 &&
+              PyList_Append(pointers, pointer) == 0;
+    if (version < 0) {
+      launch_now = true;
+    }
+    // only what staging alone keeps alive counts (autograd keeps what requires grad anyway)
+    const int64_t size = tensor.requires_grad() ? 0 : tensor.numel() * static_cast<int64_t>(tensor.itemsize());
+    staged_bytes += size;
+    if (ok) {
+      if (modes == nullptr) {
+        ok = PyList_Append(keys, Py_None) == 0;
+      } else {
+        PyObject* pair = key_pair(modes, position);
+        PyObject* slot_keys = pair == nullptr ? nullptr : PyList_New(1);
+        if (slot_keys != nullptr) {
+          PyList_SET_ITEM(slot_keys, 0, Py_NewRef(pair));
+        }
+        Py_XDECREF(pair);
+        ok = slot_keys != nullptr && PyList_Append(keys, slot_keys) == 0;
+        Py_XDECREF(slot_keys);
+        const long mode = as_long(PyList_GET_ITEM(modes, position));
+        if (ok && mode != kStage) {
+          launch_now = true;
+          if (mode == kUnknown) {
+            PyObject* record = watch_record(object, version_object, pointer, modes, position);
+            ok = record != nullptr && PyList_Append(watched, record) == 0;
+            Py_XDECREF(record);
+            watched_bytes += size;
+          }
+        }
+      }
+    }
+    if (ok && key != nullptr) {
+      PyObject* reference = PyWeakref_NewRef(object, nullptr);
+      PyObject* entry = reference == nullptr ? nullptr : PyTuple_Pack(3, reference, version_object, source);
+      ok = entry != nullptr && PyDict_SetItem(known, key, entry) == 0;
+      Py_XDECREF(entry);
+      Py_XDECREF(reference);
+    }
+    Py_XDECREF(key);
+    Py_XDECREF(version_object);
+    Py_XDECREF(pointer);
+    Py_DECREF(source);
+    if (!ok) {
+      goto done;
+    }
+  }
+  result = Py_BuildValue("(OlOLL)", sources, used, launch_now ? Py_True : Py_False,
+                         static_cast<long long>(staged_bytes), static_cast<long long>(watched_bytes));
+done:
+  Py_XDECREF(used_object);
+  Py_XDECREF(staged);
+  Py_XDECREF(versions);
+  Py_XDECREF(pointers);
+  Py_XDECREF(keys);
+  Py_XDECREF(sources);
+  return result;
+}
+
+// all_unchanged(tensors, versions, pointers) -> bool: rows.py's _all_unchanged. False also means
+// "look at each": a tensor of another type, or one without a version counter or a data pointer.
+PyObject* all_unchanged(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!check_ready("all_unchanged")) {
+    return nullptr;
+  }
+  if (nargs != 3 || !PyList_Check(args[0]) || !PyList_Check(args[1]) || !PyList_Check(args[2])) {
+    PyErr_SetString(PyExc_TypeError, "all_unchanged(tensors: list, versions: list, pointers: list)");
+    return nullptr;
+  }
+  const Py_ssize_t count = PyList_GET_SIZE(args[0]);
+  if (PyList_GET_SIZE(args[1]) != count || PyList_GET_SIZE(args[2]) != count) {
+    Py_RETURN_FALSE;
+  }
+  for (Py_ssize_t i = 0; i < count; ++i) {
+    PyObject* object = PyList_GET_ITEM(args[0], i);
+    if (!is_plain(object)) {
+      Py_RETURN_FALSE;
+    }
+    const at::Tensor& tensor = THPVariable_Unpack(object);
+    const int64_t version = version_of(tensor);
+    PyObject* expected_version = PyList_GET_ITEM(args[1], i);
+    PyObject* expected_pointer = PyList_GET_ITEM(args[2], i);
+    if (version < 0 || !PyLong_CheckExact(expected_version) || PyLong_AsLongLong(expected_version) != version ||
+        !PyLong_CheckExact(expected_pointer)) {
+      PyErr_Clear();
+      Py_RETURN_FALSE;
+    }
+    void* pointer;
+    try {
+      pointer = tensor.data_ptr();
+    } catch (const c10::Error&) {
+      Py_RETURN_FALSE;
+    }
+    if (PyLong_AsVoidPtr(expected_pointer) != pointer) {
+      PyErr_Clear();
+      Py_RETURN_FALSE;
+    }
+  }
+  Py_RETURN_TRUE;
+}
+
+PyMethodDef kMethods[] = {
+    {"hook_setup", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(hook_setup)), METH_FASTCALL,
+     "hook_setup(plain_types, supported_dtypes, input_names, output_names, unreadable_reason): the "
+     "constants of frame_entries and stage_tensors (staging.cpp)"},
+    {"frame_entries", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(frame_entries)), METH_FASTCALL,
+     "frame_entries(parameters, input, output, kwargs) -> (entries, tensors, dtypes) (frames.py)"},
+    {"stage_tensors", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(stage_tensors)), METH_FASTCALL,
+     "stage_tensors(tensors, known, state, modes, watched) -> (sources, used, launch_now, staged_bytes, "
+     "watched_bytes) or None (rows.py _stage)"},
+    {"all_unchanged", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(all_unchanged)), METH_FASTCALL,
+     "all_unchanged(tensors, versions, pointers) -> bool (rows.py)"},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+}  // namespace
+
+void add_staging_functions(PyObject* module) {
+  if (PyModule_AddFunctions(module, kMethods) != 0) {
+    throw py::error_already_set();
+  }
+}
+
+}  // namespace overflow_fast

@@ -1,0 +1,27 @@
+"""The C++ twins of the loops a detector hook runs per tensor (csrc/staging.cpp, in the extension
+``overflow_fast._C``): ``frame_entries`` (frames.py's ``entries_of(forward_items(...))``),
+``stage_tensors`` (rows.py's ``_stage``) and ``all_unchanged`` (rows.py's ``_all_unchanged``).
+
+On a GPU the host only issues kernels, and a hook's per-tensor Python (a dozen attribute reads
+per tensor at ~100 ns each) is the detector's cost there. The Python functions stay the
+specification and the fallback: each name here is None where the extension is unavailable.
+"""
+
+import torch
+
+from .stats import unreadable_reason
+from .stats.cpu_backend import extension
+from .stats.kinds import SUPPORTED_DTYPES
+
+# ctx names of the first positional inputs and outputs, built once (frames.py uses them too)
+INPUT_NAMES = [f"input[{i}]" for i in range(16)]
+OUTPUT_NAMES = [f"output[{i}]" for i in range(16)]
+
+_C = extension()
+if _C is not None:
+    _C.hook_setup((torch.Tensor, torch.nn.Parameter), SUPPORTED_DTYPES, INPUT_NAMES, OUTPUT_NAMES,
+                  unreadable_reason)
+
+frame_entries = _C.frame_entries if _C is not None else None
+stage_tensors = _C.stage_tensors if _C is not None else None
+all_unchanged = _C.all_unchanged if _C is not None else None

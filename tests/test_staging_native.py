@@ -1,0 +1,263 @@
+"""The C++ twins of a hook's loops (csrc/staging.cpp, ``overflow_fast.native``) against their Python
+specifications: ``frame_entries`` against frames.py's ``entries_of(forward_items(...))``,
+``stage_tensors`` against rows.py's ``_stage``, ``all_unchanged`` against ``_all_unchanged``.
+Same inputs, same Python objects out, same state left behind."""
+
+import collections
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+from overflow_fast import native
+from overflow_fast.frames import entries_of, forward_frame, forward_items
+from overflow_fast.rows import AT_ONCE, STAGE, UNKNOWN, _all_unchanged, _DeviceRows, _stage
+
+pytestmark = pytest.mark.skipif(native.frame_entries is None, reason="the C++ extension is unavailable")
+
+
+class Sub(torch.Tensor):
+    pass
+
+
+Pair = collections.namedtuple("Pair", "a b")
+
+
+def odd_tensors():
+    """Tensors off the hot path's fast test, each for its own reason."""
+    values = torch.randn(4, 3)
+    with torch.inference_mode():
+        inference = torch.ones(3)
+    return [
+        values.as_subclass(Sub),  # a subclass: Python's unreadable_reason decides
+        torch.empty(2, device="meta"),  # unreadable
+        torch.zeros(3, dtype=torch.uint16),  # a dtype the engine does not read
+        torch.randn(3, dtype=torch.complex64),  # readable, off the fast test
+        values.to_sparse(),  # another layout
+        torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]),
+        inference,
+        values.t(),  # non-contiguous: still the fast path
+        torch.tensor(2.5),  # 0-dim
+        torch.empty(0),
+    ]
+
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(3))
+        self.register_parameter("alias", self.weight)  # one tensor under two names
+        self.register_parameter("missing", None)
+        self.scale = nn.Parameter(torch.ones(1, dtype=torch.float16))
+
+
+class MetaWeight(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(3, device="meta"))
+        self.bias = nn.Parameter(torch.zeros(3))
+
+
+def call_shapes():
+    """(module, input, output, kwargs) of hook calls of every shape forward_items knows."""
+    x, y = torch.randn(2, 3), torch.randn(3, dtype=torch.bfloat16)
+    odd = odd_tensors()
+    many = tuple(torch.randn(1) for _ in range(20))  # past the cached names
+    linear, bare, tied, meta = nn.Linear(3, 2), nn.Linear(3, 2, bias=False), Tied(), MetaWeight()
+    return [
+        (linear, (x,), y, None),
+        (bare, (x, None, 3, "s"), (y, (x, None, y), None, [x]), None),
+        (tied, x, (x, x), {}),
+        (meta, (), None, {"mask": x, "flag": True, "none": None, "odd": odd[0]}),
+        (nn.ReLU(), many, many, None),
+        (nn.Identity(), tuple(odd), tuple(odd), {"k": odd[3]}),
+        (nn.Identity(), (Pair(x, y),), Pair(x, (y, x)), None),
+        (nn.Identity(), ({"a": x},), {"a": x}, None),
+        (nn.Identity(), ((),), ((), ((),)), None),
+    ]
+
+
+@pytest.mark.parametrize("shape", range(len(call_shapes())))
+def test_frame_entries_equal_the_python_entries(shape):
+    module, input, output, kwargs = call_shapes()[shape]
+    expected_entries, expected_tensors, expected_dtypes = entries_of(forward_items(module, input, output, kwargs))
+    entries, tensors, dtypes = native.frame_entries(module._parameters, input, output, kwargs or None)
+    assert entries == expected_entries
+    assert len(tensors) == len(expected_tensors)
+    assert all(a is b for a, b in zip(tensors, expected_tensors))
+    assert dtypes == expected_dtypes
+    # and forward_frame, which takes the C++ path for such modules, builds the same frame
+    frame, frame_tensors = forward_frame("m", module, input, output, kwargs)
+    assert frame.entries == expected_entries and frame.dtypes == expected_dtypes
+
+
+def test_frame_entries_rejects_bad_arguments():
+    with pytest.raises(TypeError, match="frame_entries"):
+        native.frame_entries([], (), None, None)
+    with pytest.raises(TypeError, match="frame_entries"):
+        native.frame_entries({}, (), None)
+    with pytest.raises(TypeError, match="frame_entries"):
+        native.frame_entries({}, (), None, [])
+
+
+def test_frame_entries_passes_python_errors_on():
+    class Broken(torch.Tensor):
+        @property
+        def dtype(self):
+            raise RuntimeError("no dtype here")
+
+    broken = torch.randn(2).as_subclass(Broken)
+    with pytest.raises(RuntimeError):
+        entries_of(forward_items(nn.Identity(), (broken,), None))
+    with pytest.raises(RuntimeError):
+        native.frame_entries({}, (broken,), None, None)
+
+
+# -- stage_tensors ----------------------------------------------------------------------------------
+
+def _state(launched=0):
+    state = _DeviceRows(torch.empty((64, 8), dtype=torch.int64))
+    state.used = state.launched = launched
+    return state
+
+
+def _snapshot(result, state, known, watched, names):
+    """Everything the loop returned or left behind, with the objects of one run replaced by their
+    names (``names``: id -> name; tensors, their ids and data pointers by the tensor's name), so
+    that two runs on their own tensors compare."""
+
+    def name(value):
+        if isinstance(value, tuple):
+            return tuple(name(v) for v in value)
+        if isinstance(value, list):
+            return names.get(id(value), [name(v) for v in value])
+        if isinstance(value, int) and not isinstance(value, bool):
+            return names.get(("int", value), value)
+        return names.get(id(value), value)
+
+    sources, used, launch_now, staged_bytes, watched_bytes = result
+    return {
+        "returned": (name(sources), used, launch_now, staged_bytes, watched_bytes),
+        "staged": name(list(state.staged)),
+        "versions": list(state.versions),
+        "pointers": name(list(state.pointers)),
+        "keys": name(state.keys),
+        "known": None if known is None else {name(key): (name(entry[0]()), entry[1], name(entry[2]))
+                                            for key, entry in known.items()},
+        "watched": name(watched),
+    }
+
+
+def _scenario(stage):
+    """A sequence of hook calls through ``stage`` (the C++ or the Python loop): reuse within a
+    forward, changes in place, every staging mode, inference and sparse tensors, rows already on
+    the host, an owner whose slots were launched. Returns a snapshot after every call."""
+    torch.manual_seed(0)
+    a, b = torch.randn(4), torch.randn(3, requires_grad=True)
+    c = torch.randn(2, 2).t()
+    sparse = torch.randn(3, 3).to_sparse()
+    with torch.inference_mode():
+        inference = torch.ones(2)
+    host_row = [1, 2, 0, 0, 0, 0, 0, 4]
+    other, state = _state(launched=5), _state()
+    other.used = 7
+    other.keys = [[], []]  # slots 5, 6 wait
+    modes = [UNKNOWN, STAGE, AT_ONCE, UNKNOWN, STAGE]
+    more_modes = [STAGE] * 5
+    names = {id(state): "state", id(other): "other", id(modes): "modes", id(more_modes): "more_modes",
+             id(host_row): "host_row"}
+    for label, tensor in dict(a=a, b=b, c=c, sparse=sparse, inference=inference).items():
+        names[id(tensor)] = label
+        names[("int", id(tensor))] = f"id({label})"
+        if tensor.layout == torch.strided:
+            names[("int", tensor.data_ptr())] = f"pointer({label})"
+    known = {id(c): (weakref.ref(c), c._version, host_row), id(b): (weakref.ref(b), b._version, (other, 6)),
+             id(sparse): (weakref.ref(sparse), 0, (other, 5))}
+    watched = []
+    snapshots = []
+    calls = [
+        ([a, b, c], known, modes),
+        ([a, a, inference, sparse], known, modes),  # a again: reused within the call and after it
+        ([b, c], known, more_modes),
+        ([a, b], None, None),  # no reuse, read at once
+        ([inference, c, a], known, None),
+    ]
+    for step, (tensors, table, call_modes) in enumerate(calls):
+        if step == 3:
+            a.add_(1)  # a changed in place: a new version, a new slot
+        result = stage(tensors, table, state, call_modes, watched)
+        snapshots.append(_snapshot(result, state, table, watched, names))
+    return snapshots
+
+
+def test_stage_tensors_equals_the_python_loop():
+    python = _scenario(_stage)
+    native_ = _scenario(native.stage_tensors)
+    assert len(python) == len(native_)
+    for step, (expected, got) in enumerate(zip(python, native_)):
+        for key in expected:
+            assert got[key] == expected[key], (step, key)
+
+
+def test_stage_tensors_leaves_subclasses_to_python():
+    state = _state()
+    tensors = [torch.randn(2), torch.randn(2).as_subclass(Sub)]
+    assert native.stage_tensors(tensors, {}, state, None, []) is None
+    assert state.staged == [] and state.used == 0  # nothing was touched
+
+
+def test_stage_tensors_leaves_other_devices_to_python():
+    state = _state()
+    tensors = [torch.randn(2), torch.empty(2, device="meta")]
+    assert native.stage_tensors(tensors, {}, state, None, []) is False
+    assert state.staged == [] and state.used == 0
+
+
+def test_stage_tensors_rejects_bad_arguments():
+    with pytest.raises(TypeError, match="stage_tensors"):
+        native.stage_tensors((torch.ones(1),), None, _state(), None, [])
+    with pytest.raises(ValueError, match="shorter"):
+        native.stage_tensors([torch.ones(1)] * 3, None, _state(), [UNKNOWN], [])
+    with pytest.raises(AttributeError, match="has no attribute"):
+        native.stage_tensors([torch.ones(1)], None, object(), None, [])
+
+
+# -- all_unchanged ----------------------------------------------------------------------------------
+
+def test_all_unchanged_agrees_with_python():
+    tensors = [torch.randn(3), torch.randn(2, 2).t(), torch.empty(0), nn.Parameter(torch.ones(2))]
+    versions = [t._version for t in tensors]
+    pointers = [t.data_ptr() for t in tensors]
+    assert native.all_unchanged(tensors, versions, pointers) is True
+    assert _all_unchanged(tensors, versions, pointers) is True
+    tensors[1].mul_(2)  # a new version
+    assert native.all_unchanged(tensors, versions, pointers) is False
+    assert _all_unchanged(tensors, versions, pointers) is False
+    versions[1] = tensors[1]._version
+    with torch.no_grad():
+        tensors[3].data = torch.zeros(2)  # new memory, the version counter untouched
+    assert native.all_unchanged(tensors, versions, pointers) is False
+    assert _all_unchanged(tensors, versions, pointers) is False
+    pointers[3] = tensors[3].data_ptr()
+    assert native.all_unchanged(tensors, versions, pointers) is True
+
+
+@pytest.mark.parametrize("odd", ["inference", "sparse", "subclass", "lengths"])
+def test_all_unchanged_says_look_at_each_for_what_it_cannot_tell(odd):
+    """False (look at each tensor) where a tensor has no version counter or data pointer, is of
+    another type, or the lists disagree."""
+    if odd == "inference":
+        with torch.inference_mode():
+            tensor = torch.ones(2)
+        versions, pointers = [-1], [tensor.data_ptr()]
+    elif odd == "sparse":
+        tensor = torch.randn(2, 2).to_sparse()
+        versions, pointers = [tensor._version], [None]
+    elif odd == "subclass":
+        tensor = torch.randn(2).as_subclass(Sub)
+        versions, pointers = [tensor._version], [None]
+    else:
+        tensor = torch.randn(2)
+        versions, pointers = [0, 0], [tensor.data_ptr()]
+    assert native.all_unchanged([tensor], versions, pointers) is False
