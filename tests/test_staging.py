@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import overflow_fast.rows as rows_module
+from overflow_fast import native
 from compat import assert_identical, capture, forward, run
 from overflow_fast import DebugUnderflowOverflow
 from overflow_fast.rows import AT_ONCE, CHANGED_IN_PLACE, STAGE
@@ -16,11 +17,17 @@ from overflow_fast.rows import AT_ONCE, CHANGED_IN_PLACE, STAGE
 INF, NAN = float("inf"), float("nan")
 
 
-@pytest.fixture(autouse=True)
-def stage_cpu_tensors(monkeypatch):
+@pytest.fixture(autouse=True, params=["native", "python"])
+def stage_cpu_tensors(monkeypatch, request):
     """Staging is the accelerators' path; its logic does not depend on the device, so these tests
-    run it on CPU tensors."""
+    run it on CPU tensors; each twice: with the hook's loops in C++ (overflow_fast.native) and
+    with their Python twins alone (the path without the extension)."""
     monkeypatch.setattr(rows_module, "STAGE_CPU_TENSORS", True)
+    if request.param == "python":
+        for name in ("frame_entries", "stage_tensors", "all_unchanged"):
+            monkeypatch.setattr(native, name, None)
+    elif native.frame_entries is None:
+        pytest.skip("the C++ extension is unavailable")
 
 
 def test_cpu_tensors_are_read_in_their_hooks_by_default(monkeypatch):
