@@ -37,7 +37,6 @@ struct HookConstants {
   PyObject* staged = nullptr;
   PyObject* versions = nullptr;
   PyObject* pointers = nullptr;
-  PyObject* keys = nullptr;
   PyObject* buffer = nullptr;
 };
 HookConstants g;
@@ -206,10 +205,9 @@ PyObject* hook_setup(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   g.staged = PyUnicode_InternFromString("staged");
   g.versions = PyUnicode_InternFromString("versions");
   g.pointers = PyUnicode_InternFromString("pointers");
-  g.keys = PyUnicode_InternFromString("keys");
   g.buffer = PyUnicode_InternFromString("buffer");
   g.ready = g.input != nullptr && g.output != nullptr && g.used != nullptr && g.launched != nullptr &&
-            g.staged != nullptr && g.versions != nullptr && g.pointers != nullptr && g.keys != nullptr && g.buffer != nullptr;
+            g.staged != nullptr && g.versions != nullptr && g.pointers != nullptr && g.buffer != nullptr;
   if (!g.ready) {
     return nullptr;
   }
@@ -307,14 +305,6 @@ fail:
   return nullptr;
 }
 
-// (modes, position): where a staged tensor's entry is (rows.py keys)
-PyObject* key_pair(PyObject* modes, Py_ssize_t position) {
-  PyObject* index = PyLong_FromSsize_t(position);
-  PyObject* pair = index == nullptr ? nullptr : PyTuple_Pack(2, modes, index);
-  Py_XDECREF(index);
-  return pair;
-}
-
 // (tensor, version, pointer, modes, position): a tensor read at once on its first sight (rows.py
 // _watched); null arguments (a failed allocation) give null
 PyObject* watch_record(PyObject* tensor, PyObject* version, PyObject* pointer, PyObject* modes, Py_ssize_t position) {
@@ -382,19 +372,17 @@ PyObject* stage_tensors(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   PyObject* staged = used_object ? PyObject_GetAttr(state, g.staged) : nullptr;
   PyObject* versions = staged ? PyObject_GetAttr(state, g.versions) : nullptr;
   PyObject* pointers = versions ? PyObject_GetAttr(state, g.pointers) : nullptr;
-  PyObject* keys = pointers ? PyObject_GetAttr(state, g.keys) : nullptr;
   PyObject* sources = PyList_New(0);
   PyObject* result = nullptr;
   long used = 0;
   bool launch_now = modes == nullptr;
   int64_t staged_bytes = 0;
   int64_t watched_bytes = 0;
-  if (used_object == nullptr || staged == nullptr || versions == nullptr || pointers == nullptr || keys == nullptr ||
-      sources == nullptr || !PyList_Check(staged) || !PyList_Check(versions) || !PyList_Check(pointers) ||
-      !PyList_Check(keys)) {
+  if (used_object == nullptr || staged == nullptr || versions == nullptr || pointers == nullptr ||
+      sources == nullptr || !PyList_Check(staged) || !PyList_Check(versions) || !PyList_Check(pointers)) {
     if (!PyErr_Occurred()) {
       PyErr_SetString(PyExc_TypeError, "stage_tensors: state must hold int used and lists staged, versions, "
-                                       "pointers, keys");
+                                       "pointers");
     }
     goto done;
   }
@@ -426,49 +414,27 @@ PyObject* stage_tensors(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
         if (PyList_Append(sources, source) != 0) {
           goto done;
         }
-        if (modes != nullptr && PyTuple_CheckExact(source)) {
-          // a tensor an earlier hook staged: its row serves this entry too
-          PyObject* owner = PyTuple_GET_ITEM(source, 0);
-          const long slot = as_long(PyTuple_GET_ITEM(source, 1));
-          PyObject* launched_object = PyObject_GetAttr(owner, g.launched);
-          if (launched_object == nullptr) {
+        const long mode = modes != nullptr && PyTuple_CheckExact(source) ? as_long(PyList_GET_ITEM(modes, position))
+                                                                         : kStage;
+        if (mode != kStage) {
+          // a tensor an earlier hook staged and this position is not known to stage: launch now
+          // if its row still waits
+          PyObject* launched = PyObject_GetAttr(PyTuple_GET_ITEM(source, 0), g.launched);
+          if (launched == nullptr) {
             goto done;
           }
-          const long launched = as_long(launched_object);
-          Py_DECREF(launched_object);
-          const bool waiting = slot >= launched;
-          if (waiting) {  // a change before its launch concerns this entry too
-            PyObject* owner_keys = PyObject_GetAttr(owner, g.keys);
-            if (owner_keys == nullptr) {
-              goto done;
-            }
-            PyObject* slot_keys = PySequence_GetItem(owner_keys, slot - launched);
-            Py_DECREF(owner_keys);
-            if (slot_keys == nullptr) {
-              goto done;
-            }
-            PyObject* pair = key_pair(modes, position);
-            const bool ok = pair != nullptr && PyList_Append(slot_keys, pair) == 0;
-            Py_XDECREF(pair);
-            Py_DECREF(slot_keys);
+          launch_now = launch_now || as_long(PyTuple_GET_ITEM(source, 1)) >= as_long(launched);
+          Py_DECREF(launched);
+          if (mode == kUnknown) {
+            PyObject* version_object = PyLong_FromLongLong(version);
+            PyObject* pointer = pointer_of(tensor);
+            PyObject* record = watch_record(object, version_object, pointer, modes, position);
+            const bool ok = record != nullptr && PyList_Append(watched, record) == 0;
+            Py_XDECREF(record);
+            Py_XDECREF(version_object);
+            Py_XDECREF(pointer);
             if (!ok) {
               goto done;
-            }
-          }
-          const long mode = as_long(PyList_GET_ITEM(modes, position));
-          if (mode != kStage) {
-            launch_now = launch_now || waiting;
-            if (mode == kUnknown) {
-              PyObject* version_object = PyLong_FromLongLong(version);
-              PyObject* pointer = pointer_of(tensor);
-              PyObject* record = watch_record(object, version_object, pointer, modes, position);
-              const bool ok = record != nullptr && PyList_Append(watched, record) == 0;
-              Py_XDECREF(record);
-              Py_XDECREF(version_object);
-              Py_XDECREF(pointer);
-              if (!ok) {
-                goto done;
-              }
             }
           }
         }
@@ -495,27 +461,15 @@ PyObject* stage_tensors(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     // only what staging alone keeps alive counts (autograd keeps what requires grad anyway)
     const int64_t size = tensor.requires_grad() ? 0 : tensor.numel() * static_cast<int64_t>(tensor.itemsize());
     staged_bytes += size;
-    if (ok) {
-      if (modes == nullptr) {
-        ok = PyList_Append(keys, Py_None) == 0;
-      } else {
-        PyObject* pair = key_pair(modes, position);
-        PyObject* slot_keys = pair == nullptr ? nullptr : PyList_New(1);
-        if (slot_keys != nullptr) {
-          PyList_SET_ITEM(slot_keys, 0, Py_NewRef(pair));
-        }
-        Py_XDECREF(pair);
-        ok = slot_keys != nullptr && PyList_Append(keys, slot_keys) == 0;
-        Py_XDECREF(slot_keys);
-        const long mode = as_long(PyList_GET_ITEM(modes, position));
-        if (ok && mode != kStage) {
-          launch_now = true;
-          if (mode == kUnknown) {
-            PyObject* record = watch_record(object, version_object, pointer, modes, position);
-            ok = record != nullptr && PyList_Append(watched, record) == 0;
-            Py_XDECREF(record);
-            watched_bytes += size;
-          }
+    if (ok && modes != nullptr) {
+      const long mode = as_long(PyList_GET_ITEM(modes, position));
+      if (mode != kStage) {
+        launch_now = true;
+        if (mode == kUnknown) {
+          PyObject* record = watch_record(object, version_object, pointer, modes, position);
+          ok = record != nullptr && PyList_Append(watched, record) == 0;
+          Py_XDECREF(record);
+          watched_bytes += size;
         }
       }
     }
@@ -541,7 +495,6 @@ done:
   Py_XDECREF(staged);
   Py_XDECREF(versions);
   Py_XDECREF(pointers);
-  Py_XDECREF(keys);
   Py_XDECREF(sources);
   return result;
 }

@@ -104,7 +104,7 @@ class _DeviceRows:
     """One device's buffer of rows: ``[0, launched)`` have their kernels enqueued, ``[launched,
     used)`` belong to staged tensors, read by the next launch."""
 
-    __slots__ = ("buffer", "stages", "used", "launched", "staged", "versions", "pointers", "keys", "staged_bytes",
+    __slots__ = ("buffer", "stages", "used", "launched", "staged", "versions", "pointers", "staged_bytes",
                  "infos", "stale", "unreadable")
 
     def __init__(self, buffer):
@@ -117,7 +117,6 @@ class _DeviceRows:
         # and their data pointers (None for wrappers without one): neither `.data = ...` nor a
         # storage freed by `resize_(0)` (FSDP, ZeRO-3) bumps the version counter
         self.pointers = []
-        self.keys = []  # per staged tensor: [(modes list, position)] of the entries showing it, or None
         self.staged_bytes = 0
         self.infos = None  # per slot: DTensor/ZeRO-3 shard info, or None when there is none
         self.stale = set()  # slots whose tensor changed in place before it was read
@@ -128,7 +127,6 @@ class _DeviceRows:
         self.staged = []
         self.versions = []
         self.pointers = []
-        self.keys = []
         self.staged_bytes = 0
 
     def clear(self):
@@ -170,6 +168,7 @@ class DeferredRows:
         self._watched_bytes = 0
         self._host_rows = False  # a pending frame holds host rows (read apart, or a compiled graph's)
         self._last_state = None  # the device buffer of the last staged call
+        self._pending_modes = []  # per pending call: the staging modes its tensors were added with, or None
 
     def __len__(self):
         return len(self.pending)
@@ -190,6 +189,7 @@ class DeferredRows:
         ``must_read_before`` first."""
         frame = call.frame
         self.pending.append(call)
+        self._pending_modes.append(None)
         if not tensors:
             if tensors is None:
                 self._host_rows = True
@@ -233,6 +233,7 @@ class DeferredRows:
             if infos is not None or state.infos is not None:
                 state.infos = (state.infos or [None] * start) + (infos or [None] * added)
         frame.rows = sources
+        self._pending_modes[-1] = modes
         if launch_now or state.staged_bytes + self._watched_bytes > self.stage_bytes:
             self.launch()
 
@@ -272,7 +273,7 @@ class DeferredRows:
             if not (native.all_unchanged or _all_unchanged)(staged, versions, pointers):
                 for offset, tensor in enumerate(staged):
                     if _changed_since(tensor, versions[offset], pointers[offset]):
-                        self._changed(state, start + offset, state.keys[offset])
+                        self._changed(state, start + offset)
                         # never handed to the engine: its memory may be gone (torch's own ops on a
                         # storage resized to 0 read freed memory); its line says what happened
                         staged[offset] = torch.empty(0, dtype=torch.uint8, device=state.buffer.device)
@@ -297,11 +298,17 @@ class DeferredRows:
         self._watched = []
         self._watched_bytes = 0
 
-    def _changed(self, state, slot, keys):
-        """A staged tensor changed in place before its launch: its row would be later numbers."""
+    def _changed(self, state, slot):
+        """A staged tensor changed in place before its launch: its row would be later numbers.
+        Every entry showing it is read in its hook from now on: the pending calls' frames still
+        hold their sources, so a scan finds them (this is the rare path; a list of entries per
+        staged tensor would cost every hook)."""
         state.stale.add(slot)
-        for modes, position in keys or ():
-            modes[position] = AT_ONCE
+        for call, modes in zip(self.pending, self._pending_modes):
+            if modes is not None:
+                for position, source in enumerate(call.frame.rows):
+                    if type(source) is tuple and source[0] is state and source[1] == slot:
+                        modes[position] = AT_ONCE
 
     def read(self, lazy=False):
         """``(calls, rows)``: the pending calls, in order; the queue and the buffers start empty
@@ -366,6 +373,7 @@ class DeferredRows:
 
     def discard(self):
         self.pending = []
+        self._pending_modes = []
         self._host_rows = False
         self.reader.reuse.clear()  # the buffer slots are reused from here on
         for state in self._devices.values():
@@ -400,7 +408,7 @@ def _stage(tensors, known, state, modes, watched):
     twin, for plain tensors.)"""
     launch_now = modes is None
     used = state.used
-    staged, versions, pointers, keys = state.staged, state.versions, state.pointers, state.keys
+    staged, versions, pointers = state.staged, state.versions, state.pointers
     staged_bytes = watched_bytes = 0
     sources = []
     for position, tensor in enumerate(tensors):
@@ -413,17 +421,12 @@ def _stage(tensors, known, state, modes, watched):
             if entry is not None and entry[1] == version and entry[0]() is tensor:
                 source = entry[2]
                 sources.append(source)
-                if modes is not None and type(source) is tuple:
-                    # a tensor an earlier hook staged: its row serves this entry too
-                    owner, slot = source
-                    waiting = slot >= owner.launched
-                    if waiting:  # a change before its launch concerns this entry too
-                        owner.keys[slot - owner.launched].append((modes, position))
-                    mode = modes[position]
-                    if mode != STAGE:
-                        launch_now = launch_now or waiting
-                        if mode == UNKNOWN:
-                            watched.append((tensor, version, _pointer(tensor), modes, position))
+                if modes is not None and type(source) is tuple and modes[position] != STAGE:
+                    # a tensor an earlier hook staged, at a position not known to stage: launch
+                    # now if its row still waits
+                    launch_now = launch_now or source[1] >= source[0].launched
+                    if modes[position] == UNKNOWN:
+                        watched.append((tensor, version, _pointer(tensor), modes, position))
                 continue
         source = (state, used)
         used += 1
@@ -438,10 +441,7 @@ def _stage(tensors, known, state, modes, watched):
         # requires grad (weights, a training forward's activations) until backward anyway
         size = 0 if tensor.requires_grad else _bytes_of(tensor)
         staged_bytes += size
-        if modes is None:
-            keys.append(None)
-        else:
-            keys.append([(modes, position)])
+        if modes is not None:
             mode = modes[position]
             if mode != STAGE:
                 launch_now = True

@@ -142,7 +142,6 @@ def _snapshot(result, state, known, watched, names):
         "staged": name(list(state.staged)),
         "versions": list(state.versions),
         "pointers": name(list(state.pointers)),
-        "keys": name(state.keys),
         "known": None if known is None else {name(key): (name(entry[0]()), entry[1], name(entry[2]))
                                             for key, entry in known.items()},
         "watched": name(watched),
@@ -156,35 +155,36 @@ def _scenario(stage):
     torch.manual_seed(0)
     a, b = torch.randn(4), torch.randn(3, requires_grad=True)
     c = torch.randn(2, 2).t()
+    d = torch.randn(5)
     sparse = torch.randn(3, 3).to_sparse()
     with torch.inference_mode():
         inference = torch.ones(2)
     host_row = [1, 2, 0, 0, 0, 0, 0, 4]
     other, state = _state(launched=5), _state()
-    other.used = 7
-    other.keys = [[], []]  # slots 5, 6 wait
+    other.used = 7  # slots 5, 6 wait
     modes = [UNKNOWN, STAGE, AT_ONCE, UNKNOWN, STAGE]
     more_modes = [STAGE] * 5
     names = {id(state): "state", id(other): "other", id(modes): "modes", id(more_modes): "more_modes",
              id(host_row): "host_row"}
-    for label, tensor in dict(a=a, b=b, c=c, sparse=sparse, inference=inference).items():
+    for label, tensor in dict(a=a, b=b, c=c, d=d, sparse=sparse, inference=inference).items():
         names[id(tensor)] = label
         names[("int", id(tensor))] = f"id({label})"
         if tensor.layout == torch.strided:
             names[("int", tensor.data_ptr())] = f"pointer({label})"
     known = {id(c): (weakref.ref(c), c._version, host_row), id(b): (weakref.ref(b), b._version, (other, 6)),
-             id(sparse): (weakref.ref(sparse), 0, (other, 5))}
+             id(sparse): (weakref.ref(sparse), 0, (other, 5)), id(d): (weakref.ref(d), 0, (other, 2))}
     watched = []
     snapshots = []
     calls = [
         ([a, b, c], known, modes),
         ([a, a, inference, sparse], known, modes),  # a again: reused within the call and after it
         ([b, c], known, more_modes),
+        ([d, b], known, modes),  # d's row was launched already: watched, but no launch for it
         ([a, b], None, None),  # no reuse, read at once
         ([inference, c, a], known, None),
     ]
     for step, (tensors, table, call_modes) in enumerate(calls):
-        if step == 3:
+        if step == 4:
             a.add_(1)  # a changed in place: a new version, a new slot
         result = stage(tensors, table, state, call_modes, watched)
         snapshots.append(_snapshot(result, state, table, watched, names))
