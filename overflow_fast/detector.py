@@ -17,7 +17,7 @@ import torch
 from torch.compiler import is_compiling
 
 from . import distributed, report
-from .frames import BACKWARD, FORWARD, Call, Frame, class_name, entries_of, forward_frame, forward_items
+from .frames import BACKWARD, FORWARD, Frame, class_name, entries_of, forward_frame, forward_items, make_call
 from .flight import StepLog
 from .gradients import GradientHooks
 from .policy import Policy, is_bad, source_line
@@ -29,6 +29,8 @@ from .stats.dispatch import backend_status, check_backend_name, requested_backen
 
 CHECK_MODES = ("module", "batch")
 _TRACE_MODE = operator.attrgetter("trace_mode")
+_graph_task_id = torch._C._current_graph_task_id  # -1 outside a backward pass
+_inference_mode = torch.is_inference_mode_enabled
 DEFAULT_BUFFER_ROWS = 1 << 16
 
 
@@ -341,7 +343,8 @@ class DebugUnderflowOverflow:
         if self._gradients is not None:
             self._gradients.watch_outputs(module, frame, tensors)
         self._check(call, tensors, module)
-        self._abort_if_due()
+        if self._abort_after is not None:
+            self._abort_if_due()
 
     def _call(self, module, frame):
         """The reference's bookkeeping of one forward hook call."""
@@ -352,8 +355,8 @@ class DebugUnderflowOverflow:
         last_frame_of_batch = module is self.model
         if last_frame_of_batch:
             self.batch_number += 1
-        return Call(frame, trace_mode, first_call, last_frame_of_batch, batch_before, self.batch_number,
-                    self.total_calls)
+        return make_call((frame, trace_mode, first_call, last_frame_of_batch, batch_before, self.batch_number,
+                          self.total_calls))
 
     def _abort_if_due(self):
         if self._abort_after is not None and self.batch_number > self._abort_after:
@@ -397,12 +400,12 @@ class DebugUnderflowOverflow:
         ``module``: a forward hook's module. Inside a top-level forward its tensors are staged
         (read when the forward ends); elsewhere (backward, a submodule driven alone, inference
         mode, whose tensors keep no version counter) they are read in the hook, without a sync."""
-        in_backward = torch._C._current_graph_task_id() != -1
+        in_backward = _graph_task_id() != -1
         if self.check == "batch" and not call.trace_mode and not self.detected_overflow:
             if self._deferred.must_read_before(tensors):
                 self.flush()  # a full buffer is read early (a submodule run alone still gets checked)
             stage = (module is not None and self._forward_depth > 0 and self.reuse_stats and not in_backward
-                     and not torch.is_inference_mode_enabled())
+                     and not _inference_mode())
             self._deferred.add(call, tensors, module if stage else None)
             if call.last_frame_of_batch:
                 self.flush()
@@ -420,7 +423,7 @@ class DebugUnderflowOverflow:
                 return
             # a backward pass belongs to the batch whose forward ran last
             trace_mode = (self.batch_number - 1) in self.trace_batch_nums
-            call = Call(frame, trace_mode, False, False, self.batch_number, self.batch_number, self.total_calls)
+            call = make_call((frame, trace_mode, False, False, self.batch_number, self.batch_number, self.total_calls))
             self._check(call, tensors)
 
     def _before_forward(self, module, input):
@@ -469,7 +472,7 @@ class DebugUnderflowOverflow:
     def _flush_when_backward_ends(self):
         """Hooks running inside a backward pass (checkpointing recomputes modules there): decide
         when the pass ends, before ``backward()`` returns and so before the optimizer step."""
-        task = torch._C._current_graph_task_id()
+        task = _graph_task_id()
         if self._backward_flush_task == task:
             return
         self._backward_flush_task = task
@@ -491,7 +494,7 @@ class DebugUnderflowOverflow:
 
     def _in_pass(self):
         """Inside a forward of the top-level model or a backward pass: where every rank meets."""
-        return self._forward_depth > 0 or torch._C._current_graph_task_id() != -1
+        return self._forward_depth > 0 or _graph_task_id() != -1
 
     def _agree(self):
         """One small collective: every rank learns which ranks detected; all raise together."""
@@ -574,7 +577,7 @@ class DebugUnderflowOverflow:
                         policy.on_detect == "warn" and policy.new_reports(frame, [ctx])):
                     for line in report.overflow_lines(frame.rows[payload], ctx):
                         _print(line)
-                    if payload in frame.bad_shards:  # a DTensor: whose shard holds them
+                    if frame.bad_shards and payload in frame.bad_shards:  # a DTensor: whose shard holds them
                         _print(report.bad_shards_line(ctx, frame.bad_shards[payload]))
                     self._report_due = True
                 self.detected_overflow = True

@@ -2,7 +2,9 @@
 order and naming, with raw statistics rows instead of text. Text is built only when printed
 (``report.frame_text``)."""
 
+import collections
 import dataclasses
+import functools
 
 import torch
 
@@ -24,7 +26,7 @@ class Frame:
                  "bad_shards")
 
     def __init__(self, module_name, class_name, entries, dtypes, phase=FORWARD):
-        self.lead = []  # lines the reference had pending in `self.frame` (batch markers)
+        self.lead = ()  # lines the reference had pending in `self.frame` (batch markers)
         self.module_name = module_name
         self.class_name = class_name
         self.entries = entries  # (kind, ctx, payload): payload is a row index for TENSOR
@@ -32,7 +34,7 @@ class Frame:
         self.rows = None  # host rows (while pending with check="batch", some are (device, slot))
         self.phase = phase
         self.consumers = None  # an output gradient's frame: the modules whose backward produced it
-        self.bad_shards = {}  # row index -> ranks whose DTensor shard of it holds a nan/inf
+        self.bad_shards = None  # row index -> ranks whose DTensor shard of it holds a nan/inf (made when needed)
 
     def tensor_entries(self):
         """``(ctx, row, dtype)`` of every tensor entry, once the rows are on the host."""
@@ -42,6 +44,12 @@ class Frame:
     def __str__(self):
         return report.frame_text(self)
 
+    def mark_bad_shards(self, index, ranks):
+        """The DTensor at row ``index`` holds a nan/inf in the shards of these ranks."""
+        if self.bad_shards is None:
+            self.bad_shards = {}
+        self.bad_shards[index] = ranks
+
     def mark_unreadable(self, index, reason):
         """The tensor at row ``index`` could not be read after all: give it the unreadable line."""
         for position, (kind, ctx, payload) in enumerate(self.entries):
@@ -49,21 +57,12 @@ class Frame:
                 self.entries[position] = (UNREADABLE, ctx, reason)
 
 
-class Call:
-    """A hook call as the reference's state machine sees it, replayed once its rows are known."""
-
-    __slots__ = ("frame", "trace_mode", "first_call", "last_frame_of_batch", "batch_before",
-                 "batch_after", "total_calls")
-
-    def __init__(self, frame, trace_mode, first_call, last_frame_of_batch, batch_before, batch_after,
-                 total_calls):
-        self.frame = frame
-        self.trace_mode = trace_mode
-        self.first_call = first_call
-        self.last_frame_of_batch = last_frame_of_batch
-        self.batch_before = batch_before
-        self.batch_after = batch_after
-        self.total_calls = total_calls
+# A hook call as the reference's state machine sees it, replayed once its rows are known. A tuple:
+# one is made per hook, and ``make_call((frame, trace_mode, ...))`` makes it in C, without
+# namedtuple's Python-level __new__.
+Call = collections.namedtuple("Call", ("frame", "trace_mode", "first_call", "last_frame_of_batch", "batch_before",
+                                       "batch_after", "total_calls"))
+make_call = functools.partial(tuple.__new__, Call)
 
 
 def _ctx(name, count):

@@ -73,7 +73,7 @@ class RowReader:
                 bad = {}
                 rows = distributed.global_rows(rows, infos, bad_shards=bad)
                 for index, ranks in bad.items():
-                    frame.bad_shards[fresh[index]] = ranks
+                    frame.mark_bad_shards(fresh[index], ranks)
             for position, row in zip(fresh, rows):
                 sources[position] = row
                 if engine_read:
@@ -179,7 +179,10 @@ class DeferredRows:
         if len(self.pending) >= self.capacity:
             return True  # calls without tensors take no rows, but their frames wait all the same
         if tensors and len(tensors) <= self.capacity:
-            return any(state.used + len(tensors) > self.capacity for state in self._devices.values())
+            last = self.capacity - len(tensors)
+            for state in self._devices.values():
+                if state.used > last:
+                    return True
         return False
 
     def add(self, call, tensors, module=None):
@@ -368,7 +371,7 @@ class DeferredRows:
                     if key in marks:
                         frame.mark_unreadable(index, marks[key])
                     if key in bad:
-                        frame.bad_shards[index] = bad[key]
+                        frame.mark_bad_shards(index, bad[key])
         return calls, None
 
     def discard(self):
