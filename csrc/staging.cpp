@@ -16,6 +16,8 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <functional>
+#include <unordered_map>
 
 namespace overflow_fast {
 namespace {
@@ -38,12 +40,65 @@ struct HookConstants {
   PyObject* versions = nullptr;
   PyObject* pointers = nullptr;
   PyObject* buffer = nullptr;
+  PyObject* slot_sources = nullptr;
 };
 HookConstants g;
 
 // Entry kinds (report.py) and staging modes (rows.py).
 constexpr long kTensor = 0, kNone = 1, kNotATensor = 2, kUnreadable = 3;
 constexpr long kUnknown = 0, kStage = 1;
+
+// The entry tuples (kind, ctx, payload) of calls whose ctx is a long-lived string (a parameter's
+// name, "input[0]", "output"): the same tuple serves every forward instead of a new one per hook
+// (each tuple made is also one more object for Python's collector to visit). The cache holds the
+// tuples, and through them their ctx strings, so a cached ctx pointer is never reused by another
+// string. Cleared when it grows past kMaxCachedEntries (modules made and dropped at run time).
+struct EntryKey {
+  PyObject* ctx;
+  long kind;
+  Py_ssize_t index;  // the row index of a tensor entry, -1 for the others
+  bool operator==(const EntryKey& other) const {
+    return ctx == other.ctx && kind == other.kind && index == other.index;
+  }
+};
+struct EntryKeyHash {
+  size_t operator()(const EntryKey& key) const {
+    return std::hash<const void*>()(key.ctx) ^ (static_cast<size_t>(key.index + 1) * 0x9E3779B97F4A7C15ULL) ^
+           static_cast<size_t>(key.kind);
+  }
+};
+constexpr size_t kMaxCachedEntries = 1 << 14;
+std::unordered_map<EntryKey, PyObject*, EntryKeyHash> g_entries;
+
+// A new reference to the entry (kind, ctx, payload); payload is stolen.
+PyObject* entry_tuple(long kind, PyObject* ctx, PyObject* payload, Py_ssize_t index, bool stable_ctx) {
+  const bool cacheable = stable_ctx && kind != kUnreadable;
+  if (cacheable) {
+    const auto found = g_entries.find(EntryKey{ctx, kind, index});
+    if (found != g_entries.end()) {
+      Py_DECREF(payload);
+      return Py_NewRef(found->second);
+    }
+  }
+  PyObject* entry = PyTuple_New(3);
+  if (entry == nullptr) {
+    Py_DECREF(payload);
+    return nullptr;
+  }
+  PyTuple_SET_ITEM(entry, 0, PyLong_FromLong(kind));  // small ints: cached, never fail
+  PyTuple_SET_ITEM(entry, 1, Py_NewRef(ctx));
+  PyTuple_SET_ITEM(entry, 2, payload);
+  if (cacheable) {
+    if (g_entries.size() >= kMaxCachedEntries) {
+      for (auto& item : g_entries) {
+        Py_DECREF(item.second);
+      }
+      g_entries.clear();
+    }
+    g_entries.emplace(EntryKey{ctx, kind, index}, Py_NewRef(entry));
+  }
+  return entry;
+}
 
 bool is_plain(PyObject* object) {
   PyTypeObject* type = Py_TYPE(object);
@@ -69,8 +124,10 @@ PyObject* pointer_of(const at::Tensor& tensor) {
 
 // Appends (kind, ctx, payload) to entries, and a readable tensor to tensors with its dtype.
 // Steals nothing; returns false with a Python error set.
-bool add_item(PyObject* entries, PyObject* tensors, PyObject* dtypes, PyObject* value, PyObject* ctx) {
+bool add_item(PyObject* entries, PyObject* tensors, PyObject* dtypes, PyObject* value, PyObject* ctx,
+              bool stable_ctx) {
   long kind;
+  Py_ssize_t index = -1;
   PyObject* payload;  // new reference
   if (value == Py_None) {
     kind = kNone;
@@ -110,7 +167,8 @@ bool add_item(PyObject* entries, PyObject* tensors, PyObject* dtypes, PyObject* 
     }
     if (dtype != nullptr) {
       kind = kTensor;
-      payload = PyLong_FromSsize_t(PyList_GET_SIZE(tensors));
+      index = PyList_GET_SIZE(tensors);
+      payload = PyLong_FromSsize_t(index);
       const bool ok = payload != nullptr && PyList_Append(tensors, value) == 0 && PyList_Append(dtypes, dtype) == 0;
       Py_DECREF(dtype);
       if (!ok) {
@@ -119,14 +177,10 @@ bool add_item(PyObject* entries, PyObject* tensors, PyObject* dtypes, PyObject* 
       }
     }
   }
-  PyObject* entry = PyTuple_New(3);
+  PyObject* entry = entry_tuple(kind, ctx, payload, index, stable_ctx);
   if (entry == nullptr) {
-    Py_DECREF(payload);
     return false;
   }
-  PyTuple_SET_ITEM(entry, 0, PyLong_FromLong(kind));  // small ints: cached, never fail
-  PyTuple_SET_ITEM(entry, 1, Py_NewRef(ctx));
-  PyTuple_SET_ITEM(entry, 2, payload);
   const bool ok = PyList_Append(entries, entry) == 0;
   Py_DECREF(entry);
   return ok;
@@ -140,11 +194,13 @@ PyObject* indexed_name(PyObject* names, const char* base, Py_ssize_t index) {
   return PyUnicode_FromFormat("%s[%zd]", base, index);
 }
 
-bool add_named(PyObject* entries, PyObject* tensors, PyObject* dtypes, PyObject* value, PyObject* ctx) {
+// ctx: a new reference (stable_ctx: one of the name tables' strings)
+bool add_named(PyObject* entries, PyObject* tensors, PyObject* dtypes, PyObject* value, PyObject* ctx,
+               bool stable_ctx) {
   if (ctx == nullptr) {
     return false;
   }
-  const bool ok = add_item(entries, tensors, dtypes, value, ctx);
+  const bool ok = add_item(entries, tensors, dtypes, value, ctx, stable_ctx);
   Py_DECREF(ctx);
   return ok;
 }
@@ -206,8 +262,9 @@ PyObject* hook_setup(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   g.versions = PyUnicode_InternFromString("versions");
   g.pointers = PyUnicode_InternFromString("pointers");
   g.buffer = PyUnicode_InternFromString("buffer");
+  g.slot_sources = PyUnicode_InternFromString("slot_sources");
   g.ready = g.input != nullptr && g.output != nullptr && g.used != nullptr && g.launched != nullptr &&
-            g.staged != nullptr && g.versions != nullptr && g.pointers != nullptr && g.buffer != nullptr;
+            g.staged != nullptr && g.versions != nullptr && g.pointers != nullptr && g.buffer != nullptr && g.slot_sources != nullptr;
   if (!g.ready) {
     return nullptr;
   }
@@ -246,18 +303,19 @@ PyObject* frame_entries(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
         continue;
       }
       seen.push_back(parameter);
-      if (!add_item(entries, tensors, dtypes, parameter, name)) {
+      if (!add_item(entries, tensors, dtypes, parameter, name, true)) {
         goto fail;
       }
     }
   }
   if (PyTuple_Check(input)) {
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(input); ++i) {
-      if (!add_named(entries, tensors, dtypes, PyTuple_GET_ITEM(input, i), indexed_name(g.input_names, "input", i))) {
+      if (!add_named(entries, tensors, dtypes, PyTuple_GET_ITEM(input, i), indexed_name(g.input_names, "input", i),
+                     i < PyList_GET_SIZE(g.input_names))) {
         goto fail;
       }
     }
-  } else if (!add_item(entries, tensors, dtypes, input, g.input)) {
+  } else if (!add_item(entries, tensors, dtypes, input, g.input, true)) {
     goto fail;
   }
   if (kwargs != Py_None) {
@@ -269,7 +327,7 @@ PyObject* frame_entries(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       if (PyErr_Occurred()) {
         goto fail;
       }
-      if (tensor && !add_named(entries, tensors, dtypes, value, PyUnicode_FromFormat("input[%S]", name))) {
+      if (tensor && !add_named(entries, tensors, dtypes, value, PyUnicode_FromFormat("input[%S]", name), false)) {
         goto fail;
       }
     }
@@ -280,15 +338,16 @@ PyObject* frame_entries(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       if (PyTuple_Check(value)) {
         for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(value); ++j) {
           if (!add_named(entries, tensors, dtypes, PyTuple_GET_ITEM(value, j),
-                         PyUnicode_FromFormat("output[%zd][%zd]", i, j))) {
+                         PyUnicode_FromFormat("output[%zd][%zd]", i, j), false)) {
             goto fail;
           }
         }
-      } else if (!add_named(entries, tensors, dtypes, value, indexed_name(g.output_names, "output", i))) {
+      } else if (!add_named(entries, tensors, dtypes, value, indexed_name(g.output_names, "output", i),
+                            i < PyList_GET_SIZE(g.output_names))) {
         goto fail;
       }
     }
-  } else if (!add_item(entries, tensors, dtypes, output, g.output)) {
+  } else if (!add_item(entries, tensors, dtypes, output, g.output, true)) {
     goto fail;
   }
   {
@@ -372,6 +431,7 @@ PyObject* stage_tensors(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   PyObject* staged = used_object ? PyObject_GetAttr(state, g.staged) : nullptr;
   PyObject* versions = staged ? PyObject_GetAttr(state, g.versions) : nullptr;
   PyObject* pointers = versions ? PyObject_GetAttr(state, g.pointers) : nullptr;
+  PyObject* slot_sources = pointers ? PyObject_GetAttr(state, g.slot_sources) : nullptr;
   PyObject* sources = PyList_New(0);
   PyObject* result = nullptr;
   long used = 0;
@@ -379,10 +439,11 @@ PyObject* stage_tensors(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   int64_t staged_bytes = 0;
   int64_t watched_bytes = 0;
   if (used_object == nullptr || staged == nullptr || versions == nullptr || pointers == nullptr ||
-      sources == nullptr || !PyList_Check(staged) || !PyList_Check(versions) || !PyList_Check(pointers)) {
+      slot_sources == nullptr || sources == nullptr || !PyList_Check(staged) || !PyList_Check(versions) ||
+      !PyList_Check(pointers) || !PyList_Check(slot_sources)) {
     if (!PyErr_Occurred()) {
       PyErr_SetString(PyExc_TypeError, "stage_tensors: state must hold int used and lists staged, versions, "
-                                       "pointers");
+                                       "pointers, slot_sources");
     }
     goto done;
   }
@@ -441,10 +502,21 @@ PyObject* stage_tensors(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
         continue;
       }
     }
-    // a new tensor: the next slot, its version and data pointer
-    PyObject* slot = PyLong_FromLong(used);
-    PyObject* source = slot == nullptr ? nullptr : PyTuple_Pack(2, state, slot);
-    Py_XDECREF(slot);
+    // a new tensor: the next slot (its (state, slot) tuple made once), its version and data pointer
+    PyObject* source;
+    if (used < PyList_GET_SIZE(slot_sources)) {
+      source = Py_NewRef(PyList_GET_ITEM(slot_sources, used));
+    } else {
+      PyObject* slot = PyLong_FromLong(used);
+      source = slot == nullptr ? nullptr : PyTuple_Pack(2, state, slot);
+      Py_XDECREF(slot);
+      if (source != nullptr && (used != PyList_GET_SIZE(slot_sources) || PyList_Append(slot_sources, source) != 0)) {
+        if (!PyErr_Occurred()) {
+          PyErr_SetString(PyExc_ValueError, "stage_tensors: state.slot_sources skips a slot");
+        }
+        Py_CLEAR(source);
+      }
+    }
     if (source == nullptr) {
       Py_XDECREF(key);
       goto done;
@@ -495,6 +567,7 @@ done:
   Py_XDECREF(staged);
   Py_XDECREF(versions);
   Py_XDECREF(pointers);
+  Py_XDECREF(slot_sources);
   Py_XDECREF(sources);
   return result;
 }

@@ -105,11 +105,12 @@ class _DeviceRows:
     used)`` belong to staged tensors, read by the next launch."""
 
     __slots__ = ("buffer", "stages", "used", "launched", "staged", "versions", "pointers", "staged_bytes",
-                 "infos", "stale", "unreadable")
+                 "infos", "stale", "unreadable", "slot_sources")
 
     def __init__(self, buffer):
         self.buffer = buffer
         self.stages = buffer.device.type != "cpu" or STAGE_CPU_TENSORS  # else each call is read at once
+        self.slot_sources = []  # (self, slot) for each slot used so far: made once, shared by every forward
         self.used = 0
         self.launched = 0
         self.staged = []  # the tensors of slots [launched, used), kept alive until launched
@@ -431,7 +432,11 @@ def _stage(tensors, known, state, modes, watched):
                     if modes[position] == UNKNOWN:
                         watched.append((tensor, version, _pointer(tensor), modes, position))
                 continue
-        source = (state, used)
+        if used < len(state.slot_sources):
+            source = state.slot_sources[used]
+        else:
+            source = (state, used)
+            state.slot_sources.append(source)
         used += 1
         sources.append(source)
         pointer = _pointer(tensor)

@@ -261,3 +261,23 @@ def test_all_unchanged_says_look_at_each_for_what_it_cannot_tell(odd):
         tensor = torch.randn(2)
         versions, pointers = [0, 0], [tensor.data_ptr()]
     assert native.all_unchanged([tensor], versions, pointers) is False
+
+
+def test_entries_stay_right_past_the_entry_cache():
+    """Entry tuples of long-lived names are made once and shared; more names than the cache holds
+    (modules made and dropped at run time) clear it, and every frame still gets its own entries."""
+    x = torch.randn(2)
+    for step in range(20000):
+        name = f"weight_{step}"
+        parameters = {name: nn.Parameter(torch.ones(1)), "none": None}
+        entries, tensors, dtypes = native.frame_entries(parameters, (x,), x, None)
+        assert entries == [(0, name, 0), (0, "input[0]", 1), (0, "output", 2)]
+
+
+def test_a_frame_marked_unreadable_leaves_the_next_frames_entries_alone():
+    module, x = nn.Linear(2, 2), torch.randn(1, 2)
+    first, _ = forward_frame("m", module, (x,), x)
+    first.mark_unreadable(0, "gone")
+    second, _ = forward_frame("m", module, (x,), x)
+    assert first.entries[0] == (3, "weight", "gone")
+    assert second.entries[0] == (0, "weight", 0)
