@@ -41,6 +41,7 @@ struct HookConstants {
   PyObject* pointers = nullptr;
   PyObject* buffer = nullptr;
   PyObject* slot_sources = nullptr;
+  PyObject* dataclass_fields = nullptr;
 };
 HookConstants g;
 
@@ -263,30 +264,89 @@ PyObject* hook_setup(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   g.pointers = PyUnicode_InternFromString("pointers");
   g.buffer = PyUnicode_InternFromString("buffer");
   g.slot_sources = PyUnicode_InternFromString("slot_sources");
+  g.dataclass_fields = PyUnicode_InternFromString("__dataclass_fields__");
   g.ready = g.input != nullptr && g.output != nullptr && g.used != nullptr && g.launched != nullptr &&
-            g.staged != nullptr && g.versions != nullptr && g.pointers != nullptr && g.buffer != nullptr && g.slot_sources != nullptr;
+            g.staged != nullptr && g.versions != nullptr && g.pointers != nullptr && g.buffer != nullptr && g.slot_sources != nullptr &&
+            g.dataclass_fields != nullptr;
   if (!g.ready) {
     return nullptr;
   }
   Py_RETURN_NONE;
 }
 
-// frame_entries(parameters, input, output, kwargs) -> (entries, tensors, dtypes): frames.py's
-// entries_of(forward_items(module, input, output, kwargs)) without containers, for a module whose
-// named_parameters is torch's own (parameters: module._parameters, in order, None skipped, one
-// tensor under two names listed under the first).
+// What frames.py's _children opens with containers=True: tuples, lists, dicts (ModelOutput) and
+// dataclass instances. -1 with a Python error set.
+int is_container(PyObject* value) {
+  if (value == Py_None || THPVariable_Check(value)) {
+    return PyErr_Occurred() ? -1 : 0;
+  }
+  if (PyTuple_Check(value) || PyList_Check(value) || PyDict_Check(value)) {
+    return 1;
+  }
+  // dataclasses.is_dataclass: the class carries __dataclass_fields__ (looked up without raising)
+  return !PyType_Check(value) && _PyType_Lookup(Py_TYPE(value), g.dataclass_fields) != nullptr;
+}
+
+// Whether some value forward_items would hand to _open is a container (containers=True): then
+// the caller's Python opens them (-1: a Python error).
+int holds_container(PyObject* input, PyObject* output, PyObject* kwargs) {
+  auto any_of = [](PyObject* sequence) {
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(sequence); ++i) {
+      const int found = is_container(PyTuple_GET_ITEM(sequence, i));
+      if (found != 0) {
+        return found;
+      }
+    }
+    return 0;
+  };
+  int found = PyTuple_Check(input) ? any_of(input) : is_container(input);
+  if (found == 0 && kwargs != Py_None) {
+    PyObject* name;
+    PyObject* value;
+    Py_ssize_t cursor = 0;
+    while (found == 0 && PyDict_Next(kwargs, &cursor, &name, &value)) {
+      found = is_container(value);
+    }
+  }
+  if (found == 0 && PyTuple_Check(output)) {
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(output) && found == 0; ++i) {
+      PyObject* value = PyTuple_GET_ITEM(output, i);
+      found = PyTuple_Check(value) ? any_of(value) : is_container(value);  // forward_items' one level
+    }
+  } else if (found == 0) {
+    found = is_container(output);
+  }
+  return found;
+}
+
+// frame_entries(parameters, input, output, kwargs, containers) -> (entries, tensors, dtypes):
+// frames.py's entries_of(forward_items(module, input, output, kwargs, containers)) for a module
+// whose named_parameters is torch's own (parameters: module._parameters, in order, None skipped,
+// one tensor under two names listed under the first). With containers, None when some value is
+// one to open (the caller's Python opens it): then the lines are those without containers.
 PyObject* frame_entries(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (!check_ready("frame_entries")) {
     return nullptr;
   }
-  if (nargs != 4 || !PyDict_Check(args[0]) || !(args[3] == Py_None || PyDict_Check(args[3]))) {
-    PyErr_SetString(PyExc_TypeError, "frame_entries(parameters: dict, input, output, kwargs: dict or None)");
+  if (nargs != 5 || !PyDict_Check(args[0]) || !(args[3] == Py_None || PyDict_Check(args[3])) ||
+      !PyBool_Check(args[4])) {
+    PyErr_SetString(PyExc_TypeError,
+                    "frame_entries(parameters: dict, input, output, kwargs: dict or None, containers: bool)");
     return nullptr;
   }
   PyObject* parameters = args[0];
   PyObject* input = args[1];
   PyObject* output = args[2];
   PyObject* kwargs = args[3];
+  if (args[4] == Py_True) {
+    const int found = holds_container(input, output, kwargs);
+    if (found < 0) {
+      return nullptr;
+    }
+    if (found > 0) {
+      Py_RETURN_NONE;
+    }
+  }
   PyObject* entries = PyList_New(0);
   PyObject* tensors = PyList_New(0);
   PyObject* dtypes = PyList_New(0);
@@ -619,7 +679,8 @@ PyMethodDef kMethods[] = {
      "hook_setup(plain_types, supported_dtypes, input_names, output_names, unreadable_reason): the "
      "constants of frame_entries and stage_tensors (staging.cpp)"},
     {"frame_entries", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(frame_entries)), METH_FASTCALL,
-     "frame_entries(parameters, input, output, kwargs) -> (entries, tensors, dtypes) (frames.py)"},
+     "frame_entries(parameters, input, output, kwargs, containers) -> (entries, tensors, dtypes), or None "
+     "when containers must be opened (frames.py)"},
     {"stage_tensors", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(stage_tensors)), METH_FASTCALL,
      "stage_tensors(tensors, known, state, modes, watched) -> (sources, used, launch_now, staged_bytes, "
      "watched_bytes) or None (rows.py _stage)"},

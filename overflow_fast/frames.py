@@ -115,10 +115,10 @@ def forward_frame(module_name, module, input, output, kwargs=None, containers=Fa
     lists, ModelOutputs, dataclasses, deeper tuples) are opened instead, one line per tensor
     inside, named by its path (``output[loss]``, ``output[1][0][2]``).
     """
-    if native.frame_entries is not None and not containers and type(module).named_parameters is _named_parameters:
-        entries, tensors, dtypes = native.frame_entries(module._parameters, input, output, kwargs or None)
-    else:
-        entries, tensors, dtypes = entries_of(forward_items(module, input, output, kwargs, containers))
+    found = None
+    if native.frame_entries is not None and type(module).named_parameters is _named_parameters:
+        found = native.frame_entries(module._parameters, input, output, kwargs or None, bool(containers))
+    entries, tensors, dtypes = found or entries_of(forward_items(module, input, output, kwargs, containers))
     return Frame(module_name, class_name(module), entries, dtypes), tensors
 
 

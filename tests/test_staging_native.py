@@ -4,6 +4,7 @@ specifications: ``frame_entries`` against frames.py's ``entries_of(forward_items
 Same inputs, same Python objects out, same state left behind."""
 
 import collections
+import dataclasses
 import weakref
 
 import pytest
@@ -78,27 +79,63 @@ def call_shapes():
     ]
 
 
+@dataclasses.dataclass
+class Record:
+    value: object
+
+
+# which call_shapes() hold a value that containers=True opens (the C++ loop leaves those to Python)
+OPENED = {1, 6, 7, 8}
+
+
+@pytest.mark.parametrize("containers", [False, True])
 @pytest.mark.parametrize("shape", range(len(call_shapes())))
-def test_frame_entries_equal_the_python_entries(shape):
+def test_frame_entries_equal_the_python_entries(shape, containers):
     module, input, output, kwargs = call_shapes()[shape]
-    expected_entries, expected_tensors, expected_dtypes = entries_of(forward_items(module, input, output, kwargs))
-    entries, tensors, dtypes = native.frame_entries(module._parameters, input, output, kwargs or None)
-    assert entries == expected_entries
-    assert len(tensors) == len(expected_tensors)
-    assert all(a is b for a, b in zip(tensors, expected_tensors))
-    assert dtypes == expected_dtypes
-    # and forward_frame, which takes the C++ path for such modules, builds the same frame
-    frame, frame_tensors = forward_frame("m", module, input, output, kwargs)
-    assert frame.entries == expected_entries and frame.dtypes == expected_dtypes
+    expected = entries_of(forward_items(module, input, output, kwargs, containers))
+    found = native.frame_entries(module._parameters, input, output, kwargs or None, containers)
+    if containers and shape in OPENED:
+        assert found is None
+    else:
+        entries, tensors, dtypes = found
+        assert entries == expected[0]
+        assert len(tensors) == len(expected[1])
+        assert all(a is b for a, b in zip(tensors, expected[1]))
+        assert dtypes == expected[2]
+    # and forward_frame, which takes the C++ path where it can, builds the same frame
+    frame, frame_tensors = forward_frame("m", module, input, output, kwargs, containers)
+    assert frame.entries == expected[0] and frame.dtypes == expected[2]
+    assert all(a is b for a, b in zip(frame_tensors, expected[1]))
+
+
+@pytest.mark.parametrize("where", ["input", "kwargs", "output", "nested output"])
+@pytest.mark.parametrize("container", ["list", "dict", "dataclass", "tuple"])
+def test_frame_entries_leaves_every_container_to_python(where, container):
+    x = torch.randn(2)
+    value = {"list": [x], "dict": {"a": x}, "dataclass": Record(x), "tuple": (x, None)}[container]
+    input, output, kwargs = (x,), x, None
+    if where == "input":
+        input = (x, value)
+    elif where == "kwargs":
+        kwargs = {"k": value}
+    elif where == "output":
+        output = value if container != "tuple" else (x, Record(x))
+    else:
+        output = (x, (x, value))
+    assert native.frame_entries({}, input, output, kwargs, True) is None
+    plain = native.frame_entries({}, input, output, kwargs, False)
+    assert plain[0] == entries_of(forward_items(nn.Identity(), input, output, kwargs))[0]
 
 
 def test_frame_entries_rejects_bad_arguments():
     with pytest.raises(TypeError, match="frame_entries"):
-        native.frame_entries([], (), None, None)
+        native.frame_entries([], (), None, None, False)
     with pytest.raises(TypeError, match="frame_entries"):
-        native.frame_entries({}, (), None)
+        native.frame_entries({}, (), None, None)
     with pytest.raises(TypeError, match="frame_entries"):
-        native.frame_entries({}, (), None, [])
+        native.frame_entries({}, (), None, [], False)
+    with pytest.raises(TypeError, match="frame_entries"):
+        native.frame_entries({}, (), None, None, 1)
 
 
 def test_frame_entries_passes_python_errors_on():
@@ -111,7 +148,7 @@ def test_frame_entries_passes_python_errors_on():
     with pytest.raises(RuntimeError):
         entries_of(forward_items(nn.Identity(), (broken,), None))
     with pytest.raises(RuntimeError):
-        native.frame_entries({}, (broken,), None, None)
+        native.frame_entries({}, (broken,), None, None, False)
 
 
 # -- stage_tensors ----------------------------------------------------------------------------------
@@ -270,7 +307,7 @@ def test_entries_stay_right_past_the_entry_cache():
     for step in range(20000):
         name = f"weight_{step}"
         parameters = {name: nn.Parameter(torch.ones(1)), "none": None}
-        entries, tensors, dtypes = native.frame_entries(parameters, (x,), x, None)
+        entries, tensors, dtypes = native.frame_entries(parameters, (x,), x, None, False)
         assert entries == [(0, name, 0), (0, "input[0]", 1), (0, "output", 2)]
 
 
