@@ -8,6 +8,8 @@
 // METH_FASTCALL functions: pybind11's argument dispatch would cost as much as the work.
 #include <torch/extension.h>
 
+#include "prefetch.h"
+
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/autograd/python_variable.h>
 
@@ -646,8 +648,10 @@ PyObject* all_unchanged(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (PyList_GET_SIZE(args[1]) != count || PyList_GET_SIZE(args[2]) != count) {
     Py_RETURN_FALSE;
   }
+  PyObject* const* items = PySequence_Fast_ITEMS(args[0]);
   for (Py_ssize_t i = 0; i < count; ++i) {
-    PyObject* object = PyList_GET_ITEM(args[0], i);
+    prefetch_tensors(items, count, i, is_plain);
+    PyObject* object = items[i];
     if (!is_plain(object)) {
       Py_RETURN_FALSE;
     }

@@ -12,6 +12,8 @@
 
 #include <c10/util/SmallVector.h>
 
+#include "prefetch.h"
+
 #include <algorithm>
 #include <array>
 #include <cstdint>
@@ -116,8 +118,13 @@ py::object triton_table(const py::list& tensors, const py::tuple& plain_types, c
   int64_t num_chunks = 0;
   py::list flat, overlaps, empties;
   py::list dtypes(count);
+  PyObject* const* items = PySequence_Fast_ITEMS(tensors.ptr());
+  const auto is_plain = [&plain](PyObject* object) {
+    return std::find(plain.begin(), plain.end(), Py_TYPE(object)) != plain.end();
+  };
   for (int64_t index = 0; index < count; ++index) {
-    PyObject* object = PyList_GET_ITEM(tensors.ptr(), index);
+    prefetch_tensors(items, count, index, is_plain);
+    PyObject* object = items[index];
     PyTypeObject* type = Py_TYPE(object);
     if (std::find(plain.begin(), plain.end(), type) == plain.end()) {  // unused entries are null
       return py::none();
