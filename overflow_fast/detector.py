@@ -530,10 +530,11 @@ class DebugUnderflowOverflow:
                 self.total_calls = call.total_calls
             self._detected(frame, batch, call.batch_after)
 
-    def _replay_finite(self, calls, rows):
+    def _replay_finite(self, calls, values):
         """``_replay`` of calls none of whose rows counts a nan/inf, with nothing to trace, warn
         or log: only the ring and the pending batch lines change, and the ring keeps the last
-        frames alone, so only those get their host rows (``rows``: every slot's)."""
+        frames alone, so only those get their host rows (``values``: every slot's, a flat
+        memoryview; only the rows the kept frames name become Python ints)."""
         keep = self.frames.maxlen
         first_kept = 0 if keep is None else max(0, len(calls) - keep)
         # Frames the ring would drop matter only through the batch lines still pending after
@@ -551,7 +552,7 @@ class DebugUnderflowOverflow:
             if frame.phase == FORWARD:
                 frame.lead, self.frame = self.frame, []
             if index >= first_kept:
-                resolve(frame, rows)
+                resolve(frame, values)
                 ring.append(frame)
             if call.last_frame_of_batch:
                 self.frame.extend(report.batch_start_lines(call.batch_after))

@@ -2,6 +2,7 @@
 deferred into a preallocated device buffer that is read once for many frames (check="batch").
 Either way a tensor already read in this forward, unchanged, is not read again (``reuse``)."""
 
+import ctypes
 import sys
 import warnings
 import weakref
@@ -342,10 +343,10 @@ class DeferredRows:
             # the whole buffer in one copy, and no kernel of the read's own: the engine's
             # launches stay the forward's only ones
             state, rows, _ = pending[0]
-            rows = to_host(rows)
-            if not any(any(rows[column::NUM_COLUMNS]) for column in (NAN, POSINF, NEGINF)):
-                return calls, rows
-            host = {id(state): (state, rows)}
+            values = to_host(rows)
+            if not any(any(values[column::NUM_COLUMNS]) for column in (NAN, POSINF, NEGINF)):
+                return calls, values
+            host = {id(state): (state, values.tolist())}
             pending = []
         else:
             host = {}
@@ -355,12 +356,13 @@ class DeferredRows:
                 shards = {}
                 rows = distributed.global_rows(rows, infos, bad_shards=shards)
                 bad.update(((id(state), slot), ranks) for slot, ranks in shards.items())
-            host[id(state)] = (state, to_host(rows))
+            host[id(state)] = (state, to_host(rows).tolist())
         if len(host) == 1 and not marks and not bad:
             # the common case: one device, nothing to mark; a slot's row is its index
             (_, rows_of), = host.values()
             for call in calls:
-                resolve(call.frame, rows_of)
+                frame = call.frame
+                frame.rows = [_row(rows_of, source[1]) if type(source) is tuple else source for source in frame.rows]
             return calls, None
         for call in calls:
             frame = call.frame
@@ -387,9 +389,11 @@ class DeferredRows:
 
 
 def to_host(rows):
-    """The one host read of a device's rows (it waits for the device's work), as one flat list:
-    a list per row would cost more than the read."""
-    return rows.reshape(-1).tolist()
+    """The one host read of a device's rows (it waits for the device's work): their values as a
+    flat int64 memoryview, copied out of the buffer. Callers convert what they use to Python ints
+    (``values[a:b].tolist()``): all of a forward's ~2,000 would cost more than the read."""
+    host = rows.cpu().contiguous()
+    return memoryview(ctypes.string_at(host.data_ptr(), host.numel() * host.element_size())).cast("q")
 
 
 def _row(values, slot):
@@ -397,8 +401,9 @@ def _row(values, slot):
 
 
 def resolve(frame, values):
-    """Give a frame its host rows from ``values``, a device's rows as one flat list (``to_host``)."""
-    frame.rows = [values[source[1] * NUM_COLUMNS:(source[1] + 1) * NUM_COLUMNS] if type(source) is tuple
+    """Give a frame its host rows from ``values``, a device's rows as one flat memoryview
+    (``to_host``): only the rows it names become Python ints."""
+    frame.rows = [values[source[1] * NUM_COLUMNS:(source[1] + 1) * NUM_COLUMNS].tolist() if type(source) is tuple
                   else source for source in frame.rows]
 
 
