@@ -97,7 +97,8 @@ DEFAULT_STAGE_BYTES = 256 << 20
 # saves no host work, and a tensor read in its hook is still in cache (a 4-layer GPT-2 forward
 # at 4x384: +4% read in hooks, +15% read once at the end; RESULTS.md). Staging is for
 # accelerators, whose host work per engine call is the cost. Tests and the host-path benchmark,
-# which run the GPU path's host work on CPU tensors, turn it on.
+# which run the GPU path's host work on CPU tensors, turn it on (read when a device's buffer is
+# made, at a detector's first call on that device).
 STAGE_CPU_TENSORS = False
 
 
