@@ -24,7 +24,7 @@
 namespace overflow_fast {
 namespace {
 
-// Set once by hook_setup (frames.py / rows.py import time); strong references, never released.
+// Set once by hook_setup (when overflow_fast.native is imported); strong references, never released.
 struct HookConstants {
   bool ready = false;
   PyTypeObject* plain[2] = {nullptr, nullptr};  // torch.Tensor, torch.nn.Parameter: read without questions
@@ -108,8 +108,8 @@ bool is_plain(PyObject* object) {
   return type == g.plain[0] || type == g.plain[1];
 }
 
-// A new reference to the Python int of a tensor's version counter, or -1 for a tensor without one
-// (an inference tensor: Python's `_version` raises there).
+// A tensor's version counter, or -1 for a tensor without one (an inference tensor: Python's
+// `_version` raises there).
 int64_t version_of(const at::Tensor& tensor) {
   const auto& counter = tensor.unsafeGetTensorImpl()->version_counter();
   return counter.enabled() ? static_cast<int64_t>(counter.current_version()) : -1;
@@ -268,8 +268,8 @@ PyObject* hook_setup(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   g.slot_sources = PyUnicode_InternFromString("slot_sources");
   g.dataclass_fields = PyUnicode_InternFromString("__dataclass_fields__");
   g.ready = g.input != nullptr && g.output != nullptr && g.used != nullptr && g.launched != nullptr &&
-            g.staged != nullptr && g.versions != nullptr && g.pointers != nullptr && g.buffer != nullptr && g.slot_sources != nullptr &&
-            g.dataclass_fields != nullptr;
+            g.staged != nullptr && g.versions != nullptr && g.pointers != nullptr && g.buffer != nullptr &&
+            g.slot_sources != nullptr && g.dataclass_fields != nullptr;
   if (!g.ready) {
     return nullptr;
   }
@@ -687,7 +687,7 @@ PyMethodDef kMethods[] = {
      "when containers must be opened (frames.py)"},
     {"stage_tensors", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(stage_tensors)), METH_FASTCALL,
      "stage_tensors(tensors, known, state, modes, watched) -> (sources, used, launch_now, staged_bytes, "
-     "watched_bytes) or None (rows.py _stage)"},
+     "watched_bytes), None (a tensor of another type) or False (another device) (rows.py _stage)"},
     {"all_unchanged", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(all_unchanged)), METH_FASTCALL,
      "all_unchanged(tensors, versions, pointers) -> bool (rows.py)"},
     {nullptr, nullptr, 0, nullptr},

@@ -7,11 +7,9 @@ per tensor at ~100 ns each) is the detector's cost there. The Python functions s
 specification and the fallback: each name here is None where the extension is unavailable.
 """
 
-import torch
-
 from .stats import unreadable_reason
 from .stats.cpu_backend import extension
-from .stats.kinds import SUPPORTED_DTYPES
+from .stats.kinds import PLAIN_TYPES, SUPPORTED_DTYPES
 
 # ctx names of the first positional inputs and outputs, built once (frames.py uses them too)
 INPUT_NAMES = [f"input[{i}]" for i in range(16)]
@@ -19,8 +17,7 @@ OUTPUT_NAMES = [f"output[{i}]" for i in range(16)]
 
 _C = extension()
 if _C is not None:
-    _C.hook_setup((torch.Tensor, torch.nn.Parameter), SUPPORTED_DTYPES, INPUT_NAMES, OUTPUT_NAMES,
-                  unreadable_reason)
+    _C.hook_setup(tuple(PLAIN_TYPES), SUPPORTED_DTYPES, INPUT_NAMES, OUTPUT_NAMES, unreadable_reason)
 
 frame_entries = _C.frame_entries if _C is not None else None
 stage_tensors = _C.stage_tensors if _C is not None else None

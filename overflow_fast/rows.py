@@ -404,8 +404,7 @@ def _row(values, slot):
 def resolve(frame, values):
     """Give a frame its host rows from ``values``, a device's rows as one flat memoryview
     (``to_host``): only the rows it names become Python ints."""
-    frame.rows = [values[source[1] * NUM_COLUMNS:(source[1] + 1) * NUM_COLUMNS].tolist() if type(source) is tuple
-                  else source for source in frame.rows]
+    frame.rows = [_row(values, source[1]).tolist() if type(source) is tuple else source for source in frame.rows]
 
 
 def _stage(tensors, known, state, modes, watched):

@@ -72,14 +72,16 @@ import struct
 import torch
 
 from . import cpu_backend
+from .kinds import PLAIN_TYPES
 from .layout import NUM_COLUMNS
 
 NAME = "triton"
 
 # The table in one C++ loop (csrc/table.cpp) when the extension loads; else the Python _table.
-_TRITON_TABLE = cpu_backend._C.triton_table if cpu_backend.unavailable_reason() is None else None
+_EXTENSION = cpu_backend.extension()
+_TRITON_TABLE = _EXTENSION.triton_table if _EXTENSION is not None else None
 # Exact types the C++ loop reads (subclasses take the Python path).
-_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+_PLAIN_TYPES = tuple(PLAIN_TYPES)
 _functorch_interpreter = torch._C._functorch.peek_interpreter_stack  # None outside vmap/grad
 
 try:
