@@ -110,7 +110,13 @@ def _free_port():
 
 
 def _entry(rank, fn, port, args):
+    import faulthandler
+    import gc
+    import sys
+
     import torch.distributed as dist
+
+    faulthandler.enable(all_threads=True)  # a worker killed by a signal (abort, segfault) shows where
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
     torch.set_num_threads(1)
@@ -119,6 +125,16 @@ def _entry(rank, fn, port, args):
         fn(rank, *args)
     finally:
         dist.destroy_process_group()
+    # Passed: leave without the interpreter's finalization. A process group that outlives
+    # destroy_process_group (DeepSpeed's parameters keep theirs) still has gloo worker threads,
+    # and one that frees a tensor's Python object while the interpreter shuts down is ended by
+    # CPython mid-C++ (std::terminate, SIGABRT; pytorch/pytorch#179291): a crash of torch's
+    # teardown after the test's work is done and checked. A worker that raised exits normally,
+    # so that spawn reports its traceback.
+    gc.collect()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_ranks(fn, *args, timeout=SPAWN_TIMEOUT):
