@@ -1,12 +1,14 @@
 // overflow_fast._C.frame_entries, stage_tensors, all_unchanged: the per-tensor loops a detector hook
 // runs with check="batch" (frames.py forward_items + entries_of; rows.py _stage, _all_unchanged),
-// in C++. They take and build the same Python objects as their Python twins, which stay the
+// in C++; make_frame and make_call: the two objects a hook makes. They take and build the same Python objects as their Python twins, which stay the
 // fallback and the specification (tests/test_staging_native.py holds the two equal).
 //
 // On a GPU the host only issues kernels, so a hook's Python is the detector's cost: each tensor
 // attribute read costs ~100 ns there (a dozen per tensor), a few ns here. These are raw CPython
 // METH_FASTCALL functions: pybind11's argument dispatch would cost as much as the work.
 #include <torch/extension.h>
+
+#include <structmember.h>
 
 #include "prefetch.h"
 
@@ -678,6 +680,114 @@ PyObject* all_unchanged(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   Py_RETURN_TRUE;
 }
 
+// frames.py's Frame and Call, made in C: a Python __init__ setting nine slots, or namedtuple's
+// __new__, costs ~0.4 us per hook; these ~0.05. Set by frame_setup.
+struct FrameType {
+  PyTypeObject* frame = nullptr;  // frames.Frame: a __slots__ class
+  PyTypeObject* call = nullptr;   // frames.Call: a namedtuple of kCallFields
+  PyObject* forward = nullptr;    // frames.FORWARD, a new frame's phase
+  PyObject* empty = nullptr;      // (), a new frame's lead
+  // Frame's slots, in the order of kFrameSlots; their offsets in the object
+  std::array<Py_ssize_t, 9> offsets{};
+};
+FrameType g_frame;
+constexpr const char* kFrameSlots[] = {"lead", "module_name", "class_name", "entries", "dtypes", "rows", "phase",
+                                       "consumers", "bad_shards"};
+constexpr Py_ssize_t kCallFields = 7;
+
+// Where __slots__ puts `name` in instances of `type`: its member descriptor's offset, or -1 with
+// an error set.
+Py_ssize_t slot_offset(PyTypeObject* type, const char* name) {
+  PyObject* descriptor = PyDict_GetItemString(type->tp_dict, name);  // borrowed
+  if (descriptor == nullptr || Py_TYPE(descriptor) != &PyMemberDescr_Type ||
+      reinterpret_cast<PyMemberDescrObject*>(descriptor)->d_member->type != T_OBJECT_EX) {
+    PyErr_Format(PyExc_TypeError, "frame_setup: %s.%s is not a __slots__ slot", type->tp_name, name);
+    return -1;
+  }
+  return reinterpret_cast<PyMemberDescrObject*>(descriptor)->d_member->offset;
+}
+
+// frame_setup(Frame, Call, forward)
+PyObject* frame_setup(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 3 || !PyType_Check(args[0]) || !PyType_Check(args[1]) ||
+      !PyType_IsSubtype(reinterpret_cast<PyTypeObject*>(args[1]), &PyTuple_Type)) {
+    PyErr_SetString(PyExc_TypeError, "frame_setup(frame_type: a __slots__ class, call_type: a namedtuple, forward)");
+    return nullptr;
+  }
+  auto* frame = reinterpret_cast<PyTypeObject*>(args[0]);
+  if (frame->tp_itemsize != 0 || frame->tp_alloc == nullptr) {
+    PyErr_SetString(PyExc_TypeError, "frame_setup: the frame type must be a plain __slots__ class");
+    return nullptr;
+  }
+  PyObject* fields = PyObject_GetAttrString(args[1], "_fields");
+  const bool call_fields_ok = fields != nullptr && PyTuple_Check(fields) && PyTuple_GET_SIZE(fields) == kCallFields;
+  Py_XDECREF(fields);
+  if (!call_fields_ok) {
+    PyErr_Clear();
+    PyErr_Format(PyExc_TypeError, "frame_setup: the call type must be a namedtuple of %zd fields", kCallFields);
+    return nullptr;
+  }
+  std::array<Py_ssize_t, 9> offsets{};
+  for (size_t i = 0; i < offsets.size(); ++i) {
+    offsets[i] = slot_offset(frame, kFrameSlots[i]);
+    if (offsets[i] < 0) {
+      return nullptr;
+    }
+  }
+  g_frame.frame = reinterpret_cast<PyTypeObject*>(Py_NewRef(args[0]));
+  g_frame.call = reinterpret_cast<PyTypeObject*>(Py_NewRef(args[1]));
+  g_frame.empty = PyTuple_New(0);
+  if (g_frame.empty == nullptr) {
+    return nullptr;
+  }
+  g_frame.forward = Py_NewRef(args[2]);
+  g_frame.offsets = offsets;
+  Py_RETURN_NONE;
+}
+
+// make_frame(module_name, class_name, entries, dtypes): Frame(module_name, class_name, entries, dtypes)
+PyObject* make_frame(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (g_frame.frame == nullptr) {
+    PyErr_SetString(PyExc_RuntimeError, "overflow_fast._C.make_frame: frame_setup was not called");
+    return nullptr;
+  }
+  if (nargs != 4) {
+    PyErr_SetString(PyExc_TypeError, "make_frame(module_name, class_name, entries, dtypes)");
+    return nullptr;
+  }
+  PyObject* frame = g_frame.frame->tp_alloc(g_frame.frame, 0);  // zeroed: every slot unset
+  if (frame == nullptr) {
+    return nullptr;
+  }
+  PyObject* values[] = {g_frame.empty, args[0], args[1], args[2], args[3], Py_None, g_frame.forward, Py_None, Py_None};
+  for (size_t i = 0; i < g_frame.offsets.size(); ++i) {
+    *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(frame) + g_frame.offsets[i]) = Py_NewRef(values[i]);
+  }
+  return frame;
+}
+
+// make_call(frame, trace_mode, first_call, last_frame_of_batch, batch_before, batch_after, total_calls)
+PyObject* make_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (g_frame.call == nullptr) {
+    PyErr_SetString(PyExc_RuntimeError, "overflow_fast._C.make_call: frame_setup was not called");
+    return nullptr;
+  }
+  if (nargs != kCallFields) {
+    PyErr_SetString(PyExc_TypeError,
+                    "make_call(frame, trace_mode, first_call, last_frame_of_batch, batch_before, batch_after, "
+                    "total_calls)");
+    return nullptr;
+  }
+  PyObject* call = g_frame.call->tp_alloc(g_frame.call, kCallFields);
+  if (call == nullptr) {
+    return nullptr;
+  }
+  for (Py_ssize_t i = 0; i < kCallFields; ++i) {
+    PyTuple_SET_ITEM(call, i, Py_NewRef(args[i]));
+  }
+  return call;
+}
+
 PyMethodDef kMethods[] = {
     {"hook_setup", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(hook_setup)), METH_FASTCALL,
      "hook_setup(plain_types, supported_dtypes, input_names, output_names, unreadable_reason): the "
@@ -690,6 +800,13 @@ PyMethodDef kMethods[] = {
      "watched_bytes), None (a tensor of another type) or False (another device) (rows.py _stage)"},
     {"all_unchanged", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(all_unchanged)), METH_FASTCALL,
      "all_unchanged(tensors, versions, pointers) -> bool (rows.py)"},
+    {"frame_setup", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(frame_setup)), METH_FASTCALL,
+     "frame_setup(Frame, Call, forward): the types make_frame and make_call make (frames.py)"},
+    {"make_frame", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(make_frame)), METH_FASTCALL,
+     "make_frame(module_name, class_name, entries, dtypes) -> Frame (frames.py)"},
+    {"make_call", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(make_call)), METH_FASTCALL,
+     "make_call(frame, trace_mode, first_call, last_frame_of_batch, batch_before, batch_after, total_calls) "
+     "-> Call (frames.py)"},
     {nullptr, nullptr, 0, nullptr},
 };
 

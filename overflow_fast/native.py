@@ -1,6 +1,8 @@
 """The C++ twins of the loops a detector hook runs per tensor (csrc/staging.cpp, in the extension
 ``overflow_fast._C``): ``frame_entries`` (frames.py's ``entries_of(forward_items(...))``),
-``stage_tensors`` (rows.py's ``_stage``) and ``all_unchanged`` (rows.py's ``_all_unchanged``).
+``stage_tensors`` (rows.py's ``_stage``) and ``all_unchanged`` (rows.py's ``_all_unchanged``);
+and the constructors of the two objects a hook makes, ``make_frame`` and ``make_call``
+(frames.py's ``Frame`` and ``Call``, registered by frames.py through ``frame_setup``).
 
 On a GPU the host only issues kernels, and a hook's per-tensor Python (a dozen attribute reads
 per tensor at ~100 ns each) is the detector's cost there. The Python functions stay the
@@ -22,3 +24,6 @@ if _C is not None:
 frame_entries = _C.frame_entries if _C is not None else None
 stage_tensors = _C.stage_tensors if _C is not None else None
 all_unchanged = _C.all_unchanged if _C is not None else None
+frame_setup = _C.frame_setup if _C is not None else None
+make_frame = _C.make_frame if _C is not None else None
+make_call = _C.make_call if _C is not None else None

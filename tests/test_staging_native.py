@@ -318,3 +318,66 @@ def test_a_frame_marked_unreadable_leaves_the_next_frames_entries_alone():
     second, _ = forward_frame("m", module, (x,), x)
     assert first.entries[0] == (3, "weight", "gone")
     assert second.entries[0] == (0, "weight", 0)
+
+
+# -- make_frame, make_call: a hook's Frame and Call made in C ----------------------------------
+
+from overflow_fast.frames import FORWARD, Call, Frame  # noqa: E402
+
+
+def test_make_frame_equals_the_python_frame_in_every_slot():
+    entries, dtypes = [(0, "weight", 0)], [torch.float16]
+    made = native.make_frame("layer.0", "Linear", entries, dtypes)
+    want = Frame("layer.0", "Linear", entries, dtypes)
+    assert type(made) is Frame
+    for slot in Frame.__slots__:
+        assert getattr(made, slot) == getattr(want, slot), slot
+    assert made.entries is entries and made.dtypes is dtypes and made.phase is FORWARD
+    # a frame like any other: mutable, its methods work, collected when dropped
+    made.rows = [[0] * 8]
+    made.mark_unreadable(0, "gone")
+    assert made.entries == [(3, "weight", "gone")] and made.lead == ()
+    made.mark_bad_shards(0, [1])
+    assert made.bad_shards == {0: [1]}
+
+    class Token:
+        pass
+
+    token = Token()
+    alive = weakref.ref(token)
+    held = native.make_frame(token, "Linear", [], [])
+    del token
+    assert alive() is held.module_name
+    del held
+    assert alive() is None  # the frame released what it held
+
+
+def test_make_call_equals_the_namedtuple():
+    frame = native.make_frame("m", "Linear", [], [])
+    fields = (frame, False, True, False, 3, 4, 17)
+    made = native.make_call(*fields)
+    assert type(made) is Call and made == Call(*fields) and made._asdict() == Call(*fields)._asdict()
+    assert made.frame is frame and made.batch_after == 4 and made.total_calls == 17 and len(made) == 7
+    assert made._replace(trace_mode=True).trace_mode is True
+
+
+def test_make_frame_and_make_call_reject_bad_arguments():
+    with pytest.raises(TypeError, match="make_frame"):
+        native.make_frame("m", "Linear", [])
+    with pytest.raises(TypeError, match="make_call"):
+        native.make_call(None, False)
+    with pytest.raises(TypeError, match="frame_setup"):
+        native.frame_setup(Frame, tuple, FORWARD)  # not a namedtuple
+    with pytest.raises(TypeError, match="frame_setup"):
+        native.frame_setup(int, Call, FORWARD)  # no slots
+
+
+def test_forward_frame_makes_frames_in_c_equal_to_python_ones():
+    module = nn.Linear(3, 2)
+    x = torch.randn(4, 3)
+    frame, tensors = forward_frame("lin", module, (x,), module(x))
+    entries, want_tensors, dtypes = entries_of(forward_items(module, (x,), module(x)))
+    want = Frame("lin", "Linear", entries, dtypes)
+    assert type(frame) is Frame and len(tensors) == len(want_tensors) == 4
+    for slot in ("lead", "module_name", "class_name", "entries", "dtypes", "rows", "phase", "consumers", "bad_shards"):
+        assert getattr(frame, slot) == getattr(want, slot), slot
