@@ -328,27 +328,14 @@ int holds_container(PyObject* input, PyObject* output, PyObject* kwargs) {
 // whose named_parameters is torch's own (parameters: module._parameters, in order, None skipped,
 // one tensor under two names listed under the first). With containers, None when some value is
 // one to open (the caller's Python opens it): then the lines are those without containers.
-PyObject* frame_entries(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (!check_ready("frame_entries")) {
-    return nullptr;
-  }
-  if (nargs != 5 || !PyDict_Check(args[0]) || !(args[3] == Py_None || PyDict_Check(args[3])) ||
-      !PyBool_Check(args[4])) {
-    PyErr_SetString(PyExc_TypeError,
-                    "frame_entries(parameters: dict, input, output, kwargs: dict or None, containers: bool)");
-    return nullptr;
-  }
-  PyObject* parameters = args[0];
-  PyObject* input = args[1];
-  PyObject* output = args[2];
-  PyObject* kwargs = args[3];
-  if (args[4] == Py_True) {
+// The entries, tensors and dtypes of one forward hook call (new references in `out`): 1, or 0
+// when containers must be opened (Python does that), or -1 with an error set.
+int collect_entries(PyObject* parameters, PyObject* input, PyObject* output, PyObject* kwargs, bool containers,
+                    std::array<PyObject*, 3>& out) {
+  if (containers) {
     const int found = holds_container(input, output, kwargs);
-    if (found < 0) {
-      return nullptr;
-    }
-    if (found > 0) {
-      Py_RETURN_NONE;
+    if (found != 0) {
+      return found < 0 ? -1 : 0;
     }
   }
   PyObject* entries = PyList_New(0);
@@ -414,18 +401,35 @@ PyObject* frame_entries(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   } else if (!add_item(entries, tensors, dtypes, output, g.output, true)) {
     goto fail;
   }
-  {
-    PyObject* result = PyTuple_Pack(3, entries, tensors, dtypes);
-    Py_DECREF(entries);
-    Py_DECREF(tensors);
-    Py_DECREF(dtypes);
-    return result;
-  }
+  out = {entries, tensors, dtypes};
+  return 1;
 fail:
   Py_XDECREF(entries);
   Py_XDECREF(tensors);
   Py_XDECREF(dtypes);
-  return nullptr;
+  return -1;
+}
+
+PyObject* frame_entries(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!check_ready("frame_entries")) {
+    return nullptr;
+  }
+  if (nargs != 5 || !PyDict_Check(args[0]) || !(args[3] == Py_None || PyDict_Check(args[3])) ||
+      !PyBool_Check(args[4])) {
+    PyErr_SetString(PyExc_TypeError,
+                    "frame_entries(parameters: dict, input, output, kwargs: dict or None, containers: bool)");
+    return nullptr;
+  }
+  std::array<PyObject*, 3> found{};
+  const int status = collect_entries(args[0], args[1], args[2], args[3], args[4] == Py_True, found);
+  if (status <= 0) {
+    return status < 0 ? nullptr : Py_NewRef(Py_None);
+  }
+  PyObject* result = PyTuple_Pack(3, found[0], found[1], found[2]);
+  for (PyObject* list : found) {
+    Py_DECREF(list);
+  }
+  return result;
 }
 
 // (tensor, version, pointer, modes, position): a tensor read at once on its first sight (rows.py
@@ -687,6 +691,12 @@ struct FrameType {
   PyTypeObject* call = nullptr;   // frames.Call: a namedtuple of kCallFields
   PyObject* forward = nullptr;    // frames.FORWARD, a new frame's phase
   PyObject* empty = nullptr;      // (), a new frame's lead
+  PyObject* class_names = nullptr;       // frames._CLASS_NAMES: module type -> the name frames show
+  PyObject* class_name = nullptr;        // frames.class_name, for a type not in it yet
+  PyObject* named_parameters = nullptr;  // torch.nn.Module.named_parameters (not overridden: read _parameters)
+  PyObject* named_parameters_name = nullptr;
+  PyObject* parameters_name = nullptr;   // "_parameters"
+  PyObject* unknown = nullptr;           // "?": the name of a module module_names lacks
   // Frame's slots, in the order of kFrameSlots; their offsets in the object
   std::array<Py_ssize_t, 9> offsets{};
 };
@@ -707,11 +717,14 @@ Py_ssize_t slot_offset(PyTypeObject* type, const char* name) {
   return reinterpret_cast<PyMemberDescrObject*>(descriptor)->d_member->offset;
 }
 
-// frame_setup(Frame, Call, forward)
+// frame_setup(Frame, Call, forward, class_names, class_name, named_parameters)
 PyObject* frame_setup(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 3 || !PyType_Check(args[0]) || !PyType_Check(args[1]) ||
-      !PyType_IsSubtype(reinterpret_cast<PyTypeObject*>(args[1]), &PyTuple_Type)) {
-    PyErr_SetString(PyExc_TypeError, "frame_setup(frame_type: a __slots__ class, call_type: a namedtuple, forward)");
+  if (nargs != 6 || !PyType_Check(args[0]) || !PyType_Check(args[1]) ||
+      !PyType_IsSubtype(reinterpret_cast<PyTypeObject*>(args[1]), &PyTuple_Type) || !PyDict_Check(args[3]) ||
+      !PyCallable_Check(args[4])) {
+    PyErr_SetString(PyExc_TypeError,
+                    "frame_setup(frame_type: a __slots__ class, call_type: a namedtuple, forward, class_names: dict, "
+                    "class_name: callable, named_parameters)");
     return nullptr;
   }
   auto* frame = reinterpret_cast<PyTypeObject*>(args[0]);
@@ -740,9 +753,32 @@ PyObject* frame_setup(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (g_frame.empty == nullptr) {
     return nullptr;
   }
+  g_frame.named_parameters_name = PyUnicode_InternFromString("named_parameters");
+  g_frame.parameters_name = PyUnicode_InternFromString("_parameters");
+  g_frame.unknown = PyUnicode_InternFromString("?");
+  if (g_frame.named_parameters_name == nullptr || g_frame.parameters_name == nullptr || g_frame.unknown == nullptr) {
+    return nullptr;
+  }
   g_frame.forward = Py_NewRef(args[2]);
+  g_frame.class_names = Py_NewRef(args[3]);
+  g_frame.class_name = Py_NewRef(args[4]);
+  g_frame.named_parameters = Py_NewRef(args[5]);
   g_frame.offsets = offsets;
   Py_RETURN_NONE;
+}
+
+// Frame(module_name, class_name, entries, dtypes), a new reference (nothing stolen)
+PyObject* new_frame(PyObject* module_name, PyObject* class_name, PyObject* entries, PyObject* dtypes) {
+  PyObject* frame = g_frame.frame->tp_alloc(g_frame.frame, 0);  // zeroed: every slot unset
+  if (frame == nullptr) {
+    return nullptr;
+  }
+  PyObject* values[] = {g_frame.empty, module_name, class_name, entries, dtypes, Py_None, g_frame.forward, Py_None,
+                        Py_None};
+  for (size_t i = 0; i < g_frame.offsets.size(); ++i) {
+    *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(frame) + g_frame.offsets[i]) = Py_NewRef(values[i]);
+  }
+  return frame;
 }
 
 // make_frame(module_name, class_name, entries, dtypes): Frame(module_name, class_name, entries, dtypes)
@@ -755,15 +791,72 @@ PyObject* make_frame(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     PyErr_SetString(PyExc_TypeError, "make_frame(module_name, class_name, entries, dtypes)");
     return nullptr;
   }
-  PyObject* frame = g_frame.frame->tp_alloc(g_frame.frame, 0);  // zeroed: every slot unset
-  if (frame == nullptr) {
+  return new_frame(args[0], args[1], args[2], args[3]);
+}
+
+// hook_frame(module_names, module, input, output, kwargs, containers): frames.py's
+// forward_frame(module_names.get(module, "?"), module, ...) -> (frame, tensors), or None where
+// Python must build it (containers to open, named_parameters overridden, _parameters not a dict).
+PyObject* hook_frame(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!check_ready("hook_frame")) {
     return nullptr;
   }
-  PyObject* values[] = {g_frame.empty, args[0], args[1], args[2], args[3], Py_None, g_frame.forward, Py_None, Py_None};
-  for (size_t i = 0; i < g_frame.offsets.size(); ++i) {
-    *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(frame) + g_frame.offsets[i]) = Py_NewRef(values[i]);
+  if (g_frame.frame == nullptr) {
+    PyErr_SetString(PyExc_RuntimeError, "overflow_fast._C.hook_frame: frame_setup was not called");
+    return nullptr;
   }
-  return frame;
+  if (nargs != 6 || !PyDict_Check(args[0]) || !(args[4] == Py_None || PyDict_Check(args[4]))) {
+    PyErr_SetString(PyExc_TypeError,
+                    "hook_frame(module_names: dict, module, input, output, kwargs: dict or None, containers)");
+    return nullptr;
+  }
+  PyObject* module = args[1];
+  PyTypeObject* type = Py_TYPE(module);
+  if (_PyType_Lookup(type, g_frame.named_parameters_name) != g_frame.named_parameters) {
+    Py_RETURN_NONE;
+  }
+  const int containers = PyObject_IsTrue(args[5]);
+  if (containers < 0) {
+    return nullptr;
+  }
+  PyObject* parameters = PyObject_GetAttr(module, g_frame.parameters_name);
+  if (parameters == nullptr) {
+    return nullptr;
+  }
+  if (!PyDict_Check(parameters)) {
+    Py_DECREF(parameters);
+    Py_RETURN_NONE;
+  }
+  std::array<PyObject*, 3> found{};
+  const int status = collect_entries(parameters, args[2], args[3], args[4], containers != 0, found);
+  Py_DECREF(parameters);
+  if (status <= 0) {
+    return status < 0 ? nullptr : Py_NewRef(Py_None);
+  }
+  PyObject* result = nullptr;
+  PyObject* frame = nullptr;
+  PyObject* class_name = nullptr;  // new reference
+  PyObject* name = PyDict_GetItemWithError(args[0], module);  // borrowed
+  if (name == nullptr && PyErr_Occurred()) {
+    goto done;
+  }
+  class_name = PyDict_GetItemWithError(g_frame.class_names, reinterpret_cast<PyObject*>(type));
+  if (class_name != nullptr) {
+    Py_INCREF(class_name);
+  } else if (PyErr_Occurred() || (class_name = PyObject_CallOneArg(g_frame.class_name, module)) == nullptr) {
+    goto done;
+  }
+  frame = new_frame(name != nullptr ? name : g_frame.unknown, class_name, found[0], found[2]);
+  if (frame != nullptr) {
+    result = PyTuple_Pack(2, frame, found[1]);
+    Py_DECREF(frame);
+  }
+done:
+  Py_XDECREF(class_name);
+  for (PyObject* list : found) {
+    Py_DECREF(list);
+  }
+  return result;
 }
 
 // make_call(frame, trace_mode, first_call, last_frame_of_batch, batch_before, batch_after, total_calls)
@@ -801,7 +894,11 @@ PyMethodDef kMethods[] = {
     {"all_unchanged", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(all_unchanged)), METH_FASTCALL,
      "all_unchanged(tensors, versions, pointers) -> bool (rows.py)"},
     {"frame_setup", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(frame_setup)), METH_FASTCALL,
-     "frame_setup(Frame, Call, forward): the types make_frame and make_call make (frames.py)"},
+     "frame_setup(Frame, Call, forward, class_names, class_name, named_parameters): what hook_frame, "
+     "make_frame and make_call use (frames.py)"},
+    {"hook_frame", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(hook_frame)), METH_FASTCALL,
+     "hook_frame(module_names, module, input, output, kwargs, containers) -> (frame, tensors), or None where "
+     "Python builds it (frames.py forward_frame)"},
     {"make_frame", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(make_frame)), METH_FASTCALL,
      "make_frame(module_name, class_name, entries, dtypes) -> Frame (frames.py)"},
     {"make_call", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(make_call)), METH_FASTCALL,

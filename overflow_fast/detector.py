@@ -17,7 +17,8 @@ import torch
 from torch.compiler import is_compiling
 
 from . import distributed, report
-from .frames import BACKWARD, FORWARD, Frame, class_name, entries_of, forward_frame, forward_items, make_call
+from .frames import (BACKWARD, FORWARD, Frame, class_name, entries_of, forward_frame, forward_items, hook_frame,
+                     make_call)
 from .flight import StepLog
 from .gradients import GradientHooks
 from .policy import Policy, is_bad, source_line
@@ -338,8 +339,7 @@ class DebugUnderflowOverflow:
             self._absorb_traced()  # a compiled region ran before this call
         if self._stop_pending:
             return  # this rank reported; it stops with the others at the end of this pass
-        frame, tensors = forward_frame(self.module_names.get(module, "?"), module, input, output,
-                                       kwargs, self.containers)
+        frame, tensors = hook_frame(self.module_names, module, input, output, kwargs, self.containers)
         batch = self.batch_number
         if (self._stages and self._forward_depth and not self.detected_overflow and batch not in self.trace_batch_nums
                 and _graph_task_id() == -1 and not _inference_mode()):

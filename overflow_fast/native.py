@@ -1,8 +1,9 @@
 """The C++ twins of the loops a detector hook runs per tensor (csrc/staging.cpp, in the extension
 ``overflow_fast._C``): ``frame_entries`` (frames.py's ``entries_of(forward_items(...))``),
 ``stage_tensors`` (rows.py's ``_stage``) and ``all_unchanged`` (rows.py's ``_all_unchanged``);
-and the constructors of the two objects a hook makes, ``make_frame`` and ``make_call``
-(frames.py's ``Frame`` and ``Call``, registered by frames.py through ``frame_setup``).
+the constructors of the two objects a hook makes, ``make_frame`` and ``make_call`` (frames.py's
+``Frame`` and ``Call``, registered by frames.py through ``frame_setup``); and ``hook_frame``,
+frames.py's ``hook_frame`` in one call.
 
 On a GPU the host only issues kernels, and a hook's per-tensor Python (a dozen attribute reads
 per tensor at ~100 ns each) is the detector's cost there. The Python functions stay the
@@ -26,4 +27,5 @@ stage_tensors = _C.stage_tensors if _C is not None else None
 all_unchanged = _C.all_unchanged if _C is not None else None
 frame_setup = _C.frame_setup if _C is not None else None
 make_frame = _C.make_frame if _C is not None else None
+hook_frame = _C.hook_frame if _C is not None else None
 make_call = _C.make_call if _C is not None else None

@@ -366,10 +366,15 @@ def test_make_frame_and_make_call_reject_bad_arguments():
         native.make_frame("m", "Linear", [])
     with pytest.raises(TypeError, match="make_call"):
         native.make_call(None, False)
-    with pytest.raises(TypeError, match="frame_setup"):
-        native.frame_setup(Frame, tuple, FORWARD)  # not a namedtuple
-    with pytest.raises(TypeError, match="frame_setup"):
-        native.frame_setup(int, Call, FORWARD)  # no slots
+    rest = ({}, str, nn.Module.named_parameters)
+    with pytest.raises(TypeError, match="namedtuple of 7 fields"):
+        native.frame_setup(Frame, tuple, FORWARD, *rest)
+    with pytest.raises(TypeError, match="plain __slots__ class"):
+        native.frame_setup(int, Call, FORWARD, *rest)
+    with pytest.raises(TypeError, match="not a __slots__ slot"):
+        native.frame_setup(type("NoSlots", (), {}), Call, FORWARD, *rest)
+    # the failed setups changed nothing
+    assert type(native.make_frame("m", "Linear", [], [])) is Frame
 
 
 def test_forward_frame_makes_frames_in_c_equal_to_python_ones():
@@ -381,3 +386,32 @@ def test_forward_frame_makes_frames_in_c_equal_to_python_ones():
     assert type(frame) is Frame and len(tensors) == len(want_tensors) == 4
     for slot in ("lead", "module_name", "class_name", "entries", "dtypes", "rows", "phase", "consumers", "bad_shards"):
         assert getattr(frame, slot) == getattr(want, slot), slot
+
+
+def test_hook_frame_equals_the_python_frame_on_every_call_shape():
+    from overflow_fast.frames import hook_frame
+
+    class Named(nn.Linear):
+        def named_parameters(self, *args, **kwargs):  # overridden: Python lists them
+            return super().named_parameters(*args, **kwargs)
+
+    x = torch.randn(4, 3)
+    named, unnamed, overriding = nn.Linear(3, 2), nn.Linear(3, 2), Named(3, 2)
+    names = {named: "encoder.proj", overriding: "head"}
+    calls = [(named, (x,), named(x), None, False), (unnamed, (x, None, 3), (x, (x, x)), {"mask": x, "n": 1}, False),
+             (named, x, [x], None, True), (overriding, (x,), x, None, False), (named, (), None, {}, True)]
+    for module, input, output, kwargs, containers in calls:
+        want_frame, want_tensors = forward_frame(names.get(module, "?"), module, input, output, kwargs, containers)
+        got = native.hook_frame(names, module, input, output, kwargs or None, containers)
+        if containers and isinstance(output, list) or module is overriding:
+            assert got is None  # left to Python
+        else:
+            frame, tensors = got
+            assert [id(t) for t in tensors] == [id(t) for t in want_tensors]
+            for slot in Frame.__slots__:
+                assert getattr(frame, slot) == getattr(want_frame, slot), (slot, module)
+        frame, tensors = hook_frame(names, module, input, output, kwargs, containers)
+        assert (frame.module_name, frame.entries, frame.dtypes) == (want_frame.module_name, want_frame.entries,
+                                                                   want_frame.dtypes)
+    with pytest.raises(TypeError, match="hook_frame"):
+        native.hook_frame([], named, (x,), x, None, False)
