@@ -60,7 +60,7 @@ class Frame:
 Call = collections.namedtuple("Call", ("frame", "trace_mode", "first_call", "last_frame_of_batch", "batch_before",
                                        "batch_after", "total_calls"))
 
-def make_call(*fields):
+def _python_call(*fields):
     """``Call(*fields)``, without namedtuple's Python-level __new__."""
     return tuple.__new__(Call, fields)
 
@@ -227,7 +227,7 @@ def entries_of(items):
 
 # A hook's frame and call, made in C with the extension (Frame's __init__ and namedtuple's __new__
 # cost ~0.4 us each, a tenth of a hook) and equal to what the Python code above makes.
-new_frame = Frame
+new_frame, make_call = Frame, _python_call
 if native.frame_setup is not None:
     native.frame_setup(Frame, Call, FORWARD, _CLASS_NAMES, class_name, _named_parameters)
     new_frame, make_call = native.make_frame, native.make_call
