@@ -294,3 +294,18 @@ def test_memory_freed_or_swapped_after_the_hook_is_never_read(how):
     forward(model, vectors(1)[0])  # read in its hook from then on
     a_frame = [f for f in detector.frames if not isinstance(f, str) and f.module_name == "a"][-1]
     assert "unreadable" not in str(a_frame)
+
+
+def test_python_constructors_of_a_hook_equal_the_ones_in_use():
+    # without the extension frames.py makes its Frame and Call in Python
+    from overflow_fast import frames
+
+    call = frames._python_call("frame", False, True, False, 0, 1, 1)
+    assert type(call) is frames.Call and call == frames.Call("frame", False, True, False, 0, 1, 1)
+    assert call == frames.make_call("frame", False, True, False, 0, 1, 1)
+    module = torch.nn.Linear(2, 2)
+    x = torch.ones(1, 2)
+    made, tensors = frames.hook_frame({module: "lin"}, module, (x,), module(x))
+    want = frames.Frame("lin", "Linear", made.entries, made.dtypes)
+    assert [getattr(made, slot) for slot in frames.Frame.__slots__] == [getattr(want, slot) for slot in frames.Frame.__slots__]
+    assert len(tensors) == 4
