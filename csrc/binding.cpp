@@ -45,7 +45,8 @@ namespace {
 // 6: triton_table (table.cpp), the Triton backend's table built in one loop.
 // 7: hook_setup, frame_entries, stage_tensors, all_unchanged (staging.cpp), a hook's loops.
 // 8: frame_setup, make_frame, make_call (staging.cpp): a hook's Frame and Call made in C.
-constexpr int kAbiVersion = 8;
+// 9: hook_frame and stage_call (staging.cpp); hook_setup takes the reuse table's size limit.
+constexpr int kAbiVersion = 9;
 
 // Columns of a row (overflow_fast/stats/layout.py).
 enum Column : int64_t { ABS_MIN, ABS_MAX, NAN_COUNT, POSINF, NEGINF, ZERO, SUBNORMAL, NUMEL, NUM_COLUMNS };

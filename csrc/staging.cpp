@@ -46,6 +46,25 @@ struct HookConstants {
   PyObject* buffer = nullptr;
   PyObject* slot_sources = nullptr;
   PyObject* dataclass_fields = nullptr;
+  // stage_call's: rows.py's DeferredRows, ReuseCache and _DeviceRows attributes, a frame's rows
+  PyObject* last_state = nullptr;
+  PyObject* pending = nullptr;
+  PyObject* pending_modes = nullptr;
+  PyObject* capacity = nullptr;
+  PyObject* devices = nullptr;
+  PyObject* modes = nullptr;
+  PyObject* watched = nullptr;
+  PyObject* watched_bytes = nullptr;
+  PyObject* stage_bytes = nullptr;
+  PyObject* enabled = nullptr;
+  PyObject* open = nullptr;
+  PyObject* reuse_rows = nullptr;
+  PyObject* stages = nullptr;
+  PyObject* infos = nullptr;
+  PyObject* staged_bytes = nullptr;
+  PyObject* rows = nullptr;
+  PyObject* deepspeed = nullptr;
+  Py_ssize_t max_remembered = 0;  // reuse.py _MAX_REMEMBERED
 };
 HookConstants g;
 
@@ -218,13 +237,13 @@ bool check_ready(const char* name) {
   return true;
 }
 
-// hook_setup(plain_types, supported_dtypes, input_names, output_names, unreadable_reason)
+// hook_setup(plain_types, supported_dtypes, input_names, output_names, unreadable_reason, max_remembered)
 PyObject* hook_setup(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 5 || !PyTuple_Check(args[0]) || PyTuple_GET_SIZE(args[0]) != 2 || !PyList_Check(args[2]) ||
-      !PyList_Check(args[3]) || !PyCallable_Check(args[4])) {
+  if (nargs != 6 || !PyTuple_Check(args[0]) || PyTuple_GET_SIZE(args[0]) != 2 || !PyList_Check(args[2]) ||
+      !PyList_Check(args[3]) || !PyCallable_Check(args[4]) || !PyLong_Check(args[5])) {
     PyErr_SetString(PyExc_TypeError,
                     "hook_setup(plain_types: 2-tuple, supported_dtypes: iterable, input_names: list, "
-                    "output_names: list, unreadable_reason: callable)");
+                    "output_names: list, unreadable_reason: callable, max_remembered: int)");
     return nullptr;
   }
   for (Py_ssize_t i = 0; i < 2; ++i) {
@@ -269,9 +288,21 @@ PyObject* hook_setup(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   g.buffer = PyUnicode_InternFromString("buffer");
   g.slot_sources = PyUnicode_InternFromString("slot_sources");
   g.dataclass_fields = PyUnicode_InternFromString("__dataclass_fields__");
-  g.ready = g.input != nullptr && g.output != nullptr && g.used != nullptr && g.launched != nullptr &&
-            g.staged != nullptr && g.versions != nullptr && g.pointers != nullptr && g.buffer != nullptr &&
-            g.slot_sources != nullptr && g.dataclass_fields != nullptr;
+  bool names_ok = true;
+  for (auto [field, name] : {std::pair{&g.last_state, "_last_state"}, {&g.pending, "pending"},
+                             {&g.pending_modes, "_pending_modes"}, {&g.capacity, "capacity"},
+                             {&g.devices, "_devices"}, {&g.modes, "modes"}, {&g.watched, "_watched"},
+                             {&g.watched_bytes, "_watched_bytes"}, {&g.stage_bytes, "stage_bytes"},
+                             {&g.enabled, "enabled"}, {&g.open, "_open"}, {&g.reuse_rows, "_rows"},
+                             {&g.stages, "stages"}, {&g.infos, "infos"}, {&g.staged_bytes, "staged_bytes"},
+                             {&g.rows, "rows"}, {&g.deepspeed, "deepspeed"}}) {
+    *field = PyUnicode_InternFromString(name);
+    names_ok = names_ok && *field != nullptr;
+  }
+  g.max_remembered = PyLong_AsSsize_t(args[5]);
+  g.ready = names_ok && g.max_remembered > 0 && g.input != nullptr && g.output != nullptr && g.used != nullptr &&
+            g.launched != nullptr && g.staged != nullptr && g.versions != nullptr && g.pointers != nullptr &&
+            g.buffer != nullptr && g.slot_sources != nullptr && g.dataclass_fields != nullptr;
   if (!g.ready) {
     return nullptr;
   }
@@ -452,21 +483,18 @@ long as_long(PyObject* object) {
 // watched_bytes); None when a tensor is not of a plain type (Python's loop takes those), False
 // when one is not on the device of state.buffer. Nothing is changed in those two cases.
 // rows.py's _stage: see there for what each step is for.
-PyObject* stage_tensors(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (!check_ready("stage_tensors")) {
-    return nullptr;
-  }
-  if (nargs != 5 || !PyList_Check(args[0]) || !(args[1] == Py_None || PyDict_Check(args[1])) ||
-      !(args[3] == Py_None || PyList_Check(args[3])) || !PyList_Check(args[4])) {
-    PyErr_SetString(PyExc_TypeError,
-                    "stage_tensors(tensors: list, known: dict or None, state, modes: list or None, watched: list)");
-    return nullptr;
-  }
-  PyObject* tensors = args[0];
-  PyObject* known = args[1] == Py_None ? nullptr : args[1];
-  PyObject* state = args[2];
-  PyObject* modes = args[3] == Py_None ? nullptr : args[3];
-  PyObject* watched = args[4];
+struct Staged {
+  long used = 0;  // state.used after the call
+  bool launch_now = false;
+  int64_t staged_bytes = 0;
+  int64_t watched_bytes = 0;
+};
+
+// stage_tensors' work: the sources list (a new reference), or Py_None / Py_False (new references)
+// for a tensor of another type / on another device, nothing changed; null with an error set.
+// known, modes: null for None.
+PyObject* stage_core(PyObject* tensors, PyObject* known, PyObject* state, PyObject* modes, PyObject* watched,
+                     Staged& out) {
   const Py_ssize_t count = PyList_GET_SIZE(tensors);
   for (Py_ssize_t i = 0; i < count; ++i) {
     if (!is_plain(PyList_GET_ITEM(tensors, i))) {
@@ -628,8 +656,8 @@ PyObject* stage_tensors(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       goto done;
     }
   }
-  result = Py_BuildValue("(OlOLL)", sources, used, launch_now ? Py_True : Py_False,
-                         static_cast<long long>(staged_bytes), static_cast<long long>(watched_bytes));
+  out = Staged{used, launch_now, staged_bytes, watched_bytes};
+  result = Py_NewRef(sources);
 done:
   Py_XDECREF(used_object);
   Py_XDECREF(staged);
@@ -637,6 +665,228 @@ done:
   Py_XDECREF(pointers);
   Py_XDECREF(slot_sources);
   Py_XDECREF(sources);
+  return result;
+}
+
+PyObject* stage_tensors(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!check_ready("stage_tensors")) {
+    return nullptr;
+  }
+  if (nargs != 5 || !PyList_Check(args[0]) || !(args[1] == Py_None || PyDict_Check(args[1])) ||
+      !(args[3] == Py_None || PyList_Check(args[3])) || !PyList_Check(args[4])) {
+    PyErr_SetString(PyExc_TypeError,
+                    "stage_tensors(tensors: list, known: dict or None, state, modes: list or None, watched: list)");
+    return nullptr;
+  }
+  Staged staged;
+  PyObject* sources = stage_core(args[0], args[1] == Py_None ? nullptr : args[1], args[2],
+                                 args[3] == Py_None ? nullptr : args[3], args[4], staged);
+  if (sources == nullptr || sources == Py_None || sources == Py_False) {
+    return sources;
+  }
+  PyObject* result = Py_BuildValue("(OlOLL)", sources, staged.used, staged.launch_now ? Py_True : Py_False,
+                                   static_cast<long long>(staged.staged_bytes),
+                                   static_cast<long long>(staged.watched_bytes));
+  Py_DECREF(sources);
+  return result;
+}
+
+// A new reference to obj.name, or null with an error set.
+PyObject* get(PyObject* object, PyObject* name) {
+  return PyObject_GetAttr(object, name);
+}
+
+// obj.name as a C integer (-1 with an error set on failure).
+Py_ssize_t get_size(PyObject* object, PyObject* name) {
+  PyObject* value = PyObject_GetAttr(object, name);
+  if (value == nullptr) {
+    return -1;
+  }
+  const Py_ssize_t size = PyLong_AsSsize_t(value);
+  Py_DECREF(value);
+  return size;
+}
+
+// obj.name += amount for an int attribute; false with an error set.
+bool add_to(PyObject* object, PyObject* name, int64_t amount) {
+  if (amount == 0) {
+    return true;
+  }
+  PyObject* value = PyObject_GetAttr(object, name);
+  if (value == nullptr) {
+    return false;
+  }
+  const long long total = PyLong_AsLongLong(value) + amount;
+  Py_DECREF(value);
+  if (PyErr_Occurred()) {
+    return false;
+  }
+  PyObject* updated = PyLong_FromLongLong(total);
+  const bool ok = updated != nullptr && PyObject_SetAttr(object, name, updated) == 0;
+  Py_XDECREF(updated);
+  return ok;
+}
+
+// stage_call(deferred, reuse, call, tensors, module): rows.py's DeferredRows.stage, the common case
+// of a forward hook's call inside a top-level forward (must_read_before false, then add) in one
+// call: plain tensors on the device of the call before, room in the queue and the buffer, no
+// ZeRO-3 or DTensor shards, the module's modes known for every position, the reuse table not
+// full. -> None when the call is not that case (nothing changed: Python's path takes it), else
+// whether staged work must be launched now.
+PyObject* stage_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!check_ready("stage_call")) {
+    return nullptr;
+  }
+  if (nargs != 5 || !PyTuple_Check(args[2]) || PyTuple_GET_SIZE(args[2]) < 1 || !PyList_Check(args[3])) {
+    PyErr_SetString(PyExc_TypeError, "stage_call(deferred, reuse, call: Call, tensors: list, module)");
+    return nullptr;
+  }
+  PyObject* deferred = args[0];
+  PyObject* reuse = args[1];
+  PyObject* call = args[2];
+  PyObject* tensors = args[3];
+  const Py_ssize_t count = PyList_GET_SIZE(tensors);
+  PyObject* const modules = PyImport_GetModuleDict();  // borrowed
+  if (count == 0 || PyDict_GetItemWithError(modules, g.deepspeed) != nullptr || PyErr_Occurred()) {
+    return PyErr_Occurred() ? nullptr : Py_NewRef(Py_None);  // ZeRO-3 partitions: Python's path
+  }
+  // every reference below is released at `done`
+  PyObject* result = nullptr;
+  PyObject* state = nullptr;
+  PyObject* pending = nullptr;
+  PyObject* devices = nullptr;
+  PyObject* stages = nullptr;
+  PyObject* infos = nullptr;
+  PyObject* module_modes = nullptr;
+  PyObject* enabled = nullptr;
+  PyObject* known = nullptr;
+  PyObject* watched = nullptr;
+  PyObject* sources = nullptr;
+  PyObject* pending_modes = nullptr;
+  PyObject* frame = PyTuple_GET_ITEM(call, 0);
+  PyObject* modes = nullptr;  // borrowed from module_modes
+  Py_ssize_t capacity = 0;
+  Py_ssize_t used = 0;
+  Py_ssize_t open = 0;
+  Staged staged;
+  bool launch = false;
+
+  state = get(deferred, g.last_state);
+  if (state == nullptr || state == Py_None) {
+    goto not_taken;
+  }
+  pending = get(deferred, g.pending);
+  devices = pending ? get(deferred, g.devices) : nullptr;
+  if (devices == nullptr) {
+    goto done;
+  }
+  if (!PyList_Check(pending) || !PyDict_Check(devices) || PyDict_GET_SIZE(devices) != 1) {
+    goto not_taken;  // several devices: must_read_before looks at each
+  }
+  capacity = get_size(deferred, g.capacity);
+  used = capacity < 0 ? -1 : get_size(state, g.used);
+  if (used < 0) {
+    goto done;
+  }
+  if (PyList_GET_SIZE(pending) >= capacity || used > capacity - count) {
+    goto not_taken;  // the queue or the buffer is full: read first
+  }
+  stages = get(state, g.stages);
+  infos = stages ? get(state, g.infos) : nullptr;
+  if (infos == nullptr) {
+    goto done;
+  }
+  if (stages != Py_True || infos != Py_None) {
+    goto not_taken;
+  }
+  {
+    PyObject* all_modes = get(deferred, g.modes);
+    if (all_modes == nullptr) {
+      goto done;
+    }
+    module_modes = PyDict_Check(all_modes) ? PyDict_GetItemWithError(all_modes, args[4]) : nullptr;
+    Py_XINCREF(module_modes);
+    Py_DECREF(all_modes);
+    if (module_modes == nullptr && PyErr_Occurred()) {
+      goto done;
+    }
+    if (module_modes == nullptr || !PyList_Check(module_modes) || PyList_GET_SIZE(module_modes) < count) {
+      goto not_taken;  // a module not seen yet: Python's path makes its modes
+    }
+    modes = module_modes;
+  }
+  // reuse.open_rows(count)
+  enabled = get(reuse, g.enabled);
+  open = enabled ? get_size(reuse, g.open) : -1;
+  if (open < 0) {
+    goto done;
+  }
+  if (PyObject_IsTrue(enabled) == 1 && open > 0) {
+    known = get(reuse, g.reuse_rows);
+    if (known == nullptr) {
+      goto done;
+    }
+    if (!PyDict_Check(known) || PyDict_GET_SIZE(known) + count > g.max_remembered) {
+      goto not_taken;  // Python's path clears it
+    }
+  }
+  watched = get(deferred, g.watched);
+  if (watched == nullptr) {
+    goto done;
+  }
+  if (!PyList_Check(watched)) {
+    goto not_taken;
+  }
+  sources = stage_core(tensors, known, state, modes, watched, staged);
+  if (sources == nullptr) {
+    goto done;
+  }
+  if (sources == Py_None || sources == Py_False) {
+    goto not_taken;  // another type or another device: nothing changed
+  }
+  // the rest of add(): the call queued with its sources and modes
+  {
+    PyObject* used_object = PyLong_FromLong(staged.used);
+    const bool ok = used_object != nullptr && PyObject_SetAttr(state, g.used, used_object) == 0;
+    Py_XDECREF(used_object);
+    if (!ok) {
+      goto done;
+    }
+  }
+  pending_modes = get(deferred, g.pending_modes);
+  if (pending_modes == nullptr || !add_to(state, g.staged_bytes, staged.staged_bytes) ||
+      !add_to(deferred, g.watched_bytes, staged.watched_bytes) || PyObject_SetAttr(frame, g.rows, sources) != 0 ||
+      PyList_Append(pending, call) != 0 || PyList_Append(pending_modes, modes) != 0) {
+    goto done;
+  }
+  launch = staged.launch_now;
+  if (!launch) {
+    const Py_ssize_t total = get_size(state, g.staged_bytes);
+    const Py_ssize_t watched_total = total < 0 ? -1 : get_size(deferred, g.watched_bytes);
+    const Py_ssize_t limit = watched_total < 0 ? -1 : get_size(deferred, g.stage_bytes);
+    if (limit < 0 && PyErr_Occurred()) {
+      goto done;
+    }
+    launch = total + watched_total > limit;
+  }
+  result = Py_NewRef(launch ? Py_True : Py_False);
+  goto done;
+not_taken:
+  if (!PyErr_Occurred()) {
+    result = Py_NewRef(Py_None);
+  }
+done:
+  Py_XDECREF(state);
+  Py_XDECREF(pending);
+  Py_XDECREF(devices);
+  Py_XDECREF(stages);
+  Py_XDECREF(infos);
+  Py_XDECREF(module_modes);
+  Py_XDECREF(enabled);
+  Py_XDECREF(known);
+  Py_XDECREF(watched);
+  Py_XDECREF(sources);
+  Py_XDECREF(pending_modes);
   return result;
 }
 
@@ -891,6 +1141,9 @@ PyMethodDef kMethods[] = {
     {"stage_tensors", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(stage_tensors)), METH_FASTCALL,
      "stage_tensors(tensors, known, state, modes, watched) -> (sources, used, launch_now, staged_bytes, "
      "watched_bytes), None (a tensor of another type) or False (another device) (rows.py _stage)"},
+    {"stage_call", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(stage_call)), METH_FASTCALL,
+     "stage_call(deferred, reuse, call, tensors, module) -> None (not the common case: nothing changed) or "
+     "whether to launch now (rows.py DeferredRows.stage)"},
     {"all_unchanged", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(all_unchanged)), METH_FASTCALL,
      "all_unchanged(tensors, versions, pointers) -> bool (rows.py)"},
     {"frame_setup", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(frame_setup)), METH_FASTCALL,

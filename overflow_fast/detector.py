@@ -353,9 +353,10 @@ class DebugUnderflowOverflow:
             if self._gradients is not None:
                 self._gradients.watch_outputs(module, frame, tensors)
             deferred = self._deferred
-            if deferred.must_read_before(tensors):
-                self.flush()
-            deferred.add(call, tensors, module)
+            if not deferred.stage(call, tensors, module):
+                if deferred.must_read_before(tensors):
+                    self.flush()
+                deferred.add(call, tensors, module)
             if last:
                 self.flush()
         else:

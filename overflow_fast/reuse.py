@@ -9,7 +9,7 @@ exactly one top-level forward: emptied when it opens and when it closes, never f
 
 import weakref
 
-_MAX_REMEMBERED = 1 << 16
+MAX_REMEMBERED = 1 << 16  # entries; past it the table starts over
 
 
 class ReuseCache:
@@ -44,7 +44,7 @@ class ReuseCache:
         top-level forward (or with reuse off)."""
         if not (self.enabled and self._open):
             return None
-        if len(self._rows) + adding > _MAX_REMEMBERED:
+        if len(self._rows) + adding > MAX_REMEMBERED:
             self._rows.clear()
         return self._rows
 
@@ -67,7 +67,7 @@ class ReuseCache:
         """Keep ``source`` for ``tensor``."""
         if not (self.enabled and self._open):
             return
-        if len(self._rows) >= _MAX_REMEMBERED:
+        if len(self._rows) >= MAX_REMEMBERED:
             self._rows.clear()
         try:
             self._rows[id(tensor)] = (weakref.ref(tensor), tensor._version, source)

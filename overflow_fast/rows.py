@@ -243,6 +243,20 @@ class DeferredRows:
         if launch_now or state.staged_bytes + self._watched_bytes > self.stage_bytes:
             self.launch()
 
+    def stage(self, call, tensors, module):
+        """``must_read_before`` then ``add`` of a forward hook's call inside a top-level forward, in
+        one C++ call (``native.stage_call``) where that is the common case: plain tensors on the
+        device of the call before, room to spare, no DTensor or ZeRO-3 shards, the module seen
+        before. False when the caller must take those two steps itself (nothing was changed)."""
+        if native.stage_call is None:
+            return False
+        launch = native.stage_call(self, self.reader.reuse, call, tensors, module)
+        if launch is None:
+            return False
+        if launch:
+            self.launch()
+        return True
+
     def _state_of(self, tensors):
         """The buffer of the device all ``tensors`` are on (made on first use), or None when they
         are on several."""

@@ -5,6 +5,8 @@ Same inputs, same Python objects out, same state left behind."""
 
 import collections
 import dataclasses
+import sys
+import types
 import weakref
 
 import pytest
@@ -415,3 +417,105 @@ def test_hook_frame_equals_the_python_frame_on_every_call_shape():
                                                                    want_frame.dtypes)
     with pytest.raises(TypeError, match="hook_frame"):
         native.hook_frame([], named, (x,), x, None, False)
+
+
+# -- stage_call: must_read_before + add of a forward hook's call, in one C call ----------------
+
+from overflow_fast import rows as rows_module  # noqa: E402
+from overflow_fast.frames import make_call  # noqa: E402
+from overflow_fast.reuse import ReuseCache  # noqa: E402
+
+
+def _deferred(capacity=64, stage_bytes=1 << 30):
+    return rows_module.DeferredRows(rows_module.RowReader(None, ReuseCache()), capacity, stage_bytes)
+
+
+def _queued_state(deferred):
+    """What the queue holds, with buffers named by device and tensors by id."""
+    def source(value):
+        return ("slot", value[1]) if type(value) is tuple else value
+
+    return {
+        "rows": [[source(s) for s in call.frame.rows] for call in deferred.pending],
+        "pending_modes": [None if m is None else list(m) for m in deferred._pending_modes],
+        "devices": {str(d): (s.used, s.launched, [id(t) for t in s.staged], list(s.versions), list(s.pointers),
+                             s.staged_bytes) for d, s in deferred._devices.items()},
+        "watched": [(id(t), v, p, list(m), i) for t, v, p, m, i in deferred._watched],
+        "watched_bytes": deferred._watched_bytes,
+        "modes": {id(k): list(v) for k, v in deferred.modes.items()},
+        "known": {k: (v[1], source(v[2])) for k, v in deferred.reader.reuse._rows.items()},
+    }
+
+
+def _hook_sequence():
+    torch.manual_seed(1)
+    modules = [nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 2)]
+    x = torch.randn(2, 3)
+    h = modules[0](x)
+    r = modules[1](h)
+    with torch.no_grad():
+        y = modules[2](r)  # an output that does not require grad: its bytes count
+    return [(modules[0], [modules[0].weight, modules[0].bias, x, h]), (modules[1], [h, r]),
+            (modules[2], [modules[2].weight, modules[2].bias, r, y])]
+
+
+@pytest.mark.parametrize("stage_bytes", [1 << 30, 40])
+def test_stage_call_equals_must_read_before_and_add(monkeypatch, stage_bytes):
+    monkeypatch.setattr(rows_module, "STAGE_CPU_TENSORS", True)
+    sequence = _hook_sequence()
+    fast, slow = _deferred(stage_bytes=stage_bytes), _deferred(stage_bytes=stage_bytes)
+    taken = []
+    for forward in range(3):
+        for deferred in (fast, slow):
+            deferred.reader.reuse.open()
+        for module, tensors in sequence:
+            for deferred in (fast, slow):
+                call = make_call(native.make_frame("m", "Linear", [], []), False, False, False, 0, 0, 0)
+                if deferred is fast and deferred.stage(call, tensors, module):
+                    taken.append(forward)
+                    continue
+                assert not deferred.must_read_before(tensors)
+                deferred.add(call, tensors, module)
+            assert _queued_state(fast) == _queued_state(slow), (forward, module)
+        for deferred in (fast, slow):
+            deferred.read()
+            deferred.reader.reuse.close()
+    # the first forward learns each module's modes in Python; the later ones take the C call
+    assert 0 not in taken and taken.count(2) == len(sequence)
+
+
+def test_stage_call_leaves_every_other_case_unchanged(monkeypatch):
+    monkeypatch.setattr(rows_module, "STAGE_CPU_TENSORS", True)
+    (module, tensors), *_ = _hook_sequence()
+
+    def ready(capacity=64):
+        deferred = _deferred(capacity)
+        deferred.reader.reuse.open()
+        deferred.add(make_call(native.make_frame("m", "Linear", [], []), False, False, False, 0, 0, 0), tensors,
+                     module)
+        deferred.modes[module] = [STAGE] * len(tensors)
+        return deferred
+
+    def untouched(deferred, tensors, module=module):
+        before = _queued_state(deferred)
+        call = make_call(native.make_frame("m", "Linear", [], []), False, False, False, 0, 0, 0)
+        assert deferred.stage(call, tensors, module) is False
+        assert _queued_state(deferred) == before and call.frame.rows is None
+
+    untouched(ready(), [])  # no tensors
+    untouched(ready(), tensors, nn.Linear(1, 1))  # a module not seen yet
+    untouched(ready(), tensors + [torch.randn(2).as_subclass(Sub)])  # a subclass
+    untouched(ready(), [torch.empty(2, device="meta")])  # another device
+    untouched(ready(capacity=5), tensors)  # the buffer would overflow: read first
+    full = ready()
+    full.capacity = len(full.pending)
+    untouched(full, tensors)  # the queue is full
+    monkeypatch.setitem(sys.modules, "deepspeed", types.ModuleType("deepspeed"))
+    untouched(ready(), tensors)  # ZeRO-3 partitions may be among them
+    monkeypatch.delitem(sys.modules, "deepspeed")
+    closed = ready()
+    closed.reader.reuse.close()
+    call = make_call(native.make_frame("m", "Linear", [], []), False, False, False, 0, 0, 0)
+    assert closed.stage(call, tensors, module) is True  # outside a forward: staged, no reuse
+    with pytest.raises(TypeError, match="stage_call"):
+        native.stage_call(closed, closed.reader.reuse, [], tensors, module)
