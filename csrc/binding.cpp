@@ -46,7 +46,8 @@ namespace {
 // 7: hook_setup, frame_entries, stage_tensors, all_unchanged (staging.cpp), a hook's loops.
 // 8: frame_setup, make_frame, make_call (staging.cpp): a hook's Frame and Call made in C.
 // 9: hook_frame and stage_call (staging.cpp); hook_setup takes the reuse table's size limit.
-constexpr int kAbiVersion = 9;
+// 10: read_rows and resolve_rows (staging.cpp): the end-of-forward read.
+constexpr int kAbiVersion = 10;
 
 // Columns of a row (overflow_fast/stats/layout.py).
 enum Column : int64_t { ABS_MIN, ABS_MAX, NAN_COUNT, POSINF, NEGINF, ZERO, SUBNORMAL, NUMEL, NUM_COLUMNS };

@@ -21,6 +21,7 @@
 #include <array>
 #include <cstdint>
 #include <functional>
+#include <string>
 #include <unordered_map>
 
 namespace overflow_fast {
@@ -890,6 +891,109 @@ done:
   return result;
 }
 
+// Columns of a row (overflow_fast/stats/layout.py): those counting nan, +inf and -inf.
+constexpr int64_t kColumns = 8, kNanColumn = 2, kNegInfColumn = 4;
+
+// read_rows(rows) -> (bytes, nonfinite): rows.py's to_host. The one host read of a device's rows
+// (on a GPU it waits for the device, without the GIL as torch's own copies do), their int64
+// values copied out, and whether any row counts a nan or an inf.
+PyObject* read_rows(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 1 || !THPVariable_Check(args[0])) {
+    PyErr_SetString(PyExc_TypeError, "read_rows(rows: an int64 tensor)");
+    return nullptr;
+  }
+  const at::Tensor rows = THPVariable_Unpack(args[0]);
+  if (rows.scalar_type() != at::kLong || rows.layout() != at::kStrided || rows.numel() % kColumns != 0) {
+    PyErr_SetString(PyExc_TypeError, "read_rows: rows must be a strided int64 tensor of 8-column rows");
+    return nullptr;
+  }
+  at::Tensor host;
+  std::string error;
+  Py_BEGIN_ALLOW_THREADS
+  try {
+    host = rows.cpu().contiguous();
+  } catch (const std::exception& exception) {
+    error = exception.what();
+  }
+  Py_END_ALLOW_THREADS
+  if (!error.empty()) {
+    PyErr_SetString(PyExc_RuntimeError, error.c_str());
+    return nullptr;
+  }
+  const auto* values = host.const_data_ptr<int64_t>();
+  const int64_t count = host.numel();
+  bool nonfinite = false;
+  for (int64_t row = 0; row < count && !nonfinite; row += kColumns) {
+    for (int64_t column = kNanColumn; column <= kNegInfColumn; ++column) {
+      nonfinite = nonfinite || values[row + column] != 0;
+    }
+  }
+  PyObject* data = PyBytes_FromStringAndSize(reinterpret_cast<const char*>(values),
+                                             static_cast<Py_ssize_t>(count * sizeof(int64_t)));
+  if (data == nullptr) {
+    return nullptr;
+  }
+  PyObject* result = PyTuple_Pack(2, data, nonfinite ? Py_True : Py_False);
+  Py_DECREF(data);
+  return result;
+}
+
+// resolve_rows(sources, values) -> rows: rows.py's resolve. Each (state, slot) source becomes the
+// list of its row's 8 ints in values (a flat int64 buffer, to_host's); other sources (host rows)
+// stay as they are.
+PyObject* resolve_rows(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2 || !PyList_Check(args[0])) {
+    PyErr_SetString(PyExc_TypeError, "resolve_rows(sources: list, values: an int64 buffer)");
+    return nullptr;
+  }
+  Py_buffer view;
+  if (PyObject_GetBuffer(args[1], &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) != 0) {
+    return nullptr;
+  }
+  if (view.itemsize != 8 || view.format == nullptr || (std::string(view.format) != "q" &&
+                                                       std::string(view.format) != "l")) {
+    PyBuffer_Release(&view);
+    PyErr_SetString(PyExc_TypeError, "resolve_rows: values must be a buffer of int64");
+    return nullptr;
+  }
+  const auto* values = static_cast<const int64_t*>(view.buf);
+  const Py_ssize_t slots = view.len / static_cast<Py_ssize_t>(kColumns * sizeof(int64_t));
+  PyObject* sources = args[0];
+  const Py_ssize_t count = PyList_GET_SIZE(sources);
+  PyObject* rows = PyList_New(count);
+  for (Py_ssize_t i = 0; rows != nullptr && i < count; ++i) {
+    PyObject* source = PyList_GET_ITEM(sources, i);
+    if (!PyTuple_CheckExact(source)) {
+      PyList_SET_ITEM(rows, i, Py_NewRef(source));
+      continue;
+    }
+    const Py_ssize_t slot = PyTuple_GET_SIZE(source) == 2 ? PyLong_AsSsize_t(PyTuple_GET_ITEM(source, 1)) : -1;
+    if (slot < 0 || slot >= slots) {
+      if (!PyErr_Occurred()) {
+        PyErr_Format(PyExc_ValueError, "resolve_rows: source %zd names no row of the %zd read", i, slots);
+      }
+      Py_CLEAR(rows);
+      break;
+    }
+    PyObject* row = PyList_New(kColumns);
+    for (int64_t column = 0; row != nullptr && column < kColumns; ++column) {
+      PyObject* value = PyLong_FromLongLong(values[slot * kColumns + column]);
+      if (value == nullptr) {
+        Py_CLEAR(row);
+        break;
+      }
+      PyList_SET_ITEM(row, column, value);
+    }
+    if (row == nullptr) {
+      Py_CLEAR(rows);
+      break;
+    }
+    PyList_SET_ITEM(rows, i, row);
+  }
+  PyBuffer_Release(&view);
+  return rows;
+}
+
 // all_unchanged(tensors, versions, pointers) -> bool: rows.py's _all_unchanged. False also means
 // "look at each": a tensor of another type, or one without a version counter or a data pointer.
 PyObject* all_unchanged(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
@@ -1144,6 +1248,10 @@ PyMethodDef kMethods[] = {
     {"stage_call", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(stage_call)), METH_FASTCALL,
      "stage_call(deferred, reuse, call, tensors, module) -> None (not the common case: nothing changed) or "
      "whether to launch now (rows.py DeferredRows.stage)"},
+    {"read_rows", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(read_rows)), METH_FASTCALL,
+     "read_rows(rows) -> (bytes, nonfinite) (rows.py to_host)"},
+    {"resolve_rows", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(resolve_rows)), METH_FASTCALL,
+     "resolve_rows(sources, values) -> rows (rows.py resolve)"},
     {"all_unchanged", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(all_unchanged)), METH_FASTCALL,
      "all_unchanged(tensors, versions, pointers) -> bool (rows.py)"},
     {"frame_setup", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(frame_setup)), METH_FASTCALL,

@@ -1,7 +1,8 @@
 """The C++ twins of the loops a detector hook runs per tensor (csrc/staging.cpp, in the extension
 ``overflow_fast._C``): ``frame_entries`` (frames.py's ``entries_of(forward_items(...))``),
 ``stage_tensors`` (rows.py's ``_stage``), ``stage_call`` (rows.py's ``DeferredRows.stage``: the
-common case of ``must_read_before`` and ``add``) and ``all_unchanged`` (``_all_unchanged``);
+common case of ``must_read_before`` and ``add``), ``all_unchanged`` (``_all_unchanged``),
+``read_rows`` (``to_host``) and ``resolve_rows`` (``resolve``);
 the constructors of the two objects a hook makes, ``make_frame`` and ``make_call`` (frames.py's
 ``Frame`` and ``Call``, registered by frames.py through ``frame_setup``); and ``hook_frame``,
 frames.py's ``hook_frame`` in one call.
@@ -28,6 +29,8 @@ frame_entries = _C.frame_entries if _C is not None else None
 stage_tensors = _C.stage_tensors if _C is not None else None
 stage_call = _C.stage_call if _C is not None else None
 all_unchanged = _C.all_unchanged if _C is not None else None
+read_rows = _C.read_rows if _C is not None else None
+resolve_rows = _C.resolve_rows if _C is not None else None
 frame_setup = _C.frame_setup if _C is not None else None
 make_frame = _C.make_frame if _C is not None else None
 hook_frame = _C.hook_frame if _C is not None else None

@@ -358,8 +358,8 @@ class DeferredRows:
             # the whole buffer in one copy, and no kernel of the read's own: the engine's
             # launches stay the forward's only ones
             state, rows, _ = pending[0]
-            values = to_host(rows)
-            if not any(any(values[column::NUM_COLUMNS]) for column in (NAN, POSINF, NEGINF)):
+            values, nonfinite = to_host(rows)
+            if not nonfinite:
                 return calls, values
             host = {id(state): (state, values.tolist())}
             pending = []
@@ -371,7 +371,7 @@ class DeferredRows:
                 shards = {}
                 rows = distributed.global_rows(rows, infos, bad_shards=shards)
                 bad.update(((id(state), slot), ranks) for slot, ranks in shards.items())
-            host[id(state)] = (state, to_host(rows).tolist())
+            host[id(state)] = (state, to_host(rows)[0].tolist())
         if len(host) == 1 and not marks and not bad:
             # the common case: one device, nothing to mark; a slot's row is its index
             (_, rows_of), = host.values()
@@ -404,11 +404,16 @@ class DeferredRows:
 
 
 def to_host(rows):
-    """The one host read of a device's rows (it waits for the device's work): their values as a
-    flat int64 memoryview, copied out of the buffer. Callers convert what they use to Python ints
+    """The one host read of a device's rows (it waits for the device's work): ``(values,
+    nonfinite)``, their values as a flat int64 memoryview copied out of the buffer, and whether a
+    row counts a nan or an inf. Callers convert what they use to Python ints
     (``values[a:b].tolist()``): all of a forward's ~2,000 would cost more than the read."""
+    if native.read_rows is not None:
+        data, nonfinite = native.read_rows(rows)
+        return memoryview(data).cast("q"), nonfinite
     host = rows.cpu().contiguous()
-    return memoryview(ctypes.string_at(host.data_ptr(), host.numel() * host.element_size())).cast("q")
+    values = memoryview(ctypes.string_at(host.data_ptr(), host.numel() * host.element_size())).cast("q")
+    return values, any(any(values[column::NUM_COLUMNS]) for column in (NAN, POSINF, NEGINF))
 
 
 def _row(values, slot):
@@ -418,7 +423,11 @@ def _row(values, slot):
 def resolve(frame, values):
     """Give a frame its host rows from ``values``, a device's rows as one flat memoryview
     (``to_host``): only the rows it names become Python ints."""
-    frame.rows = [_row(values, source[1]).tolist() if type(source) is tuple else source for source in frame.rows]
+    if native.resolve_rows is not None:
+        frame.rows = native.resolve_rows(frame.rows, values)
+    else:
+        frame.rows = [_row(values, source[1]).tolist() if type(source) is tuple else source
+                      for source in frame.rows]
 
 
 def _stage(tensors, known, state, modes, watched):

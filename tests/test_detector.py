@@ -11,7 +11,7 @@ from torch.overrides import TorchFunctionMode
 
 from compat import ReferenceDetector, run
 from compat import capture as compat_capture
-from overflow_fast import DebugUnderflowOverflow
+from overflow_fast import DebugUnderflowOverflow, native
 from test_compat_rules import Scaled, batches, make, with_value
 
 NAN = float("nan")
@@ -163,6 +163,17 @@ def test_batch_mode_hooks_never_read_the_device(monkeypatch):
             reads.inside_flush = False
 
     monkeypatch.setattr(DebugUnderflowOverflow, "flush", flush)
+    if native.read_rows is not None:  # the read in C++, which a TorchFunctionMode does not see
+        read_rows = native.read_rows
+
+        def counted(rows):
+            if reads.inside_flush:
+                reads.inside += 1
+            else:
+                reads.outside.append("read_rows")
+            return read_rows(rows)
+
+        monkeypatch.setattr(native, "read_rows", counted)
     with reads:
         for x in batches(3):
             model(x)

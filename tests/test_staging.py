@@ -24,7 +24,8 @@ def stage_cpu_tensors(monkeypatch, request):
     with their Python twins alone (the path without the extension)."""
     monkeypatch.setattr(rows_module, "STAGE_CPU_TENSORS", True)
     if request.param == "python":
-        for name in ("frame_entries", "hook_frame", "stage_tensors", "stage_call", "all_unchanged"):
+        for name in ("frame_entries", "hook_frame", "stage_tensors", "stage_call", "all_unchanged", "read_rows",
+                     "resolve_rows"):
             monkeypatch.setattr(native, name, None)
     elif native.frame_entries is None:
         pytest.skip("the C++ extension is unavailable")

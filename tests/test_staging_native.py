@@ -519,3 +519,56 @@ def test_stage_call_leaves_every_other_case_unchanged(monkeypatch):
     assert closed.stage(call, tensors, module) is True  # outside a forward: staged, no reuse
     with pytest.raises(TypeError, match="stage_call"):
         native.stage_call(closed, closed.reader.reuse, [], tensors, module)
+
+
+# -- read_rows, resolve_rows: the end-of-forward read ------------------------------------------
+
+def _python_to_host(monkeypatch, rows):
+    with monkeypatch.context() as patch:
+        patch.setattr(native, "read_rows", None)
+        return rows_module.to_host(rows)
+
+
+@pytest.mark.parametrize("column", [None, 2, 3, 4])
+def test_read_rows_equals_the_python_read(monkeypatch, column):
+    generator = torch.Generator().manual_seed(3)
+    rows = torch.randint(-(2**62), 2**62, (37, 8), generator=generator)
+    rows[:, 2:5] = 0
+    if column is not None:
+        rows[29, column] = 1  # one nan, +inf or -inf count, late in the buffer
+    for view in (rows, rows[:30], rows[::2]):  # the used part of a buffer, and a strided one
+        values, nonfinite = rows_module.to_host(view)
+        want_values, want_nonfinite = _python_to_host(monkeypatch, view)
+        assert values.format == "q" and values.tolist() == want_values.tolist() == view.reshape(-1).tolist()
+        assert nonfinite == want_nonfinite == bool(view[:, 2:5].any())
+
+
+def test_read_rows_of_no_rows_and_bad_arguments():
+    values, nonfinite = rows_module.to_host(torch.empty((0, 8), dtype=torch.int64))
+    assert values.tolist() == [] and nonfinite is False
+    with pytest.raises(TypeError, match="read_rows"):
+        native.read_rows(torch.zeros(3, 8))  # not int64
+    with pytest.raises(TypeError, match="read_rows"):
+        native.read_rows(torch.zeros(3, 7, dtype=torch.int64))
+
+
+def test_resolve_rows_equals_the_python_resolve(monkeypatch):
+    values, _ = rows_module.to_host(torch.arange(5 * 8, dtype=torch.int64).reshape(5, 8) - 17)
+    state = object()
+    host_row = [9] * 8
+    sources = [(state, 4), host_row, (state, 0), (state, 4)]
+    frame, python_frame = Frame("m", "Linear", [], []), Frame("m", "Linear", [], [])
+    frame.rows, python_frame.rows = list(sources), list(sources)
+    rows_module.resolve(frame, values)
+    with monkeypatch.context() as patch:
+        patch.setattr(native, "resolve_rows", None)
+        rows_module.resolve(python_frame, values)
+    assert frame.rows == python_frame.rows == [list(range(15, 23)), host_row, list(range(-17, -9)),
+                                               list(range(15, 23))]
+    assert frame.rows[1] is host_row and frame.rows[0] is not frame.rows[3]  # lists of their own
+    with pytest.raises(ValueError, match="names no row"):
+        native.resolve_rows([(state, 5)], values)
+    with pytest.raises(TypeError, match="int64"):
+        native.resolve_rows([(state, 0)], memoryview(bytes(64)))  # bytes, not int64
+    with pytest.raises(TypeError, match="resolve_rows"):
+        native.resolve_rows((), values)
