@@ -731,8 +731,8 @@ bool add_to(PyObject* object, PyObject* name, int64_t amount) {
 // stage_call(deferred, reuse, call, tensors, module): rows.py's DeferredRows.stage, the common case
 // of a forward hook's call inside a top-level forward (must_read_before false, then add) in one
 // call: plain tensors on the device of the call before, room in the queue and the buffer, no
-// ZeRO-3 or DTensor shards, the module's modes known for every position, the reuse table not
-// full. -> None when the call is not that case (nothing changed: Python's path takes it), else
+// DTensor shards or (with DeepSpeed loaded) empty tensors, the module's modes known for every
+// position, the reuse table not full. -> None when the call is not that case (nothing changed: Python's path takes it), else
 // whether staged work must be launched now.
 PyObject* stage_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (!check_ready("stage_call")) {
@@ -747,9 +747,20 @@ PyObject* stage_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   PyObject* call = args[2];
   PyObject* tensors = args[3];
   const Py_ssize_t count = PyList_GET_SIZE(tensors);
-  PyObject* const modules = PyImport_GetModuleDict();  // borrowed
-  if (count == 0 || PyDict_GetItemWithError(modules, g.deepspeed) != nullptr || PyErr_Occurred()) {
-    return PyErr_Occurred() ? nullptr : Py_NewRef(Py_None);  // ZeRO-3 partitions: Python's path
+  if (count == 0) {
+    Py_RETURN_NONE;
+  }
+  // With DeepSpeed loaded an empty plain tensor may be a released ZeRO-3 parameter, whose
+  // partitions are combined across ranks: Python's path.
+  const bool zero3 = PyDict_GetItemWithError(PyImport_GetModuleDict(), g.deepspeed) != nullptr;
+  if (PyErr_Occurred()) {
+    return nullptr;
+  }
+  for (Py_ssize_t i = 0; zero3 && i < count; ++i) {
+    PyObject* tensor = PyList_GET_ITEM(tensors, i);
+    if (is_plain(tensor) && THPVariable_Unpack(tensor).numel() == 0) {
+      Py_RETURN_NONE;
+    }
   }
   // every reference below is released at `done`
   PyObject* result = nullptr;

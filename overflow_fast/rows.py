@@ -246,8 +246,9 @@ class DeferredRows:
     def stage(self, call, tensors, module):
         """``must_read_before`` then ``add`` of a forward hook's call inside a top-level forward, in
         one C++ call (``native.stage_call``) where that is the common case: plain tensors on the
-        device of the call before, room to spare, no DTensor or ZeRO-3 shards, the module seen
-        before. False when the caller must take those two steps itself (nothing was changed)."""
+        device of the call before, room to spare, no DTensor shards or, with DeepSpeed loaded,
+        empty tensors (ZeRO-3 placeholders), the module seen before. False when the caller must
+        take those two steps itself (nothing was changed)."""
         if native.stage_call is None:
             return False
         launch = native.stage_call(self, self.reader.reuse, call, tensors, module)

@@ -459,9 +459,18 @@ def _hook_sequence():
             (modules[2], [modules[2].weight, modules[2].bias, r, y])]
 
 
+def _deepspeed_loaded(monkeypatch, loaded):
+    if loaded:
+        monkeypatch.setitem(sys.modules, "deepspeed", types.ModuleType("deepspeed"))
+    else:
+        monkeypatch.delitem(sys.modules, "deepspeed", raising=False)
+
+
+@pytest.mark.parametrize("deepspeed", [False, True])
 @pytest.mark.parametrize("stage_bytes", [1 << 30, 40])
-def test_stage_call_equals_must_read_before_and_add(monkeypatch, stage_bytes):
+def test_stage_call_equals_must_read_before_and_add(monkeypatch, stage_bytes, deepspeed):
     monkeypatch.setattr(rows_module, "STAGE_CPU_TENSORS", True)
+    _deepspeed_loaded(monkeypatch, deepspeed)  # a loaded DeepSpeed changes nothing without empty tensors
     sequence = _hook_sequence()
     fast, slow = _deferred(stage_bytes=stage_bytes), _deferred(stage_bytes=stage_bytes)
     taken = []
@@ -486,6 +495,7 @@ def test_stage_call_equals_must_read_before_and_add(monkeypatch, stage_bytes):
 
 def test_stage_call_leaves_every_other_case_unchanged(monkeypatch):
     monkeypatch.setattr(rows_module, "STAGE_CPU_TENSORS", True)
+    _deepspeed_loaded(monkeypatch, False)
     (module, tensors), *_ = _hook_sequence()
 
     def ready(capacity=64):
@@ -510,9 +520,14 @@ def test_stage_call_leaves_every_other_case_unchanged(monkeypatch):
     full = ready()
     full.capacity = len(full.pending)
     untouched(full, tensors)  # the queue is full
-    monkeypatch.setitem(sys.modules, "deepspeed", types.ModuleType("deepspeed"))
-    untouched(ready(), tensors)  # ZeRO-3 partitions may be among them
-    monkeypatch.delitem(sys.modules, "deepspeed")
+    empty = torch.empty(0, 3)
+    _deepspeed_loaded(monkeypatch, True)
+    untouched(ready(), tensors + [empty])  # an empty tensor may be a released ZeRO-3 parameter
+    _deepspeed_loaded(monkeypatch, False)
+    taken = ready()
+    taken.modes[module] = [STAGE] * (len(tensors) + 1)
+    call = make_call(native.make_frame("m", "Linear", [], []), False, False, False, 0, 0, 0)
+    assert taken.stage(call, tensors[:2] + [empty] + tensors[2:], module) is True  # without DeepSpeed: staged
     closed = ready()
     closed.reader.reuse.close()
     call = make_call(native.make_frame("m", "Linear", [], []), False, False, False, 0, 0, 0)
