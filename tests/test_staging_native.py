@@ -587,3 +587,29 @@ def test_resolve_rows_equals_the_python_resolve(monkeypatch):
         native.resolve_rows([(state, 0)], memoryview(bytes(64)))  # bytes, not int64
     with pytest.raises(TypeError, match="resolve_rows"):
         native.resolve_rows((), values)
+
+
+def test_a_hooks_objects_are_left_to_reference_counting():
+    """Frames, calls, entry lists, row sources and reuse entries made by the C++ path can close
+    no reference cycle: untracked, the collector's gen-0 passes skip them, and they are freed
+    as soon as the last reference goes."""
+    import gc
+
+    module, x = nn.Linear(3, 2), torch.randn(2, 3)
+    frame, tensors = native.hook_frame({module: "lin"}, module, (x,), module(x), None, False)
+    call = native.make_call(frame, False, True, False, 0, 0, 1)
+    assert not any(gc.is_tracked(o) for o in (frame, call, frame.entries, frame.dtypes, tensors))
+    assert gc.is_tracked(Frame("lin", "Linear", [], []))  # Python's own frames stay tracked
+    known, state = {}, _state()
+    sources, *_ = native.stage_tensors(tensors, known, state, [STAGE] * len(tensors), [])
+    assert not gc.is_tracked(sources)
+    assert known and not any(gc.is_tracked(entry) or gc.is_tracked(entry[0]) for entry in known.values())
+    alive = weakref.ref(tensors[-1])
+    gc.disable()
+    try:
+        del frame, call, tensors, sources
+        known.clear()
+        state.drop_staged()
+        assert alive() is None  # freed by reference counting alone, no collection needed
+    finally:
+        gc.enable()
