@@ -46,6 +46,17 @@ def test_bench_host_path_quick_last_line(tmp_path):
     assert rows and all(r["benchmark"] == "host_path" for r in rows)
 
 
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="the hook breakdown needs triton")
+def test_bench_hook_breakdown_prints_its_table():
+    result = _run([os.path.join(BENCH, "bench_hook_breakdown.py"), "--layers", "1", "--batch", "1", "--seq", "8",
+                   "--rounds", "1", "--forwards", "2"])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for piece in ("whole hook", "hook_frame", "DeferredRows.stage", "flush", "forward start",
+                  "gen-0 collections (collector on - off)"):
+        assert re.search(rf"^\| {re.escape(piece)} \| -?\d+\.\d+ \|$", result.stdout, re.M), piece
+    assert re.search(r"^floor hook -?\d+\.\d+; detector ", result.stdout, re.M)
+
+
 def test_bench_all_csv_columns(tmp_path):
     out = tmp_path / "bench.csv"
     result = _run([os.path.join(BENCH, "bench_all.py"), "--smoke", "--only", "hook,compile", "--out", str(out)])

@@ -1,0 +1,139 @@
+"""Where a check="batch" hook's host time goes (issue 12 item 2), on bench_host_path's GPT-2 small
+hook sequence (a meta-device forward replayed on uninitialised CPU tensors, Triton launches
+stubbed: the GPU path's host work without a GPU).
+
+Two measurements, each side by side in one process (this machine's speed drifts ~2x between
+runs minutes apart, so only figures from the same process compare):
+
+- **pieces:** timers around the detector's ``forward_hook``, ``hook_frame``,
+  ``DeferredRows.stage``, ``flush`` and the forward's start and end hooks, medians over forwards
+  (each timer adds about 0.1 us to what it wraps);
+- **garbage collection:** the detector with the collector on and off, with the no-hook replay and
+  the floor hook, in round-robin rounds: the gap is what gen-0 collections cost per hook.
+
+    .venv/bin/python benchmarks/bench_hook_breakdown.py [--layers N] [--rounds R]
+"""
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _results  # noqa: E402
+import bench_host_path as host  # noqa: E402
+
+from overflow_fast import DebugUnderflowOverflow  # noqa: E402
+from overflow_fast import detector as detector_module  # noqa: E402
+from overflow_fast import rows as rows_module  # noqa: E402
+
+
+def hook_sequence(layers, batch, seq):
+    """The replay of GPT-2 small's forward hook sequence: (model, run, hooks per forward)."""
+    meta_model = host.gpt2_small(layers, "meta", torch.bfloat16)
+    ids = torch.zeros((batch, seq), dtype=torch.long, device="meta")
+
+    def forward():
+        with torch.no_grad():
+            meta_model(input_ids=ids)
+
+    events, _ = host.record(meta_model, forward)
+    model = host.gpt2_small(layers, "meta", torch.bfloat16).to_empty(device="cpu")
+    events = host.materialize(events, requires_grad=True)
+    hooks = sum(1 for event in events if event[0] == "post")
+    return model, lambda: host.replay(model, events), hooks
+
+
+def pieces(model, run, hooks, forwards):
+    """us per hook in each timed piece, medians over ``forwards`` forwards."""
+    spent = {}
+
+    def timed(owner, name, label):
+        real = getattr(owner, name)
+
+        def call(*args, **kwargs):
+            start = time.perf_counter_ns()
+            try:
+                return real(*args, **kwargs)
+            finally:
+                spent[label] = spent.get(label, 0) + time.perf_counter_ns() - start
+        return host.patched(owner, name, call)
+
+    Detector = DebugUnderflowOverflow
+    samples = []
+    with timed(Detector, "forward_hook", "whole hook"), timed(detector_module, "hook_frame", "hook_frame"), \
+            timed(rows_module.DeferredRows, "stage", "DeferredRows.stage"), timed(Detector, "flush", "flush"), \
+            timed(Detector, "_before_forward", "forward start"), timed(Detector, "_after_forward", "forward end"):
+        detector = Detector(model, check="batch")
+        run()
+        run()
+        for _ in range(forwards):
+            spent.clear()
+            run()
+            samples.append(dict(spent))
+        detector.remove()
+    return {label: statistics.median(sample.get(label, 0) for sample in samples) / 1e3 / hooks
+            for label in samples[0]}
+
+
+def collector_cost(model, run, hooks, rounds):
+    """us per hook of: the floor hook, the detector with the collector on, and off."""
+    variants = ("none", "floor", "collector on", "collector off")
+    times = {variant: [] for variant in variants}
+    for _ in range(rounds):
+        for variant in variants:
+            if variant == "none":
+                detach = None
+            elif variant == "floor":
+                detach = host.attach("floor", model)
+            else:
+                detach = DebugUnderflowOverflow(model, check="batch").remove
+            run()
+            enabled = gc.isenabled()
+            if variant == "collector off":
+                gc.disable()
+            start = time.perf_counter()
+            for _ in range(3):
+                run()
+            times[variant].append((time.perf_counter() - start) / 3)
+            if enabled:
+                gc.enable()
+            if detach is not None:
+                detach()
+    none = statistics.median(times["none"])
+    return {variant: (statistics.median(times[variant]) - none) / hooks * 1e6 for variant in variants[1:]}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--rounds", type=int, default=25, help="round-robin rounds of the collector A/B")
+    parser.add_argument("--forwards", type=int, default=15, help="forwards timed piece by piece")
+    args = parser.parse_args(argv)
+    print(_results.machine_line(), flush=True)
+    model, run, hooks = hook_sequence(args.layers, args.batch, args.seq)
+    with host.triton_on_cpu():
+        split = pieces(model, run, hooks, args.forwards)
+        collector = collector_cost(model, run, hooks, args.rounds)
+    print(f"GPT-2 small hook sequence ({args.layers} layers, {args.batch} x {args.seq}), {hooks} hooks per "
+          f"forward, check='batch'; us per hook")
+    print("| piece | us/hook |")
+    print("|---|---|")
+    for label, value in split.items():
+        print(f"| {label} | {value:.2f} |")
+    inside = split.get("hook_frame", 0) + split.get("DeferredRows.stage", 0) + split.get("flush", 0)
+    print(f"| whole hook less hook_frame, stage and flush | {split['whole hook'] - inside:.2f} |")
+    print(f"| gen-0 collections (collector on - off) | {collector['collector on'] - collector['collector off']:.2f} |")
+    print(f"floor hook {collector['floor']:.2f}; detector {collector['collector on']:.2f} with the collector on, "
+          f"{collector['collector off']:.2f} off")
+
+
+if __name__ == "__main__":
+    main()
