@@ -60,6 +60,7 @@ class Frame:
 Call = collections.namedtuple("Call", ("frame", "trace_mode", "first_call", "last_frame_of_batch", "batch_before",
                                        "batch_after", "total_calls"))
 
+
 def _python_call(*fields):
     """``Call(*fields)``, without namedtuple's Python-level __new__."""
     return tuple.__new__(Call, fields)
