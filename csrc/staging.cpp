@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <string>
 #include <unordered_map>
@@ -706,11 +707,6 @@ PyObject* stage_tensors(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return result;
 }
 
-// A new reference to obj.name, or null with an error set.
-PyObject* get(PyObject* object, PyObject* name) {
-  return PyObject_GetAttr(object, name);
-}
-
 // obj.name as a C integer (-1 with an error set on failure).
 Py_ssize_t get_size(PyObject* object, PyObject* name) {
   PyObject* value = PyObject_GetAttr(object, name);
@@ -722,19 +718,19 @@ Py_ssize_t get_size(PyObject* object, PyObject* name) {
   return size;
 }
 
-// obj.name += amount for an int attribute; false with an error set.
-bool add_to(PyObject* object, PyObject* name, int64_t amount) {
-  if (amount == 0) {
-    return true;
-  }
+// obj.name += amount for an int attribute, its new value in `total`; false with an error set.
+bool add_to(PyObject* object, PyObject* name, int64_t amount, long long& total) {
   PyObject* value = PyObject_GetAttr(object, name);
   if (value == nullptr) {
     return false;
   }
-  const long long total = PyLong_AsLongLong(value) + amount;
+  total = PyLong_AsLongLong(value) + amount;
   Py_DECREF(value);
   if (PyErr_Occurred()) {
     return false;
+  }
+  if (amount == 0) {
+    return true;
   }
   PyObject* updated = PyLong_FromLongLong(total);
   const bool ok = updated != nullptr && PyObject_SetAttr(object, name, updated) == 0;
@@ -795,14 +791,16 @@ PyObject* stage_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   Py_ssize_t used = 0;
   Py_ssize_t open = 0;
   Staged staged;
+  long long staged_total = 0;   // state.staged_bytes after this call
+  long long watched_total = 0;  // deferred._watched_bytes after this call
   bool launch = false;
 
-  state = get(deferred, g.last_state);
+  state = PyObject_GetAttr(deferred, g.last_state);
   if (state == nullptr || state == Py_None) {
     goto not_taken;
   }
-  pending = get(deferred, g.pending);
-  devices = pending ? get(deferred, g.devices) : nullptr;
+  pending = PyObject_GetAttr(deferred, g.pending);
+  devices = pending ? PyObject_GetAttr(deferred, g.devices) : nullptr;
   if (devices == nullptr) {
     goto done;
   }
@@ -817,8 +815,8 @@ PyObject* stage_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (PyList_GET_SIZE(pending) >= capacity || used > capacity - count) {
     goto not_taken;  // the queue or the buffer is full: read first
   }
-  stages = get(state, g.stages);
-  infos = stages ? get(state, g.infos) : nullptr;
+  stages = PyObject_GetAttr(state, g.stages);
+  infos = stages ? PyObject_GetAttr(state, g.infos) : nullptr;
   if (infos == nullptr) {
     goto done;
   }
@@ -826,7 +824,7 @@ PyObject* stage_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     goto not_taken;
   }
   {
-    PyObject* all_modes = get(deferred, g.modes);
+    PyObject* all_modes = PyObject_GetAttr(deferred, g.modes);
     if (all_modes == nullptr) {
       goto done;
     }
@@ -842,13 +840,13 @@ PyObject* stage_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     modes = module_modes;
   }
   // reuse.open_rows(count)
-  enabled = get(reuse, g.enabled);
+  enabled = PyObject_GetAttr(reuse, g.enabled);
   open = enabled ? get_size(reuse, g.open) : -1;
   if (open < 0) {
     goto done;
   }
   if (PyObject_IsTrue(enabled) == 1 && open > 0) {
-    known = get(reuse, g.reuse_rows);
+    known = PyObject_GetAttr(reuse, g.reuse_rows);
     if (known == nullptr) {
       goto done;
     }
@@ -856,7 +854,7 @@ PyObject* stage_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       goto not_taken;  // Python's path clears it
     }
   }
-  watched = get(deferred, g.watched);
+  watched = PyObject_GetAttr(deferred, g.watched);
   if (watched == nullptr) {
     goto done;
   }
@@ -879,21 +877,20 @@ PyObject* stage_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       goto done;
     }
   }
-  pending_modes = get(deferred, g.pending_modes);
-  if (pending_modes == nullptr || !add_to(state, g.staged_bytes, staged.staged_bytes) ||
-      !add_to(deferred, g.watched_bytes, staged.watched_bytes) || PyObject_SetAttr(frame, g.rows, sources) != 0 ||
-      PyList_Append(pending, call) != 0 || PyList_Append(pending_modes, modes) != 0) {
+  pending_modes = PyObject_GetAttr(deferred, g.pending_modes);
+  if (pending_modes == nullptr || !add_to(state, g.staged_bytes, staged.staged_bytes, staged_total) ||
+      !add_to(deferred, g.watched_bytes, staged.watched_bytes, watched_total) ||
+      PyObject_SetAttr(frame, g.rows, sources) != 0 || PyList_Append(pending, call) != 0 ||
+      PyList_Append(pending_modes, modes) != 0) {
     goto done;
   }
   launch = staged.launch_now;
   if (!launch) {
-    const Py_ssize_t total = get_size(state, g.staged_bytes);
-    const Py_ssize_t watched_total = total < 0 ? -1 : get_size(deferred, g.watched_bytes);
-    const Py_ssize_t limit = watched_total < 0 ? -1 : get_size(deferred, g.stage_bytes);
+    const Py_ssize_t limit = get_size(deferred, g.stage_bytes);
     if (limit < 0 && PyErr_Occurred()) {
       goto done;
     }
-    launch = total + watched_total > limit;
+    launch = staged_total + watched_total > limit;
   }
   result = Py_NewRef(launch ? Py_True : Py_False);
   goto done;
@@ -975,8 +972,8 @@ PyObject* resolve_rows(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (PyObject_GetBuffer(args[1], &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) != 0) {
     return nullptr;
   }
-  if (view.itemsize != 8 || view.format == nullptr || (std::string(view.format) != "q" &&
-                                                       std::string(view.format) != "l")) {
+  if (view.itemsize != 8 || view.format == nullptr ||
+      (std::strcmp(view.format, "q") != 0 && std::strcmp(view.format, "l") != 0)) {
     PyBuffer_Release(&view);
     PyErr_SetString(PyExc_TypeError, "resolve_rows: values must be a buffer of int64");
     return nullptr;
@@ -1260,34 +1257,39 @@ PyObject* make_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return call;
 }
 
+// A METH_FASTCALL function as the PyCFunction a method table holds.
+PyCFunction fastcall(PyObject* (*function)(PyObject*, PyObject* const*, Py_ssize_t)) {
+  return reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(function));
+}
+
 PyMethodDef kMethods[] = {
-    {"hook_setup", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(hook_setup)), METH_FASTCALL,
-     "hook_setup(plain_types, supported_dtypes, input_names, output_names, unreadable_reason): the "
-     "constants of frame_entries and stage_tensors (staging.cpp)"},
-    {"frame_entries", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(frame_entries)), METH_FASTCALL,
+    {"hook_setup", fastcall(hook_setup), METH_FASTCALL,
+     "hook_setup(plain_types, supported_dtypes, input_names, output_names, unreadable_reason, max_remembered): "
+     "the constants of the functions below (staging.cpp)"},
+    {"frame_entries", fastcall(frame_entries), METH_FASTCALL,
      "frame_entries(parameters, input, output, kwargs, containers) -> (entries, tensors, dtypes), or None "
      "when containers must be opened (frames.py)"},
-    {"stage_tensors", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(stage_tensors)), METH_FASTCALL,
+    {"stage_tensors", fastcall(stage_tensors), METH_FASTCALL,
      "stage_tensors(tensors, known, state, modes, watched) -> (sources, used, launch_now, staged_bytes, "
      "watched_bytes), None (a tensor of another type) or False (another device) (rows.py _stage)"},
-    {"stage_call", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(stage_call)), METH_FASTCALL,
+    {"stage_call", fastcall(stage_call), METH_FASTCALL,
      "stage_call(deferred, reuse, call, tensors, module) -> None (not the common case: nothing changed) or "
      "whether to launch now (rows.py DeferredRows.stage)"},
-    {"read_rows", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(read_rows)), METH_FASTCALL,
+    {"read_rows", fastcall(read_rows), METH_FASTCALL,
      "read_rows(rows) -> (bytes, nonfinite) (rows.py to_host)"},
-    {"resolve_rows", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(resolve_rows)), METH_FASTCALL,
+    {"resolve_rows", fastcall(resolve_rows), METH_FASTCALL,
      "resolve_rows(sources, values) -> rows (rows.py resolve)"},
-    {"all_unchanged", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(all_unchanged)), METH_FASTCALL,
+    {"all_unchanged", fastcall(all_unchanged), METH_FASTCALL,
      "all_unchanged(tensors, versions, pointers) -> bool (rows.py)"},
-    {"frame_setup", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(frame_setup)), METH_FASTCALL,
+    {"frame_setup", fastcall(frame_setup), METH_FASTCALL,
      "frame_setup(Frame, Call, forward, class_names, class_name, named_parameters): what hook_frame, "
      "make_frame and make_call use (frames.py)"},
-    {"hook_frame", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(hook_frame)), METH_FASTCALL,
+    {"hook_frame", fastcall(hook_frame), METH_FASTCALL,
      "hook_frame(module_names, module, input, output, kwargs, containers) -> (frame, tensors), or None where "
      "Python builds it (frames.py forward_frame)"},
-    {"make_frame", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(make_frame)), METH_FASTCALL,
+    {"make_frame", fastcall(make_frame), METH_FASTCALL,
      "make_frame(module_name, class_name, entries, dtypes) -> Frame (frames.py)"},
-    {"make_call", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(make_call)), METH_FASTCALL,
+    {"make_call", fastcall(make_call), METH_FASTCALL,
      "make_call(frame, trace_mode, first_call, last_frame_of_batch, batch_before, batch_after, total_calls) "
      "-> Call (frames.py)"},
     {nullptr, nullptr, 0, nullptr},
