@@ -7,6 +7,7 @@
 // depend on how the work was split.
 #include <torch/extension.h>
 
+#include <ATen/EmptyTensor.h>
 #include <ATen/Parallel.h>
 #include <c10/util/SmallVector.h>
 
@@ -16,6 +17,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <optional>
+#include <ostream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -394,7 +396,17 @@ struct Extent {
 // module is checked here, not only dispatch.py: whatever reaches the kernel is read through raw
 // pointers, so anything else must become a Python error (RuntimeError), never a read of memory
 // the tensor does not own.
-Extent checked_extent(const at::Tensor& t, const std::string& name) {
+// An argument's name for error messages ("tensors[3]", "out"), written only when a check fails:
+// a std::string per tensor would cost every call an allocation and a formatting.
+struct ArgName {
+  int64_t index;  // into `tensors`, or -1 for `out`
+};
+
+std::ostream& operator<<(std::ostream& os, const ArgName& name) {
+  return name.index < 0 ? os << "out" : os << "tensors[" << name.index << "]";
+}
+
+Extent checked_extent(const at::Tensor& t, ArgName name) {
   constexpr const char* kWhere = "overflow_fast._C.compute: ";
   TORCH_CHECK(t.defined(), kWhere, name, " is undefined");
   const c10::DispatchKeySet keys = t.key_set();
@@ -453,13 +465,14 @@ Extent checked_extent(const at::Tensor& t, const std::string& name) {
 
 at::Tensor compute(at::TensorList tensors, const std::optional<at::Tensor>& out_rows) {
   const int64_t n = static_cast<int64_t>(tensors.size());
-  std::vector<Extent> extents;
+  // inline storage for a hook's few tensors: no heap allocation per call
+  c10::SmallVector<Extent, 8> extents;
   extents.reserve(tensors.size());
-  std::vector<Kind> kinds;
+  c10::SmallVector<Kind, 8> kinds;
   kinds.reserve(tensors.size());
   for (int64_t i = 0; i < n; i++) {
     const at::Tensor& t = tensors[i];
-    const std::string name = "tensors[" + std::to_string(i) + "]";
+    const ArgName name{i};
     extents.push_back(checked_extent(t, name));
     const std::optional<Kind> kind = kind_of(t.scalar_type());
     TORCH_CHECK(kind.has_value(), "overflow_fast._C.compute: ", name, " has unsupported dtype ",
@@ -471,7 +484,7 @@ at::Tensor compute(at::TensorList tensors, const std::optional<at::Tensor>& out_
   if (out_rows.has_value()) {
     // rows of a caller's buffer (the detector's check="batch"): no allocation, no copy after
     result = *out_rows;
-    const Extent out_extent = checked_extent(result, "out");
+    const Extent out_extent = checked_extent(result, ArgName{-1});
     TORCH_CHECK(result.scalar_type() == at::kLong && result.dim() == 2 && result.size(0) == n &&
                     result.size(1) == NUM_COLUMNS && result.is_contiguous() && !result.is_neg() &&
                     !result.is_conj(),
@@ -482,13 +495,16 @@ at::Tensor compute(at::TensorList tensors, const std::optional<at::Tensor>& out_
       TORCH_CHECK(!out_extent.overlaps(extents[i]), "overflow_fast._C.compute: out overlaps the memory of tensors[",
                   i, "]");
     }
-    result.zero_();
   } else {
-    result = at::zeros({n, NUM_COLUMNS}, at::TensorOptions().dtype(at::kLong));
+    // empty_cpu and memset, not at::zeros: two trips through the dispatcher (empty, fill) are
+    // about 1 us, a third of a small tensor's call
+    result = at::detail::empty_cpu({n, NUM_COLUMNS}, at::kLong);
   }
   int64_t* out = result.data_ptr<int64_t>();
+  // the rows of empty tensors stay zero; write_row leaves the columns a kind has not at zero
+  std::memset(out, 0, static_cast<size_t>(n) * NUM_COLUMNS * sizeof(int64_t));
 
-  std::vector<Plan> plans;
+  c10::SmallVector<Plan, 4> plans;
   plans.reserve(tensors.size());
   int64_t total_cost = 0;
   for (int64_t i = 0; i < n; i++) {
@@ -510,7 +526,7 @@ at::Tensor compute(at::TensorList tensors, const std::optional<at::Tensor>& out_
   const int64_t num_plans = static_cast<int64_t>(plans.size());
   const int64_t parts = std::max<int64_t>(
       1, std::min<int64_t>(at::get_num_threads(), total_cost / kMinBytesPerThread));
-  std::vector<Partial> partials(parts * num_plans);
+  c10::SmallVector<Partial, 8> partials(parts * num_plans);
   at::parallel_for(0, parts, 1, [&](int64_t part_begin, int64_t part_end) {
     for (int64_t part = part_begin; part < part_end; part++) {
       const int64_t lo = total_cost / parts * part + total_cost % parts * part / parts;

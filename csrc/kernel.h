@@ -429,6 +429,64 @@ void count_non_finite(const L* p, int64_t n, const Consts<L>& c, Partial& acc) {
   }
 }
 
+#if defined(CPU_CAPABILITY_AVX2)
+// int64 on AVX2, whose 64-bit lanes have no min, max or abs (a compare and a blend each): where
+// every value of a block fits in int32 (indices, positions, counts: nearly every int64 tensor
+// of a model), the low halves are the values, and on 32-bit lanes |x| is one abs (as uint32:
+// |INT32_MIN| = 2^31) and its min and max one op each, over twice the values per vector. Per
+// pair of vectors (8 values): two shuffles (the low halves, the high halves), the fit check
+// (high half == the low half's sign: a shift, a compare, an and), abs, min, max: 8 ops, against
+// 12 on 64-bit lanes (in cache 0.73-0.86x the time, AMD EPYC Zen3). Sets the block's smallest
+// and largest |x| and its zero count (when asked) and returns true, or returns false where a
+// value does not fit. n is a multiple of the vector width.
+template <bool kCountZeros>
+inline bool narrow_int64_block(const int64_t* p, int64_t n, uint32_t& abs_min, uint32_t& abs_max,
+                               int64_t& zeros) {
+  const __m256i zero = _mm256_setzero_si256();
+  const __m256i all = _mm256_set1_epi32(-1);
+  __m256i mn = all, mx = zero, fits = all, counts = zero;
+  // the order of values within a vector means nothing to a min, a max or a count
+  auto step = [&](__m256i a, __m256i b, bool count) {
+    const __m256 af = _mm256_castsi256_ps(a), bf = _mm256_castsi256_ps(b);
+    const __m256i lo = _mm256_castps_si256(_mm256_shuffle_ps(af, bf, 0x88));
+    const __m256i hi = _mm256_castps_si256(_mm256_shuffle_ps(af, bf, 0xDD));
+    fits = _mm256_and_si256(fits, _mm256_cmpeq_epi32(hi, _mm256_srai_epi32(lo, 31)));
+    const __m256i mag = _mm256_abs_epi32(lo);
+    mn = _mm256_min_epu32(mn, mag);
+    mx = _mm256_max_epu32(mx, mag);
+    if (kCountZeros && count) {
+      counts = _mm256_sub_epi32(counts, _mm256_cmpeq_epi32(lo, zero));
+    }
+  };
+  auto load = [](const int64_t* q) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)); };
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    prefetch_ahead<64>(p + i);
+    step(load(p + i), load(p + i + 4), true);
+  }
+  int64_t lone_zeros = 0;
+  if (i < n) {
+    // a lone last vector, read as both halves of a pair; its zeros counted on 64-bit lanes
+    const __m256i a = load(p + i);
+    step(a, a, false);
+    if constexpr (kCountZeros) {
+      lone_zeros = __builtin_popcount(_mm256_movemask_pd(_mm256_castsi256_pd(_mm256_cmpeq_epi64(a, zero))));
+    }
+  }
+  if (_mm256_movemask_epi8(fits) != -1) {
+    return false;
+  }
+  // unsigned lane min/max through the signed ones, on values with the top bit flipped
+  const Vectorized<int32_t> flip(INT32_MIN);
+  abs_min = static_cast<uint32_t>(lane_min(Vectorized<int32_t>(mn) ^ flip) ^ INT32_MIN);
+  abs_max = static_cast<uint32_t>(lane_max(Vectorized<int32_t>(mx) ^ flip) ^ INT32_MIN);
+  if constexpr (kCountZeros) {
+    zeros = lane_sum(Vectorized<int32_t>(counts)) + lone_zeros;
+  }
+  return true;
+}
+#endif
+
 // Bytes per block: small enough that a block read a second time right after the first is still
 // in L1 (32-48 KB per core on current x86), whatever the vector width, and large enough that
 // the per-block checks and the mispredicted exit of the block's loop cost a few percent.
@@ -457,12 +515,37 @@ void scan_lanes(const L* p, int64_t n, const Consts<L>& c, Partial& acc) {
   // how the previous block's zeros and subnormals are counted in this one, from what it held
   enum class Count { None, Smalls, Both } counting = Count::None;
   const int64_t n_vec = n - n % W;
+#if defined(CPU_CAPABILITY_AVX2)
+  // int64 read on 32-bit lanes until a block holds a value beyond int32; such values (hashes,
+  // timestamps) come in whole tensors, so the rest is read on 64-bit lanes
+  bool narrow = M == Mode::Signed && sizeof(L) == 8;
+#endif
   for (int64_t begin = 0; begin < n_vec;) {
     const int64_t end = std::min(n_vec, begin + kBlock);
     const int64_t zero_before = acc.zero, small_before = acc.small;
     V bmin(std::numeric_limits<L>::max());
     V bmax(std::numeric_limits<L>::lowest());
-    if (counting == Count::None) {
+    bool read = false;
+#if defined(CPU_CAPABILITY_AVX2)
+    if constexpr (M == Mode::Signed && sizeof(L) == 8) {
+      uint32_t abs_min = 0, abs_max = 0;
+      int64_t zeros = 0;
+      if (narrow) {
+        read = counting == Count::None
+                   ? narrow_int64_block<false>(p + begin, end - begin, abs_min, abs_max, zeros)
+                   : narrow_int64_block<true>(p + begin, end - begin, abs_min, abs_max, zeros);
+        narrow = read;
+      }
+      if (read) {
+        bmin = V(-static_cast<L>(abs_max));  // keys are -|x|
+        bmax = V(-static_cast<L>(abs_min));
+        acc.zero += zeros;
+      }
+    }
+#endif
+    if (read) {
+      // done on 32-bit lanes
+    } else if (counting == Count::None) {
       keys_only<L, M>(p + begin, end - begin, v, bmin, bmax);
     } else if constexpr (kFloat) {
       if (counting == Count::Smalls) {

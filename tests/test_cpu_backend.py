@@ -264,6 +264,36 @@ def test_runs_of_zero_blocks(dtype, capability):
     _assert_cases(cases, dtype, capability, picks[:3])
 
 
+# On AVX2, int64 is read on 32-bit lanes while a block's values fit in int32 (kernel.h,
+# narrow_int64_block), and on 64-bit lanes from the first block where one does not. Values just
+# inside and just outside int32 (whose high half is the sign of the low half, or not), in the
+# first block, in a later one, in a block's lone last vector (read as both halves of a pair) and
+# in the scalar tail; with runs of zeros (the counting reads) and without.
+INT32_EDGES = [2**31 - 1, -(2**31), 2**31, -(2**31) - 1, 2**32 - 1, 2**32, 2**32 + 1, -(2**32),
+               -(2**32) + 1, -(2**32) - 1, 2**63 - 1, -(2**63)]
+
+
+def test_int64_values_around_the_int32_range(capability):
+    block = BLOCK_BYTES // 8
+    n = 3 * block + 4 + 3  # three blocks, a block of one vector, a scalar tail of 3
+    generator = torch.Generator().manual_seed(11)
+    plain = torch.randint(-1000, 1000, (n,), generator=generator, dtype=torch.int64)
+    plain[plain == 0] = 7
+    zeros = plain.clone()
+    zeros[block::2] = 0  # zeros from block 1 on: the blocks after it count as they read
+    cases = [("fits", plain), ("fits, zeros", zeros),
+             ("int32 min everywhere", torch.full((n,), -(2**31), dtype=torch.int64)),
+             ("int32 extremes alternating", torch.tensor([2**31 - 1, -(2**31)] * (n // 2), dtype=torch.int64))]
+    for base_label, base in (("", plain), ("zeros, ", zeros)):
+        for value in INT32_EDGES:
+            for where in (0, 2 * block + 5, 3 * block + 1, n - 1):
+                x = base.clone()
+                x[where] = value
+                cases.append((f"{base_label}{value} at {where}", x))
+    picks = list(range(4)) + list(range(4, len(cases), 9))
+    _assert_cases(cases, torch.int64, capability, picks)
+
+
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=ids)
 def test_empty_and_zero_dim(dtype, capability):
     generator = torch.Generator().manual_seed(3)
