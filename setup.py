@@ -124,7 +124,7 @@ if os.environ.get("OVERFLOW_FAST_NO_EXTENSION") != "1":
         # CPU_CAPABILITY names the inline namespace of at::vec and of our kernel, so the two
         # builds of the same templates never share a symbol.
         extension.per_file_flags[f"{CSRC}/kernel_avx2.cpp"] = [
-            "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma", "-mf16c",
+            "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma", "-mf16c", "-mpopcnt",
         ]
     if avx512:
         extension.per_file_flags[f"{CSRC}/kernel_avx512.cpp"] = [

@@ -107,12 +107,13 @@ std::string unavailable_reason(const std::string& name) {
   }
   if (name == "avx2") {
 #ifdef OVERFLOW_FAST_HAVE_AVX2
-    // everything kernel_avx2.cpp is compiled for (-mavx2 -mfma -mf16c)
+    // everything kernel_avx2.cpp is compiled for (-mavx2 -mfma -mf16c -mpopcnt)
     __builtin_cpu_init();
     std::string missing;
     need(__builtin_cpu_supports("avx2"), "avx2", missing);
     need(__builtin_cpu_supports("fma"), "fma", missing);
     need(__builtin_cpu_supports("f16c"), "f16c", missing);
+    need(__builtin_cpu_supports("popcnt"), "popcnt", missing);
     need(os_saves(kYmmState), "the OS's saving of the ymm registers (XCR0)", missing);
     return missing.empty() ? "" : "this CPU cannot run the AVX2 kernel: it lacks " + missing;
 #else

@@ -123,6 +123,30 @@ inline bool any_lane(const Vectorized<L>& mask) {
 #endif
 }
 
+// GCC 12 keeps each running value of these loops (a min, a max, a counter) in two registers and
+// copies one into the other on every step: a vmovdqa per running value, which in a light loop
+// took a fifth to a quarter of the time (AMD EPYC Zen3: fp32 ReLU 5.1 -> 3.9 us per 256 KB). An
+// empty asm statement that takes the values in registers and gives them back makes the compiler
+// update them in place; it emits no instruction. Measured on AVX2 only, so the AVX-512 build
+// leaves its loops as the compiler makes them.
+#if defined(CPU_CAPABILITY_AVX2)
+inline void in_register(__m256i& v) { __asm__("" : "+x"(v)); }
+
+template <typename L>
+inline void in_register(Vectorized<L>& v) {
+  __m256i r = v;
+  __asm__("" : "+x"(r));
+  v = r;
+}
+#endif
+
+template <typename... T>
+inline void in_registers([[maybe_unused]] T&... v) {
+#if defined(CPU_CAPABILITY_AVX2)
+  (in_register(v), ...);
+#endif
+}
+
 // Per-lane counters are as narrow as the elements (a compare gives -1 per matching lane, so
 // subtracting it counts), so they move into int64 after this many vectors, before an 8-bit
 // lane can overflow.
@@ -234,6 +258,7 @@ inline void keys_only(const L* p, int64_t n, const VConsts<L>& v, Vectorized<L>&
       max2 = at::vec::maximum(max2, k2);
       min3 = at::vec::minimum(min3, k3);
       max3 = at::vec::maximum(max3, k3);
+      in_registers(min0, max0, min1, max1, min2, max2, min3, max3);
     }
     min0 = at::vec::minimum(min0, min2);
     max0 = at::vec::maximum(max0, max2);
@@ -247,6 +272,7 @@ inline void keys_only(const L* p, int64_t n, const VConsts<L>& v, Vectorized<L>&
     max0 = at::vec::maximum(max0, k0);
     min1 = at::vec::minimum(min1, k1);
     max1 = at::vec::maximum(max1, k1);
+    in_registers(min0, max0, min1, max1);
   }
   if (i < n) {
     const V k = key_of<L, M>(V::loadu(p + i), v);
@@ -267,6 +293,7 @@ void count_small(const L* p, int64_t n, const VConsts<L>& v, Partial& acc) {
     V zeros(L(0)), smalls(L(0));
     for (int64_t i = begin; i < end; i += W) {
       count_lanes<L, M>(V::loadu(p + i), v, zeros, smalls);
+      in_registers(zeros, smalls);
     }
     add_counts(zeros, smalls, acc);
   }
@@ -299,6 +326,7 @@ inline void keys_and_zeros(const L* p, int64_t n, const VConsts<L>& v, Vectorize
       max1 = at::vec::maximum(max1, k1);
       zeros = zeros - (x0 == v.zero);
       zeros = zeros - (x1 == v.zero);
+      in_registers(min0, max0, min1, max1, zeros);
     }
     if (i < end) {
       const V x = V::loadu(p + i);
@@ -344,6 +372,7 @@ inline void keys_and_smalls(const L* p, int64_t n, const VConsts<L>& v, Vectoriz
       nz1 = at::vec::minimum(nz1, k1 + top);
       max1 = at::vec::maximum(max1, k1);
       small1 = small1 - (v.tiny > k1);
+      in_registers(nz0, max0, small0, nz1, max1, small1);
     }
     if (i < end) {
       const V k = V::loadu(p + i) & v.abs_mask;
@@ -366,6 +395,64 @@ inline void keys_and_smalls(const L* p, int64_t n, const VConsts<L>& v, Vectoriz
   bmin = zeros > 0 ? v.zero : nz;
   bmax = at::vec::maximum(max0, max1);
 }
+
+#if defined(CPU_CAPABILITY_AVX2)
+// keys_and_smalls for float32 on AVX2 in 5 vector ops per vector instead of 6 (in cache about
+// 0.8x the time, AMD EPYC Zen3), on y = k - 1, which maps a zero to -1 (all ones) and every other
+// key k to k - 1 >= 0: y's sign bits count the zeros (two vectors' packed with signed saturation
+// into one movemask: -1 stays -1, the rest become 0x7FFF, whose high byte's sign is clear; the
+// count is a popcount on the scalar side, which has ALUs to spare); the unsigned min of y is the
+// smallest nonzero key - 1 (zeros are its largest values), below tiny - 1 exactly where a
+// subnormal is; the signed max of y + 1 is the largest key. Per vector: and, subtract, min,
+// max, and half a pack and a movemask. A block with a subnormal is read again for both counts.
+inline void keys_and_smalls_f32(const int32_t* p, int64_t n, const VConsts<int32_t>& v,
+                                Vectorized<int32_t>& bmin, Vectorized<int32_t>& bmax, Partial& acc) {
+  const __m256i abs_mask = v.abs_mask;
+  const __m256i one = _mm256_set1_epi32(1);
+  __m256i low0 = _mm256_set1_epi32(-1), low1 = low0;  // unsigned: -1 is the largest
+  __m256i high0 = low0, high1 = low0;                 // signed: -1 stands for key 0, the smallest
+  auto load = [&](int64_t i) {
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i));
+    return _mm256_sub_epi32(_mm256_and_si256(x, abs_mask), one);
+  };
+  int64_t zeros = 0;
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    prefetch_ahead<64>(p + i);
+    const __m256i y0 = load(i);
+    const __m256i y1 = load(i + 8);
+    low0 = _mm256_min_epu32(low0, y0);
+    high0 = _mm256_max_epi32(high0, y0);
+    low1 = _mm256_min_epu32(low1, y1);
+    high1 = _mm256_max_epi32(high1, y1);
+    // the sign of each 16-bit lane's high byte: one bit per element
+    const uint32_t signs = static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_packs_epi32(y0, y1)));
+    zeros += __builtin_popcount(signs & 0xAAAAAAAAu);
+    in_registers(low0, high0, low1, high1);
+  }
+  if (i < n) {  // a lone last vector
+    const __m256i y = load(i);
+    low1 = _mm256_min_epu32(low1, y);
+    high1 = _mm256_max_epi32(high1, y);
+    zeros += __builtin_popcount(static_cast<uint32_t>(_mm256_movemask_ps(_mm256_castsi256_ps(y))));
+  }
+  const __m256i low = _mm256_min_epu32(low0, low1);
+  // a lane with 0 <= y <= tiny - 2 (unsigned) saw a subnormal (tiny: float32's smallest normal)
+  const __m256i below = _mm256_set1_epi32(0x00800000 - 2);
+  if (_mm256_movemask_epi8(_mm256_cmpeq_epi32(_mm256_min_epu32(low, below), low)) != 0) {
+    Partial counts;
+    count_small<int32_t, Mode::Float>(p, n, v, counts);
+    acc.zero += counts.zero;
+    acc.small += counts.small;
+    zeros = counts.zero;
+  } else {
+    acc.zero += zeros;
+    acc.small += zeros;
+  }
+  bmin = zeros > 0 ? v.zero : Vectorized<int32_t>(_mm256_add_epi32(low, one));
+  bmax = _mm256_add_epi32(_mm256_max_epi32(high0, high1), one);
+}
+#endif
 
 // Keys' min and max and both counts (zeros, smalls) in one read: for a float block that
 // follows one that held subnormals, where keys_and_smalls would read the block twice. Two
@@ -392,6 +479,7 @@ inline void keys_and_counts(const L* p, int64_t n, const VConsts<L>& v, Vectoriz
       smalls = smalls - (v.tiny > k0);
       zeros = zeros - (k1 == v.zero);
       smalls = smalls - (v.tiny > k1);
+      in_registers(min0, max0, min1, max1, zeros, smalls);
     }
     if (i < end) {
       const V k = V::loadu(p + i) & v.abs_mask;
@@ -422,6 +510,7 @@ void count_non_finite(const L* p, int64_t n, const Consts<L>& c, Partial& acc) {
         pinfs = pinfs - (x == pos_inf);
         ninfs = ninfs - (x == neg_inf);
       }
+      in_registers(nans, pinfs, ninfs);
     }
     acc.nan += lane_sum(nans);
     acc.posinf += lane_sum(pinfs);
@@ -463,6 +552,7 @@ inline bool narrow_int64_block(const int64_t* p, int64_t n, uint32_t& abs_min, u
   for (; i + 8 <= n; i += 8) {
     prefetch_ahead<64>(p + i);
     step(load(p + i), load(p + i + 4), true);
+    in_registers(mn, mx, fits, counts);
   }
   int64_t lone_zeros = 0;
   if (i < n) {
@@ -549,7 +639,15 @@ void scan_lanes(const L* p, int64_t n, const Consts<L>& c, Partial& acc) {
       keys_only<L, M>(p + begin, end - begin, v, bmin, bmax);
     } else if constexpr (kFloat) {
       if (counting == Count::Smalls) {
+#if defined(CPU_CAPABILITY_AVX2)
+        if constexpr (sizeof(L) == 4) {
+          keys_and_smalls_f32(p + begin, end - begin, v, bmin, bmax, acc);
+        } else {
+          keys_and_smalls<L, M>(p + begin, end - begin, v, bmin, bmax, acc);
+        }
+#else
         keys_and_smalls<L, M>(p + begin, end - begin, v, bmin, bmax, acc);
+#endif
       } else {
         keys_and_counts<L, M>(p + begin, end - begin, v, bmin, bmax, acc);
       }
