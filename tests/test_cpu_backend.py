@@ -335,6 +335,33 @@ def test_non_contiguous_layouts(dtype, capability):
     check(tensors, capability)
 
 
+def test_plain_cpu_tensors_take_one_kernel_call(monkeypatch):
+    """tensor_stats on plain CPU tensors (a hook's call) goes straight to the kernel, which checks
+    them itself; a list it refuses (a sparse tensor, out overlapping an input) takes the general
+    path, with that path's result or error."""
+    calls = []
+    real_compute = cpu_backend.compute
+    monkeypatch.setattr(cpu_backend, "compute", lambda tensors, out=None: calls.append(len(tensors)) or real_compute(tensors, out))
+    monkeypatch.setattr(dispatch, "_choices", {})
+    chosen = []
+    real_choose = dispatch._choose
+    monkeypatch.setattr(dispatch, "_choose", lambda *a: chosen.append(a[0]) or real_choose(*a))
+    tensors = [torch.randn(3, 5), torch.arange(-4, 4), torch.tensor([0.0, float("nan")], dtype=torch.bfloat16),
+               torch.nn.Parameter(torch.ones(2)), torch.zeros(0), torch.randn(4, 4).t()]
+    batch = dispatch.tensor_stats(tensors)
+    assert calls == [len(tensors)] and chosen == []
+    assert all(map(same_stats, batch.tolist(), dispatch.tensor_stats(tensors, "torch").tolist()))
+
+    calls.clear()
+    mixed = tensors[:2] + [torch.tensor([[0.0, 2.0], [0.0, 0.0]]).to_sparse()]
+    assert all(map(same_stats, dispatch.tensor_stats(mixed).tolist(), dispatch.tensor_stats(mixed, "torch").tolist()))
+    assert chosen  # the general path read the list
+
+    buffer = torch.zeros(4, 8, dtype=torch.int64)
+    with pytest.raises(ValueError, match="overlap"):
+        dispatch.tensor_stats([buffer.view(torch.float64)[:2]], out=buffer[1:2])
+
+
 def test_many_tensors_in_one_call(capability):
     """Mixed dtypes and sizes in one call, enough bytes to split across threads mid-tensor."""
     generator = torch.Generator().manual_seed(5)
