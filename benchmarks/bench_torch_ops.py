@@ -51,8 +51,8 @@ def main():
             times[name].append((time.perf_counter() - start) / args.calls * 1e6)
     print(_results.machine_line())
     print(f"{args.calls} calls x {args.rounds} rounds, 3 tiny tensors (fp32[4], fp16[3,2], fp32[5])")
-    print(f"| entry point | min µs/call | median µs/call |")
-    print(f"|---|---|---|")
+    print("| entry point | min µs/call | median µs/call |")
+    print("|---|---|---|")
     for name, values in times.items():
         print(f"| {name} | {min(values):.2f} | {statistics.median(values):.2f} |")
 

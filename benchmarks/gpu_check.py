@@ -256,9 +256,9 @@ def bench_sizes(device, timer, sizes, dtypes, copy_gbps, deadline=math.inf):
                 print(f"  skip {dtype} {numel}: does not fit comfortably")
                 continue
             x = torch.randn(numel, device=device).to(dtype)
-            t_triton = timer(lambda: triton_be.compute([x]))
-            t_torch = timer(lambda: torch_be.compute([x]))
-            t_ref = timer(lambda: reference_ops([x]))
+            t_triton = timer(lambda x=x: triton_be.compute([x]))
+            t_torch = timer(lambda x=x: torch_be.compute([x]))
+            t_ref = timer(lambda x=x: reference_ops([x]))
             rows.append(result_row(f"{str(dtype)[6:]} x1", numel, numel * dtype.itemsize,
                                    t_triton, t_torch, t_ref, copy_gbps))
             print("  " + format_row(rows[-1]), flush=True)
@@ -303,7 +303,7 @@ def sweep_launch_shape(device, timer, numel, copy_gbps, deadline=math.inf):
                         lines.append(f"{str(dtype)[6:]:>9} BLOCK_SIZE={block:<5} NUM_WARPS={warps}: skipped, time box spent")
                         continue
                     triton_be.BLOCK_SIZE, triton_be.NUM_WARPS = block, warps
-                    seconds = timer(lambda: triton_be.compute([x]))
+                    seconds = timer(lambda x=x: triton_be.compute([x]))
                     gbps = numel * dtype.itemsize / seconds / 1e9
                     lines.append(f"{str(dtype)[6:]:>9} BLOCK_SIZE={block:<5} NUM_WARPS={warps}: "
                                  f"{gbps:7.0f} GB/s ({100 * gbps / copy_gbps:3.0f}% of copy)")
