@@ -392,11 +392,6 @@ struct Extent {
   bool overlaps(const Extent& o) const { return begin < o.end && o.begin < end; }
 };
 
-// Checks that `t` is a plain, storage-backed CPU tensor whose every element lies inside memory
-// it owns, and returns the bytes its elements span (empty for numel 0). Every caller of the
-// module is checked here, not only dispatch.py: whatever reaches the kernel is read through raw
-// pointers, so anything else must become a Python error (RuntimeError), never a read of memory
-// the tensor does not own.
 // An argument's name for error messages ("tensors[3]", "out"), written only when a check fails:
 // a std::string per tensor would cost every call an allocation and a formatting.
 struct ArgName {
@@ -407,6 +402,11 @@ std::ostream& operator<<(std::ostream& os, const ArgName& name) {
   return name.index < 0 ? os << "out" : os << "tensors[" << name.index << "]";
 }
 
+// Checks that `t` is a plain, storage-backed CPU tensor whose every element lies inside memory
+// it owns, and returns the bytes its elements span (empty for numel 0). Every caller of the
+// module is checked here, not only dispatch.py: whatever reaches the kernel is read through raw
+// pointers, so anything else must become a Python error (RuntimeError), never a read of memory
+// the tensor does not own.
 Extent checked_extent(const at::Tensor& t, ArgName name) {
   constexpr const char* kWhere = "overflow_fast._C.compute: ";
   TORCH_CHECK(t.defined(), kWhere, name, " is undefined");
