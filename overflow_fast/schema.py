@@ -29,7 +29,7 @@ NONFINITE = ("nan", "inf", "-inf")
 
 STEP_MAX = 2 ** 40  # a step beyond this is not a training step but damage
 RANK_MAX = 2 ** 20 - 1
-INT_MAX = 2 ** 63 - 1
+INT_MAX = 2 ** 63 - 1  # every int field fits a signed 64-bit integer (SQL BIGINT)
 MAX_ENTRIES = 4096  # names in one detection record
 # A record is about 300 bytes; a line over this is damage, skipped in bounded pieces. DuckDB's
 # read_json refuses objects over 16 MiB, so the plain reader's limit is the same.
@@ -194,9 +194,17 @@ def magnitude(value):
 
 
 # -- the same checks in SQL (DuckDB; read_json with every field as a JSON column) -------------------
+#
+# A JSON column holds the field's JSON text as DuckDB's parser wrote it back: strings in quotes
+# (escapes decoded, but for quotes, backslashes and control characters), numbers as numbers
+# (integers in plain digits), true/false, [..], {..}; SQL NULL for null and for a missing key.
+# Its first character tells the JSON type, which is much cheaper than json_type(); numbers are
+# then read from that text (correctly rounded, as Python's float() does).
 
-_NUMERIC = "('UBIGINT', 'BIGINT', 'DOUBLE')"
-_INTEGER = "('UBIGINT', 'BIGINT')"
+_NOT_NUMBER = "('\"', 't', 'f', '[', '{')"
+
+
+_DOUBLE_MAX = "1.7976931348623157e308::DOUBLE"
 
 
 def _q(name):
@@ -207,29 +215,34 @@ def sql_field_check(field):
     """A SQL boolean, true exactly when ``_check_field`` accepts the column (a JSON value; SQL NULL
     for both a JSON null and a missing key)."""
     c = _q(field.name)
+    text = f"{c}::VARCHAR"
+    first = f"left({text}, 1)"
+    number = f"{first} NOT IN {_NOT_NUMBER}"
     kind = field.kind
     if kind == "int":
-        test = (f"json_type({c}) IN {_INTEGER} AND "
-                f"TRY_CAST({c} AS HUGEINT) BETWEEN {field.lo} AND {field.hi}")
+        test = (f"{number} AND NOT contains({text}, '.') AND NOT contains({text}, 'e') "
+                f"AND NOT contains({text}, 'E') AND TRY_CAST({text} AS BIGINT) BETWEEN {field.lo} AND {field.hi}")
     elif kind == "str":
-        test = f"json_type({c}) = 'VARCHAR'"
+        test = f"{first} = '\"'"
         if field.choices is not None:
-            test += f" AND ({c}->>'$') IN ({', '.join(repr(v) for v in field.choices)})"
+            test += f" AND {text} IN ({', '.join(repr(json_text) for json_text in _json_strings(field.choices))})"
     elif kind == "abs":
-        test = (f"(json_type({c}) = 'VARCHAR' AND ({c}->>'$') IN ('nan', 'inf', '-inf')) OR "
-                f"(json_type({c}) IN {_NUMERIC} AND isfinite(TRY_CAST({c} AS DOUBLE)) "
-                f"AND TRY_CAST({c} AS DOUBLE) >= 0)")
-    elif kind == "frac":
-        test = (f"json_type({c}) IN {_NUMERIC} AND isfinite(TRY_CAST({c} AS DOUBLE)) "
-                f"AND TRY_CAST({c} AS DOUBLE) BETWEEN 0 AND 1")
+        test = (f"{text} IN ('\"nan\"', '\"inf\"', '\"-inf\"') OR "
+                f"({number} AND TRY_CAST({text} AS DOUBLE) BETWEEN 0 AND {_DOUBLE_MAX})")
+    elif kind == "frac":  # (NaN sorts above every number in SQL: BETWEEN excludes it, and inf)
+        test = f"{number} AND TRY_CAST({text} AS DOUBLE) BETWEEN 0 AND 1"
     elif kind == "strlist":
-        test = (f"json_type({c}) = 'ARRAY' AND json_array_length({c}) <= {field.hi} AND "
+        test = (f"{first} = '[' AND json_array_length({c}) <= {field.hi} AND "
                 f"list_bool_and(list_transform(json_extract({c}, '$[*]'), x -> json_type(x) = 'VARCHAR'))")
     else:  # pragma: no cover - the table above has no other kinds
         raise ValueError(kind)
     if field.nullable:
         return f"COALESCE({c} IS NULL OR ({test}), false)"
     return f"COALESCE({c} IS NOT NULL AND ({test}), false)"
+
+
+def _json_strings(values):
+    return ['"' + value + '"' for value in values]  # plain ASCII words: no escaping to do
 
 
 def sql_check(kind):
