@@ -198,11 +198,9 @@ def magnitude(value):
 # A JSON column holds the field's JSON text as DuckDB's parser wrote it back: strings in quotes
 # (escapes decoded, but for quotes, backslashes and control characters), numbers as numbers
 # (integers in plain digits), true/false, [..], {..}; SQL NULL for null and for a missing key.
-# Its first character tells the JSON type, which is much cheaper than json_type(); numbers are
-# then read from that text (correctly rounded, as Python's float() does).
-
-_NOT_NUMBER = "('\"', 't', 'f', '[', '{')"
-
+# A number is read from that text once (``sql_values``, correctly rounded as Python's float() is;
+# any other JSON text reads as NULL), and the checks use what was read: an integer is one whose
+# text is its own decimal form (no "1.0", "1e2"); a string's text starts with a quote.
 
 _DOUBLE_MAX = "1.7976931348623157e308::DOUBLE"
 
@@ -211,28 +209,45 @@ def _q(name):
     return '"' + name.replace('"', '""') + '"'
 
 
+def _read_as(field):
+    """(the SQL type a field is read as, the column that holds it) or None for strings, lists."""
+    if field.kind == "int":
+        return "BIGINT", _q(field.name + "#int")
+    if field.kind in ("abs", "frac"):
+        return "DOUBLE", _q(field.name + "#double")
+    return None
+
+
+def sql_values(kind):
+    """The columns ``sql_check(kind)`` reads, to compute in a projection below it (each number
+    is parsed once, there, and reused by the checks and the aggregates)."""
+    columns = []
+    for field in RECORDS[kind]:
+        read = _read_as(field)
+        if read is not None:
+            columns.append(f"TRY_CAST({_q(field.name)}::VARCHAR AS {read[0]}) AS {read[1]}")
+    return ", ".join(columns)
+
+
 def sql_field_check(field):
     """A SQL boolean, true exactly when ``_check_field`` accepts the column (a JSON value; SQL NULL
-    for both a JSON null and a missing key)."""
+    for both a JSON null and a missing key); it reads the columns of ``sql_values``."""
     c = _q(field.name)
     text = f"{c}::VARCHAR"
-    first = f"left({text}, 1)"
-    number = f"{first} NOT IN {_NOT_NUMBER}"
     kind = field.kind
+    read = _read_as(field)
     if kind == "int":
-        test = (f"{number} AND NOT contains({text}, '.') AND NOT contains({text}, 'e') "
-                f"AND NOT contains({text}, 'E') AND TRY_CAST({text} AS BIGINT) BETWEEN {field.lo} AND {field.hi}")
+        test = f"{read[1]} BETWEEN {field.lo} AND {field.hi} AND {read[1]}::VARCHAR = {text}"
     elif kind == "str":
-        test = f"{first} = '\"'"
+        test = f"starts_with({text}, '\"')"
         if field.choices is not None:
             test += f" AND {text} IN ({', '.join(repr(json_text) for json_text in _json_strings(field.choices))})"
-    elif kind == "abs":
-        test = (f"{text} IN ('\"nan\"', '\"inf\"', '\"-inf\"') OR "
-                f"({number} AND TRY_CAST({text} AS DOUBLE) BETWEEN 0 AND {_DOUBLE_MAX})")
-    elif kind == "frac":  # (NaN sorts above every number in SQL: BETWEEN excludes it, and inf)
-        test = f"{number} AND TRY_CAST({text} AS DOUBLE) BETWEEN 0 AND 1"
+    elif kind == "abs":  # (NaN sorts above every number in SQL: BETWEEN excludes it, and inf)
+        test = f"{text} IN ('\"nan\"', '\"inf\"', '\"-inf\"') OR {read[1]} BETWEEN 0 AND {_DOUBLE_MAX}"
+    elif kind == "frac":
+        test = f"{read[1]} BETWEEN 0 AND 1"
     elif kind == "strlist":
-        test = (f"{first} = '[' AND json_array_length({c}) <= {field.hi} AND "
+        test = (f"starts_with({text}, '[') AND json_array_length({c}) <= {field.hi} AND "
                 f"list_bool_and(list_transform(json_extract({c}, '$[*]'), x -> json_type(x) = 'VARCHAR'))")
     else:  # pragma: no cover - the table above has no other kinds
         raise ValueError(kind)
@@ -262,5 +277,5 @@ def sql_columns():
 
 __all__ = [
     "VERSION", "PHASES", "KINDS", "NONFINITE", "STEP_MAX", "RANK_MAX", "MAX_LINE_BYTES", "RECORDS", "KEYS",
-    "DTYPE_MAX", "Field", "Malformed", "check", "dtype_max", "magnitude", "sql_check", "sql_columns",
+    "DTYPE_MAX", "Field", "Malformed", "check", "dtype_max", "magnitude", "sql_check", "sql_columns", "sql_values",
 ]

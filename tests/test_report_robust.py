@@ -3,7 +3,6 @@ counted and named (never a traceback), memory bounded whatever the input, and th
 (plain Python, DuckDB) giving the same summary on the same files."""
 
 import json
-import math
 import os
 import random
 
