@@ -85,7 +85,7 @@ def ensure_logs(directory, quick=False):
 
 
 def measured(files, engine, png=None):
-    """(seconds, peak RSS in MB, stdout) of one child run, peak RSS from wait4()."""
+    """(seconds, peak RSS in MB, stdout, CPU seconds) of one child run, from wait4()."""
     command = [sys.executable, "-m", "overflow_fast", "report", *files, "--engine", engine, "--no-progress"]
     if png:
         command += ["--png", png]
@@ -100,7 +100,7 @@ def measured(files, engine, png=None):
         err.seek(0)
         if child.returncode != 0:
             raise RuntimeError(f"report failed ({child.returncode}): {err.read().decode()[-2000:]}")
-        return seconds, usage.ru_maxrss / 1024, out.read().decode()
+        return seconds, usage.ru_maxrss / 1024, out.read().decode(), usage.ru_utime + usage.ru_stime
 
 
 def cpu_name():
@@ -135,7 +135,10 @@ def main(argv=None):
         duck = None
     print(f"CPU: {name} ({level}), {os.cpu_count()} cores; DuckDB {duck or 'not installed'}; "
           f"Python {sys.version.split()[0]}; medians of {args.runs} runs")
-    print(f"{'log':<30} {'reader':<14} {'MB':>7} {'seconds':>8} {'MB/s':>7} {'peak RSS MB':>12}")
+    print(f"load average {os.getloadavg()[0]:.2f} (other work on this machine takes CPU from the runs: "
+          f"MB per CPU second is the figure load changes least)")
+    print(f"{'log':<30} {'reader':<14} {'MB':>7} {'seconds':>8} {'MB/s':>7} {'CPU s':>7} {'MB/CPU s':>8} "
+          f"{'peak RSS MB':>12}")
     outputs = {}
     for label, files in logs.items():
         size = sum(os.path.getsize(f) for f in files) / 1e6
@@ -149,11 +152,11 @@ def main(argv=None):
         for engine, png in cases:
             runs = 1 if engine == "python" else args.runs
             results = sorted(measured(files, engine, png) for _ in range(runs))
-            seconds, rss, out = results[len(results) // 2]
+            seconds, rss, out, cpu = results[len(results) // 2]
             rss = max(r[1] for r in results)
             outputs.setdefault(label, {})[engine if not png else engine + "+png"] = out
             print(f"{label:<30} {engine + (' --png' if png else ''):<14} {size:7.0f} {seconds:8.2f} "
-                  f"{size / seconds:7.1f} {rss:12.0f}", flush=True)
+                  f"{size / seconds:7.1f} {cpu:7.2f} {size / cpu:8.1f} {rss:12.0f}", flush=True)
     for label, by_engine in outputs.items():
         if "duckdb" in by_engine and "python" in by_engine:
             print(f"{label}: the two readers' summaries are "
