@@ -9,6 +9,7 @@ the ``overflow-fast report`` command, which only reads JSON, starts fast and sma
 """
 
 import importlib
+import sys
 
 _EXPORTS = {
     "DebugOption": ".debug_option",
@@ -32,6 +33,21 @@ __all__ = [
     "watch",
 ]
 __version__ = "0.1.0"
+
+
+class _TorchBeforeExtension:
+    """The compiled extension links against torch's libraries, which are found once torch is
+    imported: `import overflow_fast._C` imports torch first, as the eager package import did."""
+
+    @staticmethod
+    def find_spec(fullname, path=None, target=None):
+        if fullname == __name__ + "._C":
+            import torch  # noqa: F401
+        return None  # the usual finders load it
+
+
+if not any(getattr(finder, "__name__", None) == "_TorchBeforeExtension" for finder in sys.meta_path):
+    sys.meta_path.insert(0, _TorchBeforeExtension)
 
 
 def __getattr__(name):
