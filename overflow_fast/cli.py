@@ -138,7 +138,15 @@ def run_report(args):
         bar = _progress(check_readable(paths), args.progress)
         try:
             if reader is not None:
-                reader.read_files(paths, summary, progress=bar)
+                try:
+                    reader.read_files(paths, summary, progress=bar)
+                except reader.duckdb.Error as error:  # a DuckDB this code does not know: never a traceback
+                    if args.engine == "duckdb":
+                        raise BadFile(f"DuckDB could not read the logs ({error})") from None
+                    print(f"overflow-fast: DuckDB failed ({str(error).splitlines()[0]}); "
+                          f"reading with plain Python", file=sys.stderr)
+                    summary = Summary(bins=plot is not None)
+                    read_files(paths, summary)
             else:
                 read_files(paths, summary, progress=bar)
         finally:

@@ -342,3 +342,20 @@ def test_duckdb_reads_several_ranks_at_once_and_hands_back_only_what_it_cannot_t
     assert [name for name, _ in reread] == ["run.rank0.jsonl", "run.rank1.jsonl", "run.rank2.jsonl"]
     assert all(wanted[0] == 1 for _, wanted in reread) and 52 in reread[2][1]
     assert sum(len(wanted) for _, wanted in reread) <= 3 + 1 + 3 * 2
+
+
+@pytest.mark.skipif("duckdb" not in ENGINES, reason="DuckDB not installed (pip install overflow_fast[fast-report])")
+def test_a_duckdb_failure_falls_back_to_the_plain_reader(tmp_path, capsys, monkeypatch):
+    from overflow_fast import logsummary_duckdb
+
+    path = write_run(tmp_path / "run.jsonl", steps=3)
+    expected = report(capsys, "python", path)[1]
+
+    def broken(*args, **kwargs):
+        raise logsummary_duckdb.duckdb.BinderException("no such function in this DuckDB")
+
+    monkeypatch.setattr(logsummary_duckdb, "_aggregate", broken)
+    code, out, err = report(capsys, "auto", path)
+    assert code == 0 and out == expected and "reading with plain Python" in err
+    code, out, err = report(capsys, "duckdb", path)
+    assert code == 1 and "DuckDB could not read the logs" in err and "Traceback" not in err
