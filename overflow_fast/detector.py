@@ -31,8 +31,8 @@ CHECK_MODES = ("module", "batch")
 DEFAULT_BUFFER_ROWS = 1 << 16
 _graph_task_id = torch._C._current_graph_task_id  # -1 outside a backward pass
 _NO_ROWS = (None, [], None)
-_RUNTIME = ("_reads", "_queue", "_running", "_lock", "_traced", "_spent", "_first_bad", "_report_due",
-            "_reported_pass", "_stop_pending", "_deciding", "_backward_flush_task")
+_RUNTIME = ("_reads", "_queue", "_running", "_lock", "_traced", "_spent", "_stop_pending", "_deciding",
+            "_backward_flush_task")
 
 
 class OverflowDetected(ValueError):
@@ -178,9 +178,6 @@ class DebugUnderflowOverflow:
         self._traced = []  # records of hooks traced by torch.compile, not replayed yet
         self._spent = None  # the last clean read's calls, freed when the next pass begins (not between
         # a forward's read and its backward: on a GPU the device would idle that long)
-        self._first_bad = None  # (frame, entries) of the first non-finite frame not yet reported
-        self._report_due = False  # on_detect="warn": a (module, entry) not reported before
-        self._reported_pass = None  # on_detect="warn"/"record": (phase, batch) already detected
         self._stop_pending = False  # this rank detected; the error waits for the agreement
         self._deciding = False  # a pass is ending: a detection now waits for its agreement
         self._backward_flush_task = None  # the backward pass whose end will flush
@@ -284,6 +281,7 @@ class DebugUnderflowOverflow:
                 handle.remove()
             if self._gradients is not None:
                 self._gradients.remove()
+            self._running = _Running()  # calls running now will never end a pass
             try:
                 self.flush()  # its records and detection still reach the log
             finally:
@@ -519,42 +517,19 @@ class DebugUnderflowOverflow:
 
     def _save(self, frame, batch=None):
         """Print the frame's nan/inf lines, keep it in the ring (with the waiting lines as its lead)."""
-        policy = self._policy
-        for kind, ctx, payload in frame.entries:
-            if kind != report.TENSOR or not is_bad(frame.rows[payload]):
-                continue
-            if policy.ignore and policy.ignored(frame.module_name, ctx):
-                continue
-            if policy.on_detect != "raise" and self._reported_pass == (frame.phase, batch):
-                policy.new_reports(frame, [ctx])  # a consequence of what this pass reported
-                continue
-            if self._first_bad is None:
-                self._first_bad = (frame, [])  # where the source line looks
-            if self._first_bad[0] is frame:
-                self._first_bad[1].append(ctx)
-            # on_detect="warn": each (module, entry) once
-            if policy.on_detect == "raise" or (policy.on_detect == "warn" and policy.new_reports(frame, [ctx])):
-                for line in report.overflow_lines(frame.rows[payload], ctx):
-                    _print(line)
-                if frame.bad_shards and payload in frame.bad_shards:  # a DTensor: whose shard holds them
-                    _print(report.bad_shards_line(ctx, frame.bad_shards[payload]))
-                self._report_due = True
+        lines, detected = self._policy.check(frame, batch)
+        for line in lines:
+            _print(line)
+        if detected:
             self.detected_overflow = True
-        if policy.warn_above is not None:
-            for line in policy.early_warnings(frame, batch):
-                _print(line)
         self._state.save(frame)
 
     def _detected(self, frame, batch, shown_batch):
         """A nan/inf counted in ``frame`` (or earlier, in a traced batch): report it as on_detect says."""
-        first_frame, bad = self._first_bad or (frame, [])
-        self._first_bad = None
-        detection = {"batch_number": batch, "phase": first_frame.phase,
-                     "module": first_frame.module_name, "class": first_frame.class_name, "entries": bad}
+        detection, first_frame, bad, report_due = self._policy.conclude(frame, batch)
         self.detections.append(detection)
         if self._log is not None:
             self._log.detection(detection)
-        report_due, self._report_due = self._report_due, False
         on_detect = self._policy.on_detect
         if on_detect == "raise":
             frames = [report.frame_data(f) for f in self.frames if not isinstance(f, str)]
@@ -566,8 +541,6 @@ class DebugUnderflowOverflow:
                 return
             raise OverflowDetected(report.OVERFLOW_ERROR, detection, frames)
         self.detected_overflow = False  # go on: later batches are checked afresh
-        # later frames of this forward or backward only pass the values on: one detection a pass
-        self._reported_pass = (frame.phase, batch)
         if on_detect == "warn" and report_due:
             self._dump(frame, first_frame, bad, batch, shown_batch)
             warnings.warn(f"overflow_fast: inf/nan in {first_frame.module_name or '(model)'} "

@@ -7,7 +7,9 @@ import re
 
 import torch
 
+from . import report
 from .frames import BACKWARD
+from .report import TENSOR
 from .stats.layout import ABS_MAX, NAN, NEGINF, NUMEL, POSINF, SUBNORMAL, ZERO, decode_row
 
 ON_DETECT = ("raise", "warn", "record")
@@ -49,6 +51,52 @@ class Policy:
         self._ignored_cache = {}
         self._warned = set()  # (module, entry, kind) already given an early-warning line
         self._reported = set()  # (module, entry) already reported with on_detect="warn"
+        self._first_bad = None  # (frame, entries) of the first frame that counts, until ``conclude``
+        self._report_due = False  # on_detect="warn": a (module, entry) not reported before
+        self._reported_pass = None  # on_detect="warn"/"record": (phase, batch) already detected
+
+    def check(self, frame, batch):
+        """``(lines, detected)``: the lines to print at once for ``frame`` (the reference's "has
+        nans"/"has infs", the shards that hold them, early warnings) and whether one of its
+        entries counts as a detection."""
+        lines = []
+        detected = False
+        for kind, ctx, payload in frame.entries:
+            if kind != TENSOR or not is_bad(frame.rows[payload]):
+                continue
+            if self.ignore and self.ignored(frame.module_name, ctx):
+                continue
+            if self.on_detect != "raise" and self._reported_pass == (frame.phase, batch):
+                self.new_reports(frame, [ctx])  # a consequence of what this pass reported
+                continue
+            if self._first_bad is None:
+                self._first_bad = (frame, [])  # where the source line looks
+            if self._first_bad[0] is frame:
+                self._first_bad[1].append(ctx)
+            # on_detect="warn": each (module, entry) once
+            if self.on_detect == "raise" or (self.on_detect == "warn" and self.new_reports(frame, [ctx])):
+                lines.extend(report.overflow_lines(frame.rows[payload], ctx))
+                if frame.bad_shards and payload in frame.bad_shards:  # a DTensor: whose shard holds them
+                    lines.append(report.bad_shards_line(ctx, frame.bad_shards[payload]))
+                self._report_due = True
+            detected = True
+        if self.warn_above is not None:
+            lines.extend(self.early_warnings(frame, batch))
+        return lines, detected
+
+    def conclude(self, frame, batch):
+        """A detection ends at ``frame`` (of ``batch``): ``(detection, first_frame, bad, report_due)``,
+        the detection as data, the first frame that counted and its entries, and whether a report
+        is due (always with on_detect="raise"; with "warn" when an entry was new). Later frames of
+        the same pass only pass the values on: with "warn" and "record", one detection a pass."""
+        first_frame, bad = self._first_bad or (frame, [])
+        self._first_bad = None
+        report_due, self._report_due = self._report_due, False
+        if self.on_detect != "raise":
+            self._reported_pass = (frame.phase, batch)
+        detection = {"batch_number": batch, "phase": first_frame.phase, "module": first_frame.module_name,
+                     "class": first_frame.class_name, "entries": bad}
+        return detection, first_frame, bad, report_due
 
     def ignored(self, module_name, ctx):
         key = (module_name, ctx)
