@@ -86,6 +86,7 @@ def test_remove_and_context_manager():
     out, _ = capture(lambda: model(torch.ones(1, 4)))
     assert out == ""
     assert not model._forward_hooks and not model.layers[0]._forward_hooks
+    assert not model._forward_pre_hooks and not model.layers[0]._forward_pre_hooks
 
     detector = DebugUnderflowOverflow(model, trace_batch_nums=[0])
     detector.remove()
