@@ -75,8 +75,8 @@ def _print(text):
 
 
 class _Running(threading.local):
-    """Per thread, the hooked calls running: for each, the exception being handled when it
-    started (a post hook that sees another one runs because the call raised)."""
+    """Per thread, the hooked calls running: for each, its module and the exception being handled
+    when it started (a post hook that sees another one runs because the call raised)."""
 
     def __init__(self):
         self.calls = []
@@ -344,7 +344,7 @@ class DebugUnderflowOverflow:
                 self._spent = None
                 if module is self.model and self._gradients is not None:
                     self._gradients.new_forward()
-        running.append(sys.exc_info()[1])
+        running.append((module, sys.exc_info()[1]))
 
     def _after(self, module, input, output):
         self._after_with_kwargs(module, input, None, output)
@@ -361,7 +361,9 @@ class DebugUnderflowOverflow:
         if is_compiling():
             return self._traced_hook(module, input, output, kwargs)
         running = self._running.calls
-        ambient = running.pop() if running else None
+        # no entry of its own: its pre hook did not run (another one before it raised, or the
+        # detector was attached during the call)
+        ambient = running.pop()[1] if running and running[-1][0] is module else None
         error = sys.exc_info()[1]
         raised = error is not None and error is not ambient  # run by torch because the call raised
         with self._lock:

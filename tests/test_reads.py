@@ -169,6 +169,32 @@ def test_an_inner_network_driven_by_a_trainer_decides_at_the_bad_step(path, opti
     detector.remove()
 
 
+class TwoSteps(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+        self.second = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.second(self.first(x))
+
+
+def test_a_pre_hook_of_another_library_that_raises_before_ours(path):
+    # the second module's call fails before its forward (and before the detector's pre hook):
+    # its post hook still runs (always_call) and must not end the outer call's pass early
+    model = seeded(TwoSteps)
+    model.second.register_forward_pre_hook(lambda module, args: 1 / 0)
+    DebugUnderflowOverflow(model, check="batch")
+    x = torch.ones(2, 4)
+    x[0, 0] = NAN
+    out, error = capture(lambda: model(x), Exception)
+    assert isinstance(error, ZeroDivisionError)
+    assert "first Linear" in out and "input[0] has nans" in out  # decided when the outer call ended
+    assert "inf/nan was detected earlier" in " ".join(getattr(error, "__notes__", []))
+    out, error = capture(lambda: model.first(torch.ones(2, 4)))  # the next pass starts afresh
+    assert error is None
+
+
 # -- deferral (opt in): one engine call per forward, and its hole ------------------------------------
 
 @pytest.fixture
