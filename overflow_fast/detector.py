@@ -15,12 +15,13 @@ import warnings
 
 import torch
 from torch.compiler import is_compiling
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from . import distributed, report
 from .flight import StepLog
 from .frames import BACKWARD, FORWARD, Frame, class_name, entries_of, forward_items
 from .gradients import GradientHooks
-from .policy import Policy, is_bad, source_line
+from .policy import DEFAULT_MAX_SKIPS, Policy, is_bad, source_line
 from .reads import DEFAULT_DEFER_BYTES, Reads, may_wait
 from .reference import ReferenceState
 from .report import NONE, NOT_A_TENSOR, UNREADABLE
@@ -32,14 +33,16 @@ DEFAULT_BUFFER_ROWS = 1 << 16
 _graph_task_id = torch._C._current_graph_task_id  # -1 outside a backward pass
 _NO_ROWS = (None, [], None)
 _RUNTIME = ("_reads", "_queue", "_running", "_lock", "_traced", "_spent", "_stop_pending", "_deciding",
-            "_backward_flush_task")
+            "_backward_flush_task", "_skipping", "_skips_in_a_row", "_optimizer_hooks")
 
 
 class OverflowDetected(ValueError):
     """The reference's ValueError on a detected inf/nan (same message, so ``except ValueError``
     and the text hold), carrying what was detected as data for a trainer to log or checkpoint:
     ``batch_number``, ``phase``, ``module_name``, ``class_name``, ``entries`` (of the first frame
-    holding a nan/inf), ``rank`` (None in a single process), ``detection`` (those as a dict) and
+    holding a nan/inf), ``global_step`` and ``mode`` (the trainer's optimizer step and "train" or
+    "eval", where known: ``set_step``), ``rank`` (None in a single process), ``detection`` (those
+    as a dict) and
     ``frames``: the reported frames, each ``{"module", "class", "phase", "entries": [{"entry",
     "dtype", "abs_min", "abs_max", "nan", "posinf", "neginf", "zero", "subnormal", "numel"}]}``.
     Other detectors on the same model tell by this class that the report is already printed."""
@@ -53,6 +56,8 @@ class OverflowDetected(ValueError):
         self.module_name = detection.get("module")
         self.class_name = detection.get("class")
         self.entries = detection.get("entries", [])
+        self.global_step = detection.get("global_step")
+        self.mode = detection.get("mode")
         where = distributed.world()
         self.rank = where[0] if where else None
         self.frames = list(frames)
@@ -108,6 +113,14 @@ class DebugUnderflowOverflow:
       returns.
     - ``on_detect``, ``ignore``, ``warn_above``: ``overflow_fast.policy``; ``log``, ``log_every``:
       the flight recorder; ``sync``, ``sync_timeout``: ``overflow_fast.distributed``.
+    - ``on_detect="skip"``: a step in which a nan/inf appears (forward or gradients) applies no
+      update: its report is printed once, it is recorded once, every gradient of the model is
+      dropped (set to None) when the backward pass ends and again right before any
+      ``torch.optim`` optimizer holding them steps, so the optimizer changes neither weights nor
+      state, and training goes on; after ``max_skips`` skipped steps in a row it raises as
+      "raise" does. A step ends when such an optimizer steps.
+    - ``set_step(global_step, mode)``: the trainer's optimizer step and "train"/"eval", carried by
+      detections, errors and records (the integrations call it).
     - ``remove()`` and use as a context manager take the hooks off again.
     """
 
@@ -115,7 +128,7 @@ class DebugUnderflowOverflow:
                  check="module", backend=None, buffer_rows=DEFAULT_BUFFER_ROWS, reuse_stats=True,
                  kwargs=False, containers=False, backward=False, on_detect="raise", ignore=(),
                  warn_above=None, sync=True, sync_timeout=None, log=None, log_every=1,
-                 defer=False, stage_bytes=DEFAULT_DEFER_BYTES):
+                 defer=False, stage_bytes=DEFAULT_DEFER_BYTES, max_skips=DEFAULT_MAX_SKIPS):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         # The reference takes whatever its deque, `in` and `>` take: None (an unbounded ring),
@@ -136,7 +149,8 @@ class DebugUnderflowOverflow:
             self._abort_after = _integer(abort_after_batch_num, "abort_after_batch_num", "an integer or None")
         if check not in CHECK_MODES:
             raise ValueError(f"check must be one of {CHECK_MODES}, got {check!r}")
-        for name, value, least in (("buffer_rows", buffer_rows, 1), ("stage_bytes", stage_bytes, 0)):
+        for name, value, least in (("buffer_rows", buffer_rows, 1), ("stage_bytes", stage_bytes, 0),
+                                   ("max_skips", max_skips, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
 
@@ -152,6 +166,9 @@ class DebugUnderflowOverflow:
         self.containers = bool(containers)
         self.backward = bool(backward)
         self._policy = Policy(on_detect, ignore, warn_above)
+        self.max_skips = max_skips
+        self.global_step = None  # the trainer's optimizer step, where known (set_step)
+        self.mode = None  # "train" or "eval", where known
         # beyond the drop-in, a report ends with the line saying where the values were born
         self._explain = self.kwargs or self.containers or self.backward
         self.detections = []  # what was detected: batch_number, phase, module, class, entries
@@ -181,6 +198,12 @@ class DebugUnderflowOverflow:
         self._stop_pending = False  # this rank detected; the error waits for the agreement
         self._deciding = False  # a pass is ending: a detection now waits for its agreement
         self._backward_flush_task = None  # the backward pass whose end will flush
+        self._skipping = False  # on_detect="skip": this step applies no update
+        self._skips_in_a_row = 0
+        self._optimizer_hooks = []
+        if self._policy.on_detect == "skip":
+            self._optimizer_hooks = [register_optimizer_step_pre_hook(self._before_step),
+                                     register_optimizer_step_post_hook(self._after_step)]
 
     # -- the reference's attributes (its state machine's) -------------------------------------
 
@@ -281,6 +304,8 @@ class DebugUnderflowOverflow:
                 handle.remove()
             if self._gradients is not None:
                 self._gradients.remove()
+            for handle in self._optimizer_hooks:
+                handle.remove()
             self._running = _Running()  # calls running now will never end a pass
             try:
                 self.flush()  # its records and detection still reach the log
@@ -332,6 +357,38 @@ class DebugUnderflowOverflow:
                 if self._stop_pending:
                     break  # this rank reported; the calls after the detection never happened
                 self._replay(record)  # raises at the first bad call: those after it never happened
+
+    def set_step(self, global_step=None, mode=None):
+        """What runs next belongs to the trainer's optimizer step ``global_step`` (an int) and to
+        ``mode`` ("train" or "eval"); detections, errors and records carry them. None: unknown."""
+        if global_step is not None:
+            global_step = _integer(global_step, "global_step", "an int or None")
+            if global_step < 0:
+                raise ValueError(f"global_step must be >= 0, got {global_step}")
+        if mode not in (None, "train", "eval"):
+            raise ValueError(f"mode must be 'train', 'eval' or None, got {mode!r}")
+        with self._lock:
+            self.global_step, self.mode = global_step, mode
+
+    # -- on_detect="skip": a bad step applies no update ----------------------------------------
+
+    def _drop_gradients(self):
+        for parameter in self.model.parameters():
+            parameter.grad = None
+
+    def _holds_parameters(self, optimizer):
+        ours = {id(p) for p in self.model.parameters()}
+        return any(id(p) in ours for group in optimizer.param_groups for p in group["params"])
+
+    def _before_step(self, optimizer, args, kwargs):
+        if self._skipping and self._holds_parameters(optimizer):
+            self._drop_gradients()
+
+    def _after_step(self, optimizer, args, kwargs):
+        if self._holds_parameters(optimizer):
+            with self._lock:
+                self._skips_in_a_row = self._skips_in_a_row + 1 if self._skipping else 0
+                self._skipping = False
 
     # -- passes: the outermost hooked call on a thread, and backward ---------------------------
 
@@ -429,17 +486,22 @@ class DebugUnderflowOverflow:
                 self._reads.reset()
                 if self._sync_wanted():
                     self._agree()
+            if self._skipping:
+                self._drop_gradients()
 
     def _sync_wanted(self):
         """Whether this detector's decisions are agreed between ranks (see overflow_fast.distributed)."""
-        return (self.sync and self._policy.on_detect == "raise" and distributed.world() is not None
+        return (self.sync and self._policy.on_detect in ("raise", "skip") and distributed.world() is not None
                 and not distributed.is_local_only())
 
     def _agree(self):
-        """One small collective: every rank learns which ranks detected; all raise together."""
+        """One small collective: every rank learns which ranks detected; all raise together (with
+        on_detect="skip": all skip the step together)."""
         pending, self._stop_pending = self._stop_pending, False
-        ranks = distributed.agree(bool(pending), timeout=self.sync_timeout)
-        if ranks:
+        ranks = distributed.agree(bool(pending) or self._skipping, timeout=self.sync_timeout)
+        if ranks and not pending and self._policy.on_detect == "skip":
+            self._skipping = True
+        elif ranks:
             self.detected_overflow = True
             raise OverflowDetectedOnRanks(ranks, distributed.world()[1], *(pending or ()))
 
@@ -519,22 +581,30 @@ class DebugUnderflowOverflow:
 
     def _save(self, frame, batch=None):
         """Print the frame's nan/inf lines, keep it in the ring (with the waiting lines as its lead)."""
-        lines, detected = self._policy.check(frame, batch)
+        lines, detected = self._policy.check(frame, batch, self._step_of(batch))
         for line in lines:
             _print(line)
         if detected:
             self.detected_overflow = True
         self._state.save(frame)
 
+    def _step_of(self, batch):
+        """The training step a batch belongs to: the trainer's, where known."""
+        return self.global_step if self.global_step is not None else batch
+
     def _detected(self, frame, batch, shown_batch):
         """A nan/inf counted in ``frame`` (or earlier, in a traced batch): report it as on_detect says."""
-        detection, first_frame, bad, report_due = self._policy.conclude(frame, batch)
+        detection, first_frame, bad, report_due = self._policy.conclude(frame, batch, self._step_of(batch))
+        if self.global_step is not None:
+            detection["global_step"] = self.global_step
+        if self.mode is not None:
+            detection["mode"] = self.mode
         self.detections.append(detection)
         if self._log is not None:
             self._log.detection(detection)
         on_detect = self._policy.on_detect
-        if on_detect == "raise":
-            frames = [report.frame_data(f) for f in self.frames if not isinstance(f, str)]
+        frames = [report.frame_data(f) for f in self.frames if not isinstance(f, str)]
+        if on_detect == "raise" or (on_detect == "skip" and self._skips_in_a_row >= self.max_skips):
             self._dump(frame, first_frame, bad, batch, shown_batch)
             if self._sync_wanted() and (self._running.calls or self._deciding or _graph_task_id() != -1):
                 # the other ranks are mid-pass, inside their own collectives (DDP, FSDP2, tensor
@@ -543,11 +613,18 @@ class DebugUnderflowOverflow:
                 return
             raise OverflowDetected(report.OVERFLOW_ERROR, detection, frames)
         self.detected_overflow = False  # go on: later batches are checked afresh
-        if on_detect == "warn" and report_due:
+        if report_due:
             self._dump(frame, first_frame, bad, batch, shown_batch)
+        if on_detect == "warn" and report_due:
             warnings.warn(f"overflow_fast: inf/nan in {first_frame.module_name or '(model)'} "
                           f"{', '.join(bad)} ({first_frame.phase}, batch_number={detection['batch_number']}); "
                           "training goes on (on_detect='warn')", RuntimeWarning, stacklevel=2)
+        elif on_detect == "skip":
+            self._skipping = True
+            _print(f"overflow_fast: skipping this step: it applies no update ({self._skips_in_a_row + 1} "
+                   f"skipped in a row, at most {self.max_skips})")
+        elif callable(on_detect):
+            on_detect(OverflowDetected(report.OVERFLOW_ERROR, detection, frames))
         self.frames.clear()
 
     def _dump(self, frame, first_frame, bad, batch, shown_batch):

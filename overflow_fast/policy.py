@@ -12,7 +12,8 @@ from .frames import BACKWARD
 from .report import TENSOR
 from .stats.layout import ABS_MAX, NAN, NEGINF, NUMEL, POSINF, SUBNORMAL, ZERO, decode_row
 
-ON_DETECT = ("raise", "warn", "record")
+ON_DETECT = ("raise", "warn", "record", "skip")
+DEFAULT_MAX_SKIPS = 10
 # Subnormals above this fraction of an entry's elements get an underflow line (with warn_above).
 SUBNORMAL_FRACTION = 0.5
 
@@ -27,14 +28,20 @@ def _glob(pattern):
 
 
 class Policy:
-    """``ignore``: patterns ``"MODULE"`` (every entry of the matching modules) or
+    """``on_detect``: "raise" (the reference: report, then raise), "warn" (report each offending
+    entry once, warn, go on), "record" (record only, go on), "skip" (report, then the step applies no
+    update; see the detector) or a callable (report, then call it with the detection). Except with
+    "raise", a pass reports one detection (later frames only pass the values on); with "skip", a
+    step does.
+
+    ``ignore``: patterns ``"MODULE"`` (every entry of the matching modules) or
     ``"MODULE:ENTRY"``, with * and ? as wildcards, matched against the module's qualified name
     ("" for the model itself) and the entry's name (``input[attention_mask]``, ``weight.grad``).
     Ignored entries keep their lines in frames but never count as a detection."""
 
     def __init__(self, on_detect="raise", ignore=(), warn_above=None):
-        if on_detect not in ON_DETECT:
-            raise ValueError(f"on_detect must be one of {ON_DETECT}, got {on_detect!r}")
+        if not callable(on_detect) and on_detect not in ON_DETECT:
+            raise ValueError(f"on_detect must be one of {ON_DETECT} or a callable, got {on_detect!r}")
         if isinstance(ignore, str):
             ignore = [ignore]
         ignore = list(ignore or ())
@@ -53,12 +60,15 @@ class Policy:
         self._reported = set()  # (module, entry) already reported with on_detect="warn"
         self._first_bad = None  # (frame, entries) of the first frame that counts, until ``conclude``
         self._report_due = False  # on_detect="warn": a (module, entry) not reported before
-        self._reported_pass = None  # on_detect="warn"/"record": (phase, batch) already detected
+        self._reported_pass = None  # not "raise": the pass (or "skip": the step) already detected
 
-    def check(self, frame, batch):
+    def _pass_of(self, frame, batch, step):
+        return ("step", step) if self.on_detect == "skip" else (frame.phase, batch)
+
+    def check(self, frame, batch, step=None):
         """``(lines, detected)``: the lines to print at once for ``frame`` (the reference's "has
         nans"/"has infs", the shards that hold them, early warnings) and whether one of its
-        entries counts as a detection."""
+        entries counts as a detection. ``step``: the training step it belongs to ("skip")."""
         lines = []
         detected = False
         for kind, ctx, payload in frame.entries:
@@ -66,15 +76,19 @@ class Policy:
                 continue
             if self.ignore and self.ignored(frame.module_name, ctx):
                 continue
-            if self.on_detect != "raise" and self._reported_pass == (frame.phase, batch):
+            if self.on_detect != "raise" and self._reported_pass == self._pass_of(frame, batch, step):
                 self.new_reports(frame, [ctx])  # a consequence of what this pass reported
                 continue
             if self._first_bad is None:
                 self._first_bad = (frame, [])  # where the source line looks
             if self._first_bad[0] is frame:
                 self._first_bad[1].append(ctx)
-            # on_detect="warn": each (module, entry) once
-            if self.on_detect == "raise" or (self.on_detect == "warn" and self.new_reports(frame, [ctx])):
+            # on_detect="warn": each (module, entry) once; "record": no line
+            if self.on_detect == "warn":
+                report_it = bool(self.new_reports(frame, [ctx]))
+            else:
+                report_it = self.on_detect != "record"
+            if report_it:
                 lines.extend(report.overflow_lines(frame.rows[payload], ctx))
                 if frame.bad_shards and payload in frame.bad_shards:  # a DTensor: whose shard holds them
                     lines.append(report.bad_shards_line(ctx, frame.bad_shards[payload]))
@@ -84,16 +98,16 @@ class Policy:
             lines.extend(self.early_warnings(frame, batch))
         return lines, detected
 
-    def conclude(self, frame, batch):
+    def conclude(self, frame, batch, step=None):
         """A detection ends at ``frame`` (of ``batch``): ``(detection, first_frame, bad, report_due)``,
         the detection as data, the first frame that counted and its entries, and whether a report
-        is due (always with on_detect="raise"; with "warn" when an entry was new). Later frames of
-        the same pass only pass the values on: with "warn" and "record", one detection a pass."""
+        is due (with "warn" only when an entry was new, never with "record"). Later frames of the
+        same pass (with "skip": step) only pass the values on."""
         first_frame, bad = self._first_bad or (frame, [])
         self._first_bad = None
         report_due, self._report_due = self._report_due, False
         if self.on_detect != "raise":
-            self._reported_pass = (frame.phase, batch)
+            self._reported_pass = self._pass_of(frame, batch, step)
         detection = {"batch_number": batch, "phase": first_frame.phase, "module": first_frame.module_name,
                      "class": first_frame.class_name, "entries": bad}
         return detection, first_frame, bad, report_due
