@@ -115,9 +115,9 @@ class DebugUnderflowOverflow:
       the flight recorder; ``sync``, ``sync_timeout``: ``overflow_fast.distributed``.
     - ``on_detect="skip"``: a step in which a nan/inf appears (forward or gradients) applies no
       update: its report is printed once, it is recorded once, every gradient of the model is
-      dropped (set to None) when the backward pass ends and again right before any
-      ``torch.optim`` optimizer holding them steps, so the optimizer changes neither weights nor
-      state, and training goes on; after ``max_skips`` skipped steps in a row it raises as
+      dropped (set to None: as it is accumulated, when the backward pass ends and right before
+      any ``torch.optim`` optimizer holding them steps), so the optimizer changes neither weights
+      nor state, and training goes on; after ``max_skips`` skipped steps in a row it raises as
       "raise" does. A step ends when such an optimizer steps.
     - ``set_step(global_step, mode)``: the trainer's optimizer step and "train"/"eval", carried by
       detections, errors and records (the integrations call it).
@@ -275,6 +275,11 @@ class DebugUnderflowOverflow:
         self.model.apply(self._register_forward_hook)
         if self.backward:
             self._gradients = GradientHooks(self.model, self.module_names, self._gradient_hook)
+        if self._policy.on_detect == "skip":
+            # a skipped step's gradients are dropped as they are accumulated (after the gradient
+            # frames read them), whatever runs the backward: an optimizer's closure included
+            self._handles.extend(p.register_post_accumulate_grad_hook(self._drop_if_skipping)
+                                 for p in self.model.parameters() if p.requires_grad)
 
     def _register_forward_hook(self, module):
         # A module shared by two parents is visited twice and so hooked twice, like the reference.
@@ -371,6 +376,10 @@ class DebugUnderflowOverflow:
             self.global_step, self.mode = global_step, mode
 
     # -- on_detect="skip": a bad step applies no update ----------------------------------------
+
+    def _drop_if_skipping(self, parameter):
+        if self._skipping:
+            parameter.grad = None
 
     def _drop_gradients(self):
         for parameter in self.model.parameters():
