@@ -111,7 +111,7 @@ class DebugUnderflowOverflow:
       lines named by their path (``output[loss]``) instead of one ``not a tensor`` line.
     - ``backward``: gradient frames (``overflow_fast.gradients``), decided before ``backward()``
       returns.
-    - ``on_detect``, ``ignore``, ``warn_above``: ``overflow_fast.policy``; ``log``, ``log_every``:
+    - ``on_detect``, ``ignore``, ``warn_above``, ``warn_gradients``: ``overflow_fast.policy``; ``log``, ``log_every``:
       the flight recorder; ``sync``, ``sync_timeout``: ``overflow_fast.distributed``.
     - ``on_detect="skip"``: a step in which a nan/inf appears (forward or gradients) applies no
       update: its report is printed once, it is recorded once, every gradient of the model is
@@ -128,7 +128,8 @@ class DebugUnderflowOverflow:
                  check="module", backend=None, buffer_rows=DEFAULT_BUFFER_ROWS, reuse_stats=True,
                  kwargs=False, containers=False, backward=False, on_detect="raise", ignore=(),
                  warn_above=None, sync=True, sync_timeout=None, log=None, log_every=1,
-                 defer=False, stage_bytes=DEFAULT_DEFER_BYTES, max_skips=DEFAULT_MAX_SKIPS):
+                 defer=False, stage_bytes=DEFAULT_DEFER_BYTES, max_skips=DEFAULT_MAX_SKIPS,
+                 warn_gradients=False):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         # The reference takes whatever its deque, `in` and `>` take: None (an unbounded ring),
@@ -165,7 +166,7 @@ class DebugUnderflowOverflow:
         self.kwargs = bool(kwargs)
         self.containers = bool(containers)
         self.backward = bool(backward)
-        self._policy = Policy(on_detect, ignore, warn_above)
+        self._policy = Policy(on_detect, ignore, warn_above, warn_gradients)
         self.max_skips = max_skips
         self.global_step = None  # the trainer's optimizer step, where known (set_step)
         self.mode = None  # "train" or "eval", where known

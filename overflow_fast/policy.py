@@ -16,6 +16,7 @@ ON_DETECT = ("raise", "warn", "record", "skip")
 DEFAULT_MAX_SKIPS = 10
 # Subnormals above this fraction of an entry's elements get an underflow line (with warn_above).
 SUBNORMAL_FRACTION = 0.5
+UNDERFLOW_EVERY = 100  # steps between two underflow lines of one module
 
 
 def is_bad(row):
@@ -39,7 +40,7 @@ class Policy:
     ("" for the model itself) and the entry's name (``input[attention_mask]``, ``weight.grad``).
     Ignored entries keep their lines in frames but never count as a detection."""
 
-    def __init__(self, on_detect="raise", ignore=(), warn_above=None):
+    def __init__(self, on_detect="raise", ignore=(), warn_above=None, warn_gradients=False):
         if not callable(on_detect) and on_detect not in ON_DETECT:
             raise ValueError(f"on_detect must be one of {ON_DETECT} or a callable, got {on_detect!r}")
         if isinstance(ignore, str):
@@ -52,11 +53,13 @@ class Policy:
                 raise ValueError(f"warn_above must be a fraction in (0, 1], got {warn_above!r}")
         self.on_detect = on_detect
         self.warn_above = warn_above
+        self.warn_gradients = bool(warn_gradients)
+        self._underflow_at = {}  # module -> the step of its last underflow line
         self.ignore = ignore
         self._ignore = [(_glob(m), _glob(e) if e is not None else None)
                         for m, _, e in (p.partition(":") if ":" in p else (p, None, None) for p in ignore)]
         self._ignored_cache = {}
-        self._warned = set()  # (module, entry, kind) already given an early-warning line
+        self._warned = set()  # (module, entry) already warned of nearing the dtype's largest value
         self._reported = set()  # (module, entry) already reported with on_detect="warn"
         self._first_bad = None  # (frame, entries) of the first frame that counts, until ``conclude``
         self._report_due = False  # on_detect="warn": a (module, entry) not reported before
@@ -95,7 +98,7 @@ class Policy:
                 self._report_due = True
             detected = True
         if self.warn_above is not None:
-            lines.extend(self.early_warnings(frame, batch))
+            lines.extend(self.early_warnings(frame, batch, step))
         return lines, detected
 
     def conclude(self, frame, batch, step=None):
@@ -126,13 +129,15 @@ class Policy:
         self._reported.update((frame.module_name, ctx) for ctx in fresh)
         return fresh
 
-    def early_warnings(self, frame, batch_number):
-        """Lines for entries crossing ``warn_above`` of their dtype's largest finite value, or
-        underflowing (an activation or gradient all zeros, any entry mostly subnormal); each
-        (module, entry, kind) once."""
+    def early_warnings(self, frame, batch_number, step=None):
+        """Lines for entries crossing ``warn_above`` of their dtype's largest finite value (each
+        (module, entry) once), and one line for a module whose entries underflow (an activation
+        or gradient all zeros, any entry mostly subnormal), at most once per UNDERFLOW_EVERY
+        steps (``step``, else the batch number); gradients only with ``warn_gradients``."""
         if self.warn_above is None:
             return []
         lines = []
+        underflows = []
         where = f"{frame.module_name or '(model)'} {frame.class_name}"
         for ctx, row, dtype in frame.tensor_entries():
             if not dtype.is_floating_point or row[NUMEL] == 0 or is_bad(row):
@@ -140,21 +145,25 @@ class Policy:
             key = (frame.module_name, ctx)
             limit = torch.finfo(dtype).max
             abs_max = decode_row(row, dtype)["abs_max"]
-            if abs_max >= self.warn_above * limit and (key + ("max",)) not in self._warned:
-                self._warned.add(key + ("max",))
+            if abs_max >= self.warn_above * limit and key not in self._warned:
+                self._warned.add(key)
                 lines.append(f"{where} {ctx}: abs max {abs_max:.2e} is {abs_max / limit:.0%} of the largest "
                              f"{str(dtype).replace('torch.', '')} ({limit:.2e}) at batch_number={batch_number}")
+            gradient = ctx.endswith(".grad")
+            if gradient and not self.warn_gradients:
+                continue
             # parameters are often all zeros by design (biases at initialisation): only activations
             # and gradients count as having underflowed to zeros
-            is_parameter = not ctx.startswith(("input", "output")) and not ctx.endswith(".grad")
-            if row[ZERO] == row[NUMEL] and row[ABS_MAX] == 0 and not is_parameter \
-                    and (key + ("zero",)) not in self._warned:
-                self._warned.add(key + ("zero",))
-                lines.append(f"{where} {ctx}: all {row[NUMEL]} elements are zero at batch_number={batch_number}")
-            if row[SUBNORMAL] > SUBNORMAL_FRACTION * row[NUMEL] and (key + ("subnormal",)) not in self._warned:
-                self._warned.add(key + ("subnormal",))
-                lines.append(f"{where} {ctx}: {row[SUBNORMAL] / row[NUMEL]:.0%} of {row[NUMEL]} elements are "
-                             f"subnormal at batch_number={batch_number}")
+            if row[ZERO] == row[NUMEL] and row[ABS_MAX] == 0 and (gradient or ctx.startswith(("input", "output"))):
+                underflows.append(f"{ctx}: all {row[NUMEL]} elements are zero")
+            elif row[SUBNORMAL] > SUBNORMAL_FRACTION * row[NUMEL]:
+                underflows.append(f"{ctx}: {row[SUBNORMAL] / row[NUMEL]:.0%} of {row[NUMEL]} elements are subnormal")
+        if underflows:
+            step = batch_number if step is None else step
+            last = self._underflow_at.get(frame.module_name)
+            if last is None or not 0 <= step - last < UNDERFLOW_EVERY:
+                self._underflow_at[frame.module_name] = step
+                lines.append(f"{where} underflows at batch_number={batch_number}: {'; '.join(underflows)}")
         return lines
 
 

@@ -258,9 +258,35 @@ def test_warn_above_reports_underflow(check):
     DebugUnderflowOverflow(model, check=check, warn_above=0.9)
     out, error = capture(lambda: model(torch.full((4,), 1e-3, dtype=torch.float16)))
     assert error is None
-    assert "0 Scale weight: 100% of 4 elements are subnormal at batch_number=0" in out
-    assert "0 Scale output: all 4 elements are zero at batch_number=0" in out  # 1e-9 underflows fp16
-    assert "bias: all" not in out
+    # one line for the module: its weight is subnormal, its output underflowed to zeros (1e-9 in
+    # fp16); its bias is zeros by design
+    assert out.splitlines() == ["0 Scale underflows at batch_number=0: weight: 100% of 4 elements are subnormal; "
+                                "output: all 4 elements are zero",
+                                "(model) Sequential underflows at batch_number=0: output: all 4 elements are zero"]
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_warn_above_underflow_lines_once_per_module_per_100_steps_gradients_when_asked(check):
+    # fp16 without loss scaling: the gradients underflow at every step
+    def run(**options):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), Scale(1e-4)).half()
+        detector = DebugUnderflowOverflow(model, check=check, warn_above=0.5, backward=True, **options)
+        outs = []
+        for step in range(250):
+            if step in (0, 99, 100, 200):
+                detector.set_step(step)
+            x = torch.full((2, 4), 1e-3, dtype=torch.float16)
+            out, error = capture(lambda: model(x).sum().backward())
+            assert error is None
+            outs.append(out)
+        return outs
+
+    outs = run()
+    assert [i for i, out in enumerate(outs) if out] == [0, 100, 200]  # set_step: 100 steps apart
+    assert all(".grad" not in out for out in outs)
+    asked = run(warn_gradients=True)
+    assert any(".grad" in out for out in asked)
 
 
 @pytest.mark.parametrize("check", CHECKS)
