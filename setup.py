@@ -106,7 +106,7 @@ if os.environ.get("OVERFLOW_FAST_NO_EXTENSION") != "1":
     extension = CppExtension(
         name="overflow_fast._C",
         sources=[f"{CSRC}/kernel_default.cpp", f"{CSRC}/complex.cpp", f"{CSRC}/table.cpp",
-                 f"{CSRC}/staging.cpp"],
+                 f"{CSRC}/hooks.cpp"],
         depends=[f"{CSRC}/stats.h", f"{CSRC}/kernel.h", f"{CSRC}/prefetch.h"],
         extra_compile_args={"cxx": common},
         extra_link_args=["-fopenmp"],

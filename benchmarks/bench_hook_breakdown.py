@@ -5,8 +5,9 @@ stubbed: the GPU path's host work without a GPU).
 Two measurements, each side by side in one process (this machine's speed drifts ~2x between
 runs minutes apart, so only figures from the same process compare):
 
-- **pieces:** timers around the detector's ``forward_hook``, ``hook_frame``,
-  ``DeferredRows.stage``, ``flush`` and the forward's start and end hooks, medians over forwards
+- **pieces:** timers around the detector's post hook (the whole hook), ``entries_of`` (the call's
+  entries and tensors), ``Reads.add`` (the C++ bookkeeping and, inside it, the engine call),
+  the engine call itself (``tensor_stats``), ``flush`` and the pre hook, medians over forwards
   (each timer adds about 0.1 us to what it wraps);
 - **garbage collection:** the detector with the collector on and off, with the no-hook replay and
   the floor hook, in round-robin rounds: the gap is what gen-0 collections cost per hook.
@@ -30,7 +31,7 @@ import bench_host_path as host  # noqa: E402
 
 from overflow_fast import DebugUnderflowOverflow  # noqa: E402
 from overflow_fast import detector as detector_module  # noqa: E402
-from overflow_fast import rows as rows_module  # noqa: E402
+from overflow_fast import reads as reads_module  # noqa: E402
 
 
 def hook_sequence(layers, batch, seq):
@@ -66,9 +67,9 @@ def pieces(model, run, hooks, forwards):
 
     Detector = DebugUnderflowOverflow
     samples = []
-    with timed(Detector, "forward_hook", "whole hook"), timed(detector_module, "hook_frame", "hook_frame"), \
-            timed(rows_module.DeferredRows, "stage", "DeferredRows.stage"), timed(Detector, "flush", "flush"), \
-            timed(Detector, "_before_forward", "forward start"), timed(Detector, "_after_forward", "forward end"):
+    with timed(Detector, "_after_with_kwargs", "whole hook"), timed(detector_module, "entries_of", "entries_of"), \
+            timed(reads_module.Reads, "add", "Reads.add"), timed(reads_module, "tensor_stats", "tensor_stats"), \
+            timed(Detector, "flush", "flush"), timed(Detector, "_before", "pre hook"):
         detector = Detector(model, check="batch")
         run()
         run()
@@ -128,8 +129,8 @@ def main(argv=None):
     print("|---|---|")
     for label, value in split.items():
         print(f"| {label} | {value:.2f} |")
-    inside = split.get("hook_frame", 0) + split.get("DeferredRows.stage", 0) + split.get("flush", 0)
-    print(f"| whole hook less hook_frame, stage and flush | {split['whole hook'] - inside:.2f} |")
+    inside = split.get("entries_of", 0) + split.get("Reads.add", 0) + split.get("flush", 0)
+    print(f"| whole hook less entries_of, Reads.add and flush | {split['whole hook'] - inside:.2f} |")
     print(f"| gen-0 collections (collector on - off) | {collector['collector on'] - collector['collector off']:.2f} |")
     print(f"floor hook {collector['floor']:.2f}; detector {collector['collector on']:.2f} with the collector on, "
           f"{collector['collector off']:.2f} off")

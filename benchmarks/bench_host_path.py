@@ -67,7 +67,7 @@ import torch
 import transformers
 
 import overflow_fast
-import overflow_fast.rows
+import overflow_fast.reads
 from overflow_fast import DebugUnderflowOverflow
 from overflow_fast.detector import DebugUnderflowOverflow as _Detector
 from overflow_fast.frames import forward_items
@@ -87,7 +87,7 @@ KERNEL_MIN_US = 3.0  # smallest duration of a kernel on the GPU
 SYNC_US = 25.0  # one host read: wait for the stream, D2H copy of the rows, wake up
 MODEL_OP_HOST_US = 10.0  # the model's own host work per ATen op on a GPU (Python, dispatch, launch)
 
-VARIANTS = ("none", "noop", "floor", "module", "batch", "watch")
+VARIANTS = ("none", "noop", "floor", "module", "batch", "watch", "defer")
 DETECTORS = VARIANTS[3:]
 
 
@@ -211,7 +211,7 @@ def triton_on_cpu():
             (triton_backend, "_flat_source", _flat_source),
             (triton_backend, "_table", _counting_table(triton_backend._table)),
             (triton_backend, "scan", _counting_scan(triton_backend.scan)),
-            (overflow_fast.rows, "STAGE_CPU_TENSORS", True),  # these CPU tensors stand for GPU ones
+            (overflow_fast.reads, "CPU_AS_DEVICE", True),  # these CPU tensors stand for GPU ones
         ):
             stack.enter_context(patched(obj, name, value))
         preferred = dict(dispatch._PREFERRED)
@@ -252,16 +252,16 @@ def instrumented():
     host read (an extra, counted pass)."""
     real_compute = triton_backend.compute
     real_flush = _Detector.flush
-    real_to_host = overflow_fast.rows.to_host
+    real_cpu = torch.Tensor.cpu
     flush_start = [None]  # while a flush runs: when it started, until its first host read
 
-    def to_host(rows):
-        # on a GPU the host read waits for the device: what the flush did before it (the final
-        # engine call, the bookkeeping that needs no rows) overlaps the device's work
+    def cpu(tensor, *args, **kwargs):
+        # on a GPU the host read waits for the device: what the flush did before it (engine calls
+        # of deferred tensors, the bookkeeping that needs no rows) overlaps the device's work
         if flush_start[0] is not None:
             COUNT.flush_before_read_s += time.perf_counter() - flush_start[0]
             flush_start[0] = None
-        return real_to_host(rows)
+        return real_cpu(tensor, *args, **kwargs)
 
     depth = [0]  # compute() runs scan() and compute_scanned(): time the outermost call only
 
@@ -294,7 +294,7 @@ def instrumented():
 
     with patched(triton_backend, "compute", compute), patched(triton_backend, "scan", scan), \
             patched(triton_backend, "compute_scanned", compute_scanned), patched(_Detector, "flush", flush), \
-            patched(overflow_fast.rows, "to_host", to_host), \
+            patched(torch.Tensor, "cpu", cpu), \
             patched(cpu_backend, "_C", _TimedC(cpu_backend._C) if cpu_backend._C is not None else None):
         yield
 
@@ -422,6 +422,8 @@ def attach(variant, model):
         return lambda: [h.remove() for h in handles]
     if variant in ("module", "batch"):
         detector = DebugUnderflowOverflow(model, check=variant)
+    elif variant == "defer":
+        detector = DebugUnderflowOverflow(model, check="batch", defer=True)
     elif variant == "watch":
         detector = overflow_fast.watch(model)
     else:
@@ -628,7 +630,7 @@ def host_path(args, csv_rows):
     print("| variant | host CPU | detector host (ms/fwd) | detector GPU (ms/fwd) | added per step (ms) | overhead |")
     print("|---|---|---|---|---|---|")
     results = {}
-    for v in ("module", "batch", "watch"):
+    for v in ("module", "batch", "watch", "defer"):
         for speedup in (1.0, 1.7):
             added, overhead, det_gpu, det_host = project(
                 counts[v], per_hook[v], counts[v]["flush_s"] * 1e6, hooks,

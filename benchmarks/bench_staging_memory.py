@@ -1,17 +1,17 @@
-"""Peak memory of staging (issue 12 item 2): what check="batch" keeps alive by reading a forward's
-tensors when it ends instead of in each hook.
+"""Peak memory of deferral: what check="batch" with ``defer=True`` keeps alive by reading a forward's
+tensors when it ends instead of in each hook (the sound default reads in each hook).
 
-Staging is the accelerators' path (CPU tensors are read in their hooks); its memory does not
-depend on the device, so it is measured here on CPU tensors with ``rows.STAGE_CPU_TENSORS`` on.
+Deferral is for accelerators (CPU tensors are read in their hooks); its memory does not depend on
+the device, so it is measured here on CPU tensors with ``reads.CPU_AS_DEVICE`` on.
 Each variant runs in a fresh process: GPT-2 small (12 layers, n_embd 768, random weights) in
 fp32 on the CPU, one warm-up pass, then freed memory is returned to the OS (``malloc_trim``), the
 peak resident memory is reset (``/proc/self/clear_refs``) and one pass measured: the peak above
 the resident memory before it (VmHWM - VmRSS). Passes:
 ``no_grad`` (a forward of --batch x --seq tokens: staging alone keeps the activations the forward
 would free, up to ``stage_bytes``) and ``train`` (forward and backward: autograd keeps most
-activations until backward anyway). Variants: no detector; check="module"; check="batch" reading
-in each hook (``stage_bytes=0``); check="batch" staging (default ``stage_bytes``, 256 MiB); and
-staging with ``stage_bytes=1 GiB``.
+activations until backward anyway). Variants: no detector; check="module"; check="batch" (the
+sound default, reading in each hook); check="batch", defer=True (default ``stage_bytes``,
+256 MiB); and defer=True with ``stage_bytes=1 GiB``.
 
     .venv/bin/python benchmarks/bench_staging_memory.py [--batch 4] [--seq 384] [--csv PATH]
 """
@@ -29,9 +29,9 @@ import _results  # noqa: E402
 VARIANTS = {
     "none": None,
     "module": {"check": "module"},
-    "batch, read in hooks (stage_bytes=0; the CPU's default)": {"check": "batch", "stage_bytes": 0},
-    "batch, staged (default: stage_bytes=256 MiB)": {"check": "batch"},
-    "batch, staged (stage_bytes=1 GiB)": {"check": "batch", "stage_bytes": 1 << 30},
+    "batch, read in hooks (the default)": {"check": "batch"},
+    "batch, defer=True (stage_bytes=256 MiB, the default)": {"check": "batch", "defer": True},
+    "batch, defer=True (stage_bytes=1 GiB)": {"check": "batch", "defer": True, "stage_bytes": 1 << 30},
 }
 
 
@@ -49,10 +49,10 @@ def child(options, mode, batch, seq):
     import torch
     import transformers
 
-    import overflow_fast.rows
+    import overflow_fast.reads
     from overflow_fast import DebugUnderflowOverflow
 
-    overflow_fast.rows.STAGE_CPU_TENSORS = True  # these CPU tensors stand for a GPU's
+    overflow_fast.reads.CPU_AS_DEVICE = True  # these CPU tensors stand for a GPU's
     libc = ctypes.CDLL("libc.so.6")
 
     torch.manual_seed(0)

@@ -11,7 +11,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from overflow_fast.frames import forward_frame  # noqa: E402
+from overflow_fast.frames import Frame, class_name, entries_of, forward_items  # noqa: E402
 from overflow_fast.recorder import encode_line, frame_records  # noqa: E402
 from overflow_fast.stats import tensor_stats  # noqa: E402
 from tests import models  # noqa: E402
@@ -22,8 +22,8 @@ def bytes_per_step(model, batch, kwargs=False, containers=False):
     out = {"records": 0, "bytes": 0, "frames": 0}
 
     def hook(module, args, kw, output):
-        frame, tensors = forward_frame(names[module], module, args, output,
-                                       kwargs=kw if kwargs else None, containers=containers)
+        entries, tensors, dtypes = entries_of(forward_items(module, args, output, kw if kwargs else None, containers))
+        frame = Frame(names[module], class_name(module), entries, dtypes)
         frame.rows = tensor_stats(tensors).values.tolist() if tensors else []
         records = frame_records(123456, "forward", out["frames"], frame)
         out["frames"] += 1

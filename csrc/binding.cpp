@@ -39,17 +39,7 @@ namespace overflow_fast {
 namespace {
 
 // Bumped whenever the Python side must change with the module (cpu_backend.py checks it).
-// 3: complex32 accepted; complex nan/inf counted by parts, magnitudes in float64.
-// 4: the kernel is also registered as the torch ops overflow_fast::tensor_stats and
-//    overflow_fast::tensor_stats_out (TORCH_LIBRARY below); _C.compute records that name for the
-//    profiler.
-// 5: an AVX-512 kernel; capabilities() says which builds this CPU runs (and why not).
-// 6: triton_table (table.cpp), the Triton backend's table built in one loop.
-// 7: hook_setup, frame_entries, stage_tensors, all_unchanged (staging.cpp), a hook's loops.
-// 8: frame_setup, make_frame, make_call (staging.cpp): a hook's Frame and Call made in C.
-// 9: hook_frame and stage_call (staging.cpp); hook_setup takes the reuse table's size limit.
-// 10: read_rows and resolve_rows (staging.cpp): the end-of-forward read.
-constexpr int kAbiVersion = 10;
+constexpr int kAbiVersion = 11;
 
 // Columns of a row (overflow_fast/stats/layout.py).
 enum Column : int64_t { ABS_MIN, ABS_MAX, NAN_COUNT, POSINF, NEGINF, ZERO, SUBNORMAL, NUMEL, NUM_COLUMNS };
@@ -624,8 +614,8 @@ py::object triton_table(const py::list& tensors, const py::tuple& plain_types, c
                         const py::dict& words, int64_t chunk, const at::Tensor& table, int64_t aligned_bit,
                         int64_t overlap_first, int64_t overlap_last, bool list_empty);
 
-// staging.cpp
-void add_staging_functions(PyObject* module);
+// hooks.cpp
+void add_hook_core(py::module& m);
 
 }  // namespace overflow_fast
 
@@ -675,7 +665,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "[(name, why not)] for every kernel build, worst first: why not is '' for the builds "
         "this module holds and this CPU runs");
   m.def("triton_table", &overflow_fast::triton_table, "The Triton backend's table of plain tensors (table.cpp)");
-  overflow_fast::add_staging_functions(m.ptr());
+  overflow_fast::add_hook_core(m);
   m.attr("ABI_VERSION") = overflow_fast::kAbiVersion;
   m.attr("TORCH_VERSION") = OVERFLOW_FAST_TORCH_VERSION;
   m.attr("SOURCE_HASH") = OVERFLOW_FAST_SOURCE_HASH;

@@ -1,13 +1,13 @@
-"""The drop-in ``DebugUnderflowOverflow``: a forward hook on every module records a frame of
-statistics per call, and the last frames are printed when a nan/inf appears.
+"""The drop-in ``DebugUnderflowOverflow``: every module's forward records a frame of statistics per
+call, and the last frames are printed when a nan/inf appears.
 
-It reproduces transformers' detector byte for byte, but each frame's statistics come from one
-``tensor_stats`` call, the ring keeps raw numbers (text is built only when printed), and with
-``check="batch"`` no hook waits for the device: statistics go to a preallocated device buffer
-that is read once, at the end of the top-level forward.
+It reproduces transformers' detector byte for byte, but each call's tensors are read by one
+``tensor_stats`` call in the hook (``reads``), the ring keeps raw numbers (text is built only when
+printed), and with ``check="batch"`` no hook waits for the device: the rows are brought to the
+host once, when the outermost hooked call returns, and the calls are then replayed through the
+reference's state machine (``reference``) in order.
 """
 
-import collections
 import operator
 import sys
 import threading
@@ -15,31 +15,34 @@ import warnings
 
 import torch
 from torch.compiler import is_compiling
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from . import distributed, report
-from .frames import (BACKWARD, FORWARD, Frame, class_name, entries_of, forward_frame, forward_items, hook_frame,
-                     make_call)
 from .flight import StepLog
+from .frames import BACKWARD, FORWARD, Frame, class_name, entries_of, forward_items
 from .gradients import GradientHooks
-from .policy import Policy, is_bad, source_line
-from .report import NONE, NOT_A_TENSOR, TENSOR, UNREADABLE
-from .reuse import ReuseCache
-from .rows import DEFAULT_STAGE_BYTES, DeferredRows, RowReader, resolve
+from .policy import DEFAULT_MAX_SKIPS, Policy, is_bad, source_line
+from .reads import DEFAULT_DEFER_BYTES, Reads, may_wait
+from .reference import ReferenceState
+from .report import NONE, NOT_A_TENSOR, UNREADABLE
 from .stats import tensor_stats, unreadable_reason
 from .stats.dispatch import backend_status, check_backend_name, requested_backend
 
 CHECK_MODES = ("module", "batch")
-_TRACE_MODE = operator.attrgetter("trace_mode")
-_graph_task_id = torch._C._current_graph_task_id  # -1 outside a backward pass
-_inference_mode = torch.is_inference_mode_enabled
 DEFAULT_BUFFER_ROWS = 1 << 16
+_graph_task_id = torch._C._current_graph_task_id  # -1 outside a backward pass
+_NO_ROWS = (None, [], None)
+_RUNTIME = ("_reads", "_queue", "_running", "_lock", "_traced", "_spent", "_stop_pending", "_deciding",
+            "_backward_flush_task", "_skipping", "_skips_in_a_row", "_optimizer_hooks")
 
 
 class OverflowDetected(ValueError):
     """The reference's ValueError on a detected inf/nan (same message, so ``except ValueError``
     and the text hold), carrying what was detected as data for a trainer to log or checkpoint:
     ``batch_number``, ``phase``, ``module_name``, ``class_name``, ``entries`` (of the first frame
-    holding a nan/inf), ``rank`` (None in a single process), ``detection`` (those as a dict) and
+    holding a nan/inf), ``global_step`` and ``mode`` (the trainer's optimizer step and "train" or
+    "eval", where known: ``set_step``), ``rank`` (None in a single process), ``detection`` (those
+    as a dict) and
     ``frames``: the reported frames, each ``{"module", "class", "phase", "entries": [{"entry",
     "dtype", "abs_min", "abs_max", "nan", "posinf", "neginf", "zero", "subnormal", "numel"}]}``.
     Other detectors on the same model tell by this class that the report is already printed."""
@@ -53,6 +56,8 @@ class OverflowDetected(ValueError):
         self.module_name = detection.get("module")
         self.class_name = detection.get("class")
         self.entries = detection.get("entries", [])
+        self.global_step = detection.get("global_step")
+        self.mode = detection.get("mode")
         where = distributed.world()
         self.rank = where[0] if where else None
         self.frames = list(frames)
@@ -74,29 +79,48 @@ def _print(text):
     print(distributed.with_prefix(text, distributed.rank_prefix()), flush=True)
 
 
+class _Running(threading.local):
+    """Per thread, the hooked calls running: for each, its module and the exception being handled
+    when it started (a post hook that sees another one runs because the call raised)."""
+
+    def __init__(self):
+        self.calls = []
+
+
 class DebugUnderflowOverflow:
     """Detect the first inf/nan in a model's weights, inputs and outputs, and print the frames
     that led to it. Same arguments, attributes, text and errors as
     ``transformers.debug_utils.DebugUnderflowOverflow``, plus:
 
     - ``check="module"`` (default) decides at each module, as the reference does, with one host
-      sync per hook; ``check="batch"`` never syncs in a hook and decides once per forward of the
-      top-level model (or when its buffer fills), printing exactly the same report.
+      read per hook; ``check="batch"`` never waits for the device in a hook and decides when the
+      outermost hooked call returns (the model's forward, or each top-level submodule's when
+      ``model.forward`` runs them directly), printing exactly the same report.
     - ``backend``: the ``tensor_stats`` backend (None picks the fastest per device).
-    - ``reuse_stats``: within one forward, a tensor already read (the same object, its version
-      counter unchanged, e.g. one module's output and the next one's input) is not read again.
-      Turn it off if tensors are written through aliases that bypass the version counter.
-    - ``buffer_rows``: rows of the device buffer of ``check="batch"`` (read early when full).
-    - ``stage_bytes``: with ``check="batch"``, a forward's hooks only stage their tensors, which
-      are read together when it ends; staged tensors stay alive until then, so once this many
-      bytes of tensors outside autograd (which keeps a training forward's activations until
-      backward anyway) wait, they are read at once (no host sync). 0 reads each hook's tensors
-      in the hook.
-      Staging relies on version counters, as ``reuse_stats`` does: it is off without it.
+    - ``reuse_stats``: within one pass, a tensor already read and unchanged (the same object, its
+      version counter and data pointer unchanged: one module's output is the next one's input) is
+      not read again. Writes that bypass the version counter (``.data``, custom kernels) between
+      two hooks that see the same tensor are then not seen by the second: turn it off for those.
+    - ``buffer_rows``: rows of a device's buffer of statistics (read early when full).
+    - ``defer`` (check="batch", accelerators; off by default): a forward hook's tensors may wait
+      and be read together at the end of the pass. It can miss: see ``overflow_fast.reads``.
+      ``stage_bytes`` bounds the bytes that only deferral keeps alive.
     - ``kwargs``: keyword tensor inputs get lines too (``input[hidden_states]``); the reference
       sees positional inputs only.
     - ``containers``: tensors inside dicts, lists, ModelOutputs, dataclasses and nested tuples get
       lines named by their path (``output[loss]``) instead of one ``not a tensor`` line.
+    - ``backward``: gradient frames (``overflow_fast.gradients``), decided before ``backward()``
+      returns.
+    - ``on_detect``, ``ignore``, ``warn_above``, ``warn_gradients``: ``overflow_fast.policy``; ``log``, ``log_every``:
+      the flight recorder; ``sync``, ``sync_timeout``: ``overflow_fast.distributed``.
+    - ``on_detect="skip"``: a step in which a nan/inf appears (forward or gradients) applies no
+      update: its report is printed once, it is recorded once, every gradient of the model is
+      dropped (set to None: as it is accumulated, when the backward pass ends and right before
+      any ``torch.optim`` optimizer holding them steps), so the optimizer changes neither weights
+      nor state, and training goes on; after ``max_skips`` skipped steps in a row it raises as
+      "raise" does. A step ends when such an optimizer steps.
+    - ``set_step(global_step, mode)``: the trainer's optimizer step and "train"/"eval", carried by
+      detections, errors and records (the integrations call it).
     - ``remove()`` and use as a context manager take the hooks off again.
     """
 
@@ -104,7 +128,8 @@ class DebugUnderflowOverflow:
                  check="module", backend=None, buffer_rows=DEFAULT_BUFFER_ROWS, reuse_stats=True,
                  kwargs=False, containers=False, backward=False, on_detect="raise", ignore=(),
                  warn_above=None, sync=True, sync_timeout=None, log=None, log_every=1,
-                 stage_bytes=DEFAULT_STAGE_BYTES):
+                 defer=False, stage_bytes=DEFAULT_DEFER_BYTES, max_skips=DEFAULT_MAX_SKIPS,
+                 warn_gradients=False):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         # The reference takes whatever its deque, `in` and `>` take: None (an unbounded ring),
@@ -125,58 +150,72 @@ class DebugUnderflowOverflow:
             self._abort_after = _integer(abort_after_batch_num, "abort_after_batch_num", "an integer or None")
         if check not in CHECK_MODES:
             raise ValueError(f"check must be one of {CHECK_MODES}, got {check!r}")
-        if isinstance(buffer_rows, bool) or not isinstance(buffer_rows, int) or buffer_rows < 1:
-            raise ValueError(f"buffer_rows must be a positive int, got {buffer_rows!r}")
-        if isinstance(stage_bytes, bool) or not isinstance(stage_bytes, int) or stage_bytes < 0:
-            raise ValueError(f"stage_bytes must be a non-negative int, got {stage_bytes!r}")
+        for name, value, least in (("buffer_rows", buffer_rows, 1), ("stage_bytes", stage_bytes, 0),
+                                   ("max_skips", max_skips, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
 
         self.model = model
         self.trace_batch_nums = trace_batch_nums
         self.abort_after_batch_num = abort_after_batch_num
+        self.prefix = report.PREFIX
         self.check = check
         self.backend = _usable_backend(backend)
         self.reuse_stats = bool(reuse_stats)
+        self.defer = bool(defer) and check == "batch"
         self.kwargs = bool(kwargs)
         self.containers = bool(containers)
         self.backward = bool(backward)
-        self._stages = check == "batch" and self.reuse_stats  # a forward's hooks stage their tensors
-        self._policy = Policy(on_detect, ignore, warn_above)
+        self._policy = Policy(on_detect, ignore, warn_above, warn_gradients)
+        self.max_skips = max_skips
+        self.global_step = None  # the trainer's optimizer step, where known (set_step)
+        self.mode = None  # "train" or "eval", where known
         # beyond the drop-in, a report ends with the line saying where the values were born
         self._explain = self.kwargs or self.containers or self.backward
         self.detections = []  # what was detected: batch_number, phase, module, class, entries
-        # under torch.distributed: every rank stops together at the end of the forward or backward
-        # pass in which any rank detected (see overflow_fast.distributed for the hazards)
+        # under torch.distributed: every rank stops together at the end of the pass in which any
+        # rank detected (see overflow_fast.distributed for the hazards)
         self.sync = bool(sync)
         self.sync_timeout = sync_timeout
-        self._stop_pending = False  # this rank detected; the error waits for the agreement
         self._log = StepLog(log, log_every) if log is not None else None  # the flight recorder
-        self._forward_depth = 0  # top-level forwards running
-
-        # The reference swaps its deque for an unbounded list after tracing or a dump; this stays bounded.
-        self.frames = collections.deque([], max_frames_to_save)
-        self.frame = []
-        self.batch_number = 0
-        self.total_calls = 0
-        self.detected_overflow = False
-        self.prefix = report.PREFIX
-        self._first_bad = None  # (frame, entries) of the first non-finite frame not yet reported
-        self._report_due = False  # on_detect="warn": a (module, entry) not reported before
-        self._reported_pass = None  # on_detect="warn"/"record": (phase, batch) already detected
-
-        self._handles = []
-        self._traced = []  # records of hooks traced by torch.compile, not replayed yet
-        # the calls of the last clean read and the frames its replay pushed out of the ring, freed
-        # when the next forward starts: on a GPU freeing a forward's frames right after its host
-        # read would keep the device idle that long
-        self._spent = None
+        self._state = ReferenceState(max_frames_to_save, trace_batch_nums)
         self._buffer_rows = buffer_rows
         self._stage_bytes = stage_bytes
-        self._new_readers()
-        self._lock = threading.RLock()  # hooks may run on several threads
-        self._backward_flush_task = None  # the backward pass whose end will flush (check="batch")
+        self._handles = []
         self._gradients = None
+        self._new_runtime()
         self.analyse_model()
         self.register_forward_hook()
+
+    def _new_runtime(self):
+        """What a detector holds while it runs (not carried by a copy or a pickle)."""
+        self._reads = Reads(self.backend, self._buffer_rows, self.reuse_stats, self._stage_bytes)
+        self._queue = []  # calls waiting for their rows: (call, module, entries, dtypes, sources, phase, consumers)
+        self._running = _Running()
+        self._lock = threading.RLock()  # hooks may run on several threads
+        self._traced = []  # records of hooks traced by torch.compile, not replayed yet
+        self._spent = None  # the last clean read's calls, freed when the next pass begins (not between
+        # a forward's read and its backward: on a GPU the device would idle that long)
+        self._stop_pending = False  # this rank detected; the error waits for the agreement
+        self._deciding = False  # a pass is ending: a detection now waits for its agreement
+        self._backward_flush_task = None  # the backward pass whose end will flush
+        self._skipping = False  # on_detect="skip": this step applies no update
+        self._skips_in_a_row = 0
+        self._optimizer_hooks = []
+        if self._policy.on_detect == "skip":
+            self._optimizer_hooks = [register_optimizer_step_pre_hook(self._before_step),
+                                     register_optimizer_step_post_hook(self._after_step)]
+
+    # -- the reference's attributes (its state machine's) -------------------------------------
+
+    frames = property(lambda self: self._state.frames, lambda self, value: setattr(self._state, "frames", value))
+    frame = property(lambda self: self._state.frame, lambda self, value: setattr(self._state, "frame", value))
+    batch_number = property(lambda self: self._state.batch_number,
+                            lambda self, value: setattr(self._state, "batch_number", value))
+    total_calls = property(lambda self: self._state.total_calls,
+                           lambda self, value: setattr(self._state, "total_calls", value))
+    detected_overflow = property(lambda self: self._state.detected_overflow,
+                                 lambda self, value: setattr(self._state, "detected_overflow", value))
 
     # -- the reference's methods ------------------------------------------------------------
 
@@ -197,7 +236,6 @@ class DebugUnderflowOverflow:
         self.frames.clear()
 
     def dump_saved_frames(self, during=None):
-        # flushed: a rank killed by its launcher right after the ValueError must leave its report
         _print(report.dump_text(self.batch_number, self.frames, during))
         self.frames.clear()
 
@@ -229,53 +267,56 @@ class DebugUnderflowOverflow:
         self.expand_frame(report.batch_end_line(self.batch_number - 1))
 
     def create_frame(self, module, input, output):
-        """Build, check and save the frame of one hook call right away (one host sync)."""
-        frame, tensors = forward_frame(self.module_names.get(module, "?"), module, input, output)
-        self._reader.read_now(frame, tensors)
-        self._save(frame)
+        """Build, check and save the frame of one hook call right away (one host read)."""
+        entries, tensors, dtypes = entries_of(forward_items(module, input, output))
+        sources = self._reads.read_apart(tensors) if tensors else _NO_ROWS
+        self._save(self._frame(module, entries, dtypes, FORWARD, None, sources))
 
     def register_forward_hook(self):
         self.model.apply(self._register_forward_hook)
         if self.backward:
             self._gradients = GradientHooks(self.model, self.module_names, self._gradient_hook)
-        # The top-level forward bounds the reuse cache; always_call: its end runs even when the
-        # forward raises, so the cache closes and pending checks still print.
-        self._handles.append(self.model.register_forward_pre_hook(self._before_forward))
-        self._handles.append(self.model.register_forward_hook(self._after_forward, always_call=True))
+        if self._policy.on_detect == "skip":
+            # a skipped step's gradients are dropped as they are accumulated (after the gradient
+            # frames read them), whatever runs the backward: an optimizer's closure included
+            self._handles.extend(p.register_post_accumulate_grad_hook(self._drop_if_skipping)
+                                 for p in self.model.parameters() if p.requires_grad)
 
     def _register_forward_hook(self, module):
-        # a module shared by two parents is visited twice and so hooked twice, like the reference
-        if self.kwargs:
-            self._handles.append(module.register_forward_hook(self._forward_hook_with_kwargs, with_kwargs=True))
+        # A module shared by two parents is visited twice and so hooked twice, like the reference.
+        # Pre hooks count the hooked calls running (a pass ends when the outermost returns); the
+        # hooks run even when the call raises (always_call), to end its pass. The model's own is
+        # kept out of a torch.compile graph: its eager run replays the traced calls (one break).
+        if module is self.model:
+            after = self._after_model_with_kwargs if self.kwargs else self._after_model
         else:
-            self._handles.append(module.register_forward_hook(self.forward_hook))
+            after = self._after_with_kwargs if self.kwargs else self._after
+        self._handles.append(module.register_forward_pre_hook(self._before))
+        self._handles.append(module.register_forward_hook(after, with_kwargs=self.kwargs, always_call=True))
 
     def forward_hook(self, module, input, output):
-        if is_compiling():
-            return self._traced_hook(module, input, output)
-        with self._lock:
-            self._forward_hook(module, input, output)
-
-    def _forward_hook_with_kwargs(self, module, input, kwargs, output):
-        if is_compiling():
-            return self._traced_hook(module, input, output, kwargs)
-        with self._lock:
-            self._forward_hook(module, input, output, kwargs)
+        """The reference's hook: record one forward call of ``module`` (a pass of its own when no
+        hooked call is running on this thread)."""
+        self._before(module, input)
+        self._after(module, input, output)
 
     # -- additions --------------------------------------------------------------------------
 
     def remove(self):
-        """Take every hook off the model, after running any check still pending."""
+        """Take every hook off the model, after deciding on any call still pending."""
         with self._lock:
             handles, self._handles = self._handles, []
             for handle in handles:
                 handle.remove()
             if self._gradients is not None:
                 self._gradients.remove()
-            self._reuse.reset()
+            for handle in self._optimizer_hooks:
+                handle.remove()
+            self._running = _Running()  # calls running now will never end a pass
             try:
                 self.flush()  # its records and detection still reach the log
             finally:
+                self._reads.reset()
                 self._spent = None
                 if self._log is not None:
                     self._log.close()
@@ -294,205 +335,150 @@ class DebugUnderflowOverflow:
 
     def __getstate__(self):
         # deepcopy(model) and torch.save(model) reach the detector through the model's hooks:
-        # carry the configuration and the ring, not device buffers, caches or a lock
-        state = self.__dict__.copy()
-        for name in ("_reuse", "_reader", "_deferred", "_lock"):
-            del state[name]
-        state.update(_first_bad=None, _backward_flush_task=None, _stop_pending=False, _forward_depth=0,
-                     _spent=None, _log=None, _traced=[])  # a copy does not write into the original's log
+        # carry the configuration and the ring, not device buffers, pending calls or a lock
+        state = {name: value for name, value in self.__dict__.items() if name not in _RUNTIME}
+        state["_log"] = None  # a copy does not write into the original's log
         return state
 
     def __setstate__(self, state):
         self.__dict__.update(state)
-        self._new_readers()
-        self._lock = threading.RLock()
+        self._new_runtime()
 
     def flush(self):
-        """Read the pending statistics (one host sync per device) and replay their calls in order.
+        """Read the pending statistics (one host read per device) and replay their calls in order.
 
         Raises the reference's ValueError if one of them holds a nan/inf.
         """
         with self._lock:
-            if not self._deferred:
+            queue, self._queue = self._queue, []
+            if not queue:
                 return
-            # frames that will only pass through the ring need no rows unless a nan/inf shows up
-            # (nothing traced, logged or warned about needs every frame)
-            lazy = (self._log is None and self._policy.warn_above is None and not self.detected_overflow
-                    and not any(map(_TRACE_MODE, self._deferred.pending)))
-            calls, finite_rows = self._deferred.read(lazy=lazy)
-            if finite_rows is not None:
-                self._spent = (calls, list(self.frames))
-                self._replay_finite(calls, finite_rows)
+            nonfinite = self._reads.read()
+            if not (nonfinite or self._log is not None or self._policy.warn_above is not None
+                    or self.detected_overflow or any(record[0].trace_mode for record in queue)):
+                self._replay_finite(queue)
+                self._spent = queue
                 return
-            for call in calls:
-                self._replay(call)  # raises at the first bad call: those after it never happened
+            for record in queue:
+                if self._stop_pending:
+                    break  # this rank reported; the calls after the detection never happened
+                self._replay(record)  # raises at the first bad call: those after it never happened
 
-    # -- internals --------------------------------------------------------------------------
-
-    def _new_readers(self):
-        self._reuse = ReuseCache(self.reuse_stats)  # rows read in this top-level forward
-        self._reader = RowReader(self.backend, self._reuse)
-        self._deferred = DeferredRows(self._reader, self._buffer_rows, self._stage_bytes)  # check="batch"
-
-    def _forward_hook(self, module, input, output, kwargs=None):
-        if self._traced:
-            self._absorb_traced()  # a compiled region ran before this call
-        if self._stop_pending:
-            return  # this rank reported; it stops with the others at the end of this pass
-        frame, tensors = hook_frame(self.module_names, module, input, output, kwargs, self.containers)
-        batch = self.batch_number
-        if (self._stages and self._forward_depth and not self.detected_overflow and batch not in self.trace_batch_nums
-                and _graph_task_id() == -1 and not _inference_mode()):
-            # check="batch" inside a top-level forward, nearly every hook: `_call` and `_check`'s
-            # staging branch inlined (two Python calls and their tests are a tenth of a hook)
-            self.total_calls = total = self.total_calls + 1
-            last = module is self.model
-            if last:
-                self.batch_number = batch + 1
-            call = make_call(frame, False, total == 1, last, batch, batch + last, total)
-            if self._gradients is not None:
-                self._gradients.watch_outputs(module, frame, tensors)
-            deferred = self._deferred
-            if not deferred.stage(call, tensors, module):
-                if deferred.must_read_before(tensors):
-                    self.flush()
-                deferred.add(call, tensors, module)
-            if last:
-                self.flush()
-        else:
-            call = self._call(module, frame)
-            if self._gradients is not None:
-                self._gradients.watch_outputs(module, frame, tensors)
-            self._check(call, tensors, module)
-        if self._abort_after is not None:
-            self._abort_if_due()
-
-    def _call(self, module, frame):
-        """The reference's bookkeeping of one forward hook call."""
-        trace_mode = self.batch_number in self.trace_batch_nums
-        first_call = self.total_calls == 0
-        batch_before = self.batch_number
-        self.total_calls += 1
-        last_frame_of_batch = module is self.model
-        if last_frame_of_batch:
-            self.batch_number += 1
-        return make_call(frame, trace_mode, first_call, last_frame_of_batch, batch_before, self.batch_number,
-                         self.total_calls)
-
-    def _abort_if_due(self):
-        if self._abort_after is not None and self.batch_number > self._abort_after:
-            self.flush()
-            raise ValueError(report.abort_error(self.batch_number, self.abort_after_batch_num))
-
-    # -- under torch.compile ----------------------------------------------------------------
-    #
-    # While dynamo traces a model, a forward hook must neither take the lock, nor read the
-    # detector's counters (each value read would become a guard, and every batch a recompile),
-    # nor sync. It only computes its rows inside the graph (one engine op node) and records the
-    # frame's static entries; the records are replayed through the reference's state machine by
-    # the first eager hook after the compiled region, or by the end of the top-level forward
-    # (``_after_forward``, kept out of the graph: the forward's one graph break).
-
-    def _traced_hook(self, module, input, output, kwargs=None):
-        entries, tensors, dtypes = entries_of(forward_items(module, input, output, kwargs, self.containers))
-        rows = tensor_stats(tensors, self.backend).values if tensors else None
-        self._traced.append((module, entries, dtypes, rows))
-
-    def _absorb_traced(self):
-        """Replay the records of a compiled region: one host read per device for all of them."""
-        records = list(self._traced)
-        self._traced.clear()  # the same list: its identity is a guard of the compiled graph
-        host = {}
-        for device in {rows.device for _, _, _, rows in records if rows is not None}:
-            same = [rows for _, _, _, rows in records if rows is not None and rows.device == device]
-            host[device] = iter(torch.cat(same).tolist())
-        for module, entries, dtypes, rows in records:
-            if self._stop_pending:
-                return
-            frame = Frame(self.module_names.get(module, "?"), class_name(module), list(entries), dtypes)
-            frame.rows = [next(host[rows.device]) for _ in dtypes] if rows is not None else []
-            self._check(self._call(module, frame), None)
-            self._abort_if_due()
-
-    def _check(self, call, tensors, module=None):
-        """Decide now (check="module", traced batches, after a detection) or queue the call.
-
-        ``tensors`` None: the frame's rows are on the host already (a compiled graph's).
-        ``module``: a forward hook's module. Inside a top-level forward its tensors are staged
-        (read when the forward ends); elsewhere (backward, a submodule driven alone, inference
-        mode, whose tensors keep no version counter) they are read in the hook, without a sync."""
-        in_backward = _graph_task_id() != -1
-        if self.check == "batch" and not call.trace_mode and not self.detected_overflow:
-            if self._deferred.must_read_before(tensors):
-                self.flush()  # a full buffer is read early (a submodule run alone still gets checked)
-            stage = (module is not None and self._forward_depth > 0 and self.reuse_stats and not in_backward
-                     and not _inference_mode())
-            self._deferred.add(call, tensors, module if stage else None)
-            if call.last_frame_of_batch:
-                self.flush()
-        else:
-            self.flush()  # earlier calls first: one of them may be the first bad one
-            if tensors is not None:
-                self._reader.read_now(call.frame, tensors)
-            self._replay(call)
-        if in_backward and (self.check == "batch" or self._sync_wanted()):
-            self._flush_when_backward_ends()
-
-    def _gradient_hook(self, frame, tensors):
+    def set_step(self, global_step=None, mode=None):
+        """What runs next belongs to the trainer's optimizer step ``global_step`` (an int) and to
+        ``mode`` ("train" or "eval"); detections, errors and records carry them. None: unknown."""
+        if global_step is not None:
+            global_step = _integer(global_step, "global_step", "an int or None")
+            if global_step < 0:
+                raise ValueError(f"global_step must be >= 0, got {global_step}")
+        if mode not in (None, "train", "eval"):
+            raise ValueError(f"mode must be 'train', 'eval' or None, got {mode!r}")
         with self._lock:
-            if self._stop_pending:
-                return
-            # a backward pass belongs to the batch whose forward ran last
-            trace_mode = (self.batch_number - 1) in self.trace_batch_nums
-            call = make_call(frame, trace_mode, False, False, self.batch_number, self.batch_number, self.total_calls)
-            self._check(call, tensors)
+            self.global_step, self.mode = global_step, mode
 
-    def _before_forward(self, module, input):
+    # -- on_detect="skip": a bad step applies no update ----------------------------------------
+
+    def _drop_if_skipping(self, parameter):
+        if self._skipping:
+            parameter.grad = None
+
+    def _drop_gradients(self):
+        for parameter in self.model.parameters():
+            parameter.grad = None
+
+    def _holds_parameters(self, optimizer):
+        ours = {id(p) for p in self.model.parameters()}
+        return any(id(p) in ours for group in optimizer.param_groups for p in group["params"])
+
+    def _before_step(self, optimizer, args, kwargs):
+        if self._skipping and self._holds_parameters(optimizer):
+            self._drop_gradients()
+
+    def _after_step(self, optimizer, args, kwargs):
+        if self._holds_parameters(optimizer):
+            with self._lock:
+                self._skips_in_a_row = self._skips_in_a_row + 1 if self._skipping else 0
+                self._skipping = False
+
+    # -- passes: the outermost hooked call on a thread, and backward ---------------------------
+
+    def _before(self, module, args):
         if is_compiling():
             return
-        with self._lock:
-            self._spent = None
-            self._forward_depth += 1
-            self._reuse.open()
-            if self._gradients is not None:
-                self._gradients.new_forward()
+        running = self._running.calls
+        if not running:
+            with self._lock:
+                self._spent = None
+                if module is self.model and self._gradients is not None:
+                    self._gradients.new_forward()
+        running.append((module, sys.exc_info()[1]))
+
+    def _after(self, module, input, output):
+        self._after_with_kwargs(module, input, None, output)
 
     @torch.compiler.disable
-    def _after_forward(self, module, input, output):
-        # Reached with work pending (check="batch") only when the forward raised: print the
-        # report, let that error propagate.
-        with self._lock:
-            if self._traced:
-                self._absorb_traced()
-            self._forward_depth = max(0, self._forward_depth - 1)
-            self._reuse.close()
-            try:
-                self._finish_forward()
-            finally:
-                if self._forward_depth == 0 and self._sync_wanted():
-                    self._agree()
+    def _after_model(self, module, input, output):
+        self._after_with_kwargs(module, input, None, output)
 
-    def _finish_forward(self):
-        if self._deferred:
-            error = sys.exc_info()[1]  # the forward's own error, being handled by torch
-            if isinstance(error, OverflowDetected):
-                # another detector on this model reported first; check="module" would never have
-                # reached the frames still pending here
-                self._deferred.discard()
-                return
+    @torch.compiler.disable
+    def _after_model_with_kwargs(self, module, input, kwargs, output):
+        self._after_with_kwargs(module, input, kwargs, output)
+
+    def _after_with_kwargs(self, module, input, kwargs, output):
+        if is_compiling():
+            return self._traced_hook(module, input, output, kwargs)
+        running = self._running.calls
+        # no entry of its own: its pre hook did not run (another one before it raised, or the
+        # detector was attached during the call)
+        ambient = running.pop()[1] if running and running[-1][0] is module else None
+        error = sys.exc_info()[1]
+        raised = error is not None and error is not ambient  # run by torch because the call raised
+        with self._lock:
             try:
-                self.flush()
-            except ValueError:
-                if error is None:
-                    raise
-                # torch would silence (with a warning) what a hook raises here: annotate its error
-                if hasattr(error, "add_note"):
-                    error.add_note("overflow_fast: an inf/nan was detected earlier in this forward; "
-                                   "its report is printed above")
+                if not raised:
+                    self._forward_call(module, input, output, kwargs)
+            except BaseException as failure:
+                if not running:
+                    self._end_pass(failure)
+                raise
+            if not running:
+                self._end_pass(error if raised else None)
+
+    def _end_pass(self, error):
+        """The outermost hooked call returned (or raised ``error``): decide on its calls, then
+        (under torch.distributed) agree with the other ranks."""
+        self._deciding = True
+        try:
+            if isinstance(error, OverflowDetected):
+                self._queue = []  # reported already, here or by another detector on this model
+            else:
+                try:
+                    self.flush()
+                except ValueError:
+                    if error is None:
+                        raise
+                    # torch silences (with a warning) what a hook raises here: annotate its error
+                    if hasattr(error, "add_note"):
+                        error.add_note("overflow_fast: an inf/nan was detected earlier in this forward; "
+                                       "its report is printed above")
+        finally:
+            self._deciding = False
+            self._reads.reset()
+            if self._sync_wanted():
+                self._agree()
+
+    def _gradient_hook(self, module, items, consumers):
+        with self._lock:
+            if self._stop_pending:
+                return
+            entries, tensors, dtypes = entries_of(items)
+            self._add(self._state.count_backward(), module, entries, dtypes, tensors, BACKWARD, consumers)
+            if self.check == "batch" or self._sync_wanted():
+                self._flush_when_backward_ends()
 
     def _flush_when_backward_ends(self):
-        """Hooks running inside a backward pass (checkpointing recomputes modules there): decide
-        when the pass ends, before ``backward()`` returns and so before the optimizer step."""
+        """Decide when the backward pass ends, before ``backward()`` returns and so before the
+        optimizer step."""
         task = _graph_task_id()
         if self._backward_flush_task == task:
             return
@@ -502,141 +488,153 @@ class DebugUnderflowOverflow:
     def _flush_after_backward(self):
         with self._lock:
             self._backward_flush_task = None
+            self._deciding = True
             try:
                 self.flush()
             finally:
+                self._deciding = False
+                self._reads.reset()
                 if self._sync_wanted():
                     self._agree()
+            if self._skipping:
+                self._drop_gradients()
 
     def _sync_wanted(self):
         """Whether this detector's decisions are agreed between ranks (see overflow_fast.distributed)."""
-        return (self.sync and self._policy.on_detect == "raise" and distributed.world() is not None
+        return (self.sync and self._policy.on_detect in ("raise", "skip") and distributed.world() is not None
                 and not distributed.is_local_only())
 
-    def _in_pass(self):
-        """Inside a forward of the top-level model or a backward pass: where every rank meets."""
-        return self._forward_depth > 0 or _graph_task_id() != -1
-
     def _agree(self):
-        """One small collective: every rank learns which ranks detected; all raise together."""
+        """One small collective: every rank learns which ranks detected; all raise together (with
+        on_detect="skip": all skip the step together)."""
         pending, self._stop_pending = self._stop_pending, False
-        ranks = distributed.agree(bool(pending), timeout=self.sync_timeout)
-        if ranks:
+        ranks = distributed.agree(bool(pending) or self._skipping, timeout=self.sync_timeout)
+        if ranks and not pending and self._policy.on_detect == "skip":
+            self._skipping = True
+        elif ranks:
             self.detected_overflow = True
             raise OverflowDetectedOnRanks(ranks, distributed.world()[1], *(pending or ()))
 
-    def _replay(self, call):
-        """The reference's bookkeeping for one hook call whose rows are on the host."""
-        frame = call.frame
-        if call.trace_mode:
-            self.reset_saved_frames()
-        if call.first_call:
-            self.frame.extend(report.batch_start_lines(call.batch_before))
+    # -- one hook call ----------------------------------------------------------------------
+
+    def _forward_call(self, module, input, output, kwargs=None):
+        if self._traced:
+            self._absorb_traced()  # a compiled region ran before this call
+        if self._stop_pending:
+            return  # this rank reported; it stops with the others when the pass ends
+        entries, tensors, dtypes = entries_of(forward_items(module, input, output, kwargs, self.containers))
+        call = self._state.count(module is self.model)
+        if self._gradients is not None:
+            self._gradients.watch_outputs(module, entries, tensors)
+        self._add(call, module, entries, dtypes, tensors, FORWARD)
+        if self._abort_after is not None and self.batch_number > self._abort_after:
+            self.flush()
+            raise ValueError(report.abort_error(self.batch_number, self.abort_after_batch_num))
+
+    def _add(self, call, module, entries, dtypes, tensors, phase, consumers=None):
+        """Read a call's tensors (or let them wait, see ``reads``) and queue the call; decide now
+        with check="module", in a traced batch and after a detection."""
+        now = self.check == "module" or call.trace_mode or self.detected_overflow
+        if not tensors:
+            sources = _NO_ROWS
+        else:
+            site = id(module) if self.defer and not now and may_wait(True, phase, call.trace_mode, tensors) else -1
+            sources = self._reads.add(tensors, site)
+            if sources is None:  # the buffer is full: what waits is decided now
+                self.flush()
+                self._reads.reset()
+                sources = self._reads.add(tensors, site)
+        self._queue.append((call, module, entries, dtypes, sources, phase, consumers))
+        if now or len(self._queue) >= self._buffer_rows:
+            self.flush()
+
+    def _frame(self, module, entries, dtypes, phase, consumers, sources):
+        frame = Frame(self.module_names.get(module, "?"), class_name(module), entries, dtypes, phase, consumers)
+        self._reads.resolve(frame, sources)
+        return frame
+
+    def _replay(self, record):
+        """The reference's bookkeeping for one call whose rows are on the host."""
+        call, module, entries, dtypes, sources, phase, consumers = record
+        frame = self._frame(module, entries, dtypes, phase, consumers, sources)
+        state = self._state
+        state.open(call)
         # the batch a frame belongs to: a backward pass runs after its forward counted the batch
-        batch = call.batch_before - 1 if frame.phase == BACKWARD else call.batch_before
+        batch = call.batch_before - 1 if phase == BACKWARD else call.batch_before
         self._save(frame, batch)
         if self._log is not None:
             self._log.frame(frame, batch)
         if call.trace_mode:
             # the reference's ring holds just this frame now, whatever max_frames_to_save says
             _print(str(frame))
-            self.frames.clear()
-        if call.last_frame_of_batch:
-            self.frame.extend(report.batch_start_lines(call.batch_after))
-        if self.detected_overflow and not call.trace_mode:
+            state.frames.clear()
+        state.close(call)
+        if state.detected_overflow and not call.trace_mode:
             if self._policy.on_detect == "raise":
-                # with check="batch" later calls may have run: they never happened, report the
-                # state of this one
-                self.batch_number = call.batch_after
-                self.total_calls = call.total_calls
+                state.rewind(call)  # later calls may have run: they never happened
             self._detected(frame, batch, call.batch_after)
 
-    def _replay_finite(self, calls, values):
-        """``_replay`` of calls none of whose rows counts a nan/inf, with nothing to trace, warn
-        or log: only the ring and the pending batch lines change, and the ring keeps the last
-        frames alone, so only those get their host rows (``values``: every slot's, a flat
-        memoryview; only the rows the kept frames name become Python ints)."""
-        keep = self.frames.maxlen
-        first_kept = 0 if keep is None else max(0, len(calls) - keep)
-        # Frames the ring would drop matter only through the batch lines still pending after
-        # them: those after the last forward frame among them (a forward frame takes the
-        # pending lines as its lead), so the replay starts there.
-        start = first_kept - 1
-        while start >= 0 and calls[start].frame.phase != FORWARD:
-            start -= 1
-        ring = self.frames
-        for index in range(max(start, 0), len(calls)):
-            call = calls[index]
-            frame = call.frame
-            if call.first_call:
-                self.frame.extend(report.batch_start_lines(call.batch_before))
-            if frame.phase == FORWARD:
-                frame.lead, self.frame = self.frame, []
+    def _replay_finite(self, queue):
+        """``_replay`` of calls none of whose rows counts a nan/inf, with nothing to trace, warn or
+        log: only the ring and the waiting batch lines change, and the ring keeps the last frames
+        alone, so only those are made."""
+        state = self._state
+        keep = state.frames.maxlen
+        first_kept = 0 if keep is None else len(queue) - keep
+        for index, (call, module, entries, dtypes, sources, phase, consumers) in enumerate(queue):
+            state.open(call)
             if index >= first_kept:
-                resolve(frame, values)
-                ring.append(frame)
-            if call.last_frame_of_batch:
-                self.frame.extend(report.batch_start_lines(call.batch_after))
+                state.save(self._frame(module, entries, dtypes, phase, consumers, sources))
+            else:
+                state.drop(phase)
+            state.close(call)
 
     def _save(self, frame, batch=None):
-        """Attach the pending lead lines, print the nan/inf lines, keep the frame in the ring."""
-        if frame.phase == FORWARD:  # backward frames leave the next batch's markers where they are
-            frame.lead, self.frame = self.frame, []
-        policy = self._policy
-        for kind, ctx, payload in frame.entries:
-            if kind == TENSOR and is_bad(frame.rows[payload]):
-                if policy.ignore and policy.ignored(frame.module_name, ctx):
-                    continue
-                if policy.on_detect != "raise" and self._reported_pass == (frame.phase, batch):
-                    policy.new_reports(frame, [ctx])  # a consequence of what this pass reported
-                    continue
-                if self._first_bad is None:
-                    self._first_bad = (frame, [])  # where the source line looks
-                if self._first_bad[0] is frame:
-                    self._first_bad[1].append(ctx)
-                # on_detect="warn": each (module, entry) once
-                if policy.on_detect == "raise" or (
-                        policy.on_detect == "warn" and policy.new_reports(frame, [ctx])):
-                    for line in report.overflow_lines(frame.rows[payload], ctx):
-                        _print(line)
-                    if frame.bad_shards and payload in frame.bad_shards:  # a DTensor: whose shard holds them
-                        _print(report.bad_shards_line(ctx, frame.bad_shards[payload]))
-                    self._report_due = True
-                self.detected_overflow = True
-        if policy.warn_above is not None:
-            for line in policy.early_warnings(frame, batch):
-                _print(line)
-        self.frames.append(frame)
+        """Print the frame's nan/inf lines, keep it in the ring (with the waiting lines as its lead)."""
+        lines, detected = self._policy.check(frame, batch, self._step_of(batch))
+        for line in lines:
+            _print(line)
+        if detected:
+            self.detected_overflow = True
+        self._state.save(frame)
+
+    def _step_of(self, batch):
+        """The training step a batch belongs to: the trainer's, where known."""
+        return self.global_step if self.global_step is not None else batch
 
     def _detected(self, frame, batch, shown_batch):
         """A nan/inf counted in ``frame`` (or earlier, in a traced batch): report it as on_detect says."""
-        first_frame, bad = self._first_bad or (frame, [])
-        self._first_bad = None
-        detection = {"batch_number": batch, "phase": first_frame.phase,
-                     "module": first_frame.module_name, "class": first_frame.class_name, "entries": bad}
+        detection, first_frame, bad, report_due = self._policy.conclude(frame, batch, self._step_of(batch))
+        if self.global_step is not None:
+            detection["global_step"] = self.global_step
+        if self.mode is not None:
+            detection["mode"] = self.mode
         self.detections.append(detection)
         if self._log is not None:
             self._log.detection(detection)
-        report_due, self._report_due = self._report_due, False
         on_detect = self._policy.on_detect
-        if on_detect == "raise":
-            self._deferred.discard()
-            frames = [report.frame_data(f) for f in self.frames if not isinstance(f, str)]
+        frames = [report.frame_data(f) for f in self.frames if not isinstance(f, str)]
+        if on_detect == "raise" or (on_detect == "skip" and self._skips_in_a_row >= self.max_skips):
             self._dump(frame, first_frame, bad, batch, shown_batch)
-            if self._sync_wanted() and self._in_pass():
+            if self._sync_wanted() and (self._running.calls or self._deciding or _graph_task_id() != -1):
                 # the other ranks are mid-pass, inside their own collectives (DDP, FSDP2, tensor
-                # parallel): stop with them at the end of this pass, not here
+                # parallel): stop with them when this pass ends, not here
                 self._stop_pending = (detection, frames)
                 return
             raise OverflowDetected(report.OVERFLOW_ERROR, detection, frames)
         self.detected_overflow = False  # go on: later batches are checked afresh
-        # later frames of this forward or backward only pass the values on: one detection a pass
-        self._reported_pass = (frame.phase, batch)
-        if on_detect == "warn" and report_due:
+        if report_due:
             self._dump(frame, first_frame, bad, batch, shown_batch)
+        if on_detect == "warn" and report_due:
             warnings.warn(f"overflow_fast: inf/nan in {first_frame.module_name or '(model)'} "
                           f"{', '.join(bad)} ({first_frame.phase}, batch_number={detection['batch_number']}); "
                           "training goes on (on_detect='warn')", RuntimeWarning, stacklevel=2)
+        elif on_detect == "skip":
+            self._skipping = True
+            _print(f"overflow_fast: skipping this step: it applies no update ({self._skips_in_a_row + 1} "
+                   f"skipped in a row, at most {self.max_skips})")
+        elif callable(on_detect):
+            on_detect(OverflowDetected(report.OVERFLOW_ERROR, detection, frames))
         self.frames.clear()
 
     def _dump(self, frame, first_frame, bad, batch, shown_batch):
@@ -645,6 +643,36 @@ class DebugUnderflowOverflow:
         self.dump_saved_frames(during)
         if self._explain and bad:
             _print(source_line(first_frame, bad))
+
+    # -- under torch.compile ----------------------------------------------------------------
+    #
+    # While dynamo traces a model, a forward hook must neither take the lock, nor read the
+    # detector's counters (each value read would become a guard, and every batch a recompile),
+    # nor sync. It only computes its rows inside the graph (one engine op node) and records the
+    # call's entries; the records are replayed through the reference's state machine by the
+    # first eager hook after the compiled region (the model's own is kept out of the graph).
+
+    def _traced_hook(self, module, input, output, kwargs=None):
+        entries, tensors, dtypes = entries_of(forward_items(module, input, output, kwargs, self.containers))
+        rows = tensor_stats(tensors, self.backend).values if tensors else None
+        self._traced.append((module, entries, dtypes, rows))
+
+    def _absorb_traced(self):
+        """Queue the records of a compiled region: one host read per device for all of them."""
+        records = list(self._traced)
+        self._traced.clear()  # the same list: its identity is a guard of the compiled graph
+        host = {}
+        for device in {rows.device for _, _, _, rows in records if rows is not None}:
+            host[device] = iter(torch.cat([rows for *_, rows in records
+                                           if rows is not None and rows.device == device]).tolist())
+        for module, entries, dtypes, rows in records:
+            if self._stop_pending:
+                return
+            sources = self._reads.host([next(host[rows.device]) for _ in dtypes]) if rows is not None else _NO_ROWS
+            call = self._state.count(module is self.model)
+            self._queue.append((call, module, entries, dtypes, sources, FORWARD, None))
+            if self.check == "module" or call.trace_mode or self.detected_overflow:
+                self.flush()
 
 
 def _integer(value, name, expected):

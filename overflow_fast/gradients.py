@@ -12,13 +12,14 @@ import weakref
 
 import torch
 
-from .frames import BACKWARD, class_name, frame_of, own_parameters
+from .frames import own_parameters
 from .report import TENSOR
 
 
 class GradientHooks:
-    """Registers the gradient hooks of a model; ``on_frame(frame, tensors)`` receives each
-    gradient frame (called inside the backward pass)."""
+    """Registers the gradient hooks of a model; ``on_frame(module, items, consumers)`` receives
+    each gradient frame's ``(tensor, ctx)`` items (called inside the backward pass); ``consumers``:
+    for an output gradient, the names of the modules whose backward produced it."""
 
     def __init__(self, model, module_names, on_frame):
         self._module_names = module_names
@@ -53,15 +54,15 @@ class GradientHooks:
     def new_forward(self):
         self._owners.clear()
 
-    def watch_outputs(self, module, frame, tensors):
-        """Hook the gradients of a forward frame's output tensors that require one, and note the
+    def watch_outputs(self, module, entries, tensors):
+        """Hook the gradients of a forward call's output tensors that require one, and note the
         module as a consumer of the hooked tensors it took as inputs (their gradient comes from
         its backward)."""
         if not torch.is_grad_enabled():
             return
         if len(self._owners) > 1 << 16:  # submodules driven alone never start a new forward
             self._owners.clear()
-        for kind, ctx, payload in frame.entries:
+        for kind, ctx, payload in entries:
             if kind != TENSOR:
                 continue
             tensor = tensors[payload]
@@ -84,15 +85,10 @@ class GradientHooks:
 
     def _parameter_hook(self, module, ctx, parameter):
         if self.active and parameter.grad is not None:
-            self._emit(module, [(parameter.grad, ctx)])
+            self._on_frame(module, [(parameter.grad, ctx)], None)
 
     def _output_hook(self, owner, grad):
         if self.active:
             module, ctx, consumers = owner
-            self._emit(module, [(grad, ctx)], [self._module_names.get(m, "?") for m in consumers])
+            self._on_frame(module, [(grad, ctx)], [self._module_names.get(m, "?") for m in consumers])
         # returns None: the gradient flows on unchanged
-
-    def _emit(self, module, items, consumers=None):
-        frame, tensors = frame_of(self._module_names.get(module, "?"), class_name(module), items, BACKWARD)
-        frame.consumers = consumers
-        self._on_frame(frame, tensors)

@@ -7,12 +7,16 @@ import re
 
 import torch
 
+from . import report
 from .frames import BACKWARD
+from .report import TENSOR
 from .stats.layout import ABS_MAX, NAN, NEGINF, NUMEL, POSINF, SUBNORMAL, ZERO, decode_row
 
-ON_DETECT = ("raise", "warn", "record")
+ON_DETECT = ("raise", "warn", "record", "skip")
+DEFAULT_MAX_SKIPS = 10
 # Subnormals above this fraction of an entry's elements get an underflow line (with warn_above).
 SUBNORMAL_FRACTION = 0.5
+UNDERFLOW_EVERY = 100  # steps between two underflow lines of one module
 
 
 def is_bad(row):
@@ -25,14 +29,20 @@ def _glob(pattern):
 
 
 class Policy:
-    """``ignore``: patterns ``"MODULE"`` (every entry of the matching modules) or
+    """``on_detect``: "raise" (the reference: report, then raise), "warn" (report each offending
+    entry once, warn, go on), "record" (record only, go on), "skip" (report, then the step applies no
+    update; see the detector) or a callable (report, then call it with the detection). Except with
+    "raise", a pass reports one detection (later frames only pass the values on); with "skip", a
+    step does.
+
+    ``ignore``: patterns ``"MODULE"`` (every entry of the matching modules) or
     ``"MODULE:ENTRY"``, with * and ? as wildcards, matched against the module's qualified name
     ("" for the model itself) and the entry's name (``input[attention_mask]``, ``weight.grad``).
     Ignored entries keep their lines in frames but never count as a detection."""
 
-    def __init__(self, on_detect="raise", ignore=(), warn_above=None):
-        if on_detect not in ON_DETECT:
-            raise ValueError(f"on_detect must be one of {ON_DETECT}, got {on_detect!r}")
+    def __init__(self, on_detect="raise", ignore=(), warn_above=None, warn_gradients=False):
+        if not callable(on_detect) and on_detect not in ON_DETECT:
+            raise ValueError(f"on_detect must be one of {ON_DETECT} or a callable, got {on_detect!r}")
         if isinstance(ignore, str):
             ignore = [ignore]
         ignore = list(ignore or ())
@@ -43,12 +53,67 @@ class Policy:
                 raise ValueError(f"warn_above must be a fraction in (0, 1], got {warn_above!r}")
         self.on_detect = on_detect
         self.warn_above = warn_above
+        self.warn_gradients = bool(warn_gradients)
+        self._underflow_at = {}  # module -> the step of its last underflow line
         self.ignore = ignore
         self._ignore = [(_glob(m), _glob(e) if e is not None else None)
                         for m, _, e in (p.partition(":") if ":" in p else (p, None, None) for p in ignore)]
         self._ignored_cache = {}
-        self._warned = set()  # (module, entry, kind) already given an early-warning line
+        self._warned = set()  # (module, entry) already warned of nearing the dtype's largest value
         self._reported = set()  # (module, entry) already reported with on_detect="warn"
+        self._first_bad = None  # (frame, entries) of the first frame that counts, until ``conclude``
+        self._report_due = False  # on_detect="warn": a (module, entry) not reported before
+        self._reported_pass = None  # not "raise": the pass (or "skip": the step) already detected
+
+    def _pass_of(self, frame, batch, step):
+        return ("step", step) if self.on_detect == "skip" else (frame.phase, batch)
+
+    def check(self, frame, batch, step=None):
+        """``(lines, detected)``: the lines to print at once for ``frame`` (the reference's "has
+        nans"/"has infs", the shards that hold them, early warnings) and whether one of its
+        entries counts as a detection. ``step``: the training step it belongs to ("skip")."""
+        lines = []
+        detected = False
+        for kind, ctx, payload in frame.entries:
+            if kind != TENSOR or not is_bad(frame.rows[payload]):
+                continue
+            if self.ignore and self.ignored(frame.module_name, ctx):
+                continue
+            if self.on_detect != "raise" and self._reported_pass == self._pass_of(frame, batch, step):
+                self.new_reports(frame, [ctx])  # a consequence of what this pass reported
+                continue
+            if self._first_bad is None:
+                self._first_bad = (frame, [])  # where the source line looks
+            if self._first_bad[0] is frame:
+                self._first_bad[1].append(ctx)
+            # on_detect="warn": each (module, entry) once; "record": no line
+            if self.on_detect == "warn":
+                report_it = bool(self.new_reports(frame, [ctx]))
+            else:
+                report_it = self.on_detect != "record"
+            if report_it:
+                lines.extend(report.overflow_lines(frame.rows[payload], ctx))
+                if frame.bad_shards and payload in frame.bad_shards:  # a DTensor: whose shard holds them
+                    lines.append(report.bad_shards_line(ctx, frame.bad_shards[payload]))
+                self._report_due = True
+            detected = True
+        if self.warn_above is not None:
+            lines.extend(self.early_warnings(frame, batch, step))
+        return lines, detected
+
+    def conclude(self, frame, batch, step=None):
+        """A detection ends at ``frame`` (of ``batch``): ``(detection, first_frame, bad, report_due)``,
+        the detection as data, the first frame that counted and its entries, and whether a report
+        is due (with "warn" only when an entry was new, never with "record"). Later frames of the
+        same pass (with "skip": step) only pass the values on."""
+        first_frame, bad = self._first_bad or (frame, [])
+        self._first_bad = None
+        report_due, self._report_due = self._report_due, False
+        if self.on_detect != "raise":
+            self._reported_pass = self._pass_of(frame, batch, step)
+        detection = {"batch_number": batch, "phase": first_frame.phase, "module": first_frame.module_name,
+                     "class": first_frame.class_name, "entries": bad}
+        return detection, first_frame, bad, report_due
 
     def ignored(self, module_name, ctx):
         key = (module_name, ctx)
@@ -64,13 +129,15 @@ class Policy:
         self._reported.update((frame.module_name, ctx) for ctx in fresh)
         return fresh
 
-    def early_warnings(self, frame, batch_number):
-        """Lines for entries crossing ``warn_above`` of their dtype's largest finite value, or
-        underflowing (an activation or gradient all zeros, any entry mostly subnormal); each
-        (module, entry, kind) once."""
+    def early_warnings(self, frame, batch_number, step=None):
+        """Lines for entries crossing ``warn_above`` of their dtype's largest finite value (each
+        (module, entry) once), and one line for a module whose entries underflow (an activation
+        or gradient all zeros, any entry mostly subnormal), at most once per UNDERFLOW_EVERY
+        steps (``step``, else the batch number); gradients only with ``warn_gradients``."""
         if self.warn_above is None:
             return []
         lines = []
+        underflows = []
         where = f"{frame.module_name or '(model)'} {frame.class_name}"
         for ctx, row, dtype in frame.tensor_entries():
             if not dtype.is_floating_point or row[NUMEL] == 0 or is_bad(row):
@@ -78,21 +145,25 @@ class Policy:
             key = (frame.module_name, ctx)
             limit = torch.finfo(dtype).max
             abs_max = decode_row(row, dtype)["abs_max"]
-            if abs_max >= self.warn_above * limit and (key + ("max",)) not in self._warned:
-                self._warned.add(key + ("max",))
+            if abs_max >= self.warn_above * limit and key not in self._warned:
+                self._warned.add(key)
                 lines.append(f"{where} {ctx}: abs max {abs_max:.2e} is {abs_max / limit:.0%} of the largest "
                              f"{str(dtype).replace('torch.', '')} ({limit:.2e}) at batch_number={batch_number}")
+            gradient = ctx.endswith(".grad")
+            if gradient and not self.warn_gradients:
+                continue
             # parameters are often all zeros by design (biases at initialisation): only activations
             # and gradients count as having underflowed to zeros
-            is_parameter = not ctx.startswith(("input", "output")) and not ctx.endswith(".grad")
-            if row[ZERO] == row[NUMEL] and row[ABS_MAX] == 0 and not is_parameter \
-                    and (key + ("zero",)) not in self._warned:
-                self._warned.add(key + ("zero",))
-                lines.append(f"{where} {ctx}: all {row[NUMEL]} elements are zero at batch_number={batch_number}")
-            if row[SUBNORMAL] > SUBNORMAL_FRACTION * row[NUMEL] and (key + ("subnormal",)) not in self._warned:
-                self._warned.add(key + ("subnormal",))
-                lines.append(f"{where} {ctx}: {row[SUBNORMAL] / row[NUMEL]:.0%} of {row[NUMEL]} elements are "
-                             f"subnormal at batch_number={batch_number}")
+            if row[ZERO] == row[NUMEL] and row[ABS_MAX] == 0 and (gradient or ctx.startswith(("input", "output"))):
+                underflows.append(f"{ctx}: all {row[NUMEL]} elements are zero")
+            elif row[SUBNORMAL] > SUBNORMAL_FRACTION * row[NUMEL]:
+                underflows.append(f"{ctx}: {row[SUBNORMAL] / row[NUMEL]:.0%} of {row[NUMEL]} elements are subnormal")
+        if underflows:
+            step = batch_number if step is None else step
+            last = self._underflow_at.get(frame.module_name)
+            if last is None or not 0 <= step - last < UNDERFLOW_EVERY:
+                self._underflow_at[frame.module_name] = step
+                lines.append(f"{where} underflows at batch_number={batch_number}: {'; '.join(underflows)}")
         return lines
 
 

@@ -5,6 +5,7 @@ import copy
 import io
 
 import torch
+from torch.overrides import TorchFunctionMode
 from transformers.debug_utils import DebugUnderflowOverflow as ReferenceDetector
 
 from overflow_fast import DebugUnderflowOverflow
@@ -47,24 +48,19 @@ def forward(model, batch):
             model(*batch) if isinstance(batch, tuple) else model(batch)
 
 
-def detector_check(check):
-    """The detector's ``check`` for a test's: "staged" is check="batch" with CPU tensors staged as a
-    GPU's are (the test turns ``overflow_fast.rows.STAGE_CPU_TENSORS`` on)."""
-    return "batch" if check == "staged" else check
-
-
-def compare(model, batches, steps=forward, check="module", **kwargs):
-    """Run the reference and overflow_fast on identical copies of ``model``; return both captures."""
+def compare(model, batches, steps=forward, check="module", ours=None, **kwargs):
+    """Run the reference and overflow_fast on identical copies of ``model``; return both captures.
+    ``kwargs`` go to both detectors, ``ours`` (a dict) to overflow_fast's alone."""
     reference_model = copy.deepcopy(model)
     ours_model = copy.deepcopy(model)
     want = run(ReferenceDetector, reference_model, batches, steps, **kwargs)
-    got = run(DebugUnderflowOverflow, ours_model, batches, steps, check=detector_check(check), **kwargs)
+    got = run(DebugUnderflowOverflow, ours_model, batches, steps, check=check, **kwargs, **(ours or {}))
     return want, got
 
 
-def assert_identical(model, batches, steps=forward, check="module", **kwargs):
+def assert_identical(model, batches, steps=forward, check="module", ours=None, **kwargs):
     (want_out, want_outcomes, _), (got_out, got_outcomes, detector) = compare(
-        model, batches, steps, check=check, **kwargs
+        model, batches, steps, check=check, ours=ours, **kwargs
     )
     assert got_outcomes == want_outcomes
     assert got_out == want_out, _first_difference(got_out, want_out)
@@ -89,3 +85,20 @@ def capture(fn, catch=ValueError):
         except catch as caught:
             error = caught
     return out.getvalue(), error
+
+
+_HOST_READS = {"item", "tolist", "__bool__", "__format__", "cpu", "numpy", "__int__", "__float__", "__index__"}
+
+
+class HostReads(TorchFunctionMode):
+    """Records every tensor method that moves data to the host (``names``, in order)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in _HOST_READS:
+            self.names.append(name)
+        return func(*args, **(kwargs or {}))

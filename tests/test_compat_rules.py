@@ -7,8 +7,6 @@ import pytest
 import torch
 from torch import nn
 
-import overflow_fast.rows
-
 from compat import assert_identical, forward
 
 CHECKS = ["module", "batch"]
@@ -153,13 +151,12 @@ def test_overflow_after_clean_batches(check):
 
 
 @pytest.mark.parametrize("max_frames", [1, 2, 3, 4, 5, 6, 7, 8, 13, None])
-@pytest.mark.parametrize("check", ["batch", "staged"])
-def test_clean_batches_then_an_overflow_for_every_ring_size(check, max_frames, monkeypatch):
+@pytest.mark.parametrize("check", ["module", "batch"])
+def test_clean_batches_then_an_overflow_for_every_ring_size(check, max_frames):
     # a clean forward's read brings only the rows of the frames the ring keeps: ring sizes
     # shorter than a forward's 3 calls, as long, up to twice as long and longer, each keeping
     # frames of earlier (clean) forwards that the report then prints (a ring of 0 frames takes
     # the reference's unbounded-list quirk after a dump: test_overflow_in_last_layer_frames_bound)
-    monkeypatch.setattr(overflow_fast.rows, "STAGE_CPU_TENSORS", check == "staged")
     data = with_value(batches(5), 3, INF)
     assert_identical(make(Scaled, depth=2), data, check=check, max_frames_to_save=max_frames)
 

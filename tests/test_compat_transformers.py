@@ -1,6 +1,5 @@
 """Byte-for-byte comparison with transformers' DebugUnderflowOverflow on real model classes
-built from small configs with random weights, in both check modes (and check="batch" staged, the
-accelerators' path)."""
+built from small configs with random weights, in both check modes."""
 
 import copy
 
@@ -8,20 +7,10 @@ import pytest
 import torch
 
 import models
-import overflow_fast.rows
-from compat import ReferenceDetector, assert_identical, detector_check, run
+from compat import ReferenceDetector, assert_identical, run
 from overflow_fast import DebugUnderflowOverflow
 
-# "staged": check="batch" with these CPU tensors staged as a GPU's are (CPU tensors are read in
-# their hooks by default), so the accelerators' path is compared with the reference on real models
-CHECKS = ["module", "batch", "staged"]
-
-
-@pytest.fixture(autouse=True)
-def staged_as_on_a_gpu(request, monkeypatch):
-    callspec = getattr(request.node, "callspec", None)
-    if callspec is not None and callspec.params.get("check") == "staged":
-        monkeypatch.setattr(overflow_fast.rows, "STAGE_CPU_TENSORS", True)
+CHECKS = ["module", "batch"]
 
 
 def seq2seq_batch(seed):
@@ -106,7 +95,7 @@ def train_both(model, batches, loss, lr, check, **kwargs):
     """(stdout, outcomes) of training identical copies of ``model`` with SGD under the reference
     and under overflow_fast: each copy gets its own optimizer."""
     results = []
-    for cls, extra in ((ReferenceDetector, {}), (DebugUnderflowOverflow, {"check": detector_check(check)})):
+    for cls, extra in ((ReferenceDetector, {}), (DebugUnderflowOverflow, {"check": check})):
         copy_of_model = copy.deepcopy(model)
         optimizer = torch.optim.SGD(copy_of_model.parameters(), lr=lr)
 

@@ -7,11 +7,10 @@ import io
 import pytest
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
-from compat import ReferenceDetector, run
+from compat import HostReads, ReferenceDetector, run
 from compat import capture as compat_capture
-from overflow_fast import DebugUnderflowOverflow, native
+from overflow_fast import DebugUnderflowOverflow
 from test_compat_rules import Scaled, batches, make, with_value
 
 NAN = float("nan")
@@ -55,12 +54,12 @@ def test_unreadable_tensor_gets_a_clear_line():
 
 
 def test_engine_failure_does_not_crash_training(monkeypatch):
-    import overflow_fast.rows as rows
+    import overflow_fast.reads as reads
 
     def broken(tensors, backend=None, out=None):
         raise RuntimeError("backend exploded")
 
-    monkeypatch.setattr(rows, "tensor_stats", broken)
+    monkeypatch.setattr(reads, "tensor_stats", broken)
     model = make(Scaled, depth=1)
     DebugUnderflowOverflow(model, trace_batch_nums=[0])
     out, error = capture(lambda: model(torch.ones(1, 4)))
@@ -87,6 +86,7 @@ def test_remove_and_context_manager():
     out, _ = capture(lambda: model(torch.ones(1, 4)))
     assert out == ""
     assert not model._forward_hooks and not model.layers[0]._forward_hooks
+    assert not model._forward_pre_hooks and not model.layers[0]._forward_pre_hooks
 
     detector = DebugUnderflowOverflow(model, trace_batch_nums=[0])
     detector.remove()
@@ -127,67 +127,36 @@ def test_helpers_reject_non_tensors():
 
 # -- check="batch" ------------------------------------------------------------------------------
 
-_HOST_READS = {"item", "tolist", "__bool__", "__format__", "cpu", "numpy", "__int__", "__float__", "__index__"}
-
-
-class HostReads(TorchFunctionMode):
-    """Records every tensor method that moves data to the host, and where it happened."""
-
-    def __init__(self):
-        super().__init__()
-        self.inside_flush = False
-        self.outside = []
-        self.inside = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", "")
-        if name in _HOST_READS:
-            if self.inside_flush:
-                self.inside += 1
-            else:
-                self.outside.append(name)
-        return func(*args, **(kwargs or {}))
-
-
 def test_batch_mode_hooks_never_read_the_device(monkeypatch):
     model = make(Scaled, depth=3)
     detector = DebugUnderflowOverflow(model, check="batch", backend="torch")
     reads = HostReads()
+    inside = []
     original_flush = DebugUnderflowOverflow.flush
 
     def flush(self):
-        reads.inside_flush = True
+        before = len(reads.names)
         try:
             return original_flush(self)
         finally:
-            reads.inside_flush = False
+            inside.extend(reads.names[before:])
+            del reads.names[before:]
 
     monkeypatch.setattr(DebugUnderflowOverflow, "flush", flush)
-    if native.read_rows is not None:  # the read in C++, which a TorchFunctionMode does not see
-        read_rows = native.read_rows
-
-        def counted(rows):
-            if reads.inside_flush:
-                reads.inside += 1
-            else:
-                reads.outside.append("read_rows")
-            return read_rows(rows)
-
-        monkeypatch.setattr(native, "read_rows", counted)
     with reads:
         for x in batches(3):
             model(x)
-    assert reads.outside == []
-    assert reads.inside == 3  # one device-to-host read per forward (one device)
+    assert reads.names == []
+    assert inside == ["cpu"] * 3  # one device-to-host read per forward (one device)
     assert detector.total_calls == 3 * 4
 
     # the same instrument does see the reads of check="module", one per hook
+    inside.clear()
     model = make(Scaled, depth=3)
     DebugUnderflowOverflow(model, check="module", backend="torch")
-    reads = HostReads()
     with reads:
         model(batches(1)[0])
-    assert reads.outside.count("tolist") == 4
+    assert reads.names == [] and inside == ["cpu"] * 4
 
 
 class FailsOnNaN(nn.Module):
@@ -221,7 +190,7 @@ def test_batch_mode_reports_before_the_forward_error_propagates():
     assert "inf/nan was detected earlier in this forward" in " ".join(getattr(got_error, "__notes__", []))
 
 
-def test_batch_mode_submodule_alone_is_checked_when_the_buffer_fills():
+def test_batch_mode_submodule_alone_decides_when_it_returns():
     x = torch.ones(2, 4)
     x[1, 2] = NAN
     module_model = make(Scaled, depth=2)
@@ -230,24 +199,35 @@ def test_batch_mode_submodule_alone_is_checked_when_the_buffer_fills():
     assert isinstance(want_error, ValueError)
 
     model = make(Scaled, depth=2)
-    DebugUnderflowOverflow(model, check="batch", buffer_rows=8)  # 4 rows per call of a Linear
-    got_out, first = capture(lambda: model.layers[0](x))
-    assert first is None and got_out == ""  # nothing read yet
-    more_out, second = capture(lambda: model.layers[0](x))
-    assert first is None and more_out == ""
-    last_out, third = capture(lambda: model.layers[0](x))  # the buffer is full: read it
-    assert isinstance(third, ValueError)
-    assert last_out == want_out
+    DebugUnderflowOverflow(model, check="batch")
+    got_out, got_error = capture(lambda: model.layers[0](x))
+    assert isinstance(got_error, ValueError)
+    assert got_out == want_out
 
 
-def test_batch_mode_remove_runs_the_pending_check():
+class RemovesItsDetector(nn.Module):
+    """A forward that takes the detector off halfway, with a nan already seen and not yet decided."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+        self.second = nn.Linear(4, 4)
+        self.detector = None
+
+    def forward(self, x):
+        y = self.first(x)
+        self.detector.remove()
+        return self.second(y)
+
+
+def test_batch_mode_remove_decides_on_the_pending_calls():
     x = torch.ones(2, 4)
     x[0, 0] = NAN
-    model = make(Scaled, depth=2)
-    detector = DebugUnderflowOverflow(model, check="batch")
-    assert capture(lambda: model.layers[1](x)) == ("", None)
-    out, error = capture(detector.remove)
-    assert isinstance(error, ValueError) and "input[0] has nans" in out
+    model = make(RemovesItsDetector)
+    model.detector = DebugUnderflowOverflow(model, check="batch")
+    out, error = capture(lambda: model(x))
+    assert isinstance(error, ValueError) and "input[0] has nans" in out and "first Linear" in out
+    assert capture(lambda: model(x)) == ("", None)  # no hook left
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -280,14 +260,35 @@ def test_batch_mode_does_not_sync_on_cuda():
     assert reads["n"] >= 1
 
 
-def test_batch_mode_bounds_calls_without_tensors():
-    class Nothing(nn.Module):
-        def forward(self):
-            return None
+class ManyCalls(nn.Module):
+    """One forward: a bad call, then many calls without tensors, then a print."""
 
-    model = nn.Sequential(Nothing())
-    detector = DebugUnderflowOverflow(model, check="batch", buffer_rows=2)
-    for _ in range(5):
-        model[0]()
-    assert len(detector._deferred) <= 2
-    assert len(detector.frames) >= 3 and "None output" in str(detector.frames[-1])
+    def __init__(self):
+        super().__init__()
+        self.bad = nn.Identity()
+        self.nothing = Nothing()
+
+    def forward(self, x):
+        self.bad(x)
+        for _ in range(5):
+            self.nothing()
+        print("end of forward")
+
+
+class Nothing(nn.Module):
+    def forward(self):
+        return None
+
+
+@pytest.mark.parametrize("buffer_rows, decided_early", [(2, True), (64, False)])
+def test_batch_mode_bounds_calls_without_tensors(buffer_rows, decided_early):
+    # calls without tensors take no rows, but their frames wait all the same: at most buffer_rows
+    # of them, then what waits is decided (here: the nan, before the forward's own print)
+    x = torch.ones(2)
+    x[0] = NAN
+    model = ManyCalls()
+    DebugUnderflowOverflow(model, check="batch", buffer_rows=buffer_rows)
+    out, error = capture(lambda: model(x))
+    assert isinstance(error, ValueError)
+    assert ("end of forward" not in out) == decided_early
+    assert "input[0] has nans" in out and "bad Identity" in out

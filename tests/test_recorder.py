@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from overflow_fast import recorder as rec_mod
-from overflow_fast.frames import forward_frame
+from overflow_fast.frames import Frame, entries_of, forward_items
 from overflow_fast.recorder import Recorder, decode_float, entry_record, frame_records, rank_path
 from overflow_fast.stats import tensor_stats
 
@@ -101,7 +101,8 @@ def test_every_line_is_strict_json(tmp_path):
 def test_frame_records_cover_the_tensor_entries_of_a_frame():
     linear = torch.nn.Linear(3, 2)
     x = torch.ones(1, 3)
-    frame, tensors = forward_frame("fc", linear, (x, None), linear(x))
+    entries, tensors, dtypes = entries_of(forward_items(linear, (x, None), linear(x)))
+    frame = Frame("fc", "Linear", entries, dtypes)
     frame.rows = _rows(tensors)
     records = frame_records(3, "forward", 5, frame, rank=2)
     assert [r["entry"] for r in records] == ["weight", "bias", "input[0]", "output"]  # None has no record

@@ -408,6 +408,7 @@ def test_bad_backend_environment_variable_is_rejected_at_construction(check, mon
     with pytest.raises(ValueError, match="OVERFLOW_FAST_BACKEND"):
         DebugUnderflowOverflow(model, check=check)
     assert not model._forward_hooks and not model.layers[0]._forward_hooks
+    assert not model._forward_pre_hooks and not model.layers[0]._forward_pre_hooks
 
 
 # -- item 8: the reference's arguments -----------------------------------------------------------

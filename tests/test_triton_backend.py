@@ -1,10 +1,9 @@
 """The Triton backend against the float64 oracle and the torch backend, bit for bit.
 
 Where CUDA is present the kernels run compiled on CUDA tensors. Without CUDA they run through
-Triton's interpreter on CPU tensors; the interpreter must be chosen before the backend module is
-imported, so unless this process already has TRITON_INTERPRET=1, ``test_interpreter_run`` runs
-this file again in a child process that has it (the other tests skip in the parent). Without
-Triton everything skips except the check that the package imports and falls back.
+Triton's interpreter on CPU tensors (conftest.py sets TRITON_INTERPRET=1 before the backend is
+imported). Without Triton everything skips except the check that the package imports and falls
+back.
 """
 
 import os
@@ -21,8 +20,6 @@ from overflow_fast import tensor_stats
 from overflow_fast.stats import StatsBatch, dispatch
 from overflow_fast.stats import triton_backend as tb
 
-_CHILD_ENV = "_OVERFLOW_FAST_TRITON_TEST_CHILD"
-
 if tb.unavailable_reason() is not None:
     DEVICE = None
 elif tb._INTERPRET:
@@ -31,7 +28,7 @@ else:
     DEVICE = "cuda"
 
 needs_backend = pytest.mark.skipif(
-    DEVICE is None, reason=f"triton backend unavailable here ({tb.unavailable_reason()}); see test_interpreter_run"
+    DEVICE is None, reason=f"triton backend unavailable here ({tb.unavailable_reason()})"
 )
 
 DTYPES = [d for d in ALL_DTYPES if not d.is_complex]
@@ -316,26 +313,8 @@ def test_supports():
         assert not tb.supports(x.cpu())  # compiled kernels read device memory only
 
 
-def test_interpreter_run():
-    """Without CUDA and without TRITON_INTERPRET in this process: run this file in a child with it."""
-    if DEVICE is not None or os.environ.get(_CHILD_ENV):
-        pytest.skip("the kernels already run in this process")
-    if tb.triton is None:
-        pytest.skip("triton is not installed")
-    env = dict(os.environ, TRITON_INTERPRET="1", **{_CHILD_ENV: "1"})
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-        env=env, capture_output=True, text=True, timeout=600, cwd=os.path.dirname(os.path.dirname(__file__)),
-    )
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output[-6000:]
-    assert " passed" in output, output[-2000:]
-
-
 def test_imports_and_falls_back_without_triton(tmp_path):
     """A broken or missing Triton must not break ``import overflow_fast``: the backend says why."""
-    if os.environ.get(_CHILD_ENV):
-        pytest.skip("checked by the parent process")
     fake = tmp_path / "triton"
     fake.mkdir()
     (fake / "__init__.py").write_text('raise ImportError("simulated: no triton here")\n')
@@ -395,8 +374,6 @@ def _summary_rows(stdout):
 def test_gpu_check_budget_skips_phases():
     """With the budget spent, every phase after the first exactness batch prints a skipped line and
     the table still lists its rows."""
-    if os.environ.get(_CHILD_ENV):
-        pytest.skip("checked by the parent process")
     out = _run_gpu_check("import sys, gpu_check; sys.exit(gpu_check.main(gpu_check.parse_args(['--dry-run', '--budget', '0'])))")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "time box spent" in out.stdout and "skipped, budget spent" in out.stdout, out.stdout
@@ -409,8 +386,6 @@ def test_gpu_check_budget_skips_phases():
 @pytest.mark.skipif(tb.triton is None, reason="triton is not installed")
 def test_gpu_check_dry_run_and_mismatch_exit():
     """benchmarks/gpu_check.py runs without a GPU (--dry-run) and exits 1 on a wrong result."""
-    if os.environ.get(_CHILD_ENV):
-        pytest.skip("checked by the parent process")
     ok = _run_gpu_check("import sys, gpu_check; sys.exit(gpu_check.main(gpu_check.parse_args(['--dry-run'])))")
     assert ok.returncode == 0, ok.stdout + ok.stderr
     rows = _summary_rows(ok.stdout)
@@ -552,14 +527,13 @@ def test_device_guard_names_the_tensors_cuda_device():
 
 
 @needs_backend
-def test_detector_stages_a_forward_into_one_launch_pair(monkeypatch):
-    """check="batch" on the Triton backend: after the first forward (which learns what changes in
-    place), one compute() call, so one launch pair and one table, per forward; the report is the
-    reference's, byte for byte."""
-    from torch import nn
-
+@pytest.mark.parametrize("defer", [False, True])
+def test_detector_reads_each_hook_or_with_defer_the_forward_at_once(monkeypatch, defer):
     import copy
 
+    from torch import nn
+
+    import overflow_fast.reads
     from compat import ReferenceDetector, forward, run
     from overflow_fast import DebugUnderflowOverflow
 
@@ -576,19 +550,21 @@ def test_detector_stages_a_forward_into_one_launch_pair(monkeypatch):
         return real(buffer, out, num_tensors, *args)
 
     monkeypatch.setattr(tb, "_launch", counting)
-    import overflow_fast.rows
-
-    monkeypatch.setattr(overflow_fast.rows, "STAGE_CPU_TENSORS", True)  # the interpreter's tensors are on the CPU
+    monkeypatch.setattr(overflow_fast.reads, "CPU_AS_DEVICE", True)  # the interpreter's tensors are on the CPU
     model = model.to(DEVICE)
     data = [x.to(DEVICE) for x in data]
     want = run(ReferenceDetector, copy.deepcopy(model), data, forward)[:2]
-    got = run(DebugUnderflowOverflow, copy.deepcopy(model), data, forward, check="batch", backend="triton")[:2]
+    got = run(DebugUnderflowOverflow, copy.deepcopy(model), data, forward, check="batch", backend="triton",
+              defer=defer)[:2]
     assert got == want and "has infs" in got[0]
-    # forwards 2 and 3: the ReLU(inplace=True) rewrites the second Linear's output after its hook,
-    # so that Linear reads in its hook; everything else waits for the end of the forward
-    fresh = DebugUnderflowOverflow(model, check="batch", backend="triton")
+    fresh = DebugUnderflowOverflow(model, check="batch", backend="triton", defer=defer)
     for x in data[:3]:
         calls.clear()
         forward(model, x)
-    assert len(calls) == 2, calls
+    if defer:
+        # forwards 2 and 3: the ReLU(inplace=True) rewrites the second Linear's output after its
+        # hook, so that Linear reads in its hook; everything else waits for the end of the forward
+        assert len(calls) == 2, calls
+    else:  # one engine call per hook with tensors not read before in this forward (ReLU's in place)
+        assert len(calls) == 5, calls
     fresh.remove()

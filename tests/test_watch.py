@@ -13,7 +13,6 @@ from torch import nn
 import models
 from compat import capture
 from overflow_fast import DebugUnderflowOverflow, OverflowDetected, watch
-from overflow_fast.rows import DeferredRows, RowReader
 
 CHECKS = ("module", "batch")
 INF = float("inf")
@@ -259,27 +258,55 @@ def test_warn_above_reports_underflow(check):
     DebugUnderflowOverflow(model, check=check, warn_above=0.9)
     out, error = capture(lambda: model(torch.full((4,), 1e-3, dtype=torch.float16)))
     assert error is None
-    assert "0 Scale weight: 100% of 4 elements are subnormal at batch_number=0" in out
-    assert "0 Scale output: all 4 elements are zero at batch_number=0" in out  # 1e-9 underflows fp16
-    assert "bias: all" not in out
+    # one line for the module: its weight is subnormal, its output underflowed to zeros (1e-9 in
+    # fp16); its bias is zeros by design
+    assert out.splitlines() == ["0 Scale underflows at batch_number=0: weight: 100% of 4 elements are subnormal; "
+                                "output: all 4 elements are zero",
+                                "(model) Sequential underflows at batch_number=0: output: all 4 elements are zero"]
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_warn_above_underflow_lines_once_per_module_per_100_steps_gradients_when_asked(check):
+    # fp16 without loss scaling: the gradients underflow at every step
+    def run(**options):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), Scale(1e-4)).half()
+        detector = DebugUnderflowOverflow(model, check=check, warn_above=0.5, backward=True, **options)
+        outs = []
+        for step in range(250):
+            if step in (0, 99, 100, 200):
+                detector.set_step(step)
+            x = torch.full((2, 4), 1e-3, dtype=torch.float16)
+            out, error = capture(lambda: model(x).sum().backward())
+            assert error is None
+            outs.append(out)
+        return outs
+
+    outs = run()
+    assert [i for i, out in enumerate(outs) if out] == [0, 100, 200]  # set_step: 100 steps apart
+    assert all(".grad" not in out for out in outs)
+    asked = run(warn_gradients=True)
+    assert any(".grad" in out for out in asked)
 
 
 @pytest.mark.parametrize("check", CHECKS)
 def test_batch_mode_reads_the_host_once_per_forward_and_once_per_backward(check, monkeypatch):
-    reads, now = [], []
-    real_read, real_now = DeferredRows.read, RowReader.read_now
-    monkeypatch.setattr(DeferredRows, "read", lambda self, **kw: reads.append(1) or real_read(self, **kw))
-    monkeypatch.setattr(RowReader, "read_now", lambda self, *a: now.append(1) or real_now(self, *a))
+    # host reads counted on torch.Tensor.cpu, the detector's one way to the host (a
+    # TorchFunctionMode does not see what hooks do inside backward)
+    reads = []
+    real_cpu = torch.Tensor.cpu
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda self, *a, **k: reads.append(1) or real_cpu(self, *a, **k))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
     watch(model, check=check)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    for _ in range(3):
-        train_step(model, torch.randn(2, 4), optimizer)
+    batches = [torch.randn(2, 4) for _ in range(3)]
+    for x in batches:
+        train_step(model, x, optimizer)
     if check == "batch":
-        assert len(reads) == 6 and now == []
-    else:
-        assert len(now) == 3 * (4 + 4 + 3)  # 4 forward hooks, 4 parameters, 3 output gradients
+        assert len(reads) == 6
+    else:  # one read per call: 4 forward hooks, 4 parameters, 3 output gradients
+        assert len(reads) == 3 * (4 + 4 + 3)
 
 
 def test_watch_defaults_and_overrides():

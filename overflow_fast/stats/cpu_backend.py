@@ -15,7 +15,7 @@ from .source_hash import source_hash
 NAME = "cpu"
 
 # Must equal kAbiVersion in csrc/binding.cpp.
-ABI_VERSION = 10
+ABI_VERSION = 11
 
 SUPPORTED_DTYPES = frozenset({
     torch.float64, torch.float32, torch.float16, torch.bfloat16,

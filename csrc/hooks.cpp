@@ -1,0 +1,277 @@
+// overflow_fast._C.HookCore: the detector's bookkeeping of when each hook's tensors are read.
+//
+// A hook hands over the tensors of one module call; the core answers, per tensor, the row of its
+// device's buffer that holds (or will hold) its statistics, and which tensors the caller must read
+// into which rows now. It owns:
+// - the rows reused within a pass: a tensor seen again unchanged (the same TensorImpl, version
+//   counter and data pointer) keeps its row instead of being read again;
+// - with deferral (off by default): the tensors whose read waits, the versions and data pointers
+//   they had at their hook, and per call site (a module's tensor position) whether its tensor was
+//   ever changed after its hook.
+// Tensors and ints in, tuples of ints and tensors out: it never touches a Python object, so the
+// Python side can change without it.
+#include <torch/extension.h>
+
+#include <c10/core/TensorImpl.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include <cstdint>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace overflow_fast {
+namespace {
+
+// What add() answers instead of rows.
+constexpr int64_t kFull = -1;          // not enough free rows: read what is pending, then add again
+constexpr int64_t kMixedDevices = -2;  // the tensors are on several devices: read them apart
+
+// Per call site and tensor position, under deferral: not seen yet (read at once, watched until the
+// pass ends), seen unchanged at the end of a pass (its read may wait), seen changed (read at once).
+enum Mode : uint8_t { kUnknown = 0, kDefer = 1, kAtOnce = 2 };
+
+// A tensor's version counter, or -1 where it has none (inference tensors).
+int64_t version_of(const at::Tensor& tensor) {
+  const auto& counter = tensor.unsafeGetTensorImpl()->version_counter();
+  return counter.enabled() ? static_cast<int64_t>(counter.current_version()) : -1;
+}
+
+// Where a tensor's elements start, or null where it has no storage of its own (wrapper subclasses,
+// sparse tensors): those are told apart by their version counter alone.
+const void* data_of(const at::Tensor& tensor) {
+  const c10::TensorImpl* impl = tensor.unsafeGetTensorImpl();
+  if (!impl->has_storage() || impl->is_python_dispatch() || impl->layout() != c10::kStrided) {
+    return nullptr;
+  }
+  return impl->storage().data();
+}
+
+struct Held {
+  at::Tensor tensor;
+  int64_t version;
+  const void* data;
+  int64_t site;
+  int64_t position;
+
+  bool changed() const { return version_of(tensor) != version || data_of(tensor) != data; }
+};
+
+struct DeviceRows {
+  c10::Device device;
+  int64_t used = 0;      // rows given out since the last reset
+  int64_t launched = 0;  // rows [0, launched) were handed to the caller to read
+  std::vector<Held> deferred;  // the tensors of rows [launched, used)
+  int64_t deferred_bytes = 0;  // of those, the ones only deferral keeps alive
+};
+
+struct Seen {
+  c10::weak_intrusive_ptr<c10::TensorImpl> impl;  // keeps the address from being reused
+  int64_t version;
+  const void* data;
+  int64_t device;
+  int64_t row;
+};
+
+class HookCore {
+ public:
+  HookCore(int64_t capacity, int64_t defer_bytes, int64_t max_remembered)
+      : capacity_(capacity), defer_bytes_(defer_bytes), max_remembered_(max_remembered) {
+    TORCH_CHECK(capacity > 0, "HookCore: capacity must be positive, got ", capacity);
+    TORCH_CHECK(defer_bytes >= 0, "HookCore: defer_bytes must be >= 0, got ", defer_bytes);
+  }
+
+  // The rows of one hook call's tensors: (device key, rows, first, to_read, changed), where the
+  // caller reads `to_read` into rows [first, first + len(to_read)) of the device's buffer now;
+  // `changed`: rows whose deferred tensor changed before this read (given as empty tensors in
+  // `to_read`). Or kFull / kMixedDevices. `site` >= 0 with `defer`: the call may wait.
+  py::object add(const std::vector<at::Tensor>& tensors, int64_t site, bool defer) {
+    TORCH_CHECK(!tensors.empty(), "HookCore.add: no tensors");
+    const c10::Device device = tensors[0].device();
+    for (const auto& tensor : tensors) {
+      if (tensor.device() != device) {
+        return py::int_(kMixedDevices);
+      }
+    }
+    const int64_t key = device_key(device);
+    DeviceRows& rows = devices_[key];
+    const auto count = static_cast<int64_t>(tensors.size());
+    if (rows.used + count > capacity_) {
+      return py::int_(kFull);
+    }
+    if (static_cast<int64_t>(seen_.size()) + count > max_remembered_) {
+      seen_.clear();
+    }
+    const bool may_defer = defer && site >= 0;
+    std::vector<uint8_t>* modes = nullptr;
+    if (may_defer) {
+      modes = &modes_[site];
+      if (static_cast<int64_t>(modes->size()) < count) {
+        modes->resize(count, kUnknown);
+      }
+    }
+    bool read_now = !may_defer;
+    const int64_t held_site = may_defer ? site : -1;
+    py::tuple row_of(count);
+    for (int64_t position = 0; position < count; ++position) {
+      const at::Tensor& tensor = tensors[position];
+      c10::TensorImpl* impl = tensor.unsafeGetTensorImpl();
+      const int64_t version = version_of(tensor);
+      const void* data = data_of(tensor);
+      const Mode mode = modes != nullptr && version >= 0 ? static_cast<Mode>((*modes)[position]) : kAtOnce;
+      if (version >= 0) {
+        const auto found = seen_.find(impl);
+        if (found != seen_.end() && found->second.version == version && found->second.data == data &&
+            found->second.device == key && !found->second.impl.expired()) {
+          const int64_t row = found->second.row;
+          row_of[position] = py::int_(row);
+          // a row still waiting is read now where this position may not wait
+          read_now = read_now || (row >= rows.launched && mode != kDefer);
+          if (mode == kUnknown && modes != nullptr) {
+            watch(tensor, version, data, site, position);
+          }
+          continue;
+        }
+      }
+      const int64_t row = rows.used++;
+      row_of[position] = py::int_(row);
+      rows.deferred.push_back(Held{tensor, version, data, held_site, position});
+      if (!tensor.requires_grad()) {  // autograd keeps the others until backward anyway
+        rows.deferred_bytes += bytes_of(tensor);
+      }
+      if (version >= 0 && max_remembered_ > 0) {
+        seen_.insert_or_assign(
+            impl, Seen{c10::weak_intrusive_ptr<c10::TensorImpl>(tensor.getIntrusivePtr()), version, data, key, row});
+      }
+      if (mode != kDefer) {
+        read_now = true;
+        if (mode == kUnknown && modes != nullptr) {
+          watch(tensor, version, data, site, position);
+        }
+      }
+    }
+    if (rows.deferred_bytes + watched_bytes_ > defer_bytes_) {
+      read_now = true;
+    }
+    if (watched_bytes_ > defer_bytes_) {
+      learn();
+    }
+    py::tuple taken = read_now ? take(rows) : py::make_tuple(rows.launched, std::vector<at::Tensor>(),
+                                                             std::vector<int64_t>());
+    return py::make_tuple(key, row_of, taken[0], taken[1], taken[2]);
+  }
+
+  // Every row still waiting: [(device key, first, to_read, changed)], as add() gives them.
+  std::vector<py::tuple> pending() {
+    std::vector<py::tuple> out;
+    for (size_t key = 0; key < devices_.size(); ++key) {
+      if (devices_[key].launched < devices_[key].used) {
+        py::tuple taken = take(devices_[key]);
+        out.push_back(py::make_tuple(static_cast<int64_t>(key), taken[0], taken[1], taken[2]));
+      }
+    }
+    return out;
+  }
+
+  // After the rows were read: every row is free again and no tensor is reused or held; what the
+  // watched call sites did decides whether they may wait from now on.
+  void reset() {
+    learn();
+    for (auto& rows : devices_) {
+      rows.used = rows.launched = rows.deferred_bytes = 0;
+      rows.deferred.clear();
+    }
+    seen_.clear();
+  }
+
+  // Rows in use on a device (by key); the device of a key.
+  int64_t used(int64_t key) const { return devices_.at(key).used; }
+  c10::Device device(int64_t key) const { return devices_.at(key).device; }
+
+ private:
+  int64_t device_key(const c10::Device& device) {
+    for (size_t key = 0; key < devices_.size(); ++key) {
+      if (devices_[key].device == device) {
+        return static_cast<int64_t>(key);
+      }
+    }
+    devices_.push_back(DeviceRows{device});
+    return static_cast<int64_t>(devices_.size()) - 1;
+  }
+
+  static int64_t bytes_of(const at::Tensor& tensor) {
+    return static_cast<int64_t>(tensor.numel()) * static_cast<int64_t>(tensor.element_size());
+  }
+
+  // (first, tensors, changed rows) of a device's waiting rows, which count as launched from now.
+  // A deferred tensor changed since its hook is never handed out (its memory may be gone): an
+  // empty tensor stands in, and its call site is read at once from now on.
+  py::tuple take(DeviceRows& rows) {
+    std::vector<at::Tensor> tensors;
+    std::vector<int64_t> changed;
+    tensors.reserve(rows.deferred.size());
+    int64_t row = rows.launched;
+    for (auto& held : rows.deferred) {
+      if (held.site >= 0 && held.changed()) {
+        changed.push_back(row);
+        modes_[held.site][held.position] = kAtOnce;
+        tensors.push_back(at::empty({0}, held.tensor.options().dtype(at::kByte)));
+      } else {
+        tensors.push_back(std::move(held.tensor));
+      }
+      ++row;
+    }
+    const int64_t first = rows.launched;
+    rows.launched = rows.used;
+    rows.deferred.clear();
+    rows.deferred_bytes = 0;
+    return py::make_tuple(first, std::move(tensors), std::move(changed));
+  }
+
+  // A call site's tensor read at once on its first sight: whether it changes before the pass ends
+  // decides whether that site may wait from then on.
+  void watch(const at::Tensor& tensor, int64_t version, const void* data, int64_t site, int64_t position) {
+    watched_.push_back(Held{tensor, version, data, site, position});
+    watched_bytes_ += tensor.requires_grad() ? 0 : bytes_of(tensor);
+  }
+
+  void learn() {
+    for (const auto& held : watched_) {
+      uint8_t& mode = modes_[held.site][held.position];
+      if (held.changed()) {
+        mode = kAtOnce;
+      } else if (mode == kUnknown) {
+        mode = kDefer;
+      }
+    }
+    watched_.clear();
+    watched_bytes_ = 0;
+  }
+
+  const int64_t capacity_;
+  const int64_t defer_bytes_;
+  const int64_t max_remembered_;
+  std::vector<DeviceRows> devices_;
+  std::unordered_map<const c10::TensorImpl*, Seen> seen_;
+  std::unordered_map<int64_t, std::vector<uint8_t>> modes_;
+  std::vector<Held> watched_;
+  int64_t watched_bytes_ = 0;
+};
+
+}  // namespace
+
+void add_hook_core(py::module& m) {
+  py::class_<HookCore>(m, "HookCore",
+                       "The detector's bookkeeping of when each hook's tensors are read (csrc/hooks.cpp)")
+      .def(py::init<int64_t, int64_t, int64_t>(), py::arg("capacity"), py::arg("defer_bytes"),
+           py::arg("max_remembered"))
+      .def("add", &HookCore::add, py::arg("tensors"), py::arg("site"), py::arg("defer"))
+      .def("pending", &HookCore::pending)
+      .def("reset", &HookCore::reset)
+      .def("used", &HookCore::used, py::arg("key"))
+      .def("device", &HookCore::device, py::arg("key"));
+  m.attr("HOOK_FULL") = kFull;
+  m.attr("HOOK_MIXED_DEVICES") = kMixedDevices;
+}
+
+}  // namespace overflow_fast

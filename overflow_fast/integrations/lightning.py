@@ -1,0 +1,80 @@
+"""overflow_fast in PyTorch Lightning 2.x (``lightning.pytorch``, or ``pytorch_lightning`` where only
+that is installed)::
+
+    trainer = L.Trainer(callbacks=[DetectorCallback()])   # watch()'s options; any detector option overrides
+    trainer.fit(model)   # on a nan/inf: the report, then the reference's ValueError out of fit()
+
+The detector is attached to the LightningModule when fitting starts and removed when it ends or
+raises. A LightningModule's ``training_step`` usually calls an inner network and never its own
+forward: each call of that network is a pass that decides when it returns (and with gradient
+checks, each backward pass), so a nan is reported at the step that made it. Detections, errors and
+records carry the trainer's ``global_step`` and ``"train"`` or ``"eval"``.
+"""
+
+from ..detector import WATCH_DEFAULTS, DebugUnderflowOverflow
+
+try:
+    import lightning.pytorch as pl
+except ImportError:  # the older package name
+    import pytorch_lightning as pl
+
+__all__ = ["DetectorCallback"]
+
+
+class DetectorCallback(pl.Callback):
+    """Attach ``DebugUnderflowOverflow(pl_module, **options)`` while fitting (``watch()``'s options
+    unless overridden: ``check="batch"``, ``kwargs``, ``containers``, ``backward=True``). The
+    detector is ``callback.detector`` while it is attached."""
+
+    def __init__(self, **options):
+        self.options = {**WATCH_DEFAULTS, **options}
+        self.detector = None
+
+    def on_fit_start(self, trainer, pl_module):
+        self._detach(quiet=False)
+        self.detector = DebugUnderflowOverflow(pl_module, **self.options)
+
+    def _batch_start(self, trainer, mode):
+        if self.detector is not None:
+            self.detector.set_step(trainer.global_step, mode)
+
+    def _batch_end(self):
+        if self.detector is not None:
+            self.detector.flush()  # anything still pending is decided with its batch
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._batch_start(trainer, "train")
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        self._batch_start(trainer, "eval")
+
+    def on_test_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        self._batch_start(trainer, "eval")
+
+    def on_predict_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        self._batch_start(trainer, "eval")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self._batch_end()
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        self._batch_end()
+
+    def on_fit_end(self, trainer, pl_module):
+        self._detach(quiet=False)
+
+    def on_exception(self, trainer, pl_module, exception):
+        self._detach(quiet=True)  # the exception already propagating is the one to see
+
+    def teardown(self, trainer, pl_module, stage):
+        self._detach(quiet=True)
+
+    def _detach(self, quiet):
+        detector, self.detector = self.detector, None
+        if detector is None:
+            return
+        try:
+            detector.remove()
+        except ValueError:
+            if not quiet:
+                raise

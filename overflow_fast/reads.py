@@ -1,0 +1,228 @@
+"""When a hook's tensors are read, and where their statistics wait until the detector decides.
+
+A hook's tensors are read in the hook, before anything can change them: one ``tensor_stats`` call
+enqueues their statistics into rows of a preallocated buffer on their device (on an accelerator
+no host sync), and the detector brings each buffer to the host once when it decides (at the end
+of the outermost hooked call with check="batch", at every hook with check="module"). A tensor
+already read in this pass and unchanged (the same tensor, version counter and data pointer; the
+output of one module is the input of the next) keeps its row instead of being read again.
+
+``defer=True`` (check="batch", off by default) lets a forward hook's tensors on an accelerator wait
+and be read together when the pass ends: one engine call per pass instead of one per hook. Each
+call site (a module's tensor position) is read in its hook the first time, and waits from the next
+pass on only if nothing changed its tensor before that pass ended. The hole: a tensor that waits
+and is then changed in place (a fix-up that runs only on a bad step, a new in-place op) has lost
+the values its hook saw; its line says so (``CHANGED_AFTER_HOOK``), and a nan/inf it held then is
+missed. Writes that bypass the version counter (``.data``, custom kernels) are read after the write.
+
+The bookkeeping (rows, reuse, what waits) is the C++ ``HookCore`` (csrc/hooks.cpp). Without the
+extension every hook reads its tensors at once into host rows, and nothing is reused.
+"""
+
+import ctypes
+import os
+import sys
+import warnings
+
+import torch
+
+from . import distributed
+from .frames import FORWARD
+from .stats import tensor_stats
+from .stats.cpu_backend import extension
+from .stats.kinds import PLAIN_TYPES, is_zero3_released, short_reason
+from .stats.layout import NAN, NEGINF, NUM_COLUMNS, POSINF
+
+# CPU tensors count as an accelerator's for every decision that depends on the device (deferral):
+# the accelerators' path, testable without one.
+CPU_AS_DEVICE = os.environ.get("OVERFLOW_FAST_CPU_AS_DEVICE", "") not in ("", "0")
+
+MAX_REMEMBERED = 1 << 16  # tensors whose rows a pass remembers for reuse; past it the table starts over
+DEFAULT_DEFER_BYTES = 256 << 20
+
+CHANGED_AFTER_HOOK = ("changed after this hook (in place, or its memory freed or swapped) before its deferred "
+                      "read; read in its hook from now on")
+
+_graph_task_id = torch._C._current_graph_task_id  # -1 outside a backward pass
+
+
+def may_wait(defer, phase, trace_mode, tensors):
+    """Whether a hook's tensors may be read later than in the hook: only with ``defer``, in a forward
+    hook outside backward and inference mode (tensors without version counters can never be shown
+    unchanged), on an accelerator. The core then lets wait only the call sites seen unchanged."""
+    return (defer and phase == FORWARD and not trace_mode and _graph_task_id() == -1
+            and not torch.is_inference_mode_enabled() and (CPU_AS_DEVICE or not tensors[0].is_cpu))
+
+
+class Reads:
+    """The rows of one detector's hook calls. ``add`` reads a call's tensors (or lets them wait) and
+    returns its sources; ``read`` brings every row to the host; ``resolve`` gives a frame its rows;
+    ``reset`` frees every row (after the calls that use them are replayed)."""
+
+    def __init__(self, backend, capacity, reuse=True, defer_bytes=DEFAULT_DEFER_BYTES):
+        self.backend = backend
+        self.capacity = capacity
+        module = extension()
+        self._core = (module.HookCore(capacity, defer_bytes, MAX_REMEMBERED if reuse else 0)
+                      if module is not None else None)
+        self._full = module.HOOK_FULL if module is not None else None
+        self._buffers = {}  # device key -> [capacity, 8] int64 rows on that device
+        self._host = {}  # device key -> the rows read, a flat int64 memoryview
+        self._marks = {}  # (device key, row) -> why that row's tensor could not be read
+        self._shards = {}  # device key -> {row: ShardInfo} of DTensor and ZeRO-3 rows
+        self._bad_shards = {}  # (device key, row) -> ranks whose shard holds the nan/inf
+        self._apart_nonfinite = False  # a call read apart since the last reset counts a nan/inf
+        self._warned = False
+
+    def add(self, tensors, site=-1):
+        """Read ``tensors`` (a hook call's, at least one) now, or let them wait where ``site`` (the
+        call site's id, with ``may_wait``) allows. Returns the call's sources for ``resolve``, or
+        None when the buffer has no room: read and replay what is pending, ``reset``, add again."""
+        core = self._core
+        if core is None or len(tensors) > self.capacity:
+            return self.read_apart(tensors)
+        added = core.add(tensors, site, site >= 0)
+        if type(added) is int:
+            return None if added == self._full else self.read_apart(tensors)  # else: several devices
+        key, rows, first, to_read, changed = added
+        if to_read:
+            self._launch(key, first, to_read, changed)
+        return key, rows, None
+
+    def read(self):
+        """Bring every buffer's rows to the host (one copy per device, which waits for its work);
+        DTensor and ZeRO-3 rows are combined across ranks (one collective). True when a row
+        counts a nan or an inf."""
+        core = self._core
+        if core is None:
+            return self._apart_nonfinite
+        for key, first, to_read, changed in core.pending():
+            self._launch(key, first, to_read, changed)
+        nonfinite = self._apart_nonfinite
+        for key, buffer in self._buffers.items():
+            used = core.used(key)
+            rows = buffer[:used]
+            shards = self._shards.get(key)
+            if shards:
+                bad = {}
+                rows = distributed.global_rows(rows, [shards.get(row) for row in range(used)], bad_shards=bad)
+                self._bad_shards.update(((key, row), ranks) for row, ranks in bad.items())
+            host = rows.cpu()
+            values = self._host[key] = memoryview(ctypes.string_at(host.data_ptr(), used * NUM_COLUMNS * 8)).cast("q")
+            nonfinite = nonfinite or any(any(values[column::NUM_COLUMNS]) for column in (NAN, POSINF, NEGINF))
+        return nonfinite
+
+    def resolve(self, frame, sources):
+        """Set ``frame.rows`` from the call's ``sources`` (after ``read``), with the lines of rows
+        that could not be read and of DTensor shards that hold a nan/inf."""
+        key, rows, marks = sources
+        if key is None:  # read apart: host rows already
+            frame.rows = rows
+            for index, (reason, ranks) in (marks or {}).items():
+                if reason is not None:
+                    frame.mark_unreadable(index, reason)
+                if ranks is not None:
+                    frame.mark_bad_shards(index, ranks)
+            return
+        values = self._host[key]
+        frame.rows = [values[row * NUM_COLUMNS:(row + 1) * NUM_COLUMNS].tolist() for row in rows]
+        if self._marks or self._bad_shards:
+            for index, row in enumerate(rows):
+                if (key, row) in self._marks:
+                    frame.mark_unreadable(index, self._marks[key, row])
+                if (key, row) in self._bad_shards:
+                    frame.mark_bad_shards(index, self._bad_shards[key, row])
+
+    def reset(self):
+        """Every row is free again; nothing is reused or held."""
+        if self._core is not None:
+            self._core.reset()
+        self._host.clear()
+        self._marks.clear()
+        self._shards.clear()
+        self._bad_shards.clear()
+        self._apart_nonfinite = False
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _buffer(self, key):
+        buffer = self._buffers.get(key)
+        if buffer is None:
+            buffer = self._buffers[key] = torch.empty((self.capacity, NUM_COLUMNS), dtype=torch.int64,
+                                                      device=self._core.device(key))
+        return buffer
+
+    def _launch(self, key, first, tensors, changed):
+        """Enqueue the statistics of ``tensors`` into rows [first, first + len) of a device's buffer."""
+        out = self._buffer(key)[first:first + len(tensors)]
+        result = self._stats(tensors, out)
+        if result is not None:  # the engine failed: the torch backend's rows, one tensor at a time
+            rows, reasons = result
+            out.copy_(torch.tensor(rows, dtype=torch.int64))
+            self._marks.update(((key, first + index), reason) for index, reason in reasons.items())
+        self._marks.update(((key, row), CHANGED_AFTER_HOOK) for row in changed)
+        infos = _shard_infos(tensors)
+        if infos is not None:
+            shards = self._shards.setdefault(key, {})
+            shards.update((first + index, info) for index, info in enumerate(infos) if info is not None)
+
+    def read_apart(self, tensors):
+        """Host rows now (one host read): the sources of a call read without the buffer (no
+        extension, tensors on several devices, more tensors than the buffer holds)."""
+        try:
+            rows = tensor_stats(tensors, self.backend).host_rows()
+            reasons = {}
+        except Exception as error:  # noqa: BLE001 - any engine failure falls back
+            rows, reasons = self._one_at_a_time(tensors, error)
+        marks = {index: (reason, None) for index, reason in reasons.items()}
+        infos = _shard_infos(tensors)
+        if infos is not None:
+            bad = {}
+            rows = distributed.global_rows(rows, infos, bad_shards=bad)
+            for index, ranks in bad.items():
+                marks[index] = (marks.get(index, (None, None))[0], ranks)
+        return self.host(rows, marks or None)
+
+    def host(self, rows, marks=None):
+        """The sources of a call whose rows are on the host already (read apart, or a compiled
+        graph's); ``marks``: {index: (unreadable reason or None, bad shard ranks or None)}."""
+        if any(row[NAN] or row[POSINF] or row[NEGINF] for row in rows):
+            self._apart_nonfinite = True
+        return None, rows, marks
+
+    def _stats(self, tensors, out):
+        """``tensor_stats`` into ``out``; None when it worked, else the fallback's rows and reasons."""
+        try:
+            tensor_stats(tensors, self.backend, out=out)
+            return None
+        except Exception as error:  # noqa: BLE001
+            return self._one_at_a_time(tensors, error)
+
+    def _one_at_a_time(self, tensors, error):
+        """After the engine failed on a call: warn once, then read each tensor with the torch
+        backend, so that only a tensor nothing can read loses its line. ``(rows, {index: reason})``."""
+        if not self._warned:
+            self._warned = True
+            warnings.warn(f"overflow_fast: tensor_stats failed ({type(error).__name__}: {error}); the detector "
+                          "reads such tensors one at a time with the 'torch' backend, with a host sync each",
+                          RuntimeWarning, stacklevel=5)
+        rows = []
+        reasons = {}
+        for index, tensor in enumerate(tensors):
+            try:
+                rows.append(tensor_stats([tensor], "torch").host_rows()[0])
+            except Exception as failure:  # noqa: BLE001
+                rows.append([0] * NUM_COLUMNS)
+                reasons[index] = short_reason(f"{type(failure).__name__}: {failure}")
+        return rows, reasons
+
+
+def _shard_infos(tensors):
+    """Per tensor, what combining the rows of a DTensor's shards (or a ZeRO-3 parameter's
+    partitions) across ranks needs (None for other tensors), or None when there is no such tensor
+    (the common case: one type check per tensor)."""
+    zero3 = "deepspeed" in sys.modules  # a released ZeRO-3 parameter is a plain, empty tensor
+    if all(type(t) in PLAIN_TYPES and not (zero3 and is_zero3_released(t)) for t in tensors):
+        return None
+    infos = [distributed.shard_info(t) for t in tensors]
+    return infos if any(info is not None for info in infos) else None

@@ -1,0 +1,73 @@
+"""The reference detector's state machine, as an explicit object: the ring of frames, the lines
+waiting for the next frame, the batch counter and the detection flag.
+
+transformers' ``DebugUnderflowOverflow.forward_hook`` advances its counters and decides in the same
+call. Here the two halves are apart, so that a hook can count its call at once and have its rows
+read later: ``count`` runs in the hook and returns a :class:`Call`; ``save`` replays it once the
+frame's rows are on the host, in hook order.
+"""
+
+import collections
+
+from . import report
+from .frames import FORWARD
+
+
+# One hook call as the reference's counters saw it when it ran.
+Call = collections.namedtuple("Call", ("trace_mode", "first_call", "last_frame_of_batch", "batch_before",
+                                       "batch_after", "total_calls"))
+
+
+class ReferenceState:
+    def __init__(self, max_frames_to_save, trace_batch_nums):
+        self.trace_batch_nums = trace_batch_nums
+        # The reference swaps its deque for an unbounded list after tracing or a dump; this stays bounded.
+        self.frames = collections.deque([], max_frames_to_save)
+        self.frame = []  # lines waiting for the next forward frame (batch markers)
+        self.batch_number = 0
+        self.total_calls = 0
+        self.detected_overflow = False
+
+    def count(self, last_frame_of_batch):
+        """The counters of one forward hook call (``last_frame_of_batch``: the model's own)."""
+        trace_mode = self.batch_number in self.trace_batch_nums
+        batch_before = self.batch_number
+        self.total_calls += 1
+        if last_frame_of_batch:
+            self.batch_number += 1
+        return Call(trace_mode, self.total_calls == 1, last_frame_of_batch, batch_before, self.batch_number,
+                    self.total_calls)
+
+    def count_backward(self):
+        """A gradient frame's call: it belongs to the batch whose forward ran last and moves no counter."""
+        batch = self.batch_number
+        return Call((batch - 1) in self.trace_batch_nums, False, False, batch, batch, self.total_calls)
+
+    def rewind(self, call):
+        """The counters as they were right after ``call`` (the calls after it are not replayed)."""
+        self.batch_number = call.batch_after
+        self.total_calls = call.total_calls
+
+    def open(self, call):
+        """Before a call's frame is saved: a traced batch starts the ring afresh, the first call
+        opens the first batch."""
+        if call.trace_mode:
+            self.frames.clear()
+        if call.first_call:
+            self.frame.extend(report.batch_start_lines(call.batch_before))
+
+    def save(self, frame):
+        """Keep ``frame`` in the ring; a forward frame takes the waiting lines as its lead."""
+        if frame.phase == FORWARD:  # backward frames leave the next batch's markers where they are
+            frame.lead, self.frame = self.frame, []
+        self.frames.append(frame)
+
+    def close(self, call):
+        """After a call's frame is saved: the model's own frame opens the next batch."""
+        if call.last_frame_of_batch:
+            self.frame.extend(report.batch_start_lines(call.batch_after))
+
+    def drop(self, phase):
+        """``save`` of a frame the ring would push out before anyone reads it: only its lead goes."""
+        if phase == FORWARD:
+            self.frame = []
