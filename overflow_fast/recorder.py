@@ -516,7 +516,8 @@ def _after_fork_in_child():
     global _live_lock
     _live_lock = threading.RLock()
     # The child's copies of the recorders' files share the parent's lock: close them here, so the
-    # lock goes when the parent closes its recorder, not when the last worker exits.
+    # lock goes when the parent closes its recorder, not when the last worker exits (only in the
+    # instant before a new child runs this does it still hold it).
     for recorder in list(_live):
         fd, recorder._fd = recorder._fd, None
         if fd is not None:

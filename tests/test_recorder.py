@@ -403,17 +403,22 @@ def test_a_forked_child_does_not_keep_the_lock(tmp_path):
     path = tmp_path / "run.jsonl"
     recorder = Recorder(path)
     read, write = os.pipe()
+    ready_read, ready_write = os.pipe()
     pid = os.fork()
     if pid == 0:  # a DataLoader worker that outlives the parent's recorder
         try:
             os.close(write)
+            os.write(ready_write, b"r")  # running: its at-fork hook has dropped its copy of the file
             os.read(read, 1)
         finally:
             os._exit(0)
     os.close(read)
     try:
+        assert os.read(ready_read, 1) == b"r"
         recorder.close()
         Recorder(path).close()  # not refused while the child still runs
     finally:
         os.close(write)
         os.waitpid(pid, 0)
+        os.close(ready_read)
+        os.close(ready_write)
