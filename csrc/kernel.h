@@ -59,7 +59,9 @@ inline L float_key(L x, const Consts<L>& c) {
   if constexpr (M == Mode::Exponent) {
     return x;
   } else if constexpr (M == Mode::FloatNuz) {
-    return x == c.nan_bits ? std::numeric_limits<L>::max() : static_cast<L>(x & c.abs_mask);
+    // all ones or'ed in on the NaN pattern; as a select (?:) GCC 12 left the loop unvectorised
+    // (2.5x the time of e4m3fn's in the baseline build)
+    return static_cast<L>((x & c.abs_mask) | -static_cast<L>(x == c.nan_bits));
   } else {
     return static_cast<L>(x & c.abs_mask);
   }
