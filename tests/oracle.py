@@ -65,6 +65,16 @@ def float8_value(byte: int, dtype: torch.dtype) -> float:
     return sign * math.ldexp((1 << mant_bits) + mantissa, exponent - bias - mant_bits)
 
 
+_FLOAT8_TABLES = {}  # dtype -> the 256 values of its bytes, decoded by float8_value
+
+
+def _float8_table(dtype):
+    table = _FLOAT8_TABLES.get(dtype)
+    if table is None:
+        table = _FLOAT8_TABLES[dtype] = [float8_value(byte, dtype) for byte in range(256)]
+    return table
+
+
 def has_inf(dtype: torch.dtype) -> bool:
     """Whether a floating dtype has infinities (the 8-bit fn, fnuz and e8m0 formats do not)."""
     return _FLOAT8_FORMATS.get(dtype, (0, 0, 0, "ieee"))[3] == "ieee"
@@ -106,7 +116,8 @@ def reference_stats(x: torch.Tensor) -> dict:
     elif dtype.is_floating_point:
         # float64 holds every value of every narrower float dtype exactly
         if dtype in FLOAT8:
-            values = [float8_value(byte, dtype) for byte in flat.view(torch.uint8).tolist()]
+            table = _float8_table(dtype)
+            values = [table[byte] for byte in flat.view(torch.uint8).tolist()]
         else:
             values = flat.to(torch.float64).tolist()
         mags = [abs(v) for v in values]
