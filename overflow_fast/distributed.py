@@ -24,15 +24,17 @@ numbers of forwards:
 
 - generation, evaluation or logging run on rank 0 only (``if rank == 0: model.generate(...)``),
   uneven last batches with ``drop_last=False`` and ``Join``, early-exit loops, pipeline stages with
-  different modules: the rank with the extra forward waits in ``agree()`` for partners that never
-  come, and the others may instead meet it inside their next collective (DDP's gradient all-reduce),
-  with mismatched sizes. Opt out around such code with ``with local_only(): ...`` (this thread's
-  calls decide alone, no collective), or turn the synchronisation off for a detector (the detector's
-  option); detection then works per rank as in the reference.
+  different modules: the rank with the extra forward joins one agreement more than the others. Its
+  agreements pair with theirs in order (on the agreement's own group, never with the model's
+  collectives; numbered by the caller, see :class:`Agreement`, a point one rank skipped raises on
+  every rank) and its last one waits for a partner that never comes, until the timeout. Opt out
+  around such code with ``with local_only(): ...`` (this thread's calls decide alone, no
+  collective), or turn the synchronisation off for a detector (the detector's option); detection
+  then works per rank as in the reference.
 - A decision per module (``check="module"``) must not run a collective at the module: FSDP2 and
   tensor parallel issue their own collectives inside the forward (parameter all-gathers, TP
-  all-reduces), and a rank that stopped at module k to agree would meet its peers' all-gather for
-  module k+1 (hang or garbage). So a detecting rank prints its report at once but raises only after
+  all-reduces), and a rank that stopped at module k to agree would wait for its peers while they
+  wait in their all-gather for module k+1 for it (a deadlock that only a timeout ends). So a detecting rank prints its report at once but raises only after
   the agreement at the end of the top-level forward, with everybody else.
 - The agreement never pairs with the model's collectives: it runs on its own gloo group (see
   :class:`Agreement`), so a detector on only some ranks, or an agreement some rank skipped, raises
