@@ -11,6 +11,7 @@ Every figure is the median of repeated runs; GB/s counts each tensor's bytes onc
     .venv/bin/python benchmarks/bench_cpu_kernel.py [--repeats N] [--threads T] [--quick]
     .venv/bin/python benchmarks/bench_cpu_kernel.py --complex    complex64/complex128 only
     .venv/bin/python benchmarks/bench_cpu_kernel.py --vs-sum     kernel / x.sum() per dtype, size, kernel build
+    .venv/bin/python benchmarks/bench_cpu_kernel.py --vs-sum --only float8   the cases whose name holds "float8"
 
 ``--vs-sum``: the kernel alone (``_C.compute([x])``, no host copy of the rows) against ``x.sum()``
 on the same tensor with the same threads, per dtype at 256 KB (in cache) and 64 MB (out of cache),
@@ -126,6 +127,7 @@ def main():
                         help="complex64 and complex128 tensors (the kernel's scalar path) instead")
     parser.add_argument("--vs-sum", action="store_true",
                         help="kernel / x.sum() per dtype and size (256 KB, 64 MB), per kernel build, instead")
+    parser.add_argument("--only", default=None, help="--vs-sum: only the cases whose name holds this text")
     parser.add_argument("--csv", default=None, help="append machine-readable rows to this CSV")
     args = parser.parse_args()
     if args.threads:
@@ -138,7 +140,7 @@ def main():
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, kernel {cpu_backend._C.capability()}, "
           f"medians of {repeats} interleaved runs")
     if args.vs_sum:
-        vs_sum(repeats, args.quick, args.csv)
+        vs_sum(repeats, args.quick, args.csv, args.only)
         return
     rows = []
     if args.complex:
@@ -189,6 +191,10 @@ VS_SUM_CASES = {
     "float64": (torch.float64, _randn(torch.float64)),
     "float8_e4m3fn": (torch.float8_e4m3fn, _randn(torch.float8_e4m3fn)),
     "float8_e5m2": (torch.float8_e5m2, _randn(torch.float8_e5m2)),
+    # AMD's: fnuz (NaN 0x80, read on unsigned lanes with its own key), e8m0fnu (a bare exponent)
+    "float8_e4m3fnuz": (torch.float8_e4m3fnuz, _randn(torch.float8_e4m3fnuz)),
+    "float8_e5m2fnuz": (torch.float8_e5m2fnuz, _randn(torch.float8_e5m2fnuz)),
+    "float8_e8m0fnu": (torch.float8_e8m0fnu, _randn(torch.float8_e8m0fnu)),
     # int8 over its whole range: a zero every 256 elements on average, so every block holds one
     "int8": (torch.int8, _ints(torch.int8, 128)),
     "int32": (torch.int32, _ints(torch.int32, 1 << 20)),
@@ -198,7 +204,12 @@ VS_SUM_CASES = {
     "float16 relu": (torch.float16, _relu(torch.float16)),
     "bfloat16 relu": (torch.bfloat16, _relu(torch.bfloat16)),
     "bfloat16 1/97 zero": (torch.bfloat16, _every97(torch.bfloat16)),
+    "float8_e4m3fn relu": (torch.float8_e4m3fn, _relu(torch.float8_e4m3fn)),
+    "float8_e4m3fnuz relu": (torch.float8_e4m3fnuz, _relu(torch.float8_e4m3fnuz)),
 }
+# torch has no CPU sum for these: their bytes are summed as uint8
+_FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz,
+           torch.float8_e8m0fnu)
 VS_SUM_SIZES = {"256KB": 256 * 1024, "64MB": 64 << 20}
 
 
@@ -207,7 +218,7 @@ def _kernel(x):
 
 
 def _sum(x):
-    if x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+    if x.dtype in _FLOAT8:
         x.view(torch.uint8).sum()
     else:
         x.sum()
@@ -234,19 +245,21 @@ def alternating_calls(fns, x, budget=0.05):
     return samples
 
 
-def vs_sum(repeats, quick, csv_path):
+def vs_sum(repeats, quick, csv_path, only=None):
     """kernel / x.sum() per dtype and size, on every kernel build this CPU runs: the median of
-    single calls pooled over `repeats` interleaved rounds."""
+    single calls pooled over `repeats` interleaved rounds; `only`: the cases whose name holds it."""
     builds = [name for name, why in cpu_backend._C.capabilities() if not why]
     skipped = [f"{name} ({why})" for name, why in cpu_backend._C.capabilities() if why]
     cases = VS_SUM_CASES if not quick else {k: VS_SUM_CASES[k] for k in ("float32", "bfloat16", "int8")}
+    if only:
+        cases = {k: v for k, v in cases.items() if only in k}
     sizes = VS_SUM_SIZES if not quick else {"256KB": VS_SUM_SIZES["256KB"]}
     generator = torch.Generator().manual_seed(0)
     previous = cpu_backend._C.capability()
     print("kernel = _C.compute([x]); sum = x.sum() (float8: x.view(torch.uint8).sum()); ratio = kernel / sum; "
           f"medians of single calls, kernel and sum in turn, {repeats} rounds; builds {builds}"
           + (f"; not run: {'; '.join(skipped)}" if skipped else ""))
-    header = f"{'case':<20}{'size':>7}" + "".join(f"{b + ' us':>12}{'ratio':>8}" for b in builds) + f"{'sum us':>11}"
+    header = f"{'case':<22}{'size':>7}" + "".join(f"{b + ' us':>12}{'ratio':>8}" for b in builds) + f"{'sum us':>11}"
     print(header)
     print("-" * len(header))
     out = []
@@ -263,7 +276,7 @@ def vs_sum(repeats, quick, csv_path):
                         kernel_samples[b] += got["kernel"]
                         sum_samples += got["sum"]
                 t_sum = statistics.median(sum_samples)
-                line = f"{label:<20}{size_label:>7}"
+                line = f"{label:<22}{size_label:>7}"
                 for b in builds:
                     t = statistics.median(kernel_samples[b])
                     line += f"{t * 1e6:>12.1f}{t / t_sum:>7.2f}x"

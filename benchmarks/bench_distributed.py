@@ -1,6 +1,7 @@
-"""Per-step cost of the distributed coordination: ``agree()`` (one all_reduce of world_size int32
-and one host read) and ``global_rows()`` (one all_gather of the DTensor rows of a read), on gloo
-with 2 CPU processes, side by side with a no-op call.
+"""Per-step cost of the distributed coordination: an agreement (``Agreement.agree()``: one
+all_reduce of world_size x 4 int64 on its own gloo group, and ``agree()``, the same through the
+Agreement it keeps) and ``global_rows()`` (one all_gather of the DTensor rows of a read), on gloo
+with 2 CPU processes, side by side with a no-op call and the bare collectives.
 
     python benchmarks/bench_distributed.py [--calls N] [--rounds R]
 
@@ -42,11 +43,13 @@ def _worker(rank, port, calls, rounds):
     local = tensor_stats(params).values
     flags = torch.zeros(2, dtype=torch.int32)
     rows = torch.zeros(16, 8, dtype=torch.int64)
+    agreement = distributed.Agreement(timeout=60)
     variants = {
         "no-op call": lambda: _noop(False),
         "bare dist.all_reduce (2 int32)": lambda: dist.all_reduce(flags),
         "bare all_gather (8x8 int64 per rank)": lambda: distributed._all_gather_single(dist)(rows, local),
-        "agree() (all_reduce, 2 int32)": lambda: distributed.agree(False),
+        "Agreement.agree() (own gloo group, 2x4 int64)": lambda: agreement.agree(False),
+        "agree() (its Agreement)": lambda: distributed.agree(False),
         "global_rows() of 8 DTensors (all_gather 8x8 int64)": lambda: distributed.global_rows(local, params),
         "global_rows() + host read": lambda: distributed.global_rows(local, params).tolist(),
     }

@@ -39,7 +39,7 @@ namespace overflow_fast {
 namespace {
 
 // Bumped whenever the Python side must change with the module (cpu_backend.py checks it).
-constexpr int kAbiVersion = 11;
+constexpr int kAbiVersion = 12;
 
 // Columns of a row (overflow_fast/stats/layout.py).
 enum Column : int64_t { ABS_MIN, ABS_MAX, NAN_COUNT, POSINF, NEGINF, ZERO, SUBNORMAL, NUMEL, NUM_COLUMNS };
@@ -180,6 +180,9 @@ std::optional<Kind> kind_of(at::ScalarType dtype) {
     case at::kBFloat16: return Kind::BF16;
     case at::kFloat8_e4m3fn: return Kind::F8E4M3FN;
     case at::kFloat8_e5m2: return Kind::F8E5M2;
+    case at::kFloat8_e4m3fnuz: return Kind::F8E4M3FNUZ;
+    case at::kFloat8_e5m2fnuz: return Kind::F8E5M2FNUZ;
+    case at::kFloat8_e8m0fnu: return Kind::F8E8M0FNU;
     case at::kChar: return Kind::I8;
     case at::kShort: return Kind::I16;
     case at::kInt: return Kind::I32;
@@ -197,7 +200,8 @@ bool is_complex(Kind kind) { return kind == Kind::C32 || kind == Kind::C64 || ki
 
 bool is_floating(Kind kind) {
   return kind == Kind::F64 || kind == Kind::F32 || kind == Kind::F16 || kind == Kind::BF16 ||
-         kind == Kind::F8E4M3FN || kind == Kind::F8E5M2;
+         kind == Kind::F8E4M3FN || kind == Kind::F8E5M2 || kind == Kind::F8E4M3FNUZ ||
+         kind == Kind::F8E5M2FNUZ || kind == Kind::F8E8M0FNU;
 }
 
 // How to read one tensor: `rows` rows of `row_len` contiguous elements; row r starts at
@@ -323,6 +327,15 @@ double float_of_key(Kind kind, int64_t key) {
     case Kind::F8E5M2:
       return static_cast<float>(
           c10::Float8_e5m2(static_cast<uint8_t>(key), c10::Float8_e5m2::from_bits()));
+    case Kind::F8E4M3FNUZ:
+      return static_cast<float>(
+          c10::Float8_e4m3fnuz(static_cast<uint8_t>(key), c10::Float8_e4m3fnuz::from_bits()));
+    case Kind::F8E5M2FNUZ:
+      return static_cast<float>(
+          c10::Float8_e5m2fnuz(static_cast<uint8_t>(key), c10::Float8_e5m2fnuz::from_bits()));
+    case Kind::F8E8M0FNU:  // 2^(key-127); key 0 is 2^-127, a float32 subnormal, exact
+      return static_cast<float>(
+          c10::Float8_e8m0fnu(static_cast<uint8_t>(key), c10::Float8_e8m0fnu::from_bits()));
     default:
       TORCH_INTERNAL_ASSERT(false, "not a floating kind");
   }

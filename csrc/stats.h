@@ -10,6 +10,7 @@ namespace overflow_fast {
 // How the kernel reads a dtype's elements. Floating dtypes are read as integer bit patterns.
 enum class Kind : int {
   F64, F32, F16, BF16, F8E4M3FN, F8E5M2,  // floating: integer lanes holding the bits
+  F8E4M3FNUZ, F8E5M2FNUZ, F8E8M0FNU,      // the AMD fp8 formats (kernel.h, Mode)
   I8, I16, I32, I64,                      // signed integers
   U8, BOOL,                               // unsigned bytes
   C32, C64, C128,                         // complex: scalar path on the parts and the magnitude
@@ -17,7 +18,8 @@ enum class Kind : int {
 
 // The statistics of part of one tensor. kmin/kmax are "keys" that order like |x| within a Kind:
 // - floating: the bits of |x| (sign cleared); for every IEEE-like format the order of those
-//   bits is the order of the magnitudes, and NaN bits sort above inf;
+//   bits is the order of the magnitudes, and NaN bits sort above inf (the fnuz formats' NaN,
+//   0x80, has the key 0xFF; e8m0fnu's key is its byte);
 // - signed integers: -|x|, which never overflows (so the max key is the min magnitude);
 // - uint8/bool: x ^ 0x80 as int8, which orders like x;
 // - complex: the float64 bits of |z| (NaN stored as the positive quiet NaN, above inf).

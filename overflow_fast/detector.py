@@ -33,7 +33,7 @@ DEFAULT_BUFFER_ROWS = 1 << 16
 _graph_task_id = torch._C._current_graph_task_id  # -1 outside a backward pass
 _NO_ROWS = (None, [], None)
 _RUNTIME = ("_reads", "_queue", "_running", "_lock", "_traced", "_spent", "_stop_pending", "_deciding",
-            "_backward_flush_task", "_skipping", "_skips_in_a_row", "_optimizer_hooks")
+            "_backward_flush_task", "_agreement", "_agreements", "_skipping", "_skips_in_a_row", "_optimizer_hooks")
 
 
 class OverflowDetected(ValueError):
@@ -184,6 +184,9 @@ class DebugUnderflowOverflow:
         self._handles = []
         self._gradients = None
         self._new_runtime()
+        if self._sync_wanted():
+            # collective: every rank builds its detector here; a rank alone fails here, in time
+            self._agreement = distributed.Agreement(timeout=sync_timeout)
         self.analyse_model()
         self.register_forward_hook()
 
@@ -199,6 +202,8 @@ class DebugUnderflowOverflow:
         self._stop_pending = False  # this rank detected; the error waits for the agreement
         self._deciding = False  # a pass is ending: a detection now waits for its agreement
         self._backward_flush_task = None  # the backward pass whose end will flush
+        self._agreement = None  # with the other ranks (made when first needed, if not at construction)
+        self._agreements = 0  # agreement points reached: their sequence numbers
         self._skipping = False  # on_detect="skip": this step applies no update
         self._skips_in_a_row = 0
         self._optimizer_hooks = []
@@ -465,7 +470,7 @@ class DebugUnderflowOverflow:
             self._deciding = False
             self._reads.reset()
             if self._sync_wanted():
-                self._agree()
+                self._agree(FORWARD)
 
     def _gradient_hook(self, module, items, consumers):
         with self._lock:
@@ -495,7 +500,7 @@ class DebugUnderflowOverflow:
                 self._deciding = False
                 self._reads.reset()
                 if self._sync_wanted():
-                    self._agree()
+                    self._agree(BACKWARD)
             if self._skipping:
                 self._drop_gradients()
 
@@ -504,11 +509,18 @@ class DebugUnderflowOverflow:
         return (self.sync and self._policy.on_detect in ("raise", "skip") and distributed.world() is not None
                 and not distributed.is_local_only())
 
-    def _agree(self):
-        """One small collective: every rank learns which ranks detected; all raise together (with
-        on_detect="skip": all skip the step together)."""
+    def _agree(self, phase):
+        """One small collective on a process group of its own: every rank learns which ranks
+        detected; all raise together (with on_detect="skip": all skip the step together). Its
+        sequence number counts the agreement points and tells a forward's from a backward's, so
+        ranks that meet at different points (uneven forwards, a backward one rank skipped after
+        its forward raised) get an error naming them, never a decision."""
         pending, self._stop_pending = self._stop_pending, False
-        ranks = distributed.agree(bool(pending) or self._skipping, timeout=self.sync_timeout)
+        if self._agreement is None:
+            self._agreement = distributed.Agreement(timeout=self.sync_timeout)
+        self._agreements += 1
+        seq = 2 * self._agreements + (phase == BACKWARD)
+        ranks = self._agreement.agree(bool(pending) or self._skipping, seq=seq)
         if ranks and not pending and self._policy.on_detect == "skip":
             self._skipping = True
         elif ranks:

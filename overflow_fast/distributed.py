@@ -1,13 +1,16 @@
 """torch.distributed building blocks for the detector: which rank speaks, every rank stopping
 together, and whole-tensor numbers for DTensor shards. Only torch.distributed is used (process
-groups, DeviceMesh, DTensor placements); nothing here starts or owns a process group.
+groups, DeviceMesh, DTensor placements); nothing here starts the job's process group.
 
 - :func:`world` / :func:`rank_prefix`: ``(rank, world_size)`` and the ``"[rank 1/2] "`` that a
   rank-aware report starts its lines with; both None in a single process (world size 1 or no
   process group), so single-process output stays byte-identical to the reference.
-- :func:`agree`: one tiny collective (an all_reduce of ``world_size`` int32) after which every rank
-  knows which ranks detected a nan/inf; :class:`OverflowOnRanks` is the ValueError every rank then
-  raises, naming them.
+- :class:`Agreement`: created on every rank, it owns a gloo process group of its own; each
+  ``agree(detected)`` is one tiny collective on it (an all_reduce of ``world_size`` x 4 int64: each
+  rank's sequence number, flag, start time and timeout) after which every rank knows which ranks
+  detected a nan/inf, or every rank raises an :class:`AgreementError` (misaligned, timed out).
+  :func:`agree` is the same through an Agreement it creates at its first call.
+  :class:`OverflowOnRanks` is the ValueError every rank then raises, naming the ranks.
 - :func:`global_rows`: the rows of DTensor entries made the whole tensor's rows, combined across
   the mesh from each rank's local-shard rows with ONE all_gather per call (not one per tensor).
 
@@ -21,26 +24,27 @@ numbers of forwards:
 
 - generation, evaluation or logging run on rank 0 only (``if rank == 0: model.generate(...)``),
   uneven last batches with ``drop_last=False`` and ``Join``, early-exit loops, pipeline stages with
-  different modules: the rank with the extra forward waits in ``agree()`` for partners that never
-  come, and the others may instead meet it inside their next collective (DDP's gradient all-reduce),
-  with mismatched sizes. Opt out around such code with ``with local_only(): ...`` (this thread's
-  calls decide alone, no collective), or turn the synchronisation off for a detector (the detector's
-  option); detection then works per rank as in the reference.
+  different modules: the rank with the extra forward joins one agreement more than the others. Its
+  agreements pair with theirs in order (on the agreement's own group, never with the model's
+  collectives; numbered by the caller, see :class:`Agreement`, a point one rank skipped raises on
+  every rank) and its last one waits for a partner that never comes, until the timeout. Opt out
+  around such code with ``with local_only(): ...`` (this thread's calls decide alone, no
+  collective), or turn the synchronisation off for a detector (the detector's option); detection
+  then works per rank as in the reference.
 - A decision per module (``check="module"``) must not run a collective at the module: FSDP2 and
   tensor parallel issue their own collectives inside the forward (parameter all-gathers, TP
-  all-reduces), and a rank that stopped at module k to agree would meet its peers' all-gather for
-  module k+1 (hang or garbage). So a detecting rank prints its report at once but raises only after
+  all-reduces), and a rank that stopped at module k to agree would wait for its peers while they
+  wait in their all-gather for module k+1 for it (a deadlock that only a timeout ends). So a detecting rank prints its report at once but raises only after
   the agreement at the end of the top-level forward, with everybody else.
-- A rank that dies (OOM, a crash) never reaches the collective: the others wait for the process
-  group's timeout, ``init_process_group(timeout=...)`` (NCCL: 10 minutes by default; with
-  ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1``, the default, the watchdog then aborts the job; gloo: 30
-  minutes, then a RuntimeError). :func:`agree` takes its own ``timeout=`` (an async work's
-  ``wait(timeout)``) and raises a RuntimeError that says what probably happened. Torchrun's elastic
-  agent also ends the other ranks when one exits with an error.
-- The collective runs on the group's own device: the current CUDA device for NCCL (the flag goes
-  up in a tiny host-to-device copy and comes back in one sync; the detector has already synced for
-  its read), the CPU for gloo. A job may also pass a gloo side group (``dist.new_group(
-  backend="gloo")``) to keep the agreement off the GPU streams.
+- The agreement never pairs with the model's collectives: it runs on its own gloo group (see
+  :class:`Agreement`), so a detector on only some ranks, or an agreement some rank skipped, raises
+  an :class:`AgreementError` instead of completing (and corrupting) a gradient all-reduce.
+- A rank that dies (OOM, a crash) never reaches the collective: the others wait for the
+  agreement's ``timeout`` (the default group's timeout, ``init_process_group(timeout=...)``, when
+  None) and raise an :class:`AgreementTimeout` saying how long they waited and what probably
+  happened. Torchrun's elastic agent also ends the other ranks when one exits with an error.
+- The collective runs on the CPU (gloo), also in NCCL jobs: the flags are host values once the
+  detector has read its statistics, and the agreement stays off the GPU streams.
 
 DTensor placements in :func:`global_rows`
 -----------------------------------------
@@ -57,7 +61,9 @@ counts describe the terms, not their sum (finite terms whose sum overflows are n
 
 import contextlib
 import datetime
+import hashlib
 import threading
+import time
 
 import torch
 
@@ -124,9 +130,10 @@ def stop_message(ranks):
 
 @contextlib.contextmanager
 def local_only():
-    """Within this block, :func:`agree` and :func:`global_rows` on this thread run no collective:
-    each rank decides alone and DTensor rows stay local. Wrap code that only some ranks run
-    (generation or evaluation on rank 0) so that it cannot hang in a collective."""
+    """Within this block, :func:`agree`, :meth:`Agreement.agree` and :func:`global_rows` on this
+    thread run no collective: each rank decides alone and DTensor rows stay local. Wrap code that
+    only some ranks run (generation or evaluation on rank 0) so that it cannot hang in a
+    collective."""
     previous = getattr(_local, "off", False)
     _local.off = True
     try:
@@ -149,14 +156,309 @@ def collective_device(group=None):
     return torch.device("cpu")
 
 
+# -- the agreement: its own process group, numbered calls ---------------------------------------
+
+
+class AgreementError(RuntimeError):
+    """An agreement that took no decision: created on only some ranks, misaligned, timed out, or
+    the :class:`Agreement` is unusable after such an error. Raised on every rank that reaches the
+    agreement (see :class:`Agreement`)."""
+
+
+class AgreementTimeout(AgreementError):
+    """This rank waited its timeout for the other ranks (at creation or at an agreement)."""
+
+
+class AgreementMisaligned(AgreementError):
+    """The ranks met at different agreement points (sequence numbers)."""
+
+
+_STORE_PREFIX = "overflow_fast/agreement"
+_instances = {}  # ranks (tuple) -> Agreements this process has created for them in _instances_world
+_instances_world = None  # the default group they were created under (a new one numbers from 0)
+_instances_lock = threading.Lock()
+_abandoned = []  # process groups holding a stuck collective: freeing one waits for it to time out
+
+
+def _default_store():
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()
+
+
+def _default_timeout(dist):
+    """The timeout of the default process group (``init_process_group(timeout=...)``), what a
+    model's own collective waits; torch's default when it cannot be read."""
+    world_group = dist.group.WORLD
+    for device in ("cpu", "cuda"):
+        try:
+            return world_group._get_backend(torch.device(device)).options._timeout
+        except Exception:  # no backend for that device, or an older torch
+            continue
+    from torch.distributed.constants import default_pg_timeout
+
+    return default_pg_timeout
+
+
+def _as_timedelta(timeout):
+    if timeout is None or isinstance(timeout, datetime.timedelta):
+        return timeout
+    return datetime.timedelta(seconds=float(timeout))
+
+
+def _ranks_text(ranks):
+    """``"0-3, 5"`` for [0, 1, 2, 3, 5]."""
+    ranks = sorted(ranks)
+    parts, start = [], None
+    for index, rank in enumerate(ranks):
+        if start is None:
+            start = rank
+        if index + 1 == len(ranks) or ranks[index + 1] != rank + 1:
+            parts.append(str(start) if start == rank else f"{start}-{rank}")
+            start = None
+    return ", ".join(parts)
+
+
+def _ordinal(n):
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
+_REMEDY = ("Wrap code that only some ranks run (generation or evaluation on one rank) in "
+           "overflow_fast.distributed.local_only().")
+
+
+class Agreement:
+    """Every rank learns which ranks detected a nan/inf, over a process group of its own.
+
+    ``Agreement(timeout=None, group=None)`` is collective: every rank of ``group`` (default: the
+    world) must create it, at the same point of its program, in the same order as its other
+    Agreements. Then ``agree(detected)`` (collective too) returns the sorted global ranks that
+    passed ``detected=True``, the same list on every rank.
+
+    Its own group. The agreement never runs on the model's process groups, so it can never pair
+    with a collective of the model (a detector on only some ranks used to complete the model's
+    gradient all_reduce on the others with its flags). It is a gloo group on the CPU, also in NCCL
+    jobs: the flags are host values once the detector has read its statistics, an NCCL collective
+    would queue behind the model's communication on the GPU, and an NCCL collective abandoned
+    after a timeout cannot be taken back (the watchdog aborts the communicator), where a gloo one
+    only keeps a CPU thread. The group is built directly on the default store under a key of its
+    own, not with ``dist.new_group``, whose groups are numbered by a per-process counter: a
+    new_group called on only some ranks would shift every later group of the model.
+
+    Creation. Each rank announces itself in the default store and waits until all have, for
+    ``timeout`` (the default group's timeout when None). Created on only some ranks, it raises an
+    :class:`AgreementTimeout` there, naming the ranks that never came; no collective ran, so the
+    other ranks' collectives are untouched, and a rank that creates it later gets an
+    :class:`AgreementError` at once (the attempt is marked abandoned in the store).
+
+    Sequence numbers. Each ``agree()`` carries a sequence number: ``seq`` if given (the caller's
+    number of the agreement point, the same on every rank, increasing: e.g. the count of top-level
+    forwards that reach an agreement, counting those that raised before it), else the count of this
+    object's agreements. The ranks exchange them with their flags, so ranks that meet at different
+    points raise an :class:`AgreementMisaligned` on every rank, naming the ranks and their numbers,
+    and decide nothing. Without ``seq`` only calls that this object abandoned can misalign (a point
+    some rank never reached pairs its peers with that rank's next call, unseen); pass ``seq`` to
+    catch it.
+
+    Timeouts and errors. ``agree()`` waits ``timeout`` for the other ranks, then raises an
+    :class:`AgreementTimeout` stating the time it actually waited. Its collective stays queued
+    in gloo (until gloo's own timeout, twice the wait): a rank arriving late could still complete
+    it. So the rank that gives up records that in the store, and a rank whose call completes late
+    (it sees from the others' start times that one may have given up) checks, both through one
+    compare-and-set per agreement number: either the call completed first and the rank that timed
+    out waits for it and returns its result, or every rank raises. After any error the object is
+    unusable: every later ``agree()`` raises at once (never a result that could be off by one);
+    create a new Agreement on every rank to go on. The ranks compare start times in wall-clock
+    time: clocks more than half the timeout apart can leave a late rank with a result for the
+    agreement its peer gave up on; it then raises at its next agreement.
+
+    Without a process group, in a group of one rank, or inside :func:`local_only`, no collective
+    runs: ``agree`` returns ``[this rank]`` or ``[]`` and numbers nothing.
+    """
+
+    def __init__(self, timeout=None, group=None):
+        self.timeout = _as_timedelta(timeout)
+        if self.timeout is not None and self.timeout.total_seconds() <= 0:
+            raise ValueError(f"Agreement: timeout must be positive, not {timeout!r}")
+        self.seq = 0  # the last agreement's sequence number
+        self.broken = None  # the error that made this object unusable
+        self._lock = threading.Lock()
+        self._process_group = None
+        dist = _dist()
+        where = world(group) if dist is not None else None
+        self.rank = dist.get_rank() if dist is not None else 0
+        if where is None:
+            self.ranks = [self.rank]
+            return
+        self.ranks = list(dist.get_process_group_ranks(group)) if group is not None else list(range(where[1]))
+        if self.rank not in self.ranks:
+            raise ValueError(f"Agreement: rank {self.rank} is not in the group (ranks {_ranks_text(self.ranks)})")
+        self._index = self.ranks.index(self.rank)
+        self._wait = self.timeout if self.timeout is not None else _default_timeout(dist)
+        ranks_key = tuple(self.ranks)
+        global _instances_world
+        with _instances_lock:
+            if _instances_world is not dist.group.WORLD:  # the process group was made anew
+                _instances.clear()
+                _agreements.clear()
+                _instances_world = dist.group.WORLD
+            number = _instances.get(ranks_key, 0)
+            _instances[ranks_key] = number + 1
+        name = f"ranks {_ranks_text(self.ranks)}"
+        self._name = f"the {_ordinal(number + 1)} Agreement of {name}"
+        digest = hashlib.sha1(",".join(map(str, self.ranks)).encode()).hexdigest()[:16]
+        self._store = dist.PrefixStore(f"{_STORE_PREFIX}/{len(self.ranks)}-{digest}/{number}/", _default_store())
+        self._handshake()
+        # gloo's own timeout, after which a collective fails and the group's connections close, is
+        # twice the wait: a rank that gave up just as a peer completed the agreement (see _give_up)
+        # can then still take the result
+        self._process_group = dist.ProcessGroupGloo(dist.PrefixStore("group/", self._store), self._index,
+                                                    len(self.ranks), 2 * self._wait)
+        rows = torch.zeros((len(self.ranks), 4), dtype=torch.int64)
+        self._rows = (rows, rows.numpy())
+
+    # -- creation ------------------------------------------------------------------------------
+
+    def _handshake(self):
+        """Wait until every rank has created this Agreement, or give up after the timeout."""
+        store, size = self._store, len(self.ranks)
+        started = time.monotonic()
+        store.set(f"rank/{self._index}", "1")
+        if store.add("arrived", 1) == size:  # the last one to arrive opens the group
+            store.compare_set("verdict", "", "go")
+        pause = 0.001
+        while not store.check(["verdict"]):
+            if time.monotonic() - started >= self._wait.total_seconds():
+                missing = [rank for index, rank in enumerate(self.ranks) if not store.check([f"rank/{index}"])]
+                waited = time.monotonic() - started
+                message = (f"overflow_fast: {self._name} must be created on every one of those ranks at the "
+                           f"same point; rank {self.rank} waited {waited:.2f} s and rank(s) "
+                           f"{_ranks_text(missing) or '?'} never created it (a detector built on only some "
+                           "ranks?). No collective ran.")
+                verdict = store.compare_set("verdict", "", "abandoned: " + message).decode()
+                if verdict == "go":  # everybody came just now
+                    break
+                raise AgreementTimeout(message)
+            time.sleep(pause)
+            pause = min(pause * 2, 0.02)
+        verdict = store.get("verdict").decode()
+        if verdict != "go":
+            raise AgreementError(f"overflow_fast: rank {self.rank} created {self._name} after it was "
+                                 f"given up: {verdict.removeprefix('abandoned: ')}")
+
+    # -- agreeing ------------------------------------------------------------------------------
+
+    def agree(self, detected, seq=None):
+        """The sorted global ranks that passed ``detected=True`` (the same list on every rank).
+
+        ``seq``: this agreement's sequence number, the same on every rank and larger than the
+        previous one (default: the previous one plus one). Raises an :class:`AgreementError` (see
+        the class) instead of deciding when the ranks do not meet at the same point in time."""
+        detected = bool(detected)
+        if self._process_group is None or is_local_only():
+            return [self.rank] if detected else []
+        with self._lock:
+            if self.broken is not None:
+                raise AgreementError(f"overflow_fast: this Agreement is unusable since an earlier error; create "
+                                     f"a new one on every rank to go on. The error: {self.broken}")
+            if seq is None:
+                seq = self.seq + 1
+            elif int(seq) <= self.seq:
+                raise ValueError(f"Agreement.agree: seq {seq} is not above the previous agreement's {self.seq}")
+            seq = int(seq)
+            self.seq = seq
+            try:
+                return self._agree(detected, seq)
+            except AgreementError as error:
+                self.broken = str(error)
+                raise
+
+    def _agree(self, detected, seq):
+        # each rank's row: its sequence number, flag, start (wall clock, ms) and timeout (ms),
+        # written through numpy (a torch op per field costs more than the collective's own work);
+        # one buffer for every call: a call whose collective could still write it breaks the object
+        rows, values = self._rows
+        values.fill(0)
+        values[self._index] = (seq, detected, time.time_ns() // 1_000_000, self._wait.total_seconds() * 1000)
+        started = time.monotonic()
+        work = self._process_group.allreduce([rows])
+        try:
+            work.wait(self._wait)
+        except Exception as error:  # a timeout, or gloo's error (a peer died)
+            self._give_up(work, seq, started, error)
+        seqs, flags, starts, waits = values.T.tolist()
+        if len(set(seqs)) > 1:
+            by_seq = {}
+            for rank, number in zip(self.ranks, seqs):
+                by_seq.setdefault(number, []).append(rank)
+            where = "; ".join(f"rank(s) {_ranks_text(ranks)} at agreement {number}" for number, ranks in
+                              sorted(by_seq.items()))
+            raise AgreementMisaligned(
+                f"overflow_fast: the nan/inf agreement is misaligned: {where}. Some rank skipped or abandoned "
+                f"an agreement point, or the ranks call agree() unevenly; nothing was decided. {_REMEDY} This "
+                "Agreement is now unusable; create a new one on every rank to go on.")
+        # A rank whose wait may have run out gives up through the store; settle with it.
+        now = time.time_ns() // 1_000_000
+        if any(now - start >= limit / 2 for start, limit in zip(starts, waits)):
+            verdict = self._store.compare_set(f"verdict/{seq}", "", "done").decode()
+            if verdict != "done":
+                raise AgreementError(
+                    f"overflow_fast: rank {self.rank}'s agreement {seq} completed only after "
+                    f"{verdict.removeprefix('abandoned: ')}; nothing was decided. {_REMEDY} This Agreement is now "
+                    "unusable; create a new one on every rank to go on.")
+        return [rank for rank, flag in zip(self.ranks, flags) if flag]
+
+    def _give_up(self, work, seq, started, error):
+        """This rank's wait ended without the agreement (its timeout, or gloo's error once a peer
+        gave up or died): record that for the other ranks, unless one of them completed the
+        agreement first (then wait for it here too); else raise."""
+        others = _ranks_text([rank for rank in self.ranks if rank != self.rank])
+        waited = time.monotonic() - started
+        record = f"rank {self.rank} gave up agreement {seq} after waiting {waited:.2f} s for rank(s) {others}"
+        verdict = self._store.compare_set(f"verdict/{seq}", "", "abandoned: " + record).decode()
+        if verdict == "done":
+            try:
+                work.wait(self._wait)
+                return
+            except Exception as second:
+                error = second
+                waited = time.monotonic() - started
+        _abandoned.append(self._process_group)  # freeing it would wait for the stuck collective
+        after = (f"{_REMEDY} This Agreement is now unusable; create a new one on every rank to go on. "
+                 f"({type(error).__name__}: {error})")
+        first = verdict.removeprefix("abandoned: ")
+        earlier = first if verdict.startswith("abandoned: ") and first != record else None  # another rank's
+        if waited >= 0.99 * self._wait.total_seconds():
+            raise AgreementTimeout(
+                f"overflow_fast: rank {self.rank} waited {waited:.2f} s at agreement {seq} for rank(s) {others} "
+                "and gave up: some rank runs forwards the others do not, skipped this agreement, or died."
+                + (f" ({earlier[0].upper()}{earlier[1:]} too.)" if earlier else "") + f" {after}"
+            ) from error
+        if earlier:  # gloo's error once a peer that gave up closed its connections
+            raise AgreementError(f"overflow_fast: rank {self.rank}'s agreement {seq} failed after {waited:.2f} s: "
+                                 f"{earlier}. {after}") from error
+        raise AgreementError(f"overflow_fast: rank {self.rank}'s agreement {seq} failed after {waited:.2f} s "
+                             f"(a rank died?). {after}") from error
+
+    def __repr__(self):
+        state = f"broken: {self.broken}" if self.broken else f"seq={self.seq}"
+        return f"Agreement(ranks {_ranks_text(self.ranks)}, rank {self.rank}, {state})"
+
+
+_agreements = {}  # (ranks, timeout) -> the Agreement agree() uses
+
+
 def agree(detected, group=None, timeout=None):
     """The sorted ranks of ``group`` (global ranks) that passed ``detected=True``.
 
-    Every rank of the group must call it at the same points. One all_reduce of ``world_size`` int32
-    and one host read. Without an initialized process group, in a group of one rank, or inside
-    :func:`local_only`, no collective runs: ``[this rank]`` or ``[]``.
-    ``timeout`` (seconds or a timedelta): how long to wait for the other ranks before raising a
-    RuntimeError (otherwise the process group's own timeout applies).
+    :meth:`Agreement.agree` on an :class:`Agreement` this function creates at its first call
+    for ``group`` and ``timeout`` (so that first call is where every rank must meet to create it)
+    and keeps; after an error it is dropped, and the next call creates a new one (on every rank:
+    each rank saw the error). Without an initialized process group, in a group of one rank, or
+    inside :func:`local_only`, no collective runs: ``[this rank]`` or ``[]``.
+    ``timeout`` (seconds or a timedelta): how long to wait for the other ranks before raising an
+    :class:`AgreementError` (a RuntimeError; otherwise the default group's timeout applies).
     """
     detected = bool(detected)
     dist = _dist()
@@ -164,29 +466,17 @@ def agree(detected, group=None, timeout=None):
     if where is None or is_local_only():
         rank = dist.get_rank() if dist is not None else 0
         return [rank] if detected else []
-    rank, size = where
-    flags = torch.zeros(size, dtype=torch.int32, device=collective_device(group))
-    if detected:
-        flags[rank] = 1
-    if timeout is None:
-        dist.all_reduce(flags, group=group)
-    else:
-        if not isinstance(timeout, datetime.timedelta):
-            timeout = datetime.timedelta(seconds=float(timeout))
-        work = dist.all_reduce(flags, group=group, async_op=True)
-        try:
-            work.wait(timeout)
-        except Exception as error:
-            raise RuntimeError(
-                f"overflow_fast: rank {rank} waited {timeout.total_seconds():g} s for the other ranks to "
-                "agree on nan/inf detection; some rank runs forwards the others do not (generation or "
-                "evaluation on one rank?), or died. Wrap such code in overflow_fast.distributed.local_only() "
-                f"or turn the detector's synchronisation off. ({type(error).__name__}: {error})"
-            ) from error
-    ranks = [index for index, flag in enumerate(flags.tolist()) if flag]
-    if group is not None:
-        ranks = [dist.get_global_rank(group, index) for index in ranks]
-    return ranks
+    ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(where[1]))
+    key = (ranks, _as_timedelta(timeout))
+    try:
+        agreement = _agreements.get(key) if _instances_world is dist.group.WORLD else None
+        if agreement is None:
+            agreement = Agreement(timeout=timeout, group=group)
+            _agreements[key] = agreement
+        return agreement.agree(detected)
+    except AgreementError:
+        _agreements.pop(key, None)
+        raise
 
 
 # -- whole-tensor rows for DTensor shards ------------------------------------------------------
@@ -350,6 +640,7 @@ def global_rows(rows, tensors, group=None, bad_shards=None):
 
 
 __all__ = [
-    "OverflowOnRanks", "ShardInfo", "agree", "collective_device", "global_rows", "is_exact", "is_local_only",
+    "Agreement", "AgreementError", "AgreementMisaligned", "AgreementTimeout", "OverflowOnRanks", "ShardInfo",
+    "agree", "collective_device", "global_rows", "is_exact", "is_local_only",
     "local_only", "rank_prefix", "shard_info", "stop_message", "with_prefix", "world",
 ]

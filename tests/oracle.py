@@ -10,7 +10,9 @@ from decimal import Decimal, localcontext
 
 import torch
 
-FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+# AMD's fp8 formats: fnuz (no inf, no -0, NaN is 0x80) and e8m0fnu (a bare exponent)
+AMD_FLOAT8 = (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz, torch.float8_e8m0fnu)
+FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2) + AMD_FLOAT8
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64) + FLOAT8
 COMPLEX_DTYPES = (torch.complex32, torch.complex64, torch.complex128)
 INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
@@ -23,12 +25,59 @@ _TINY = {
     torch.float64: 2.0**-1022,
     torch.float8_e4m3fn: 2.0**-6,
     torch.float8_e5m2: 2.0**-14,
+    torch.float8_e4m3fnuz: 2.0**-7,
+    torch.float8_e5m2fnuz: 2.0**-15,
+    torch.float8_e8m0fnu: 2.0**-127,  # its smallest value: no subnormals
     torch.complex32: 2.0**-14,
     torch.complex64: 2.0**-126,
     torch.complex128: 2.0**-1022,
 }
 _COMPLEX_PART = {torch.complex32: torch.float16, torch.complex64: torch.float32, torch.complex128: torch.float64}
 _SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+# The 8-bit float formats from their definitions (OCP 8-bit floating point, AMD's fnuz variants,
+# OCP MX's E8M0), not from torch: (exponent bits, mantissa bits, exponent bias, special values).
+# "ieee": +-inf and NaN at the all-ones exponent; "fn": no inf, NaN is S.1111.111; "fnuz": no inf,
+# no -0, NaN is 0x80; "e8m0": no sign, 2^(byte - 127), NaN is 0xFF.
+_FLOAT8_FORMATS = {
+    torch.float8_e4m3fn: (4, 3, 7, "fn"),
+    torch.float8_e5m2: (5, 2, 15, "ieee"),
+    torch.float8_e4m3fnuz: (4, 3, 8, "fnuz"),
+    torch.float8_e5m2fnuz: (5, 2, 16, "fnuz"),
+    torch.float8_e8m0fnu: (8, 0, 127, "e8m0"),
+}
+
+
+def float8_value(byte: int, dtype: torch.dtype) -> float:
+    """The value of an 8-bit float's bit pattern, decoded from the format's definition."""
+    exp_bits, mant_bits, bias, specials = _FLOAT8_FORMATS[dtype]
+    if specials == "e8m0":
+        return math.nan if byte == 0xFF else math.ldexp(1.0, byte - bias)
+    sign = -1.0 if byte & 0x80 else 1.0
+    exponent = (byte >> mant_bits) & ((1 << exp_bits) - 1)
+    mantissa = byte & ((1 << mant_bits) - 1)
+    if (specials == "fnuz" and byte == 0x80) or (specials == "fn" and (byte & 0x7F) == 0x7F):
+        return math.nan
+    if specials == "ieee" and exponent == (1 << exp_bits) - 1:
+        return sign * math.inf if mantissa == 0 else math.nan
+    if exponent == 0:
+        return sign * math.ldexp(mantissa, 1 - bias - mant_bits)
+    return sign * math.ldexp((1 << mant_bits) + mantissa, exponent - bias - mant_bits)
+
+
+_FLOAT8_TABLES = {}  # dtype -> the 256 values of its bytes, decoded by float8_value
+
+
+def _float8_table(dtype):
+    table = _FLOAT8_TABLES.get(dtype)
+    if table is None:
+        table = _FLOAT8_TABLES[dtype] = [float8_value(byte, dtype) for byte in range(256)]
+    return table
+
+
+def has_inf(dtype: torch.dtype) -> bool:
+    """Whether a floating dtype has infinities (the 8-bit fn, fnuz and e8m0 formats do not)."""
+    return _FLOAT8_FORMATS.get(dtype, (0, 0, 0, "ieee"))[3] == "ieee"
 
 
 def hypot(re: float, im: float) -> float:
@@ -66,7 +115,11 @@ def reference_stats(x: torch.Tensor) -> dict:
         mags = [hypot(re, im) for re, im in pairs]
     elif dtype.is_floating_point:
         # float64 holds every value of every narrower float dtype exactly
-        values = flat.to(torch.float64).tolist() if dtype not in FLOAT8 else flat.float().double().tolist()
+        if dtype in FLOAT8:
+            table = _float8_table(dtype)
+            values = [table[byte] for byte in flat.view(torch.uint8).tolist()]
+        else:
+            values = flat.to(torch.float64).tolist()
         mags = [abs(v) for v in values]
         nan = sum(math.isnan(v) for v in values)
         posinf = sum(v == math.inf for v in values)
@@ -160,6 +213,15 @@ def special_values(dtype: torch.dtype) -> torch.Tensor:
             # 0x7C +inf, 0xFC -inf, 0x7E NaN, 0x7B max finite, 0x04 smallest normal, 0x01 min subnormal
             return torch.tensor([0x00, 0x80, 0x3C, 0xBC, 0x7B, 0xFB, 0x04, 0x84, 0x01, 0x83, 0x7C, 0xFC, 0x7E],
                                 dtype=torch.uint8).view(dtype)
+        if dtype in (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz):
+            # no inf, no -0: 0x80 NaN, 0x40 1.0, 0x7F max finite, smallest normal (e4m3fnuz 0x08,
+            # e5m2fnuz 0x04), 0x01 min subnormal, 0x03 a larger one
+            normal = 0x08 if dtype == torch.float8_e4m3fnuz else 0x04
+            return torch.tensor([0x00, 0x40, 0xC0, 0x7F, 0xFF, normal, normal | 0x80, 0x01, 0x83, 0x03, 0x80],
+                                dtype=torch.uint8).view(dtype)
+        if dtype == torch.float8_e8m0fnu:
+            # no sign, zero or subnormal: 0x00 2^-127, 0x7F 1.0, 0xFE 2^127, 0xFF NaN
+            return torch.tensor([0x00, 0x7F, 0x80, 0x01, 0xFE, 0xFF], dtype=torch.uint8).view(dtype)
         return torch.tensor(values, dtype=torch.float64).to(dtype)
     info = torch.iinfo(dtype)
     return torch.tensor([0, 1, info.max, info.min, info.min + 1 if info.min else 2, 7], dtype=dtype)

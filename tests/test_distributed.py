@@ -91,6 +91,7 @@ def test_merge_rows_nan_pattern_and_unsigned_order():
 # -- two processes, gloo on CPU ------------------------------------------------------------------
 
 import datetime  # noqa: E402
+import re  # noqa: E402
 import socket  # noqa: E402
 import time  # noqa: E402
 
@@ -109,7 +110,7 @@ def _free_port():
         return sock.getsockname()[1]
 
 
-def _entry(rank, fn, port, args):
+def _entry(rank, fn, port, args, world=WORLD):
     import faulthandler
     import gc
     import sys
@@ -120,7 +121,7 @@ def _entry(rank, fn, port, args):
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=PG_TIMEOUT)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=PG_TIMEOUT)
     try:
         fn(rank, *args)
     finally:
@@ -137,11 +138,11 @@ def _entry(rank, fn, port, args):
     os._exit(0)
 
 
-def run_ranks(fn, *args, timeout=SPAWN_TIMEOUT):
-    """Run ``fn(rank, *args)`` on 2 spawned processes in a gloo process group; a worker's
-    exception fails the test with its traceback, and so does a worker still running at
+def run_ranks(fn, *args, timeout=SPAWN_TIMEOUT, world=WORLD):
+    """Run ``fn(rank, *args)`` on ``world`` (2) spawned processes in a gloo process group; a
+    worker's exception fails the test with its traceback, and so does a worker still running at
     ``timeout`` (it is killed)."""
-    context = mp.start_processes(_entry, args=(fn, _free_port(), args), nprocs=WORLD, join=False,
+    context = mp.start_processes(_entry, args=(fn, _free_port(), args, world), nprocs=world, join=False,
                                  start_method="spawn")
     deadline = time.monotonic() + timeout
     try:
@@ -163,6 +164,68 @@ def test_single_process_has_no_rank():
     assert distributed.agree(False) == []
     rows = tensor_stats([torch.ones(3)]).values
     assert distributed.global_rows(rows, [torch.ones(3)]) is rows
+    agreement = distributed.Agreement(timeout=1)
+    assert agreement.agree(True) == [0] and agreement.agree(False) == [] and agreement.ranks == [0]
+
+
+class _Work:
+    """A gloo work whose first waits time out (``timeouts`` of them), then succeed."""
+
+    def __init__(self, timeouts):
+        self.timeouts = timeouts
+
+    def wait(self, timeout=None):
+        if self.timeouts:
+            self.timeouts -= 1
+            raise RuntimeError("Operation timed out!")
+
+
+class _Group:
+    """Rank 1's side of a 2-rank agreement, in process: its row joins this rank's."""
+
+    def __init__(self, peer_row, timeouts=0):
+        self.peer_row = peer_row
+        self.timeouts = timeouts
+
+    def allreduce(self, tensors):
+        tensors[0][1] = torch.tensor(self.peer_row)
+        return _Work(self.timeouts)
+
+
+def _two_rank_agreement(group):
+    """Rank 0 of a 2-rank Agreement on an in-process store and a fake group (the races of a
+    rank giving up while another completes, which real ranks cannot time reliably)."""
+    import torch.distributed as dist
+
+    agreement = distributed.Agreement(timeout=datetime.timedelta(seconds=10))
+    agreement.ranks, agreement.rank, agreement._index = [0, 1], 0, 0
+    agreement._wait = datetime.timedelta(seconds=10)
+    agreement._store = dist.HashStore()
+    agreement._process_group = group
+    rows = torch.zeros((2, 4), dtype=torch.int64)
+    agreement._rows = (rows, rows.numpy())
+    return agreement
+
+
+def test_agreement_given_up_as_a_peer_completes_it():
+    now_ms = time.time_ns() // 1_000_000
+    # rank 0's wait ran out, but rank 1 had completed the agreement and said so: rank 0 takes it
+    agreement = _two_rank_agreement(_Group([1, 1, now_ms, 10_000], timeouts=1))
+    agreement._store.set("verdict/1", "done")
+    assert agreement.agree(False) == [1]
+    # rank 1 started 8 s ago: rank 0, completing now, settles with it; rank 1 had given up
+    agreement = _two_rank_agreement(_Group([1, 1, now_ms - 8_000, 10_000]))
+    agreement._store.set("verdict/1", "abandoned: rank 1 gave up agreement 1 after waiting 10.00 s for rank(s) 0")
+    with pytest.raises(distributed.AgreementError, match="completed only after rank 1 gave up"):
+        agreement.agree(True)
+    with pytest.raises(distributed.AgreementError, match="unusable"):
+        agreement.agree(True)
+    # a timely peer: no store access at all
+    agreement = _two_rank_agreement(_Group([1, 0, now_ms, 10_000]))
+    agreement._store = None
+    assert agreement.agree(True) == [0]
+    with pytest.raises(ValueError, match="not above"):
+        agreement.agree(True, seq=1)
 
 
 def _canonical(rows):
@@ -295,18 +358,6 @@ def test_fsdp2_shards_combine_to_the_unsharded_parameters():
     run_ranks(_fsdp_worker)
 
 
-def _timeout_worker(rank):
-    if rank == 0:
-        with pytest.raises(RuntimeError, match="waited"):
-            distributed.agree(True, timeout=2)  # rank 1 never comes
-    else:
-        time.sleep(4)
-
-
-def test_agree_times_out_instead_of_hanging():
-    run_ranks(_timeout_worker)
-
-
 def _ddp_worker(rank, steps_file):
     from torch.nn.parallel import DistributedDataParallel
 
@@ -344,3 +395,90 @@ def test_ddp_nan_on_one_rank_every_rank_stops_at_the_same_step(tmp_path):
     forward is then the hand-written way to stop together (the detector's own, with sync on, is
     tested in test_distributed_detector.py)."""
     run_ranks(_ddp_worker, str(tmp_path))
+
+
+# -- the Agreement: its own process group, sequence numbers ------------------------------------
+
+def _waited(error):
+    """The seconds an error's message says its rank waited."""
+    return float(re.search(r"waited (\d+\.\d+) s", str(error)).group(1))
+
+
+def _model_all_reduce(rank, world):
+    """The model's own collective on the default group: its sum must come out right."""
+    import torch.distributed as dist
+
+    values = torch.tensor([1.5, 2.5]) * (rank + 1)
+    dist.all_reduce(values)
+    scale = world * (world + 1) / 2
+    assert values.tolist() == [1.5 * scale, 2.5 * scale], values
+
+
+def _agreement_worker(rank, world):
+    import torch.distributed as dist
+
+    from overflow_fast.distributed import Agreement, AgreementError, AgreementMisaligned, AgreementTimeout
+
+    last = world - 1
+    everyone = list(range(world))
+    # 1. Created on rank 0 only (a detector on rank 0 only, through agree()): rank 0 gets a clear
+    # error after its timeout, no collective ran, and the other ranks' all_reduce meets rank 0's
+    # next one, correctly summed. A rank that creates it late is told at once.
+    if rank == 0:
+        with pytest.raises(AgreementTimeout, match="never created it") as caught:
+            distributed.agree(True, timeout=1.5)
+        assert f"rank(s) {1 if world == 2 else '1-2'} never" in str(caught.value)
+        assert 1.4 <= _waited(caught.value) < 15, str(caught.value)
+        _model_all_reduce(rank, world)
+    else:
+        _model_all_reduce(rank, world)
+        with pytest.raises(AgreementError, match="given up.*rank 0 waited"):
+            Agreement(timeout=20)
+    # 2. Created on every rank: agreements interleaved with the model's all_reduce.
+    agreement = Agreement(timeout=20)
+    assert agreement.agree(rank == last) == [last]
+    _model_all_reduce(rank, world)
+    assert agreement.agree(False) == []
+    assert agreement.agree(True) == everyone
+    _model_all_reduce(rank, world)
+    with distributed.local_only():  # no collective, no sequence number taken
+        assert agreement.agree(rank == 0) == ([0] if rank == 0 else [])
+    assert agreement.agree(rank in (0, last), seq=10) == [0, last]
+    assert agreement.seq == 10
+    # 3. Rank 0 skips agreement point 11: every rank raises, naming the points; nothing decided.
+    with pytest.raises(AgreementMisaligned) as caught:
+        agreement.agree(True, seq=12 if rank == 0 else 11)
+    others = "1" if world == 2 else "1-2"
+    assert f"rank(s) {others} at agreement 11; rank(s) 0 at agreement 12" in str(caught.value), str(caught.value)
+    with pytest.raises(AgreementError, match="unusable"):
+        agreement.agree(True)
+    _model_all_reduce(rank, world)
+    # 4. A caught timeout: the last rank comes late to agreement 1. It never gets a decision
+    # (no false detection from the abandoned call), the object is unusable on every rank, and a
+    # new Agreement agrees correctly from its first call on (no off-by-one).
+    dist.barrier()  # the ranks create it together: its timeout is short
+    short = Agreement(timeout=2)
+    if rank != last:
+        with pytest.raises(AgreementTimeout) as caught:
+            short.agree(False)
+        assert 1.9 <= _waited(caught.value) < 20, str(caught.value)
+        assert f"waited {_waited(caught.value):.2f} s at agreement 1 for rank(s)" in str(caught.value)
+        dist.barrier()
+    else:
+        dist.barrier()  # after the others gave up
+        with pytest.raises(AgreementError, match="gave up agreement 1"):
+            short.agree(True)
+    with pytest.raises(AgreementError, match="unusable"):
+        short.agree(True)
+    fresh = Agreement(timeout=20)
+    assert fresh.agree(rank == last) == [last]
+    assert fresh.agree(False) == []
+    _model_all_reduce(rank, world)
+    # agree() drops its Agreement after an error: the next call creates a new one on every rank
+    assert distributed.agree(rank == 0, timeout=20) == [0]
+    assert distributed.agree(False, timeout=20) == []
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_agreement_has_its_own_group_and_numbered_calls(world):
+    run_ranks(_agreement_worker, world, world=world, timeout=90)

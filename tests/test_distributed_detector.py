@@ -225,3 +225,122 @@ def _zero3_worker(rank):
 def test_deepspeed_zero3_partitions_read_as_whole_parameters():
     pytest.importorskip("deepspeed")
     run_ranks(_zero3_worker, timeout=400)  # the first run JIT-builds a DeepSpeed C++ op
+
+
+# -- one detection, one report; the agreement never meets the model's collectives ----------------
+
+def _one_report_worker(rank, log_dir):
+    import json
+
+    from overflow_fast import DebugUnderflowOverflow, OverflowDetected, watch
+
+    for name, attach in (("batch", lambda m, **k: DebugUnderflowOverflow(m, check="batch", **k)),
+                         ("watch", watch), ("module", lambda m, **k: DebugUnderflowOverflow(m, **k))):
+        model = _model()
+        log = os.path.join(log_dir, f"{name}.jsonl")
+        detector = attach(model, log=log)
+        out = io.StringIO()
+        error = None
+        with contextlib.redirect_stdout(out):
+            for step in range(3):
+                batch = _batch(step, rank)
+                if rank == 0 and step == 1:
+                    batch[:, 0] = float("nan")  # every later frame carries it too
+                try:
+                    model(batch).sum().backward()
+                except OverflowDetected as caught:
+                    error = caught
+                    break
+        detector.remove()
+        assert step == 1 and error is not None and error.ranks == [0], (name, step, error)
+        text = out.getvalue()
+        if rank == 0:
+            assert text.count("Detected inf/nan") == 1, (name, text)
+            assert len(detector.detections) == 1, (name, detector.detections)
+            with open(os.path.join(log_dir, f"{name}.rank0.jsonl")) as f:
+                records = [json.loads(line) for line in f]
+            assert sum(r["record"] == "detection" for r in records) == 1, name
+        else:
+            assert text == "" and detector.detections == [], (name, text)
+
+
+def test_one_detection_gives_one_report_one_entry_and_one_record(tmp_path):
+    run_ranks(_one_report_worker, str(tmp_path), timeout=120)
+
+
+def _one_rank_only_worker(rank):
+    import torch.distributed as dist
+
+    from overflow_fast import DebugUnderflowOverflow
+    from overflow_fast.distributed import AgreementTimeout
+
+    model = _model()
+    if rank == 0:  # a detector on rank 0 only (to avoid duplicate prints, say)
+        with pytest.raises(AgreementTimeout, match="rank") as caught:
+            DebugUnderflowOverflow(model, check="batch", sync_timeout=2)
+        assert "waited" in str(caught.value)
+    gradient = torch.tensor([1.5, 2.5]) * (rank + 1)
+    dist.all_reduce(gradient)  # the model's own collective: summed, never paired with the detector's
+    assert gradient.tolist() == [4.5, 7.5], gradient
+
+
+def test_a_detector_on_one_rank_only_fails_there_and_never_meets_the_models_collective():
+    run_ranks(_one_rank_only_worker, timeout=60)
+
+
+def _raised_forward_worker(rank):
+    from overflow_fast import watch
+    from overflow_fast.distributed import AgreementMisaligned
+
+    class MayFail(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = _model()
+
+        def forward(self, x, fail):
+            y = self.inner(x)
+            if fail:
+                raise RuntimeError("this rank's forward failed")
+            return y
+
+    model = MayFail()
+    watch(model, sync_timeout=20)  # agreements at the end of every forward and every backward
+    outcomes = []
+    for step in range(3):
+        try:
+            model(_batch(step, rank), fail=(rank == 1 and step == 1)).sum().backward()
+            outcomes.append(None)
+        except AgreementMisaligned as error:
+            outcomes.append(str(error))
+            break
+        except RuntimeError as error:  # the loop catches it and goes on: rank 1 skips a backward
+            outcomes.append(type(error).__name__)
+    assert outcomes[-1] is not None and "agreement" in outcomes[-1], outcomes
+    assert "rank(s) 0" in outcomes[-1] and "rank(s) 1" in outcomes[-1], outcomes
+
+
+def test_a_rank_that_skips_an_agreement_gets_an_error_naming_the_ranks_on_every_rank():
+    run_ranks(_raised_forward_worker, timeout=90)
+
+
+def _three_ranks_worker(rank):
+    from overflow_fast import OverflowDetected, watch
+
+    model = _model()
+    detector = watch(model)
+    stopped = None
+    for step in range(3):
+        batch = _batch(step, rank)
+        if rank == 2 and step == 1:
+            batch[1, 1] = float("inf")
+        try:
+            model(batch).sum().backward()
+        except OverflowDetected as error:
+            stopped = (step, error.ranks)
+            break
+    detector.remove()
+    assert stopped == (1, [2]), stopped
+
+
+def test_three_ranks_stop_together():
+    run_ranks(_three_ranks_worker, timeout=90, world=3)

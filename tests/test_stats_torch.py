@@ -92,7 +92,8 @@ def test_tensors_with_grad_and_parameters():
         (([torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.qint8)],), TypeError,
          r"tensors\[0\] cannot be read: (quantized|dtype qint8)"),
         (([torch.ones(2, device="meta")],), TypeError, "meta"),
-        (([torch.zeros(2, dtype=torch.float8_e4m3fnuz)],), TypeError, "dtype float8_e4m3fnuz is not supported"),
+        (([torch.zeros(2, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)],), TypeError,
+         "dtype float4_e2m1fn_x2 is not supported"),
     ],
 )
 def test_bad_input_gets_a_clear_error(args, error, message):

@@ -15,7 +15,7 @@ import textwrap
 import pytest
 import torch
 
-from oracle import ALL_DTYPES, assert_stats_equal, random_bits, same_stats, special_values
+from oracle import ALL_DTYPES, assert_stats_equal, has_inf, random_bits, same_stats, special_values
 from overflow_fast import tensor_stats
 from overflow_fast.stats import StatsBatch, dispatch
 from overflow_fast.stats import triton_backend as tb
@@ -95,7 +95,7 @@ def test_finite_tensors_and_one_nan_in_a_tail(dtype):
         tensors = [torch.rand(n, generator=gen) * 4 + 0.25 for n in (40, 33, 65)]
         tensors[0][5] = -tensors[0][5]
         tensors[1][-1] = float("nan")
-        tensors[2][-1] = float("-inf") if dtype != torch.float8_e4m3fn else 0.0
+        tensors[2][-1] = float("-inf") if has_inf(dtype) else 0.0
         tensors = [t.to(dtype) for t in tensors]
     else:
         info = torch.iinfo(dtype)
@@ -104,6 +104,18 @@ def test_finite_tensors_and_one_nan_in_a_tail(dtype):
     got = _check(tensors, f"{dtype} tail", **SMALL)
     if dtype.is_floating_point:
         assert got[1]["nan"] == 1 and got[0]["nan"] == 0 and got[2]["nan"] == 0
+
+
+@needs_backend
+@pytest.mark.parametrize("dtype", [d for d in DTYPES if d.is_floating_point and d.itemsize == 1], ids=str)
+def test_every_byte_of_the_8_bit_floats(dtype):
+    """The 256 bit patterns in windows of 16 (each window's counts and extremes exact), together
+    and without the NaN patterns; each special value alone is in test_special_values."""
+    every = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype)
+    finite = every[~torch.isnan(every.float())]
+    windows = list(every.split(16))
+    _check(windows + [every, finite], f"{dtype} every byte", block_size=16, blocks_per_chunk=1)
+    _check([every, finite[3:]], f"{dtype} every byte default launch")
 
 
 @needs_backend
@@ -198,7 +210,7 @@ def test_one_launch_pair_and_one_table_per_call(monkeypatch):
     _check(tensors, "launch count", **SMALL)
     partials, combine = launches
     assert partials[1] == (4 + 1 + 0 + 1 + 2,)  # chunks of 32 elements
-    assert partials[2]["FORMATS"] == sum(1 << (tb._FORMAT_WORD[d] & 15) for d in
+    assert partials[2]["FORMATS"] == sum(1 << (tb._FORMAT_WORD[d] & tb._CODE_MASK) for d in
                                          (torch.bfloat16, torch.int64, torch.bool, torch.float32))
     assert partials[2]["ANY_UNALIGNED"] and partials[2]["SEARCH_STEPS"] == 3
     assert combine[1] == (5,)
@@ -438,12 +450,13 @@ def _vector_loads(ptx):
 
 @pytest.mark.skipif(tb.triton is None or tb._INTERPRET, reason="needs triton's compiler (not the interpreter)")
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.int64, torch.bool], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e4m3fnuz,
+                                   torch.float8_e8m0fnu, torch.int64, torch.bool], ids=str)
 def test_compiles_for_sm90_without_a_gpu(dtype):
     """The interpreter accepts code the compiler rejects: compile both kernels for an H100-class
     target (no GPU needed) and check that full blocks use 16-byte vector loads, also in a launch
     that has unaligned tensors (their scalar loop must not take the hint from the aligned one)."""
-    code = tb._FORMAT_WORD[dtype] & 15
+    code = tb._FORMAT_WORD[dtype] & tb._CODE_MASK
     aligned_only = _compile_partials(1 << code, False).asm["ptx"]
     assert _vector_loads(aligned_only) > 0
     both = _compile_partials(1 << code, True).asm["ptx"]
@@ -457,7 +470,7 @@ def test_compiles_for_sm90_without_a_gpu(dtype):
 @pytest.mark.skipif(tb.triton is None or tb._INTERPRET, reason="needs triton's compiler (not the interpreter)")
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
 def test_every_format_compiles_in_one_kernel(tmp_path):
-    """All 15 format branches, aligned and unaligned, in one partials kernel (the largest variant)."""
+    """Every format branch, aligned and unaligned, in one partials kernel (the largest variant)."""
     every = (1 << len(tb._FORMATS)) - 1
     kernel = _compile_partials(every, True, search_steps=8)
     assert _vector_loads(kernel.asm["ptx"]) >= len(tb._FORMATS)

@@ -90,7 +90,7 @@ def test_mixed_dtypes_parameters_and_many_tensors():
     tensors.append(torch.nn.Parameter(torch.ones(33, 3)))
     tensors.append(torch.nn.Parameter(torch.ones(2, 33)).t())  # a view of a Parameter: a Tensor
     scanned = _assert_same_table(tensors)
-    assert scanned.formats == sum(1 << (tb._FORMAT_WORD[d] & 15) for d in {t.dtype for t in tensors})
+    assert scanned.formats == sum(1 << (tb._FORMAT_WORD[d] & tb._CODE_MASK) for d in {t.dtype for t in tensors})
 
 
 def test_a_table_in_a_larger_buffer_is_written_at_its_start():

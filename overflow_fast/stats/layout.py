@@ -26,6 +26,11 @@ SMALLEST_NORMAL = {
     torch.float64: 2.0**-1022,
     torch.float8_e4m3fn: 2.0**-6,
     torch.float8_e5m2: 2.0**-14,
+    # the AMD formats: fnuz's exponent bias is one more than IEEE's; e8m0fnu's smallest value is
+    # 2^-127, a normal one (it has neither zero nor subnormals)
+    torch.float8_e4m3fnuz: 2.0**-7,
+    torch.float8_e5m2fnuz: 2.0**-15,
+    torch.float8_e8m0fnu: 2.0**-127,
     # complex dtypes classify their magnitude against the real part's dtype
     torch.complex32: 2.0**-14,
     torch.complex64: 2.0**-126,

@@ -18,6 +18,10 @@ _SIGNED_INT_MIN = {
 }
 _UNSIGNED_VIA_INT64 = tuple(getattr(torch, n) for n in ("uint16", "uint32") if hasattr(torch, n))
 _UINT64 = getattr(torch, "uint64", None)
+# Exactly representable in float32, e8m0fnu's 2^-127 as a subnormal; its NaN (0xFF) and the fnuz
+# formats' (0x80) become float32 NaN.
+_FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz,
+           torch.float8_e8m0fnu)
 
 
 def unavailable_reason():
@@ -145,7 +149,7 @@ def _row(x: torch.Tensor) -> torch.Tensor:
         )
 
     if dtype.is_floating_point:
-        if dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        if dtype in _FLOAT8:
             x = x.to(torch.float32)  # exact widening; fp8 has few native reductions
         a = x.abs()
         abs_min, abs_max = torch.aminmax(a)  # NaN propagates, as in the reference's abs().min()

@@ -99,6 +99,13 @@ _INTERPRET = triton is not None and os.environ.get("TRITON_INTERPRET", "0") not 
 # Element kinds.
 _FLOAT, _SIGNED, _UNSIGNED, _BOOL = 0, 1, 2, 3
 
+# The special values of a float format, which decide how its bits are classified:
+# _IEEE: +-inf at the all-ones exponent, NaN above; _FN (float8_e4m3fn): no inf, NaN is the
+# all-ones magnitude; _FNUZ (float8_e4m3fnuz, float8_e5m2fnuz): no inf, no -0, the one NaN is the
+# sign bit alone, and the exponent bias is one more than IEEE's; _E8M0 (float8_e8m0fnu): no sign,
+# no zero, no subnormal, no inf: the byte is an exponent (2^(x-127)), all ones NaN.
+_IEEE, _FN, _FNUZ, _E8M0 = 0, 1, 2, 3
+
 # Launch shape. A chunk is BLOCK_SIZE * BLOCKS_PER_CHUNK elements of one tensor: large enough that
 # the partials are a tiny fraction of the traffic, small enough that a 256 MB tensor gives
 # thousands of programs. BLOCKS_PER_CHUNK <= 31 because the per-lane counters are 5-bit fields.
@@ -115,42 +122,48 @@ MAX_REGISTERS = 128
 _REGISTER_CAP = {"maxnreg": MAX_REGISTERS} if getattr(torch.version, "hip", None) is None else {}
 
 # The formats the kernels read, in the order of their codes; ``_stats_partials_kernel`` has one
-# branch per code, in the same order. (dtype name, kind, exponent bits, mantissa bits, has inf)
+# branch per code, in the same order. (dtype name, kind, exponent bits, mantissa bits, specials)
 _FORMATS = (
-    ("float64", _FLOAT, 11, 52, True),
-    ("float32", _FLOAT, 8, 23, True),
-    ("float16", _FLOAT, 5, 10, True),
-    ("bfloat16", _FLOAT, 8, 7, True),
-    ("float8_e4m3fn", _FLOAT, 4, 3, False),  # no inf; NaN is S.1111.111
-    ("float8_e5m2", _FLOAT, 5, 2, True),
-    ("uint8", _UNSIGNED, 0, 0, False),
-    ("int8", _SIGNED, 0, 0, False),
-    ("int16", _SIGNED, 0, 0, False),
-    ("int32", _SIGNED, 0, 0, False),
-    ("int64", _SIGNED, 0, 0, False),
-    ("bool", _BOOL, 0, 0, False),  # torch stores bool as one byte holding 0 or 1
-    ("uint16", _UNSIGNED, 0, 0, False),  # uint16/32/64: when this torch has them
-    ("uint32", _UNSIGNED, 0, 0, False),
-    ("uint64", _UNSIGNED, 0, 0, False),
+    ("float64", _FLOAT, 11, 52, _IEEE),
+    ("float32", _FLOAT, 8, 23, _IEEE),
+    ("float16", _FLOAT, 5, 10, _IEEE),
+    ("bfloat16", _FLOAT, 8, 7, _IEEE),
+    ("float8_e4m3fn", _FLOAT, 4, 3, _FN),  # no inf; NaN is S.1111.111
+    ("float8_e5m2", _FLOAT, 5, 2, _IEEE),
+    ("uint8", _UNSIGNED, 0, 0, _IEEE),
+    ("int8", _SIGNED, 0, 0, _IEEE),
+    ("int16", _SIGNED, 0, 0, _IEEE),
+    ("int32", _SIGNED, 0, 0, _IEEE),
+    ("int64", _SIGNED, 0, 0, _IEEE),
+    ("bool", _BOOL, 0, 0, _IEEE),  # torch stores bool as one byte holding 0 or 1
+    ("uint16", _UNSIGNED, 0, 0, _IEEE),  # uint16/32/64: when this torch has them
+    ("uint32", _UNSIGNED, 0, 0, _IEEE),
+    ("uint64", _UNSIGNED, 0, 0, _IEEE),
+    ("float8_e4m3fnuz", _FLOAT, 4, 3, _FNUZ),  # NaN is 0x80
+    ("float8_e5m2fnuz", _FLOAT, 5, 2, _FNUZ),
+    ("float8_e8m0fnu", _FLOAT, 8, 0, _E8M0),  # NaN is 0xFF
 )
 
-# The format word of a tensor (int64): bits 0-3 the format code, bit 4 set when the data starts on
-# a 16-byte boundary, then the format's parameters for the combine kernel: bits 5-6 kind, bit 7
-# flip (64-bit integers: unsigned order through a sign-bit flip), bit 8 has inf, bits 9-12
-# exponent bits, bits 13-18 mantissa bits.
-_ALIGNED_BIT = 1 << 4
+# The format word of a tensor (int64): bits 0-4 the format code, bit 5 set when the data starts on
+# a 16-byte boundary, then the format's parameters for the combine kernel: bits 6-7 kind, bit 8
+# flip (64-bit integers: unsigned order through a sign-bit flip), bits 9-10 specials, bits 11-14
+# exponent bits, bits 15-20 mantissa bits. The C++ table (table.cpp) takes the code as the bits
+# below _ALIGNED_BIT.
+_ALIGNED_BIT = 1 << 5
+_CODE_MASK = _ALIGNED_BIT - 1
 
 
-def _format_word(code, dtype, kind, exp_bits, mant_bits, has_inf):
+def _format_word(code, dtype, kind, exp_bits, mant_bits, specials):
     flip = kind != _FLOAT and dtype.itemsize == 8
-    return code | kind << 5 | flip << 7 | has_inf << 8 | exp_bits << 9 | mant_bits << 13
+    return code | kind << 6 | flip << 8 | specials << 9 | exp_bits << 11 | mant_bits << 15
 
 
+assert len(_FORMATS) <= _CODE_MASK + 1
 _FORMAT_WORD = {}  # dtype -> its format word, alignment bit clear
-for _code, (_name, _kind, _exp, _mant, _inf) in enumerate(_FORMATS):
+for _code, (_name, _kind, _exp, _mant, _specials) in enumerate(_FORMATS):
     if hasattr(torch, _name):
         _dtype = getattr(torch, _name)
-        _FORMAT_WORD[_dtype] = _format_word(_code, _dtype, _kind, _exp, _mant, _inf)
+        _FORMAT_WORD[_dtype] = _format_word(_code, _dtype, _kind, _exp, _mant, _specials)
 
 # The dtypes the kernels read (as the other backends' SUPPORTED_DTYPES).
 SUPPORTED_DTYPES = frozenset(_FORMAT_WORD) if triton is not None else frozenset()
@@ -175,7 +188,7 @@ if triton is not None:
 
     @triton.jit
     def _classify(x, KIND: tl.constexpr, EXP_BITS: tl.constexpr, MANT_BITS: tl.constexpr,
-                  HAS_INF: tl.constexpr, KEY_DTYPE: tl.constexpr, FLIP: tl.constexpr,
+                  SPECIALS: tl.constexpr, KEY_DTYPE: tl.constexpr, FLIP: tl.constexpr,
                   BLOCK_SIZE: tl.constexpr):
         """Per element: the magnitude key (ordered like |x|) and one count in a 5-bit class field."""
         if KIND == 0:
@@ -184,16 +197,23 @@ if triton is not None:
             MIN_NORMAL_BITS: tl.constexpr = 1 << MANT_BITS
             bits = x.to(KEY_DTYPE)  # sign-extends, so bits < 0 is the sign
             key = bits & ABS_MASK
-            if HAS_INF:
+            if SPECIALS == 0:  # IEEE
                 is_inf = key == INF_BITS
                 is_nan = key > INF_BITS
                 cls = ((key != 0).to(tl.int32) + (key >= MIN_NORMAL_BITS).to(tl.int32)
                        + is_inf.to(tl.int32) + 2 * is_nan.to(tl.int32)
                        + 2 * (is_inf & (bits < 0)).to(tl.int32))
-            else:
+            elif SPECIALS == 1:
                 # float8_e4m3fn: no infinities, the all-ones magnitude is NaN
                 cls = ((key != 0).to(tl.int32) + (key >= MIN_NORMAL_BITS).to(tl.int32)
                        + 2 * (key == ABS_MASK).to(tl.int32))
+            elif SPECIALS == 2:
+                # fnuz: no infinities, no -0: the sign bit alone (magnitude 0) is the one NaN
+                cls = ((key != 0).to(tl.int32) + (key >= MIN_NORMAL_BITS).to(tl.int32)
+                       + 4 * (bits == -(1 << (EXP_BITS + MANT_BITS))).to(tl.int32))
+            else:
+                # float8_e8m0fnu: every value is normal (no sign: the key is the byte), all ones NaN
+                cls = 2 + 2 * (key == ABS_MASK).to(tl.int32)
             counts = tl.full([BLOCK_SIZE], 1, tl.int32) << (5 * cls)
         else:
             if KIND == 3:
@@ -216,7 +236,7 @@ if triton is not None:
 
     @triton.jit
     def _chunk_stats(X, start, end, out, KIND: tl.constexpr, EXP_BITS: tl.constexpr,
-                     MANT_BITS: tl.constexpr, HAS_INF: tl.constexpr, KEY_DTYPE: tl.constexpr,
+                     MANT_BITS: tl.constexpr, SPECIALS: tl.constexpr, KEY_DTYPE: tl.constexpr,
                      FLIP: tl.constexpr, BLOCK_SIZE: tl.constexpr):
         """The partial row (8 int64 at ``out``) of elements [start, end) of the tensor at ``X``.
 
@@ -246,7 +266,7 @@ if triton is not None:
         for i in range(n_full):
             offsets = start + i * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
             x = tl.load(X + offsets)
-            key, counts = _classify(x, KIND, EXP_BITS, MANT_BITS, HAS_INF, KEY_DTYPE, FLIP, BLOCK_SIZE)
+            key, counts = _classify(x, KIND, EXP_BITS, MANT_BITS, SPECIALS, KEY_DTYPE, FLIP, BLOCK_SIZE)
             key_min = tl.minimum(key_min, key)
             key_max = tl.maximum(key_max, key)
             packed += counts
@@ -254,12 +274,13 @@ if triton is not None:
         if start + n_full * BLOCK_SIZE < end:
             offsets = start + n_full * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
             mask = offsets < end
-            # padding lanes read 0: counted in the unused zero field, below every max
+            # padding lanes read 0: a key below every max, counted in the unused zero field (not
+            # by their class: 0 is a normal value of e8m0fnu)
             x = tl.load(X + offsets, mask=mask, other=0)
-            key, counts = _classify(x, KIND, EXP_BITS, MANT_BITS, HAS_INF, KEY_DTYPE, FLIP, BLOCK_SIZE)
+            key, counts = _classify(x, KIND, EXP_BITS, MANT_BITS, SPECIALS, KEY_DTYPE, FLIP, BLOCK_SIZE)
             key_min = tl.minimum(key_min, tl.where(mask, key, KEY_MAX))
             key_max = tl.maximum(key_max, key)
-            packed += counts
+            packed += tl.where(mask, counts, 1)
 
         count = end - start
         subnormal = tl.sum((packed >> 5) & 31, axis=0).to(tl.int64)
@@ -284,7 +305,7 @@ if triton is not None:
     def _format_branch(address, code, aligned, start, end, out, FORMATS: tl.constexpr,
                        ANY_UNALIGNED: tl.constexpr, CODE: tl.constexpr, LOAD_DTYPE: tl.constexpr,
                        KIND: tl.constexpr, EXP_BITS: tl.constexpr, MANT_BITS: tl.constexpr,
-                       HAS_INF: tl.constexpr, KEY_DTYPE: tl.constexpr, FLIP: tl.constexpr,
+                       SPECIALS: tl.constexpr, KEY_DTYPE: tl.constexpr, FLIP: tl.constexpr,
                        BLOCK_SIZE: tl.constexpr):
         """The chunk's statistics when its tensor has format ``CODE``. Compiled only when the
         launch has a tensor of that format; floats load as same-width integers (their bits)."""
@@ -293,12 +314,12 @@ if triton is not None:
                 # ANY_UNALIGNED False (a constexpr) ends the `and` at compile time: no scalar loop
                 if ANY_UNALIGNED and not aligned:
                     X = address.to(tl.pointer_type(LOAD_DTYPE))
-                    _chunk_stats(X, start, end, out, KIND, EXP_BITS, MANT_BITS, HAS_INF, KEY_DTYPE, FLIP,
+                    _chunk_stats(X, start, end, out, KIND, EXP_BITS, MANT_BITS, SPECIALS, KEY_DTYPE, FLIP,
                                  BLOCK_SIZE)
                 else:
                     # The hint must stay in this branch: a value merged from both would lose it.
                     X = tl.multiple_of(address.to(tl.pointer_type(LOAD_DTYPE)), 16)
-                    _chunk_stats(X, start, end, out, KIND, EXP_BITS, MANT_BITS, HAS_INF, KEY_DTYPE, FLIP,
+                    _chunk_stats(X, start, end, out, KIND, EXP_BITS, MANT_BITS, SPECIALS, KEY_DTYPE, FLIP,
                                  BLOCK_SIZE)
 
     @triton.jit
@@ -334,43 +355,49 @@ if triton is not None:
         start = tl.multiple_of(start, BLOCK_SIZE)  # for the vector loads
         end = tl.minimum(start + BLOCK_SIZE * BLOCKS_PER_CHUNK, tl.load(Numels + tensor))
         word = tl.load(Words + tensor)
-        code = word & 15
-        aligned = (word & 16) != 0
+        code = word & 31  # _CODE_MASK
+        aligned = (word & 32) != 0  # _ALIGNED_BIT
         address = tl.load(Ptrs + tensor)
         out = Partials + chunk * 8
         # One branch per format code (_FORMATS, same order): code, load dtype (floats as their
-        # bits), kind, exponent bits, mantissa bits, has inf, key dtype (int64 where int32 cannot
+        # bits), kind, exponent bits, mantissa bits, specials, key dtype (int64 where int32 cannot
         # hold the magnitude), flip (64-bit integers: unsigned order through a sign-bit flip).
         _format_branch(address, code, aligned, start, end, out, FORMATS, ANY_UNALIGNED,
-                       0, tl.int64, 0, 11, 52, True, tl.int64, False, BLOCK_SIZE)  # float64
+                       0, tl.int64, 0, 11, 52, 0, tl.int64, False, BLOCK_SIZE)  # float64
         _format_branch(address, code, aligned, start, end, out, FORMATS, ANY_UNALIGNED,
-                       1, tl.int32, 0, 8, 23, True, tl.int32, False, BLOCK_SIZE)  # float32
+                       1, tl.int32, 0, 8, 23, 0, tl.int32, False, BLOCK_SIZE)  # float32
         _format_branch(address, code, aligned, start, end, out, FORMATS, ANY_UNALIGNED,
-                       2, tl.int16, 0, 5, 10, True, tl.int32, False, BLOCK_SIZE)  # float16
+                       2, tl.int16, 0, 5, 10, 0, tl.int32, False, BLOCK_SIZE)  # float16
         _format_branch(address, code, aligned, start, end, out, FORMATS, ANY_UNALIGNED,
-                       3, tl.int16, 0, 8, 7, True, tl.int32, False, BLOCK_SIZE)  # bfloat16
+                       3, tl.int16, 0, 8, 7, 0, tl.int32, False, BLOCK_SIZE)  # bfloat16
         _format_branch(address, code, aligned, start, end, out, FORMATS, ANY_UNALIGNED,
-                       4, tl.int8, 0, 4, 3, False, tl.int32, False, BLOCK_SIZE)  # float8_e4m3fn
+                       4, tl.int8, 0, 4, 3, 1, tl.int32, False, BLOCK_SIZE)  # float8_e4m3fn
         _format_branch(address, code, aligned, start, end, out, FORMATS, ANY_UNALIGNED,
-                       5, tl.int8, 0, 5, 2, True, tl.int32, False, BLOCK_SIZE)  # float8_e5m2
+                       5, tl.int8, 0, 5, 2, 0, tl.int32, False, BLOCK_SIZE)  # float8_e5m2
         _format_branch(address, code, aligned, start, end, out, FORMATS, ANY_UNALIGNED,
-                       6, tl.uint8, 2, 0, 0, False, tl.int32, False, BLOCK_SIZE)  # uint8
+                       6, tl.uint8, 2, 0, 0, 0, tl.int32, False, BLOCK_SIZE)  # uint8
         _format_branch(address, code, aligned, start, end, out, FORMATS, ANY_UNALIGNED,
-                       7, tl.int8, 1, 0, 0, False, tl.int32, False, BLOCK_SIZE)  # int8
+                       7, tl.int8, 1, 0, 0, 0, tl.int32, False, BLOCK_SIZE)  # int8
         _format_branch(address, code, aligned, start, end, out, FORMATS, ANY_UNALIGNED,
-                       8, tl.int16, 1, 0, 0, False, tl.int32, False, BLOCK_SIZE)  # int16
+                       8, tl.int16, 1, 0, 0, 0, tl.int32, False, BLOCK_SIZE)  # int16
         _format_branch(address, code, aligned, start, end, out, FORMATS, ANY_UNALIGNED,
-                       9, tl.int32, 1, 0, 0, False, tl.int64, False, BLOCK_SIZE)  # int32
+                       9, tl.int32, 1, 0, 0, 0, tl.int64, False, BLOCK_SIZE)  # int32
         _format_branch(address, code, aligned, start, end, out, FORMATS, ANY_UNALIGNED,
-                       10, tl.int64, 1, 0, 0, False, tl.int64, True, BLOCK_SIZE)  # int64
+                       10, tl.int64, 1, 0, 0, 0, tl.int64, True, BLOCK_SIZE)  # int64
         _format_branch(address, code, aligned, start, end, out, FORMATS, ANY_UNALIGNED,
-                       11, tl.uint8, 3, 0, 0, False, tl.int32, False, BLOCK_SIZE)  # bool
+                       11, tl.uint8, 3, 0, 0, 0, tl.int32, False, BLOCK_SIZE)  # bool
         _format_branch(address, code, aligned, start, end, out, FORMATS, ANY_UNALIGNED,
-                       12, tl.uint16, 2, 0, 0, False, tl.int32, False, BLOCK_SIZE)  # uint16
+                       12, tl.uint16, 2, 0, 0, 0, tl.int32, False, BLOCK_SIZE)  # uint16
         _format_branch(address, code, aligned, start, end, out, FORMATS, ANY_UNALIGNED,
-                       13, tl.uint32, 2, 0, 0, False, tl.int64, False, BLOCK_SIZE)  # uint32
+                       13, tl.uint32, 2, 0, 0, 0, tl.int64, False, BLOCK_SIZE)  # uint32
         _format_branch(address, code, aligned, start, end, out, FORMATS, ANY_UNALIGNED,
-                       14, tl.uint64, 2, 0, 0, False, tl.int64, True, BLOCK_SIZE)  # uint64
+                       14, tl.uint64, 2, 0, 0, 0, tl.int64, True, BLOCK_SIZE)  # uint64
+        _format_branch(address, code, aligned, start, end, out, FORMATS, ANY_UNALIGNED,
+                       15, tl.int8, 0, 4, 3, 2, tl.int32, False, BLOCK_SIZE)  # float8_e4m3fnuz
+        _format_branch(address, code, aligned, start, end, out, FORMATS, ANY_UNALIGNED,
+                       16, tl.int8, 0, 5, 2, 2, tl.int32, False, BLOCK_SIZE)  # float8_e5m2fnuz
+        _format_branch(address, code, aligned, start, end, out, FORMATS, ANY_UNALIGNED,
+                       17, tl.uint8, 0, 8, 0, 3, tl.int32, False, BLOCK_SIZE)  # float8_e8m0fnu
 
     @triton.jit
     def _stats_combine_kernel(
@@ -410,16 +437,16 @@ if triton is not None:
         nan_count = tl.sum(nan, axis=0)
 
         # the format's parameters, run-time scalars of the word (see _format_word)
-        kind = (word >> 5) & 3
-        flip = (word >> 7) & 1
-        has_inf = (word >> 8) & 1
-        exp_bits = (word >> 9) & 15
-        mant_bits = (word >> 13) & 63
+        kind = (word >> 6) & 3
+        flip = (word >> 8) & 1
+        specials = (word >> 9) & 3
+        exp_bits = (word >> 11) & 15
+        mant_bits = (word >> 15) & 63
         if kind == 0:
             # magnitude bits of the format -> float64 bits
             if mant_bits != 52:
-                lo = _float_bits_to_f64(lo, exp_bits, mant_bits, has_inf)
-                hi = _float_bits_to_f64(hi, exp_bits, mant_bits, has_inf)
+                lo = _float_bits_to_f64(lo, exp_bits, mant_bits, specials)
+                hi = _float_bits_to_f64(hi, exp_bits, mant_bits, specials)
             # any NaN poisons both, as torch's abs().min()/max() do
             lo = tl.where(nan_count > 0, 0x7FF8000000000000, lo)
             hi = tl.where(nan_count > 0, 0x7FF8000000000000, hi)
@@ -443,18 +470,19 @@ if triton is not None:
         tl.store(out + 7, numel)
 
     @triton.jit
-    def _float_bits_to_f64(a, exp_bits, mant_bits, has_inf):
-        """Float64 bits of the non-negative value whose bits (sign cleared) in a narrower format are
-        ``a``; the format's parameters are run-time int64 scalars."""
-        bias = (1 << (exp_bits - 1)) - 1
+    def _float_bits_to_f64(a, exp_bits, mant_bits, specials):
+        """Float64 bits of the non-negative, non-NaN value whose bits (sign cleared) in a narrower
+        format are ``a``; the format's parameters are run-time int64 scalars."""
+        bias = (1 << (exp_bits - 1)) - 1 + (specials == 2).to(tl.int64)  # fnuz: one more
         exponent = a >> mant_bits
         mantissa = a & ((1 << mant_bits) - 1)
         normal = ((exponent + (1023 - bias)) << 52) | (mantissa << (52 - mant_bits))
         # subnormal: mantissa * 2**(1 - bias - mant_bits); the int -> float64 conversion is exact
         # and the scaling by a power of two is an exponent subtraction, so no rounding anywhere
         scaled = mantissa.to(tl.float64).to(tl.int64, bitcast=True) - ((bias + mant_bits - 1) << 52)
-        result = tl.where(exponent == 0, tl.where(mantissa == 0, 0, scaled), normal)
-        is_inf = (has_inf != 0) & (a == ((1 << exp_bits) - 1) << mant_bits)
+        # e8m0fnu has no zero and no subnormal: its exponent 0 is 2**-127
+        result = tl.where((exponent == 0) & (specials != 3), tl.where(mantissa == 0, 0, scaled), normal)
+        is_inf = (specials == 0) & (a == ((1 << exp_bits) - 1) << mant_bits)
         return tl.where(is_inf, 0x7FF0000000000000, result)
 
 
@@ -493,7 +521,7 @@ def _table(sources, words, chunk):
     numels = [s.numel() for s in sources]
     formats = 0
     for word in set(words):
-        formats |= 1 << (word & 15)
+        formats |= 1 << (word & _CODE_MASK)
     # 16-byte aligned starts allow vector loads
     words = [w | _ALIGNED_BIT if a & 15 == 0 else w for w, a in zip(words, addresses)]
     any_unaligned = any(a & 15 for a in addresses)
