@@ -14,6 +14,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402  (a matplotlib dependency)
 from matplotlib import colors  # noqa: E402
 
+from .logsummary import headroom, printable  # noqa: E402
+
 DPI = 100
 MAX_LABELS = 60
 
@@ -28,21 +30,24 @@ def _edges(starts, width):
 
 
 def draw(summary, path, size=None, curves=5, title_source=""):
-    """Write the picture of ``summary`` (a ``cli.Summary``) to ``path``; returns (width, height) px."""
-    modules = list(summary.modules)
-    columns = summary.columns()
+    """Write the picture of ``summary`` (a ``logsummary.Summary``) to ``path``; returns (width, height) px."""
+    modules = summary.plot_modules()
+    used = set()
+    for name in modules:
+        used.update(summary.cells.get(name, ()))
+        used.update(summary.bad_cells.get(name, ()))
+    columns = sorted(used)
     starts = [summary.bin_steps(i)[0] for i in columns]
     width = summary.width
     grid = np.full((len(modules), len(columns)), np.nan)
     bad = np.zeros((len(modules), len(columns)), dtype=bool)
     position = {c: j for j, c in enumerate(columns)}
     for i, name in enumerate(modules):
-        for c, value in enumerate(summary.bins.get(name, ())):
-            if value is not None and c in position:
-                grid[i, position[c]] = value
-        for c in summary.bad_bins.get(name, ()):
-            if c in position:
-                bad[i, position[c]] = True
+        for c, ratio in summary.cells.get(name, {}).items():
+            grid[i, position[c]] = headroom(ratio)
+        for c in summary.bad_cells.get(name, ()):
+            bad[i, position[c]] = True
+            grid[i, position[c]] = 0.0
 
     hottest = [name for name, _, _ in summary.hottest(max(curves, 0))] if curves else []
     rows = len(modules)
@@ -68,12 +73,14 @@ def draw(summary, path, size=None, curves=5, title_source=""):
         heat.pcolormesh(x, y, np.ma.masked_where(~bad, np.ones_like(grid)),
                         cmap=colors.ListedColormap(["black"]), shading="flat")
     heat.set_ylim(rows - 0.5, -0.5)  # first module at the top
-    labels = [name if name else "(model)" for name in modules]
+    labels = [printable(name) if name else "(model)" for name in modules]
     step = max(1, math.ceil(rows / MAX_LABELS))
     heat.set_yticks(range(0, rows, step))
     heat.set_yticklabels(labels[::step], fontsize=7 if rows > 30 else 8)
-    heat.set_ylabel("module (in the order it first appears in the log)")
-    per_column = max((summary.steps_in(*summary.bin_steps(c)) for c in columns), default=1)
+    heat.set_ylabel("module (in the order it first appears in the log)" if not summary.modules_dropped
+                    else f"the {rows} modules closest to their limit (in the order they first appear)")
+    per_column = summary.steps_per_column()
+    per_column = width if per_column is None else per_column
     heat.set_xlabel("training step" + (f" (a column covers {width} steps, up to {per_column} of them recorded: "
                                        "its lowest headroom is shown)" if per_column > 1 else ""))
     heat_in = fig_h * ratios[0] / sum(ratios)
@@ -86,13 +93,13 @@ def draw(summary, path, size=None, curves=5, title_source=""):
     legend = []
     if bad.any():
         legend.append(plt.Rectangle((0, 0), 1, 1, color="black", label="nan/inf recorded"))
-    if first is not None and first["module"] in summary.modules:
+    if first is not None and first["module"] in modules:
         fx = first["step"]
         fy = modules.index(first["module"])
         heat.plot([fx], [fy], marker="o", markersize=13, markerfacecolor="none", markeredgecolor="red",
                   markeredgewidth=2.5, linestyle="none")
-        name = first["module"] or "(model)"
-        text = f"first nan/inf: step {first['step']} ({first['phase']})\n{name} {first['entry']}"
+        name = printable(first["module"]) or "(model)"
+        text = f"first nan/inf: step {first['step']} ({first['phase']})\n{name} {printable(first['entry'])}"
         right = fx > (x[0] + x[-1]) / 2
         heat.annotate(text, xy=(fx, fy), xytext=(-18 if right else 18, 18 if fy > rows / 2 else -18),
                       textcoords="offset points", ha="right" if right else "left",
@@ -118,7 +125,7 @@ def draw(summary, path, size=None, curves=5, title_source=""):
             values = grid[index[name]]
             keep = np.isfinite(values)
             ax.plot(centres[keep], values[keep], marker="." if keep.sum() < 60 else None, linewidth=1.6,
-                    label=f"{name or '(model)'} ({summary.modules[name]['class']})")
+                    label=f"{printable(name) if name else '(model)'} ({printable(summary.modules[name][0])})")
         ax.axhline(0, color="red", linewidth=1, linestyle="--")
         ax.text(x[0], 0, " overflow (inf)", color="red", va="bottom", fontsize=8)
         if first is not None:

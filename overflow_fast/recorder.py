@@ -7,6 +7,13 @@ One JSON object per line, strict JSON (non-finite floats are the strings ``"nan"
 - one ``"entry"`` record per tensor entry of every frame (``entry_record``);
 - one ``"detection"`` record when a nan/inf is detected (``detection_record``).
 
+The fields of each kind are defined once, in ``schema.py``, which the report's readers check every
+line against.
+
+One writer per file: a recorder holds an advisory lock (``flock``) on its file until it is closed
+or its process dies; a second recorder on a file being written, in this process or another, is
+refused with ``LogInUse`` before it truncates anything.
+
 ``Recorder.write(records)`` only enqueues: a daemon thread encodes and writes, one ``write(2)``
 of complete lines per batch, so no partial line is ever on disk. Everything enqueued is written
 by ``flush()``, ``close()``, at normal interpreter exit and on SIGTERM; a write error warns once
@@ -16,10 +23,12 @@ and drops records (training goes on).
 import atexit
 import collections
 import datetime
+import errno
 import json
 import math
 import os
 import signal
+import stat
 import threading
 import time
 import warnings
@@ -27,12 +36,21 @@ import weakref
 
 import torch
 
+from . import schema
 from .stats.layout import decode_row, is_integer_dtype
 
-VERSION = 1
-PHASES = ("forward", "backward")
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory locks here; one writer per file is then up to the user
+    fcntl = None
 
-_NONFINITE = {"nan", "inf", "-inf"}
+VERSION = schema.VERSION
+PHASES = schema.PHASES
+
+_NONFINITE = set(schema.NONFINITE)
+_META_KEYS = schema.KEYS["meta"]
+_ENTRY_KEYS = schema.KEYS["entry"]
+_DETECTION_KEYS = schema.KEYS["detection"]
 
 
 # -- records ------------------------------------------------------------------------------------
@@ -65,15 +83,10 @@ def dtype_name(dtype) -> str:
 
 
 def meta_record(rank=None, world_size=None):
-    return {
-        "record": "meta",
-        "version": VERSION,
-        "rank": rank,
-        "world_size": world_size,
-        "started": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-        "pid": os.getpid(),
-        "torch": torch.__version__,
-    }
+    return dict(zip(_META_KEYS, (
+        "meta", VERSION, rank, world_size, datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        os.getpid(), torch.__version__,
+    )))
 
 
 def entry_record(step, phase, call, module, class_name, ctx, dtype, row, rank=None):
@@ -91,25 +104,11 @@ def entry_record(step, phase, call, module, class_name, ctx, dtype, row, rank=No
         abs_min, abs_max = stats["abs_min"], stats["abs_max"]
     else:
         abs_min, abs_max = encode_float(stats["abs_min"]), encode_float(stats["abs_max"])
-    return {
-        "record": "entry",
-        "step": int(step),
-        "phase": phase,
-        "call": int(call),
-        "module": module,
-        "class": class_name,
-        "entry": ctx,
-        "dtype": dtype_name(dtype),
-        "numel": numel,
-        "abs_min": abs_min,
-        "abs_max": abs_max,
-        "nan": stats["nan"],
-        "posinf": stats["posinf"],
-        "neginf": stats["neginf"],
-        "zero_frac": stats["zero"] / numel if numel else 0.0,
-        "subnormal_frac": stats["subnormal"] / numel if numel else 0.0,
-        "rank": rank,
-    }
+    return dict(zip(_ENTRY_KEYS, (
+        "entry", int(step), phase, int(call), module, class_name, ctx, dtype_name(dtype), numel,
+        abs_min, abs_max, stats["nan"], stats["posinf"], stats["neginf"],
+        stats["zero"] / numel if numel else 0.0, stats["subnormal"] / numel if numel else 0.0, rank,
+    )))
 
 
 def frame_records(step, phase, call, frame, rank=None):
@@ -126,15 +125,7 @@ def frame_records(step, phase, call, frame, rank=None):
 
 
 def detection_record(step, phase, module, class_name, entries, rank=None):
-    return {
-        "record": "detection",
-        "step": int(step),
-        "phase": phase,
-        "module": module,
-        "class": class_name,
-        "entries": list(entries),
-        "rank": rank,
-    }
+    return dict(zip(_DETECTION_KEYS, ("detection", int(step), phase, module, class_name, list(entries), rank)))
 
 
 def _strict(value):
@@ -206,6 +197,39 @@ def rank_path(path, rank=None, world_size=None) -> str:
     return path
 
 
+# -- one writer per file ----------------------------------------------------------------------------
+
+class LogInUse(RuntimeError):
+    """Another flight recorder, in this process or another, is writing this file."""
+
+
+def _open_locked(path):
+    """The file opened for writing, locked for this recorder alone, then truncated. The lock comes
+    first: a recorder refused must not have cut the file of the one writing it. The lock is an
+    ``flock`` on the open file, so it conflicts within one process too, and goes away when the
+    file is closed or the process dies (a crash leaves no stale lock)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        regular = stat.S_ISREG(os.fstat(fd).st_mode)  # /dev/null, /dev/full, a pipe: shared by design
+        if regular and fcntl is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as error:
+                if error.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    raise LogInUse(
+                        f"overflow_fast: the flight-recorder log {path} is already being written by another "
+                        f"recorder (in this process or another); give each one its own path "
+                        f"(one file per rank: put {{rank}} in the path)") from None
+                warnings.warn(f"overflow_fast: cannot lock the flight-recorder log {path} ({error.strerror}); "
+                              f"make sure no other recorder writes it", RuntimeWarning, stacklevel=3)
+        if regular:
+            os.ftruncate(fd, 0)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 # -- the writer ------------------------------------------------------------------------------------
 
 _live = weakref.WeakSet()  # recorders to flush at exit and on SIGTERM
@@ -217,7 +241,8 @@ _sigterm_installed = False
 class Recorder:
     """A JSONL file written by a daemon thread.
 
-    ``path``: the file (truncated); see ``rank_path`` for one file per rank. ``rank`` and
+    ``path``: the file (truncated); see ``rank_path`` for one file per rank. A file another
+    recorder is writing (this process or another) raises ``LogInUse``. ``rank`` and
     ``world_size`` default to torch.distributed's (or RANK/WORLD_SIZE in the environment).
     ``log_every``: ``should_record(step)`` is true for every ``log_every``-th step.
     ``max_pending``: records waiting for the writer beyond which new ones are dropped (with one
@@ -236,7 +261,7 @@ class Recorder:
         directory = os.path.dirname(self.path)
         if directory:
             os.makedirs(directory, exist_ok=True)
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._fd = _open_locked(self.path)
         self._pid = os.getpid()
         self._pending = collections.deque()  # (sequence number, [records])
         self._seq = 0  # last sequence number enqueued
@@ -490,6 +515,16 @@ def _after_fork_in_child():
     # thread held at the fork would stay locked here: start with a fresh one.
     global _live_lock
     _live_lock = threading.RLock()
+    # The child's copies of the recorders' files share the parent's lock: close them here, so the
+    # lock goes when the parent closes its recorder, not when the last worker exits (only in the
+    # instant before a new child runs this does it still hold it).
+    for recorder in list(_live):
+        fd, recorder._fd = recorder._fd, None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
 
 if hasattr(os, "register_at_fork"):
@@ -497,6 +532,6 @@ if hasattr(os, "register_at_fork"):
 
 
 __all__ = [
-    "Recorder", "entry_record", "frame_records", "detection_record", "meta_record", "encode_line",
+    "Recorder", "LogInUse", "entry_record", "frame_records", "detection_record", "meta_record", "encode_line",
     "encode_float", "decode_float", "dtype_name", "rank_path", "PHASES", "VERSION",
 ]

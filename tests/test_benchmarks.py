@@ -82,3 +82,12 @@ def test_bench_triton_host_smoke():
     assert [row[0] for row in rows] == ["| 1", "| 8"]
     for row in rows:
         assert row[5] == "2"  # new launches per call
+
+
+def test_bench_report_quick(tmp_path):
+    result = _run([os.path.join(BENCH, "bench_report.py"), "--quick", "--dir", str(tmp_path)], timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = [line for line in result.stdout.splitlines() if re.search(r"\b(duckdb|python)\s+\d+ ", line)]
+    assert rows and all(len(row.split()) >= 10 for row in rows)
+    if importlib.util.find_spec("duckdb") is not None:
+        assert result.stdout.count("summaries are identical") == 2, result.stdout

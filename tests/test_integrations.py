@@ -168,3 +168,44 @@ def test_accelerate_prepare_with_the_detector(when, precision, capsys):
     assert REPORT in out and "transformer.h.0.attn.c_attn Conv1D" in out
     detector.remove()
     assert no_hooks(accelerator.unwrap_model(prepared))
+
+
+@pytest.mark.parametrize("order", ["first-last", "last-first"])
+def test_use_in_trainer_handles_undone_in_any_order(order):
+    module = __import__(transformers.Trainer.__module__, fromlist=["DebugUnderflowOverflow"])
+    original = module.DebugUnderflowOverflow
+    a = integration.use_in_trainer(max_frames_to_save=3)
+    b = integration.use_in_trainer(max_frames_to_save=4)
+    try:
+        assert module.DebugUnderflowOverflow is b._build
+        first, second = (a, b) if order == "first-last" else (b, a)
+        first.undo()
+        assert module.DebugUnderflowOverflow is second._build  # the one still active builds
+        model = models.gpt2()
+        detector = module.DebugUnderflowOverflow(model)
+        assert detector.frames.maxlen == second.detector_kwargs["max_frames_to_save"]
+        detector.remove()
+        second.undo()
+        assert module.DebugUnderflowOverflow is original  # the last one gone: the Trainer's own
+        first.undo()  # idempotent
+        assert module.DebugUnderflowOverflow is original
+    finally:
+        a.undo()
+        b.undo()
+    assert module.DebugUnderflowOverflow is original
+
+
+def test_use_in_trainer_leaves_a_name_set_by_someone_else():
+    module = __import__(transformers.Trainer.__module__, fromlist=["DebugUnderflowOverflow"])
+    original = module.DebugUnderflowOverflow
+    handle = integration.use_in_trainer()
+    try:
+        def theirs(model, *args, **kwargs):
+            return None
+
+        module.DebugUnderflowOverflow = theirs
+        handle.undo()
+        assert module.DebugUnderflowOverflow is theirs
+    finally:
+        handle.undo()
+        module.DebugUnderflowOverflow = original

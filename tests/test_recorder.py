@@ -332,3 +332,93 @@ def test_a_stalled_writer_drops_beyond_max_pending(tmp_path):
     recorder.close()
     lines = strict_lines(path)
     assert 1 + 90 <= len(lines) <= 1 + 100 and lines[-1]["step"] < 10
+
+
+# -- one writer per file ------------------------------------------------------------------------------
+
+def test_a_second_recorder_on_the_same_file_is_refused_in_this_process(tmp_path):
+    path = tmp_path / "run.jsonl"
+    first = Recorder(path)
+    first.write([{"record": "entry", "step": 0}])
+    first.flush()
+    with pytest.raises(rec_mod.LogInUse, match=str(path)):
+        Recorder(path)
+    with pytest.raises(rec_mod.LogInUse):  # the same file under another name
+        Recorder(tmp_path / "." / "run.jsonl")
+    first.write([{"record": "entry", "step": 1}])
+    first.close()
+    # the refused one cut nothing: the first writer's lines are all there
+    assert [line.get("step") for line in strict_lines(path)] == [None, 0, 1]
+    with Recorder(path) as again:  # released on close
+        again.write([{"record": "entry", "step": 2}])
+    assert [line.get("step") for line in strict_lines(path)] == [None, 2]
+
+
+def test_two_detectors_with_one_log_path(tmp_path):
+    from overflow_fast import DebugUnderflowOverflow
+
+    path = tmp_path / "run.jsonl"
+    a, b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    detector = DebugUnderflowOverflow(a, log=str(path))
+    try:
+        with pytest.raises(rec_mod.LogInUse, match="already being written"):
+            DebugUnderflowOverflow(b, log=str(path))
+        assert not b._forward_hooks  # refused before any hook went on
+        a(torch.ones(1, 2))
+    finally:
+        detector.remove()
+
+
+_HOLDER = """
+import sys, time
+from overflow_fast.recorder import Recorder
+recorder = Recorder(sys.argv[1])
+recorder.write([{"record": "entry", "step": 0}])
+recorder.flush()
+print("holding", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_second_recorder_on_the_same_file_is_refused_in_another_process(tmp_path):
+    path = tmp_path / "run.jsonl"
+    child = subprocess.Popen([sys.executable, "-c", _HOLDER, str(path)], env=child_env(), text=True,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert child.stdout.readline().strip() == "holding"
+        with pytest.raises(rec_mod.LogInUse, match=str(path)):
+            Recorder(path)
+        assert [line.get("step") for line in strict_lines(path)] == [None, 0]
+    finally:
+        child.kill()  # dies without closing: the lock goes with the process
+        child.communicate(timeout=60)
+    with Recorder(path) as recorder:
+        recorder.write([{"record": "entry", "step": 5}])
+    assert [line.get("step") for line in strict_lines(path)] == [None, 5]
+
+
+def test_a_forked_child_does_not_keep_the_lock(tmp_path):
+    if not hasattr(os, "fork"):
+        pytest.skip("needs fork")
+    path = tmp_path / "run.jsonl"
+    recorder = Recorder(path)
+    read, write = os.pipe()
+    ready_read, ready_write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # a DataLoader worker that outlives the parent's recorder
+        try:
+            os.close(write)
+            os.write(ready_write, b"r")  # running: its at-fork hook has dropped its copy of the file
+            os.read(read, 1)
+        finally:
+            os._exit(0)
+    os.close(read)
+    try:
+        assert os.read(ready_read, 1) == b"r"
+        recorder.close()
+        Recorder(path).close()  # not refused while the child still runs
+    finally:
+        os.close(write)
+        os.waitpid(pid, 0)
+        os.close(ready_read)
+        os.close(ready_write)

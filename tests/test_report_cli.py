@@ -2,6 +2,7 @@
 picture, bounded-memory binning, malformed lines, exit codes, the console script."""
 
 import json
+import math
 import os
 import struct
 import subprocess
@@ -10,6 +11,7 @@ import sys
 import pytest
 
 from overflow_fast import cli
+from overflow_fast.logsummary import headroom
 from overflow_fast.recorder import Recorder, detection_record, entry_record
 from test_recorder import child_env
 
@@ -88,8 +90,8 @@ def test_summary_names_the_first_nonfinite_module_and_orders_headroom(tmp_path, 
     assert float(lines[1].split()[0]) == pytest.approx(6.03, abs=0.01)
     hot = out.split("underflow hot spots")[1]
     assert "50.00%" in hot and "h.0 weight" in hot.splitlines()[1]
-    zeros = out.split("entries that are all zeros:")[1]
-    assert "10 step(s) from step       0  h.0 bias [float16, 10 elements]" in zeros
+    zeros = out.split("entries that are all zeros (latest first):")[1]
+    assert "last at step       9  h.0 bias [float16, 10 elements]" in zeros
 
 
 def test_no_nonfinite_and_rank_files(tmp_path, capsys):
@@ -142,16 +144,18 @@ def test_step_bins_stay_bounded():
     line = {"record": "entry", "phase": "forward", "call": 0, "module": "m", "class": "Linear",
             "entry": "output", "dtype": "float16", "numel": 4, "abs_min": 0.5, "nan": 0, "posinf": 0,
             "neginf": 0, "zero_frac": 0.0, "subnormal_frac": 0.0, "rank": None}
-    for step in list(range(1000, 6000)) + [10]:  # and one step before all others
-        summary.add_line(json.dumps(dict(line, step=step, abs_max=float(step))), "x", step)
+    steps = list(range(1000, 6000)) + [10]  # and one step before all others
+    for ordinal, step in enumerate(steps, 1):
+        summary.add_line(json.dumps(dict(line, step=step, abs_max=float(step))).encode(), 0, "x", ordinal, ordinal)
     assert summary.step_count == 5001 and (summary.first_step, summary.last_step) == (10, 5999)
-    assert len(summary.bins["m"]) <= 100 and summary.width >= 64
-    # the minimum headroom of a bin is its largest value: the last bin holds step 5999
-    last = max(i for i, v in enumerate(summary.bins["m"]) if v is not None)
+    cells = summary.cells["m"]
+    assert len(cells) <= 100 and summary.width == 64  # bins aligned to multiples of the width
+    # the lowest headroom of a bin is its largest value: the last bin holds step 5999
+    last = max(cells)
     first, end = summary.bin_steps(last)
     assert first <= 5999 <= end
-    assert summary.bins["m"][last] == pytest.approx(cli.math.log2(F16_MAX / 5999))
-    assert summary.bins["m"][0] == pytest.approx(cli.math.log2(F16_MAX / 10))
+    assert headroom(cells[last]) == pytest.approx(math.log2(F16_MAX / 5999))
+    assert headroom(cells[0]) == pytest.approx(math.log2(F16_MAX / 10))  # bin 0 (steps 0-63) holds step 10
 
 
 def _png_size_and_colours(path):

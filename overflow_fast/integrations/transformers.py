@@ -26,6 +26,11 @@ __all__ = ["DetectorCallback", "TrainerPatch", "use_in_trainer"]
 
 _WRAPPED = "__overflow_fast_wrapped__"
 _calls = threading.local()  # the stack of train() calls in progress on this thread
+# Patches not undone yet, oldest first, and the name the Trainer had before the first of them:
+# undone in any order, the newest one still active is in place, the original once none is.
+_active = []
+_original = []  # [the Trainer module's own DebugUnderflowOverflow] while any patch is active
+_patch_lock = threading.Lock()
 
 
 def _ensure_train_wrapper():
@@ -115,7 +120,6 @@ class TrainerPatch:
         self.detector_kwargs = dict(detector_kwargs)
         self.detectors = []
         self._module = _trainer_module()
-        self._previous = self._module.DebugUnderflowOverflow
         _ensure_train_wrapper()
 
         def build(model, *args, **kwargs):
@@ -128,16 +132,28 @@ class TrainerPatch:
             return detector
 
         self._build = build
-        self._module.DebugUnderflowOverflow = build
+        with _patch_lock:
+            current = self._module.DebugUnderflowOverflow
+            if not _active:
+                _original[:] = [current]
+            _active.append(self)
+            self._module.DebugUnderflowOverflow = build
         self.active = True
 
     def undo(self):
-        """Restore the name the Trainer builds its detector with (idempotent)."""
-        if not self.active:
-            return
-        self.active = False
-        if self._module.DebugUnderflowOverflow is self._build:
-            self._module.DebugUnderflowOverflow = self._previous
+        """Stop building overflow_fast's detector with these options (idempotent): the newest
+        handle still active takes over, and once every handle is undone, in whatever order, the
+        Trainer has its own detector back. A name someone else set meanwhile is left alone."""
+        with _patch_lock:
+            if not self.active:
+                return
+            self.active = False
+            ours = {patch._build for patch in _active}
+            _active.remove(self)
+            if self._module.DebugUnderflowOverflow in ours:
+                self._module.DebugUnderflowOverflow = _active[-1]._build if _active else _original[0]
+            if not _active:
+                _original.clear()
 
     def __enter__(self):
         return self

@@ -1,0 +1,167 @@
+"""`overflow-fast report` on generated logs: MB/s and peak RSS, per reader (DuckDB, plain Python).
+
+Two logs, written under a temporary directory (never in the repository) and reused when present:
+- 100 MB: one rank, 150 modules x 3 entries a step (a GPT-2-small-sized forward), ~2,300 steps;
+- 1 GB: four ranks' files of 256 MB, 300,000 modules (each rank records all of them, and half
+  of them again in a second step).
+Values drift so that headroom, subnormals, all-zero entries and one overflow all occur.
+
+Each run is `python -m overflow_fast report FILES --engine E` in a child process; its wall time
+gives MB/s (file bytes / seconds) and its peak RSS comes from wait4(). The plain reader is timed
+on the 100 MB log only (pass --python-1gb to time it on the 1 GB one: minutes).
+
+Run: python benchmarks/bench_report.py [--dir /tmp/overflow_fast_bench] [--runs 3] [--png] [--quick]
+"""
+
+import argparse
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_LINE = ('{{"record":"entry","step":{step},"phase":"{phase}","call":{call},"module":"{module}",'
+         '"class":"{cls}","entry":"{entry}","dtype":"{dtype}","numel":{numel},"abs_min":{amin},'
+         '"abs_max":{amax},"nan":{nan},"posinf":{posinf},"neginf":0,"zero_frac":{zf},'
+         '"subnormal_frac":{sf},"rank":{rank}}}\n')
+
+
+def write_log(path, size, modules, entries, rank=None, world_size=None, seed=0):
+    """Write ``size`` bytes of records: every step, every module, every entry, until full."""
+    rng = random.Random(seed)
+    names = [f"model.layers.{i // 8}.{('attn', 'mlp', 'norm', 'proj')[i % 4]}.{i % 8}" for i in range(modules)]
+    classes = ("Linear", "LayerNorm", "Attention", "MLP")
+    rank_text = "null" if rank is None else str(rank)
+    with open(path + ".part", "w") as f:
+        f.write(f'{{"record":"meta","version":1,"rank":{rank_text},"world_size":'
+                f'{"null" if world_size is None else world_size},"started":"bench","pid":1,"torch":"bench"}}\n')
+        written = 0
+        step = 0
+        batch = []
+        while written < size:
+            for m, name in enumerate(names):
+                for e, entry in enumerate(entries):
+                    amax = rng.uniform(0.5, 8.0) * (1.0 + step / 50.0) * (1 + m % 7)
+                    bad = m == 7 and step == 700
+                    line = _LINE.format(
+                        step=step, phase="forward" if e < 2 else "backward", call=m, module=name,
+                        cls=classes[m % 4], entry=entry, dtype="float16" if m % 3 else "bfloat16",
+                        numel=4096 * (1 + m % 5), amin=repr(rng.uniform(0, 1e-3)),
+                        amax='"inf"' if bad else repr(min(amax, 60000.0)), nan=0, posinf=int(bad),
+                        zf=1.0 if (m % 97 == 0 and e == 0) else 0.0,
+                        sf=repr(rng.uniform(0, 0.05)) if m % 11 == 0 else 0.0, rank=rank_text)
+                    batch.append(line)
+                    written += len(line)
+                    if written >= size:
+                        break
+                if len(batch) >= 4096:
+                    f.write("".join(batch))
+                    batch = []
+                if written >= size:
+                    break
+            step += 1
+        f.write("".join(batch))
+    os.replace(path + ".part", path)
+
+
+def ensure_logs(directory, quick=False):
+    """The two logs (written once; ``quick``: 1 MB and 4 MB ones with 3,000 modules, for tests)."""
+    os.makedirs(directory, exist_ok=True)
+    small_mb, large_mb, modules = (1, 4, 3000) if quick else (100, 1024, 300_000)
+    small = os.path.join(directory, f"report-{small_mb}mb.jsonl")
+    if not os.path.exists(small):
+        write_log(small, small_mb << 20, modules=150, entries=("weight", "output", "weight.grad"))
+    large = [os.path.join(directory, f"report-{large_mb}mb.rank{r}.jsonl") for r in range(4)]
+    for rank, path in enumerate(large):
+        if not os.path.exists(path):
+            write_log(path, (large_mb << 20) // 4, modules=modules, entries=("weight", "output"), rank=rank,
+                      world_size=4, seed=rank)
+    large_label = "1 GB" if large_mb == 1024 else f"{large_mb} MB"
+    return {f"{small_mb} MB (1 rank, 150 modules)": [small],
+            f"{large_label} (4 ranks, {modules // 1000}k modules)": large}
+
+
+def measured(files, engine, png=None):
+    """(seconds, peak RSS in MB, stdout, CPU seconds) of one child run, from wait4()."""
+    command = [sys.executable, "-m", "overflow_fast", "report", *files, "--engine", engine, "--no-progress"]
+    if png:
+        command += ["--png", png]
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        start = time.perf_counter()
+        child = subprocess.Popen(command, stdout=out, stderr=err, env=env)
+        _, status, usage = os.wait4(child.pid, 0)
+        seconds = time.perf_counter() - start
+        child.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        if child.returncode != 0:
+            raise RuntimeError(f"report failed ({child.returncode}): {err.read().decode()[-2000:]}")
+        return seconds, usage.ru_maxrss / 1024, out.read().decode(), usage.ru_utime + usage.ru_stime
+
+
+def cpu_name():
+    try:
+        with open("/proc/cpuinfo") as f:
+            text = f.read()
+    except OSError:
+        return "unknown CPU", ""
+    name = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")),
+                "unknown CPU")
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    level = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    return name, level
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "overflow_fast_bench"))
+    parser.add_argument("--runs", type=int, default=3, help="runs per case; the median is reported")
+    parser.add_argument("--png", action="store_true", help="also time --png (DuckDB reader)")
+    parser.add_argument("--python-1gb", action="store_true", help="also time the plain reader on 1 GB")
+    parser.add_argument("--quick", action="store_true", help="1 MB and 4 MB logs, one run (a smoke test)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.runs, args.python_1gb = 1, True
+    logs = ensure_logs(args.dir, quick=args.quick)
+    name, level = cpu_name()
+    try:
+        import duckdb
+        duck = duckdb.__version__
+    except ImportError:
+        duck = None
+    print(f"CPU: {name} ({level}), {os.cpu_count()} cores; DuckDB {duck or 'not installed'}; "
+          f"Python {sys.version.split()[0]}; medians of {args.runs} runs")
+    print(f"load average {os.getloadavg()[0]:.2f} (other work on this machine takes CPU from the runs: "
+          f"MB per CPU second is the figure load changes least)")
+    print(f"{'log':<30} {'reader':<14} {'MB':>7} {'seconds':>8} {'MB/s':>7} {'CPU s':>7} {'MB/CPU s':>8} "
+          f"{'peak RSS MB':>12}")
+    outputs = {}
+    for label, files in logs.items():
+        size = sum(os.path.getsize(f) for f in files) / 1e6
+        cases = []
+        if duck:
+            cases.append(("duckdb", None))
+            if args.png:
+                cases.append(("duckdb", os.path.join(args.dir, "report.png")))
+        if "1 GB" not in label or args.python_1gb:
+            cases.append(("python", None))
+        for engine, png in cases:
+            runs = 1 if engine == "python" else args.runs
+            results = sorted(measured(files, engine, png) for _ in range(runs))
+            seconds, rss, out, cpu = results[len(results) // 2]
+            rss = max(r[1] for r in results)
+            outputs.setdefault(label, {})[engine if not png else engine + "+png"] = out
+            print(f"{label:<30} {engine + (' --png' if png else ''):<14} {size:7.0f} {seconds:8.2f} "
+                  f"{size / seconds:7.1f} {cpu:7.2f} {size / cpu:8.1f} {rss:12.0f}", flush=True)
+    for label, by_engine in outputs.items():
+        if "duckdb" in by_engine and "python" in by_engine:
+            print(f"{label}: the two readers' summaries are "
+                  f"{'identical' if by_engine['duckdb'] == by_engine['python'] else 'DIFFERENT'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,391 @@
+"""The report's fast reader: DuckDB scans every log at once (``read_json``, all files in one
+query, each file's scan in parallel with the others) and aggregates in SQL; the summary it fills
+is the one the plain reader fills, line for line.
+
+How the two agree:
+- each row is checked in SQL against the schema, by SQL generated from ``schema.RECORDS`` (the
+  same fields the plain reader checks); only entry records that fit are aggregated here;
+- every other row (the meta line, detections, and any line that does not fit) is handed back by
+  its position and re-read from the file by the plain reader, which decides and names it: the
+  malformed lines, their reasons and their order are the plain reader's by construction;
+- the SQL only finds *which* rows decide the tables (row numbers, by exact keys); those few rows
+  are re-read and parsed by the plain parser too, so every value printed comes from it.
+A file that DuckDB cannot read (a line over its 16 MiB limit, a name it would take for a glob
+pattern, not a regular file) or that has more than ``MAX_RECHECK`` rows to hand back (a file of
+garbage) is read by the plain reader instead.
+
+Known difference: a line nesting deeper than Python's parser goes (about 1000 levels) inside a key
+the schema does not know is malformed to the plain reader and read by DuckDB.
+"""
+
+import os
+import stat
+import struct
+import tempfile
+
+import duckdb
+
+# read_json's file_index column came with DuckDB 1.3: an older one is as good as none here
+if tuple(int(part) for part in duckdb.__version__.split(".")[:2] if part.isdigit()) < (1, 3):
+    raise ImportError(f"DuckDB {duckdb.__version__} is too old for the report (1.3 or newer)")
+
+from . import schema
+from .logsummary import POSITION_BITS, count_lines, parse_line, read_file
+
+MAX_RECHECK = 10_000  # rows of one file handed back to the plain reader
+# what a file DuckDB cannot read raises (a line over its limit, bytes it cannot decode, memory);
+# anything else is a bug here and must not hide behind the plain reader
+_UNREADABLE = (duckdb.InvalidInputException, duckdb.IOException, duckdb.OutOfMemoryException)
+MEMORY_LIMIT = "256MB"
+_GLOB = set("*?[{")
+
+
+def _limits_sql():
+    cases = " ".join(f"WHEN '{name}' THEN '{value!r}'::DOUBLE" for name, value in schema.DTYPE_MAX.items())
+    return f"CASE dtype {cases} END"
+
+
+_ENTRY_OK = schema.sql_check("entry")
+
+
+def _text(column):
+    """A JSON string column's value: its text between the quotes when it has no escape (cheap),
+    else decoded by DuckDB's JSON parser."""
+    c = f'"{column}"'
+    return f"CASE WHEN contains({c}::VARCHAR, '\\') THEN {c}->>'$' ELSE ({c}::VARCHAR)[2:-2] END"
+
+
+def _rows(count):
+    """The rows of ``count`` files, given as parameters $f0, $f1, ...: each file's own scan, numbered
+    by a streaming row_number() (the rows of a file in its order: its non-blank lines). One numbered
+    scan of all files would run on one thread; a union of per-file scans runs them in parallel.
+    ``pos`` is the plain reader's position: (file index << 40) | ordinal; ``$i{j}`` the file's index."""
+    scans = " UNION ALL ".join(
+        f"""SELECT $i{j}::BIGINT * {1 << POSITION_BITS} + row_number() OVER () AS pos, $i{j}::BIGINT AS file, *
+            FROM read_json($f{j}, format = 'newline_delimited', columns = {schema.sql_columns()},
+                           ignore_errors = true, maximum_object_size = {schema.MAX_LINE_BYTES})"""
+        for j in range(count))
+    return f"""
+src AS ({scans}
+), v AS (
+    SELECT *, {schema.sql_values("entry")} FROM src
+), t AS (
+    SELECT pos, file, ({_ENTRY_OK}) AS fast,
+        "step#int" AS step, {_text("phase")} AS phase, {_text("module")} AS module,
+        {_text("class")} AS cls, {_text("entry")} AS entry, {_text("dtype")} AS dtype,
+        "numel#int" AS numel, starts_with(abs_max::VARCHAR, '"') AS amax_text, "abs_max#double" AS amax,
+        "nan#int" AS nan, "posinf#int" AS posinf, "neginf#int" AS neginf,
+        "zero_frac#double" AS zf, "subnormal_frac#double" AS sf, "rank#int" AS rank
+    FROM v
+), e AS (
+    SELECT *, CASE WHEN NOT nonfinite AND amax > 0 AND dtype_max IS NOT NULL
+                   THEN greatest(dtype_max / amax, 1.0) END AS ratio
+    FROM (
+        SELECT *, (nan > 0 OR posinf > 0 OR neginf > 0 OR amax_text) AS nonfinite, {_limits_sql()} AS dtype_max
+        FROM t
+    )
+)
+"""
+
+
+def _params(paths, indexes):
+    params = {f"f{j}": [path] for j, path in enumerate(paths)}
+    params.update({f"i{j}": index for j, index in enumerate(indexes)})
+    return params
+
+
+# One streaming GROUP BY over every row taken twice (k = 1, 2): what GROUPING SETS would do,
+# without materializing the rows first (which spilled a wide log to disk for minutes).
+# - k = 1, the entries that fit, by module, and by (module, entry) for those with subnormals or
+#   all zeros (the only ones the pairs' tables look at; a wide log has far fewer of them): the
+#   row that decides each table (lowest headroom, largest subnormal fraction, latest all-zero
+#   step, first nan/inf) and the module's first row;
+# - k = 2, every row, by (file, step, rank) for the entries that fit, and one group per row that
+#   does not: the rows to hand back, the steps, ranks and phases.
+# "First" is decided by the position. Each "least" is one HUGEINT (a fixed-size state, much
+# cheaper than a struct's): the deciding value in the high 64 bits (a positive double's IEEE bits
+# order as the double does), the position in the low ones. Each is computed only for the rows it
+# is about (CASE, not FILTER: a FILTER still computes it for every row, and a negative one overflows).
+_LOW = 2 ** 64
+_BITS = "(({x})::BIT)::BIGINT"
+
+
+def _key(high):
+    return f"(({high})::HUGEINT * {_LOW} + pos)"
+
+
+_GROUPED = f"""
+SELECT k,
+    CASE WHEN k = 1 THEN module END AS module,
+    CASE WHEN k = 1 AND numel > 0 AND (sf > 0 OR zf >= 1) THEN entry END AS entry,
+    CASE WHEN k = 2 THEN file END AS file, CASE WHEN k = 2 THEN fast END AS ok,
+    CASE WHEN k = 2 AND fast THEN step END AS step, CASE WHEN k = 2 AND fast THEN rank END AS rank,
+    CASE WHEN k = 2 AND NOT fast THEN pos END AS slow_pos,
+    count(*) AS rows, min(pos) AS first_pos,
+    count(*) FILTER (WHERE phase = 'forward') AS forward,
+    min(CASE WHEN k = 1 AND ratio IS NOT NULL THEN {_key(_BITS.format(x="ratio"))} END) AS best,
+    min(CASE WHEN k = 1 AND numel > 0 AND sf > 0 THEN {_key(f"{2 ** 63 - 1} - " + _BITS.format(x="sf"))} END) AS sub,
+    min(CASE WHEN k = 1 AND numel > 0 AND zf >= 1 THEN {_key(f"{2 ** 41} - step")} END) AS zero,
+    min(CASE WHEN k = 1 AND nonfinite THEN {_key(f"step::HUGEINT * {2 ** 21} + coalesce(rank, -1) + 1")} END) AS nonfinite
+FROM e, (VALUES (1), (2)) AS u(k)
+WHERE k = 2 OR fast
+GROUP BY ALL
+"""
+
+
+def _split(key):
+    """A HUGEINT key -> (its high part, the position)."""
+    return key >> 64, key & (_LOW - 1)
+
+
+def _double(bits):
+    return struct.unpack("<d", struct.pack("<q", bits))[0]
+
+
+def _query(count, max_modules, max_keys, step_cap):
+    """The whole read of ``count`` files as one statement (a table in between would cost more
+    than the scan: DuckDB compresses what it stores). Its rows: (what, i1..i5, h1, s1, s2, l1)."""
+    pairs = "FROM g WHERE k = 1"
+    spots = "FROM g WHERE k = 2 AND ok"
+    modules = "m"
+
+    def out(what, i1="NULL", i2="NULL", i3="NULL", i4="NULL", i5="NULL", h1="NULL", s1="NULL", s2="NULL",
+            l1="NULL"):
+        ints = ", ".join(f"({v})::BIGINT" for v in (i1, i2, i3, i4, i5))
+        return f"'{what}', {ints}, ({h1})::HUGEINT, ({s1})::VARCHAR, ({s2})::VARCHAR, ({l1})::BIGINT[]"
+
+    parts = [
+        f"""SELECT {out('file', 'file', 'sum(rows)', 'count(slow_pos)',
+                        l1=f"(list(slow_pos ORDER BY slow_pos) FILTER (WHERE slow_pos IS NOT NULL))[:{MAX_RECHECK + 1}]")}
+            FROM g WHERE k = 2 GROUP BY file""",
+        f"""SELECT {out('totals', 'sum(rows)', 'sum(forward)', 'min(step)', 'max(step)', '(SELECT steps FROM s)')} {spots}""",
+        f"""SELECT {out('step', 'step')} FROM (SELECT DISTINCT step {spots})
+            WHERE (SELECT steps FROM s) <= {step_cap}""",
+        f"""SELECT {out('rank', 'rank')} FROM (SELECT DISTINCT rank {spots} AND rank IS NOT NULL)""",
+        f"""SELECT {out('nonfinite', h1='min(nonfinite)')} {pairs}""",
+        f"""SELECT {out('module_count', 'count(*)')} FROM {modules}""",
+        f"""SELECT * FROM (SELECT {out('module', 'first_pos', h1='best', s1='module')} FROM {modules}
+            ORDER BY best NULLS LAST, first_pos LIMIT {max_modules})""",
+        f"""SELECT * FROM (SELECT {out('sub', h1='sub', s1='module', s2='entry')}
+            {pairs} AND sub IS NOT NULL ORDER BY sub LIMIT {max_keys})""",
+        f"""SELECT {out('zero_count', 'count(*)')} {pairs} AND zero IS NOT NULL""",
+        f"""SELECT * FROM (SELECT {out('zero', h1='zero', s1='module', s2='entry')}
+            {pairs} AND zero IS NOT NULL ORDER BY zero LIMIT {max_keys})""",
+    ]
+    return (f"WITH {_rows(count)}, g AS MATERIALIZED ({_GROUPED}),\n"
+            f"m AS MATERIALIZED (SELECT module, min(first_pos) AS first_pos, min(best) AS best {pairs} GROUP BY module),\n"
+            f"s AS MATERIALIZED (SELECT count(DISTINCT step) AS steps {spots})\n" + "\nUNION ALL\n".join(parts))
+
+
+def _connect():
+    con = duckdb.connect(config={"memory_limit": MEMORY_LIMIT, "preserve_insertion_order": True,
+                                 "temp_directory": os.path.join(tempfile.gettempdir(),
+                                                                f"overflow_fast_duckdb.{os.getpid()}")})
+    con.execute("SET enable_progress_bar = false")
+    return con
+
+
+def _scannable(path):
+    """DuckDB reads the file itself: a regular file whose name it will not take for a pattern."""
+    if _GLOB & set(path):
+        return False
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
+_ORDINAL = (1 << POSITION_BITS) - 1
+
+
+def _aggregate(con, paths, candidates, summary):
+    """Run the query over the files ``candidates`` (indexes into ``paths``): (the per-file rows;
+    the other result rows, by kind)."""
+    query = _query(len(candidates), summary.max_modules, max(summary.subnormal.cap, summary.all_zero.cap),
+                   summary.steps.cap)
+    results = {}
+    for what, *values in con.execute(query, _params([paths[i] for i in candidates], candidates)).fetchall():
+        results.setdefault(what, []).append(values)
+    files = []
+    for index, rows, slow, _, _, _, _, _, slow_pos in results.pop("file", ()):  # i1..i5, h1, s1, s2, l1
+        files.append({"index": index, "rows": rows, "slow": slow,
+                      "slow_ordinals": [pos & _ORDINAL for pos in slow_pos or ()]})
+    return files, results
+
+
+def read_files(paths, summary, progress=None):
+    """Fill ``summary`` from ``paths`` (in this order), as ``logsummary.read_files`` would."""
+    con = _connect()
+    try:
+        files, results = _scan(con, paths, [i for i, path in enumerate(paths) if _scannable(path)], summary)
+        tables = _tables(results, summary) if files else None
+        details = {}  # position -> (the parsed record of a row the tables name, its file)
+        wanted_detail = {}
+        for pos in (tables["rows"] if tables else ()):
+            wanted_detail.setdefault(pos >> POSITION_BITS, set()).add(pos & _ORDINAL)
+        done = {row["index"]: row for row in files}
+        for index, path in enumerate(paths):  # in file order: what comes first is named first
+            row = done.get(index)
+            if row is None:  # not for DuckDB, or nothing it could read: all of it to the plain reader
+                read_file(path, index, summary, progress)
+                continue
+            slow = set(row["slow_ordinals"])
+            detail = wanted_detail.get(index, set())
+            if slow or detail:
+                # as many lines as DuckDB had rows: no blank line, and no need to look for one
+                blank_free = count_lines(path) == row["rows"]
+                read_file(path, index, summary, wanted=sorted(slow | detail), blank_free=blank_free,
+                          visit=_visitor(summary, path, index, slow, detail, details))
+            if progress is not None:
+                progress.update(_size(path))
+        if tables:
+            _merge(summary, tables, details)
+        if summary.keep_bins and files:
+            _cells(con, summary, paths, [row["index"] for row in files])
+    finally:
+        con.close()
+
+
+def _visitor(summary, path, index, slow, detail, details):
+    def visit(number, ordinal, raw):
+        if ordinal in slow:
+            if raw is None:
+                summary.add_malformed(path, number, f"longer than {schema.MAX_LINE_BYTES} bytes")
+            else:
+                summary.add_line(raw, index, path, number, ordinal)
+        if ordinal in detail and raw is not None:
+            try:
+                details[(index << POSITION_BITS) | ordinal] = (parse_line(raw)[1], path)
+            except schema.Malformed:  # only where DuckDB and Python disagree (see the docstring)
+                pass
+    return visit
+
+
+def _size(path):
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+def _scan(con, paths, candidates, summary):
+    """The query over the files of ``candidates`` that DuckDB can take: one it cannot read, or
+    with too much to hand back, is left out (to the plain reader)."""
+    while candidates:
+        try:
+            files, results = _aggregate(con, paths, candidates, summary)
+        except _UNREADABLE:
+            if len(candidates) == 1:
+                return [], {}
+            readable = []  # which files it cannot read, one by one (rare: a line over its limit)
+            for i in candidates:
+                try:
+                    con.execute(f"SELECT count(*) FROM read_json($files, format = 'newline_delimited', "
+                                f"columns = {{'record': 'JSON'}}, ignore_errors = true, "
+                                f"maximum_object_size = {schema.MAX_LINE_BYTES})", {"files": [paths[i]]})
+                    readable.append(i)
+                except _UNREADABLE:
+                    pass
+            if readable == candidates:
+                return [], {}
+            candidates = readable
+            continue
+        heavy = {row["index"] for row in files if row["slow"] > MAX_RECHECK}
+        if not heavy:
+            return files, results
+        candidates = [i for i in candidates if i not in heavy]
+    return [], {}
+
+
+def _tables(results, summary):
+    """What the summary keeps, as positions; ``rows``: the positions whose records are needed
+    (re-read by the plain parser). A result row is (i1, i2, i3, i4, i5, h1, s1, s2, l1)."""
+    out = {"rows": set()}
+    entries, forward, first_step, last_step, steps = (results.get("totals") or [[0] * 5])[0][:5]
+    out["totals"] = (entries or 0, forward or 0, first_step, last_step)
+    out["steps"] = [values[0] for values in results.get("step", ())] if "step" in results else (steps or 0)
+    out["ranks"] = [values[0] for values in results.get("rank", ())]
+    if not entries:
+        return out
+    key = results["nonfinite"][0][5]
+    out["nonfinite"] = None if key is None else _split(key)
+    out["module_count"] = results["module_count"][0][0]
+    out["modules"] = [(v[6], v[0], None if v[5] is None else _split(v[5])) for v in results.get("module", ())]
+    out["sub"] = [(v[6], v[7], _split(v[5])) for v in results.get("sub", ())]
+    out["zero_count"] = results["zero_count"][0][0]
+    out["zero"] = [(v[6], v[7], _split(v[5])) for v in results.get("zero", ())]
+    if out["nonfinite"] is not None:
+        out["rows"].add(out["nonfinite"][1])
+    for _, first_pos, best in out["modules"]:
+        out["rows"].add(first_pos)  # its class where it first appears
+        if best is not None:
+            out["rows"].add(best[1])
+    for _, _, (_, pos) in out["sub"] + out["zero"]:
+        out["rows"].add(pos)
+    return out
+
+
+def _merge(summary, tables, details):
+    entries, forward, first_step, last_step = tables["totals"]
+    if not entries:
+        return
+    summary.records += entries
+    summary.entries += entries
+    summary.phases["forward"] += forward
+    summary.phases["backward"] += entries - forward
+    summary.add_steps(first_step, last_step)
+    if isinstance(tables["steps"], list):
+        for step in tables["steps"]:
+            summary.steps.add(step)
+    else:
+        summary.steps.add_count(tables["steps"])
+    for rank in tables["ranks"]:
+        summary.add_rank(rank)
+
+    if tables["nonfinite"] is not None:
+        _, pos = tables["nonfinite"]
+        if pos in details:
+            record, path = details[pos]
+            rank = record.get("rank")
+            summary.add_nonfinite((record["step"], -1 if rank is None else rank, pos), record, path)
+
+    summary.module_names.add_count(tables["module_count"])
+    summary.modules_dropped += max(0, tables["module_count"] - summary.max_modules)
+    for module, first_pos, best in tables["modules"]:
+        first = details.get(first_pos)
+        class_name = first[0]["class"] if first else None
+        if best is not None and best[1] in details:
+            r = details[best[1]][0]
+            best = ((_double(best[0]), best[1]), (r["entry"], r["dtype"], r["step"], r["phase"], float(r["abs_max"])))
+        else:
+            best = None
+        summary.add_module(module, class_name, first_pos, best)
+
+    for module, entry, (_, pos) in tables["sub"]:
+        if pos in details:
+            r = details[pos][0]
+            frac = r["subnormal_frac"]
+            summary.subnormal.offer((module, entry), (-frac, pos), (frac, r["step"], r["dtype"], r["numel"]))
+    summary.zero_keys.add_count(tables["zero_count"])
+    for module, entry, (_, pos) in tables["zero"]:
+        if pos in details:
+            r = details[pos][0]
+            summary.all_zero.offer((module, entry), (-r["step"], pos), (r["step"], r["dtype"], r["numel"]))
+
+
+def _cells(con, summary, paths, indexes):
+    """The picture's bins of the modules it draws: their lowest headroom ratio per bin of
+    ``summary.width`` steps, and the bins with a nan/inf (a second scan: only ``--png`` needs it)."""
+    modules = summary.plot_modules()
+    if not modules:
+        return
+    query = f"""
+        WITH {_rows(len(indexes))}
+        SELECT module, step // {summary.width} AS b, min(CASE WHEN nonfinite THEN 1.0 ELSE ratio END) AS ratio,
+            bool_or(nonfinite) AS bad
+        FROM e WHERE fast AND module IN (SELECT unnest($modules::VARCHAR[]))  -- a hash join, not a list scan per row
+        GROUP BY ALL"""
+    params = _params([paths[i] for i in indexes], indexes)
+    params["modules"] = modules
+    for module, index, ratio, bad in con.execute(query, params).fetchall():
+        summary.add_cell(module, index, ratio, bad)

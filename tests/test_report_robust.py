@@ -1,0 +1,361 @@
+"""`overflow-fast report` on damaged logs: every line checked against the schema, malformed lines
+counted and named (never a traceback), memory bounded whatever the input, and the two readers
+(plain Python, DuckDB) giving the same summary on the same files."""
+
+import json
+import os
+import random
+
+import pytest
+
+from overflow_fast import cli, logsummary, schema
+from overflow_fast.logsummary import Summary, read_chunks
+from overflow_fast.recorder import Recorder, detection_record, encode_line, entry_record
+from test_report_cli import F16_MAX, row, write_run
+
+try:
+    import duckdb  # noqa: F401
+
+    ENGINES = ["python", "duckdb"]
+except ImportError:
+    ENGINES = ["python"]
+
+
+def report(capsys, engine, *paths, png=None):
+    argv = ["report", *map(str, paths), "--no-progress", "--engine", engine]
+    if png:
+        argv += ["--png", str(png)]
+    code = cli.main(argv)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def both(capsys, *paths):
+    """The report of every reader; asserts they are the same and returns it."""
+    results = [report(capsys, engine, *paths) for engine in ENGINES]
+    for other in results[1:]:
+        assert other == results[0]
+    return results[0]
+
+
+def entry(**changes):
+    record = entry_record(3, "forward", 0, "h.0", "Block", "output", "float16", row(0.5, 100.0))
+    record.update(changes)
+    return record
+
+
+def lines_of(*records):
+    return b"".join(r if isinstance(r, bytes) else (json.dumps(r) + "\n").encode() for r in records)
+
+
+def malformed_names(out):
+    line = next((l for l in out.splitlines() if "malformed lines skipped" in l), "")
+    return line
+
+
+# -- the cases measured in the issue ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_deeply_nested_json_is_malformed_not_a_recursion_error(tmp_path, capsys, engine):
+    path = tmp_path / "nested.jsonl"
+    deep = b"[" * 100_000 + b"]" * 100_000
+    path.write_bytes(lines_of(entry(), deep + b"\n", b'{"record": "entry", "step": ' + deep + b"}\n", entry(step=4)))
+    code, out, err = report(capsys, engine, path)
+    assert code == 0, err
+    assert "records: 2 (2 tensor entries), malformed lines: 2" in out
+    assert "nested.jsonl:2 (" in out and "nested.jsonl:3 (" in out
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_null_dtype_and_list_numel_are_malformed(tmp_path, capsys, engine):
+    path = tmp_path / "types.jsonl"
+    path.write_bytes(lines_of(entry(), entry(dtype=None), entry(numel=[1, 2]), entry(numel={"a": 1})))
+    code, out, err = report(capsys, engine, path)
+    assert code == 0 and "Traceback" not in err
+    assert "malformed lines: 3" in out
+    assert "types.jsonl:2 (dtype is null)" in out and "types.jsonl:3 (numel is not an integer)" in out
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_huge_and_negative_steps(tmp_path, capsys, engine):
+    path = tmp_path / "steps.jsonl"
+    path.write_bytes(lines_of(
+        entry(step=0), entry(step=-1e11), entry(step=-1), entry(step=2 ** 36), entry(step=2 ** 31),
+        entry(step=2 ** 40), entry(step=2 ** 40 + 1), entry(step=10 ** 30), entry(step=1.0), entry(step=True),
+        entry(step="5")))
+    code, out, err = report(capsys, engine, path, png=tmp_path / "steps.png")
+    assert code == 0, err
+    # -1e11, -1, 2**40 + 1, 10**30, 1.0, true, "5" are malformed; 2**36, 2**31 and 2**40 are steps
+    assert "records: 4 (4 tensor entries), malformed lines: 7" in out
+    assert f"steps recorded: 4 (first 0, last {2 ** 40})" in out
+    assert "steps.jsonl:2 (step is not an integer)" in out and "steps.jsonl:3 (step out of range)" in out
+
+
+def test_far_apart_steps_keep_few_bins():
+    summary = Summary(max_columns=50)
+    for step in (0, 2 ** 31, 2 ** 36, 2 ** 40, 17):
+        summary.add_entry(entry(step=step), logsummary.position(0, step % 1000 + 1), "x")
+    assert summary.step_count == 5 and summary.width >= 2 ** 40 // 100
+    assert all(len(cells) <= 100 for cells in summary.cells.values())
+
+
+def test_300k_modules_keep_a_bounded_summary():
+    """The bound is on what is kept: however many modules, at most max_modules of them, and the
+    tables are still exact (checked against all of them)."""
+    summary = Summary(bins=True)
+    rng = random.Random(0)
+    truth = {}
+    subnormal = {}
+    for i in range(300_000):
+        name = f"m{i}"
+        amax = rng.uniform(1.0, 60000.0)
+        frac = rng.random() * 0.5 if i % 3 == 0 else 0.0
+        record = entry(module=name, abs_max=amax, step=i % 1000, subnormal_frac=frac,
+                       zero_frac=1.0 if i % 5 == 0 else 0.0)
+        summary.add_entry(record, logsummary.position(0, i + 1), "x")
+        truth[name] = (max(F16_MAX / amax, 1.0), i + 1)
+        if frac:
+            subnormal[(name, "output")] = (-frac, i + 1)
+    assert len(summary.modules) <= logsummary.MAX_MODULES
+    assert len(summary.cells) <= logsummary.MAX_MODULES
+    assert len(summary.subnormal.items) <= logsummary.MAX_KEYS and len(summary.all_zero.items) <= logsummary.MAX_KEYS
+    assert summary.module_count == 300_000 and summary.modules_dropped > 0
+    assert summary.zero_keys.count == 60_000
+    best = sorted(truth, key=truth.get)[:logsummary.TOP]
+    assert [name for name, _, _ in summary.hottest()] == best
+    assert [key for key, _, _ in summary.subnormal.best(logsummary.TOP)] == sorted(subnormal, key=subnormal.get)[:10]
+    assert len(summary.plot_modules()) == summary.plot_rows
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_line_over_the_limit_is_malformed_and_never_held_whole(tmp_path, capsys, engine):
+    path = tmp_path / "long.jsonl"
+    with open(path, "wb") as f:
+        f.write(lines_of(entry(step=1)))
+        f.write(b'{"record": "entry", "module": "' + b"x" * (schema.MAX_LINE_BYTES + 10) + b'"}\n')
+        f.write(lines_of(entry(step=2)))
+    with open(path, "rb") as f:
+        pieces = list(read_chunks(f))
+    assert pieces.count(None) == 1
+    assert max(len(p) for p in pieces if p is not None) < 1 << 20
+    code, out, err = report(capsys, engine, path)
+    assert code == 0, err
+    assert "records: 2 (2 tensor entries), malformed lines: 1" in out
+    assert f"long.jsonl:2 (longer than {schema.MAX_LINE_BYTES} bytes)" in out
+
+
+def test_read_chunks_keeps_every_line():
+    rng = random.Random(1)
+    lines = [b"x" * rng.choice([0, 1, 5, 40, 70, 200]) for _ in range(500)]
+    data = b"\n".join(lines)  # no newline at the end
+    import io
+
+    for size in (1, 7, 64, 1000):
+        chunks = list(read_chunks(io.BytesIO(data), limit=100, size=size))
+        parts = []
+        for chunk in chunks:
+            if chunk is None:
+                parts.append(None)
+            else:
+                parts.extend(chunk.split(b"\n")[:-1] if chunk.endswith(b"\n") else chunk.split(b"\n"))
+        assert parts == [None if len(line) > 100 else line for line in lines]
+
+
+# -- further classes of damage ------------------------------------------------------------------------------
+
+def _wrong_values():
+    """For every field of every kind, a line whose value there has the wrong type or range."""
+    bad = {
+        "int": ["x", 1.5, True, None, [1], {"a": 1}, -1, 2 ** 64],
+        "str": [1, None, True, ["a"], {"a": "b"}],
+        "abs": ["big", True, [1.0], -1.0, {"a": 1}, 1e400],
+        "frac": ["0.5", None, 1.5, -0.1, "nan", True],
+        "strlist": ["output", [1], None, [["a"]], {"a": 1}],
+    }
+    base = {
+        "meta": {"record": "meta", "version": 1, "rank": 0, "world_size": 2, "started": "x", "pid": 1, "torch": "2"},
+        "entry": entry(),
+        "detection": detection_record(3, "forward", "h.0", "Block", ["output"], 0),
+    }
+    for kind, fields in schema.RECORDS.items():
+        for field in fields:
+            for value in bad[field.kind]:
+                if value is None and field.nullable:
+                    continue
+                if field.kind == "int" and type(value) is int and field.lo <= value <= field.hi:
+                    continue
+                yield kind, field.name, dict(base[kind], **{field.name: value})
+
+
+def test_every_field_of_every_kind_is_checked():
+    cases = list(_wrong_values())
+    assert len({(kind, name) for kind, name, _ in cases}) == sum(len(f) for f in schema.RECORDS.values())
+    for kind, name, record in cases:
+        with pytest.raises(schema.Malformed, match=name):
+            schema.check(record)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_wrong_types_in_every_field(tmp_path, capsys, engine):
+    cases = list(_wrong_values())
+    path = tmp_path / "wrong.jsonl"
+    path.write_bytes(lines_of(entry(), *[record for _, _, record in cases]))
+    code, out, err = report(capsys, engine, path)
+    assert code == 0, err
+    assert f"records: 1 (1 tensor entries), malformed lines: {len(cases)}" in out
+
+
+def test_the_writers_records_fit_the_schema(tmp_path):
+    import torch
+
+    path = tmp_path / "run.jsonl"
+    write_run(path)
+    with open(path, "rb") as f:
+        kinds = [logsummary.parse_line(line)[0] for line in f]
+    assert kinds[0] == "meta" and set(kinds) == {"meta", "entry", "detection"}
+    for dtype in (torch.float16, torch.int64, torch.bool, torch.complex64, torch.uint64):
+        record = entry_record(0, "backward", 1, "m", "M", "weight.grad", dtype, [0] * 7 + [0])
+        assert schema.check(json.loads(encode_line(record))) == "entry"
+        assert list(record) == list(schema.KEYS["entry"])
+
+
+def damaged_files(tmp_path):
+    """Small logs with one kind of damage each, and a clean one, all valid paths."""
+    files = {}
+
+    def put(name, data):
+        files[name] = tmp_path / name
+        files[name].write_bytes(data)
+
+    run = write_run(tmp_path / "run.jsonl", steps=12)
+    good = run.read_bytes()
+    put("truncated.jsonl", good[: len(good) - 40])
+    put("empty.jsonl", b"")
+    put("blank.jsonl", b"\n \n\t\r\n" + good.replace(b"\n", b"\n\n", 3) + b"\x0b\n")
+    put("crlf.jsonl", good.replace(b"\n", b"\r\n"))
+    rng = random.Random(3)
+    put("garbage.bin", bytes(rng.randrange(256) for _ in range(20_000)))
+    put("mixed.jsonl", good[:2000] + bytes(rng.randrange(256) for _ in range(500)) + b"\n" + good[2000:])
+    put("nonfinite.jsonl", lines_of(
+        entry(abs_max="nan", nan=1), entry(abs_max="inf", posinf=1, step=2), entry(abs_max="-inf", step=1),
+        entry(abs_min="nan"), entry(zero_frac="nan"), entry(abs_max="NaN"), entry(abs_max="Infinity"),
+        b'{"record": "entry", "step": 5, "abs_max": NaN}\n',
+        (json.dumps(entry(step=6))[:-1] + ', "extra": NaN}\n').encode(),
+        (json.dumps(entry(step=7, abs_max=0.5))[:-1].replace('"abs_max": 0.5', '"abs_max": 1e999') + "}\n").encode(),
+        entry(abs_max=18446744073709551615, dtype="uint64"), entry(abs_max=2 ** 64 + 1, dtype="uint64")))
+    put("unicode.jsonl", lines_of(
+        entry(module="блок.0", entry="вход[0]"), entry(module="h.\u00e9\U0001F600", abs_max=65000.0),
+        json.dumps(entry(module="plain.é"), ensure_ascii=False).encode() + b"\n",
+        b'{"record": "entry", "module": "\\ud800"}\n',
+        json.dumps(entry(module="bad\ud800")).encode() + b"\n",
+        entry(module="ctl\x1b[31mred\x07"), entry(module="nul\x00", step=4),
+        b'{"record": "entry", "module": "\xff\xfe"}\n', b"\xef\xbb\xbf" + lines_of(entry(step=9)),
+        entry(module='quote"back\\slash', abs_max=64000.0)))
+    put("shapes.jsonl", lines_of(
+        b"[1, 2]\n", b"5\n", b'"text"\n', b"null\n", b"{}\n", b'{"record": "telemetry"}\n', b'{"record": 3}\n',
+        b'{"record": "entry"}{"record": "entry"}\n', b'{"record": "entry", "step": 1} trailing\n',
+        (json.dumps(entry(step=8))[:-1] + ', "step": "dup"}\n').encode(),
+        (json.dumps(entry(step=8))[:-1] + ', "future_field": {"a": [1, {"b": 2}]}}\n').encode(),
+        {"record": "meta", "version": 1}, {"record": "meta", "version": 0},
+        detection_record(8, "forward", "h.1", "Block", ["output"] * 3, None),
+        dict(detection_record(8, "forward", "h.1", "Block", ["output"], None), entries=["x"] * 5000)))
+    return files
+
+
+@pytest.mark.parametrize("name", ["truncated.jsonl", "empty.jsonl", "blank.jsonl", "crlf.jsonl", "garbage.bin",
+                                  "mixed.jsonl", "nonfinite.jsonl", "unicode.jsonl", "shapes.jsonl"])
+def test_damaged_files_never_crash_and_both_readers_agree(tmp_path, capsys, name):
+    files = damaged_files(tmp_path)
+    code, out, err = both(capsys, files[name])
+    assert "Traceback" not in err
+    if name in ("empty.jsonl", "garbage.bin"):
+        assert code == 1 and "no flight-recorder records" in err
+        return
+    assert code == 0, err
+    if name == "truncated.jsonl":
+        assert "malformed lines: 1" in out and "truncated.jsonl:" in out
+    if name in ("blank.jsonl", "crlf.jsonl"):
+        assert "malformed" not in out and "records: 98 (96 tensor entries)" in out
+    if name == "unicode.jsonl":
+        assert "блок.0" in out or "h.\u00e9\U0001F600" in out
+        assert "\x1b" not in out and "\x07" not in out and "\x00" not in out  # escaped, not sent to the terminal
+        assert "records: 6 (6 tensor entries), malformed lines: 4" in out
+    if name == "nonfinite.jsonl":
+        assert "first non-finite value: step 1, forward, module h.0 (Block), entry output [float16]: abs max -inf" in out
+    if name == "shapes.jsonl":
+        assert "records: 4 (2 tensor entries), malformed lines: 11" in out and "detection record: step 8" in out
+
+
+def test_all_damaged_files_at_once_agree(tmp_path, capsys):
+    files = damaged_files(tmp_path)
+    paths = [files[name] for name in sorted(files)] + [tmp_path / "run.jsonl"]
+    code, out, err = both(capsys, *paths)
+    assert code == 0, err
+    assert "malformed lines skipped (first): garbage.bin:1 (" in out
+
+
+@pytest.mark.skipif("duckdb" not in ENGINES, reason="DuckDB not installed (pip install overflow_fast[fast-report])")
+def test_the_readers_fill_the_same_picture(tmp_path):
+    paths = [write_run(tmp_path / "run.jsonl", steps=700, rank=r, world_size=2) for r in (0, 1)]
+    paths = [os.path.join(tmp_path, f"run.rank{r}.jsonl") for r in (0, 1)]
+    with open(paths[1], "ab") as f:
+        f.write(b"garbage\n" + lines_of(entry(step=900, module="late", abs_max=60000.0)))
+    from overflow_fast import logsummary_duckdb
+
+    summaries = []
+    for reader in (logsummary.read_files, logsummary_duckdb.read_files):
+        summary = Summary(bins=True)
+        reader(paths, summary)
+        summaries.append(summary)
+    plain, duck = summaries
+    assert plain.width == duck.width > 1
+    assert plain.plot_modules() == duck.plot_modules()
+    assert plain.cells == duck.cells and plain.bad_cells == duck.bad_cells
+    assert plain.first_nonfinite == duck.first_nonfinite
+    assert plain.steps_per_column() == duck.steps_per_column()
+
+
+@pytest.mark.skipif("duckdb" not in ENGINES, reason="DuckDB not installed (pip install overflow_fast[fast-report])")
+def test_duckdb_reads_several_ranks_at_once_and_hands_back_only_what_it_cannot_take(tmp_path, monkeypatch):
+    from overflow_fast import logsummary_duckdb
+
+    paths = []
+    for rank in range(3):
+        with Recorder(tmp_path / "run.jsonl", rank=rank, world_size=3) as recorder:
+            recorder.write([entry(step=s, rank=rank) for s in range(50)])
+        paths.append(recorder.path)
+    with open(paths[2], "ab") as f:
+        f.write(b"oops\n")
+    reread = []
+    original = logsummary_duckdb.read_file
+
+    def spy(path, index, summary, progress=None, wanted=None, **kwargs):
+        reread.append((os.path.basename(path), wanted))
+        return original(path, index, summary, progress, wanted, **kwargs)
+
+    monkeypatch.setattr(logsummary_duckdb, "read_file", spy)
+    summary = Summary(bins=False)
+    logsummary_duckdb.read_files(paths, summary)
+    assert summary.entries == 150 and summary.metas == 3 and summary.malformed == 1
+    assert summary.malformed_lines == [(paths[2], 52, "not JSON")]
+    # the plain parser saw the meta lines, the bad one and the few rows the tables name: no file whole
+    assert [name for name, _ in reread] == ["run.rank0.jsonl", "run.rank1.jsonl", "run.rank2.jsonl"]
+    assert all(wanted[0] == 1 for _, wanted in reread) and 52 in reread[2][1]
+    assert sum(len(wanted) for _, wanted in reread) <= 3 + 1 + 3 * 2
+
+
+@pytest.mark.skipif("duckdb" not in ENGINES, reason="DuckDB not installed (pip install overflow_fast[fast-report])")
+def test_a_duckdb_failure_falls_back_to_the_plain_reader(tmp_path, capsys, monkeypatch):
+    from overflow_fast import logsummary_duckdb
+
+    path = write_run(tmp_path / "run.jsonl", steps=3)
+    expected = report(capsys, "python", path)[1]
+
+    def broken(*args, **kwargs):
+        raise logsummary_duckdb.duckdb.BinderException("no such function in this DuckDB")
+
+    monkeypatch.setattr(logsummary_duckdb, "_aggregate", broken)
+    code, out, err = report(capsys, "auto", path)
+    assert code == 0 and out == expected and "reading with plain Python" in err
+    code, out, err = report(capsys, "duckdb", path)
+    assert code == 1 and "DuckDB could not read the logs" in err and "Traceback" not in err
