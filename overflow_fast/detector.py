@@ -111,8 +111,10 @@ class DebugUnderflowOverflow:
       lines named by their path (``output[loss]``) instead of one ``not a tensor`` line.
     - ``backward``: gradient frames (``overflow_fast.gradients``), decided before ``backward()``
       returns.
-    - ``on_detect``, ``ignore``, ``warn_above``, ``warn_gradients``: ``overflow_fast.policy``; ``log``, ``log_every``:
-      the flight recorder; ``sync``, ``sync_timeout``: ``overflow_fast.distributed``.
+    - ``on_detect``, ``ignore``, ``warn_above``, ``warn_gradients``: ``overflow_fast.policy``;
+      ``sync``, ``sync_timeout``: ``overflow_fast.distributed``.
+    - ``log``, ``log_every``: the flight recorder (``overflow_fast.flight``): a JSONL path, a
+      TensorBoard ``SummaryWriter``, a W&B run, or a list of them.
     - ``on_detect="skip"``: a step in which a nan/inf appears (forward or gradients) applies no
       update: its report is printed once, it is recorded once, every gradient of the model is
       dropped (set to None: as it is accumulated, when the backward pass ends and right before
@@ -575,7 +577,7 @@ class DebugUnderflowOverflow:
         batch = call.batch_before - 1 if phase == BACKWARD else call.batch_before
         self._save(frame, batch)
         if self._log is not None:
-            self._log.frame(frame, batch)
+            self._log.frame(frame, batch, self._step_of(batch), self.mode)
         if call.trace_mode:
             # the reference's ring holds just this frame now, whatever max_frames_to_save says
             _print(str(frame))
@@ -623,7 +625,7 @@ class DebugUnderflowOverflow:
             detection["mode"] = self.mode
         self.detections.append(detection)
         if self._log is not None:
-            self._log.detection(detection)
+            self._log.detection(detection, self._step_of(batch))
         on_detect = self._policy.on_detect
         frames = [report.frame_data(f) for f in self.frames if not isinstance(f, str)]
         if on_detect == "raise" or (on_detect == "skip" and self._skips_in_a_row >= self.max_skips):

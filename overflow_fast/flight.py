@@ -1,49 +1,87 @@
-"""The detector's side of the flight recorder (``log=PATH``): which frames become records. Every
-frame replayed with host rows is recorded when its step is one ``log_every`` keeps; the frames of
-other steps wait until the step ends, and are written only if the step detects. The rows are the
-ones the detector already read: no extra host sync."""
+"""The detector's side of the flight recorder (``log=``): which frames become records, and where
+they go. ``log`` is a path (a JSONL file, ``recorder.Recorder``), a dashboard (a TensorBoard
+``SummaryWriter`` or a W&B run, ``dashboards.Dashboard``) or a list of them.
+
+Every frame replayed with host rows is recorded when its step is one ``log_every`` keeps; the
+frames of other steps wait until the step ends, and are written only if the step detects. A step
+is the trainer's optimizer step where the detector knows it (``set_step``), else its batch number.
+The rows are the ones the detector already read: no extra host sync."""
+
+import os
 
 from . import distributed
+from .dashboards import Dashboard, is_dashboard
 from .recorder import Recorder, detection_record, frame_records
 
 
 class StepLog:
-    def __init__(self, path, log_every=1):
+    def __init__(self, log, log_every=1):
         if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1:
             raise ValueError(f"log_every must be a positive int, got {log_every!r}")
+        targets = list(log) if isinstance(log, (list, tuple)) else [log]
+        for target in targets:
+            if not (is_dashboard(target) or isinstance(target, (str, os.PathLike))):
+                raise TypeError(f"log must be a path, a SummaryWriter, a wandb run or a list of them, got "
+                                f"{type(target).__name__}")
+        if not targets:
+            raise ValueError("log is an empty list")
+        self.log_every = log_every
         where = distributed.world()
-        self.recorder = Recorder(path, rank=where[0] if where else None,
-                                 world_size=where[1] if where else None, log_every=log_every)
+        self.dashboards = [Dashboard(target) for target in targets if is_dashboard(target)]
+        self.recorders = []
+        try:
+            for target in targets:
+                if not is_dashboard(target):
+                    self.recorders.append(Recorder(target, rank=where[0] if where else None,
+                                                   world_size=where[1] if where else None, log_every=log_every))
+        except BaseException:
+            self.close()  # one refused path (another writer has it): release the others
+            raise
         self._step = None
         self._call = 0
-        self._held = []  # frames of a step log_every skips, kept until the step ends
+        self._held = []  # (call, frame, batch, mode) of a step log_every skips, kept until the step ends
 
     def _rank(self):
         where = distributed.world()
         return where[0] if where else None
 
-    def frame(self, frame, step):
+    def wants(self, step):
+        return step % self.log_every == 0
+
+    def frame(self, frame, batch, step, mode=None):
+        """A frame replayed with host rows, of ``batch`` (the detector's batch number), ``step``
+        and ``mode`` ("train", "eval" or None)."""
         if step != self._step:
             self._step, self._call, self._held = step, 0, []
         call, self._call = self._call, self._call + 1
-        if self.recorder.should_record(step):
-            self.recorder.write(frame_records(step, frame.phase, call, frame, self._rank()))
-        else:
-            self._held.append((call, frame))
+        if not self.wants(step):
+            self._held.append((call, frame, batch, mode))
+            return
+        self._write(call, frame, batch, step, mode)
 
-    def detection(self, detection):
-        """Write the records of the detecting step that ``log_every`` held back, the detection
-        record, and wait until all of it is on disk (the error comes next)."""
-        rank = self._rank()
-        step = detection["batch_number"]
-        records = []
-        for call, frame in self._held if self._step == step else []:
-            records.extend(frame_records(step, frame.phase, call, frame, rank))
+    def _write(self, call, frame, batch, step, mode):
+        if self.recorders:
+            records = frame_records(batch, frame.phase, call, frame, self._rank())
+            for recorder in self.recorders:
+                recorder.write(records)
+        for dashboard in self.dashboards:
+            dashboard.frame(frame, step, mode)
+
+    def detection(self, detection, step):
+        """Write the frames of the detecting step that ``log_every`` held back, the detection,
+        and wait until all of it is on disk (the error comes next)."""
+        for call, frame, batch, mode in self._held if self._step == step else []:
+            self._write(call, frame, batch, step, mode)
         self._held = []
-        records.append(detection_record(step, detection["phase"], detection["module"], detection["class"],
-                                        detection["entries"], rank))
-        self.recorder.write(records)
-        self.recorder.flush()
+        record = detection_record(detection["batch_number"], detection["phase"], detection["module"],
+                                  detection["class"], detection["entries"], self._rank())
+        for recorder in self.recorders:
+            recorder.write([record])
+            recorder.flush()
+        for dashboard in self.dashboards:
+            dashboard.detection(detection, step)
+            dashboard.flush()
 
     def close(self):
-        self.recorder.close()
+        for sink in self.dashboards + self.recorders:
+            sink.close()
