@@ -209,3 +209,140 @@ def test_use_in_trainer_leaves_a_name_set_by_someone_else():
     finally:
         handle.undo()
         module.DebugUnderflowOverflow = original
+
+
+# -- watch()'s options, the trainer's steps, skip, report_to ------------------------------------------
+
+
+class _InfGradientAt(transformers.TrainerCallback):
+    """At training step ``step`` one weight's gradient comes out inf (a finite forward)."""
+
+    def __init__(self, step):
+        self.step = step
+        self.handle = None
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        if state.global_step == self.step:
+            weight = model.transformer.h[1].mlp.c_fc.weight
+            self.handle = weight.register_hook(lambda grad: grad * math.inf)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+
+
+@pytest.mark.parametrize("route", ["callback", "use_in_trainer"])
+def test_integrations_default_to_watch_and_stop_a_gradient_overflow_before_the_update(tmp_path, route):
+    if route == "callback":
+        trainer = _trainer(tmp_path, [integration.DetectorCallback(), _InfGradientAt(1)])
+        handle = None
+    else:
+        handle = integration.use_in_trainer()
+        trainer = _trainer(tmp_path, [_InfGradientAt(1)], debug="underflow_overflow")
+    try:
+        with pytest.raises(ValueError, match=ERROR) as caught:
+            trainer.train()
+    finally:
+        if handle is not None:
+            handle.undo()
+    assert caught.value.phase == "backward" and caught.value.global_step == 1 and caught.value.mode == "train"
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())  # the update never ran
+    assert no_hooks(trainer.model)
+
+
+def test_the_forward_only_option_is_still_there(tmp_path):
+    trainer = _trainer(tmp_path, [integration.DetectorCallback(backward=False), _InfGradientAt(1)])
+    with pytest.raises(ValueError, match=ERROR) as caught:
+        trainer.train()
+    assert caught.value.phase == "forward" and caught.value.global_step == 2  # one step too late
+
+
+class _EvalData(_Data):
+    pass
+
+
+def test_optimizer_steps_and_eval_as_the_trainer_counts_them(tmp_path):
+    model = models.gpt2().train()
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=6, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+        eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=2, learning_rate=1e-3, report_to=[],
+        use_cpu=True, save_strategy="no", logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=_Data(size=32), eval_dataset=_EvalData(4),
+                                   callbacks=[integration.DetectorCallback(), _PoisonAt(3)])
+    with pytest.raises(ValueError, match=ERROR) as caught:
+        trainer.train()
+    # the weight goes inf at the end of optimizer step 3: the next forward (of step 3's successor,
+    # counted 3 until it completes) reports it; the model's own forwards (train micro-batches and
+    # evaluation) are the reference's batch_number
+    assert caught.value.global_step == 3 and caught.value.mode == "train"
+    assert caught.value.batch_number == 3 * 2 + 2 * 1  # six micro-batches and one evaluation of two batches
+
+
+def test_a_detection_in_evaluation_is_tagged_eval(tmp_path):
+    model = models.gpt2().train()
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=2, eval_strategy="steps", eval_steps=2,
+        per_device_eval_batch_size=2, learning_rate=1e-3, report_to=[], use_cpu=True, save_strategy="no",
+        logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=_Data(), eval_dataset=_EvalData(4),
+                                   callbacks=[integration.DetectorCallback(), _PoisonAt(2)])
+    with pytest.raises(ValueError, match=ERROR) as caught:
+        trainer.train()
+    assert caught.value.mode == "eval" and caught.value.global_step == 2
+
+
+class _NanActivationAt(transformers.TrainerCallback):
+    """At training step ``step`` the first block's output holds a nan."""
+
+    def __init__(self, step):
+        self.step = step
+        self.handle = None
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        if state.global_step == self.step:
+            def poison(module, args, output):
+                hidden = output[0] if isinstance(output, tuple) else output
+                hidden = hidden.clone()
+                hidden[0, 0, 0] = math.nan
+                return (hidden,) + tuple(output[1:]) if isinstance(output, tuple) else hidden
+
+            self.handle = model.transformer.h[0].register_forward_hook(poison)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+
+
+def test_skip_in_the_trainer_keeps_counting_steps_and_applies_no_bad_update(tmp_path, capsys):
+    callback = integration.DetectorCallback(on_detect="skip")
+    trainer = _trainer(tmp_path, [callback, _NanActivationAt(2)], steps=5)
+    trainer.train()
+    assert trainer.state.global_step == 5
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+    steps = {int(state["step"]) for state in trainer.optimizer.state.values()}
+    assert steps == {4}  # AdamW stepped 4 times: the skipped step left its state alone
+    assert capsys.readouterr().out.count("skipping this step") == 1
+    assert no_hooks(trainer.model)
+
+
+def test_report_to_forwards_the_scalars_to_the_trainers_tensorboard(tmp_path, monkeypatch):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "tb"))
+    model = models.gpt2().train()
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=2, learning_rate=1e-3,
+        report_to=["tensorboard"], use_cpu=True, save_strategy="no",
+        logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=_Data(),
+                                   callbacks=[integration.DetectorCallback(report_to=True)])
+    trainer.train()
+    files = [str(path.parent) for path in (tmp_path / "tb").rglob("events.out.tfevents.*")]
+    events = EventAccumulator(files[0])
+    events.Reload()
+    tags = events.Tags()["scalars"]
+    assert "overflow_fast/headroom_bits/transformer.h.0.mlp.c_fc" in tags
+    assert sorted({e.step for e in events.Scalars("overflow_fast/headroom_bits/lm_head")}) == [0, 1, 2]

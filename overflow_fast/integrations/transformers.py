@@ -5,6 +5,11 @@
 - ``use_in_trainer(**detector_kwargs)`` makes ``TrainingArguments(debug="underflow_overflow")``
   build overflow_fast's detector instead of transformers' own, until its handle's ``undo()``.
 
+Both use ``watch()``'s options unless overridden (``check="batch"``, keyword inputs, containers,
+gradient checks), and tell the detector the trainer's optimizer step (``state.global_step``) and
+whether the model runs in training or evaluation, so that detections, errors and records carry
+them.
+
 Either way no hook is left on the model once ``train()`` has returned *or raised*, and a detection
 raises the reference's ValueError out of ``train()``. A callback never learns that ``train()``
 raised, so ``Trainer.train`` is wrapped once per process (a transparent pass-through that, in a
@@ -20,12 +25,50 @@ import threading
 import transformers
 from transformers import Trainer, TrainerCallback
 
-from ..detector import DebugUnderflowOverflow
+from ..detector import WATCH_DEFAULTS, DebugUnderflowOverflow
 
 __all__ = ["DetectorCallback", "TrainerPatch", "use_in_trainer"]
 
 _WRAPPED = "__overflow_fast_wrapped__"
 _calls = threading.local()  # the stack of train() calls in progress on this thread
+
+
+class _Created(list):
+    """The detectors built during one ``train()`` call, its Trainer, and the hook that tells a
+    detector the Trainer's steps."""
+
+    trainer = None
+    steps = None
+
+
+def _current_trainer():
+    stack = getattr(_calls, "stack", None)
+    return stack[-1].trainer if stack else None
+
+
+def _follow_steps(detector, trainer):
+    """Before every forward of the detector's model, tell it the trainer's optimizer step and
+    whether it trains or evaluates. Returns the hook's handle."""
+
+    def before_forward(model, args):
+        state = getattr(trainer, "state", None)
+        detector.set_step(getattr(state, "global_step", None), "train" if model.training else "eval")
+
+    return detector.model.register_forward_pre_hook(before_forward)
+
+
+def _reporters(trainer):
+    """The dashboards the Trainer's ``report_to`` callbacks write to: TensorBoard writers and W&B runs."""
+    sinks = []
+    for callback in getattr(getattr(trainer, "callback_handler", None), "callbacks", ()):
+        writer = getattr(callback, "tb_writer", None)
+        if writer is not None and hasattr(writer, "add_scalar"):
+            sinks.append(writer)
+        wandb = getattr(callback, "_wandb", None)
+        run = getattr(wandb, "run", None) if wandb is not None else None
+        if run is not None:
+            sinks.append(run)
+    return sinks
 # Patches not undone yet, oldest first, and the name the Trainer had before the first of them:
 # undone in any order, the newest one still active is in place, the original once none is.
 _active = []
@@ -41,7 +84,8 @@ def _ensure_train_wrapper():
     @functools.wraps(train)
     def wrapped_train(self, *args, **kwargs):
         stack = _calls.__dict__.setdefault("stack", [])
-        created = []  # detectors built through use_in_trainer() during this call
+        created = _Created()  # detectors built through use_in_trainer() during this call
+        created.trainer = self
         stack.append(created)
         try:
             result = train(self, *args, **kwargs)
@@ -59,12 +103,18 @@ def _ensure_train_wrapper():
 
 def _detach(trainer, created, quiet):
     detectors = list(created)
+    hooks = [created.steps] if created.steps is not None else []
     handler = getattr(trainer, "callback_handler", None)
     for callback in getattr(handler, "callbacks", ()):
         if isinstance(callback, DetectorCallback):
             detector, callback.detector = callback.detector, None
+            hooks.append(callback._steps)
+            callback._steps = None
             if detector is not None:
                 detectors.append(detector)
+    for hook in hooks:
+        if hook is not None:
+            hook.remove()
     first_error = None
     for detector in detectors:
         try:
@@ -77,20 +127,34 @@ def _detach(trainer, created, quiet):
 
 
 class DetectorCallback(TrainerCallback):
-    """Attaches ``overflow_fast.DebugUnderflowOverflow(model, **detector_kwargs)`` to the
-    Trainer's model in ``on_train_begin``; its hooks come off when ``train()`` returns or raises.
-    ``self.detector`` is the detector while training runs (None otherwise)."""
+    """Attaches ``overflow_fast.DebugUnderflowOverflow(model, **detector_kwargs)`` (``watch()``'s
+    options unless overridden) to the Trainer's model in ``on_train_begin``; its hooks come off
+    when ``train()`` returns or raises. ``report_to=True``: the detector's per-module scalars and
+    detections also go to the dashboards of the Trainer's ``report_to`` (TensorBoard, W&B), beside
+    any ``log=`` given. ``self.detector`` is the detector while training runs (None otherwise)."""
 
-    def __init__(self, **detector_kwargs):
-        self.detector_kwargs = detector_kwargs
+    def __init__(self, report_to=False, **detector_kwargs):
+        self.detector_kwargs = {**WATCH_DEFAULTS, **detector_kwargs}
+        self.report_to = bool(report_to)
         self.detector = None
+        self._steps = None
         _ensure_train_wrapper()
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self.detach()  # auto_find_batch_size runs the training loop again
         if model is None:
             raise ValueError("DetectorCallback: the Trainer passed no model to on_train_begin")
-        self.detector = DebugUnderflowOverflow(model, **self.detector_kwargs)
+        trainer = _current_trainer()
+        options = dict(self.detector_kwargs)
+        if self.report_to and trainer is not None:
+            log = options.get("log")
+            sinks = ([] if log is None else list(log) if isinstance(log, (list, tuple)) else [log])
+            sinks += _reporters(trainer)
+            if sinks:
+                options["log"] = sinks
+        self.detector = DebugUnderflowOverflow(model, **options)
+        if trainer is not None:
+            self._steps = _follow_steps(self.detector, trainer)
 
     def on_train_end(self, args, state, control, **kwargs):
         self.detach()
@@ -98,6 +162,9 @@ class DetectorCallback(TrainerCallback):
     def detach(self):
         """Take the detector's hooks off the model (running any check still pending)."""
         detector, self.detector = self.detector, None
+        steps, self._steps = self._steps, None
+        if steps is not None:
+            steps.remove()
         if detector is not None:
             detector.remove()
 
@@ -124,11 +191,12 @@ class TrainerPatch:
 
         def build(model, *args, **kwargs):
             # the Trainer calls DebugUnderflowOverflow(self.model): our options fill the rest
-            detector = DebugUnderflowOverflow(model, *args, **{**self.detector_kwargs, **kwargs})
+            detector = DebugUnderflowOverflow(model, *args, **{**WATCH_DEFAULTS, **self.detector_kwargs, **kwargs})
             self.detectors.append(detector)
             stack = getattr(_calls, "stack", None)
             if stack:
                 stack[-1].append(detector)  # removed when this train() call ends
+                stack[-1].steps = _follow_steps(detector, stack[-1].trainer)
             return detector
 
         self._build = build
@@ -164,6 +232,7 @@ class TrainerPatch:
 
 def use_in_trainer(**detector_kwargs):
     """From now on ``TrainingArguments(debug="underflow_overflow")`` makes the Trainer build
-    ``overflow_fast.DebugUnderflowOverflow(model, **detector_kwargs)``; its hooks come off when
-    ``train()`` returns or raises. Returns a :class:`TrainerPatch` (``undo()``, context manager)."""
+    ``overflow_fast.DebugUnderflowOverflow(model, **detector_kwargs)`` (``watch()``'s options
+    unless overridden); its hooks come off when ``train()`` returns or raises. Returns a
+    :class:`TrainerPatch` (``undo()``, context manager)."""
     return TrainerPatch(detector_kwargs)
