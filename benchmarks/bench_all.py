@@ -1,4 +1,4 @@
-"""The whole benchmark suite in one command (``make bench``, issue 12 item 7).
+"""The whole benchmark suite in one command (``make bench``).
 
 Runs each benchmark script in its own process with quick settings (the suite stays under ten
 minutes on a 2-core machine), prints a line per benchmark with its elapsed time, then one table of

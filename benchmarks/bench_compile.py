@@ -1,4 +1,4 @@
-"""torch.compile with the detector attached (issue 12 item 4): graph breaks and compile time.
+"""torch.compile with the detector attached: graph breaks and compile time.
 
 For each variant (no detector, check="batch", check="module", ``watch()``) on a model built fresh
 from the same seed: ``torch._dynamo.explain`` (graphs, graph breaks, their reasons), then the time

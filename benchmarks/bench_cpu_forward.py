@@ -1,4 +1,4 @@
-"""The detector's cost in a CPU forward, against its floors (issue 12 item 6).
+"""The detector's cost in a CPU forward, against its floors.
 
 A GPT-2-style model (transformers GPT2LMHeadModel: 4 layers, n_embd 256, 4 heads, vocab 2048,
 random weights: the end-to-end benchmark's sizes, with 512 positions for 384 tokens) in fp32 on

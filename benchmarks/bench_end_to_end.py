@@ -1,4 +1,4 @@
-"""End-to-end overhead of the detectors on transformers models (issue 5).
+"""End-to-end overhead of the detectors on transformers models.
 
 GPT-2-style and T5-style models built from configs (random weights), forward (no grad) and a
 training step (forward + backward + SGD), with: no detector, transformers' reference detector,

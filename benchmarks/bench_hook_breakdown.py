@@ -1,4 +1,4 @@
-"""Where a check="batch" hook's host time goes (issue 12 item 2), on bench_host_path's GPT-2 small
+"""Where a check="batch" hook's host time goes, on bench_host_path's GPT-2 small
 hook sequence (a meta-device forward replayed on uninitialised CPU tensors, Triton launches
 stubbed: the GPU path's host work without a GPU).
 

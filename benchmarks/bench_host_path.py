@@ -1,4 +1,4 @@
-"""Host work of the GPU path per hook, measured without a GPU (issue 12 item 1).
+"""Host work of the GPU path per hook, measured without a GPU.
 
 On a GPU the CPU only issues kernels, so what a hook costs the step is its host work: Python,
 dispatch, the Triton backend's tables, launches and uploads. This script runs that host
@@ -80,7 +80,7 @@ import _results  # noqa: E402
 GEMM_TFLOPS = 600.0  # dense bf16 GEMMs
 HBM_TBPS = 3.0  # achieved memory bandwidth: the model's other ops and the detector's kernels
 STEP_MS = 50.0  # one training step of GPT-2 small at 8 x 1024 tokens (forward = 1/3 of it)
-TRITON_LAUNCH_US = 10.5  # host cost of one Triton kernel[grid](...) call (issue 12, this CPU class)
+TRITON_LAUNCH_US = 10.5  # host cost of one Triton kernel[grid](...) call (this CPU class)
 ATEN_LAUNCH_US = 5.0  # host cost of one ATen CUDA kernel launch (a .contiguous() copy)
 UPLOAD_US = 6.0  # pinned staging (caching host allocator) + cudaMemcpyAsync enqueue, per upload
 KERNEL_MIN_US = 3.0  # smallest duration of a kernel on the GPU

@@ -1,4 +1,4 @@
-"""Per-call host cost of the CPU kernel's entry points (issue 12 item 3), side by side in one
+"""Per-call host cost of the CPU kernel's entry points, side by side in one
 process: the pybind function ``_C.compute`` (what cpu_backend and the detector's hooks call)
 against the torch ops ``overflow_fast::tensor_stats`` / ``tensor_stats_out`` through the
 dispatcher, and ``tensor_stats`` (the Python face) on top. 3 tiny tensors per call, the shape of a

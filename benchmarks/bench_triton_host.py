@@ -1,4 +1,4 @@
-"""Host time of one ``triton_backend.compute()`` call, launches stubbed (issue 12: the GPU path's
+"""Host time of one ``triton_backend.compute()`` call, launches stubbed (the GPU path's
 host cost), for 1, 8, 64 and 200 tensors of mixed dtypes at GPT-2-small sizes, side by side with
 the previous implementation (per-dtype groups, one table entry per 64K-element chunk, two launches
 per group), which is kept here only, as ``old_compute``.

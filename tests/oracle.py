@@ -93,7 +93,7 @@ def hypot(re: float, im: float) -> float:
 
 
 def reference_stats(x: torch.Tensor) -> dict:
-    """The statistics of SPEC §3, element by element in Python floats / ints."""
+    """The statistics, element by element in Python floats / ints."""
     dtype = x.dtype
     flat = x.detach().reshape(-1)
     numel = flat.numel()

@@ -1,4 +1,4 @@
-"""One toy module per rule of the reference (SPEC §2), compared byte for byte, in both check modes."""
+"""One toy module per rule of the reference , compared byte for byte, in both check modes."""
 
 import contextlib
 import io

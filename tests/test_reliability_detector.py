@@ -1,4 +1,4 @@
-"""Reliability of the detector in the setups people train with (issue 8, items 2 and 5-9).
+"""Reliability of the detector in the setups people train with.
 
 Each test compares with the reference (``transformers.debug_utils.DebugUnderflowOverflow``) byte for
 byte where the reference defines the behaviour, in both check modes:

@@ -1,4 +1,4 @@
-"""Every kind of tensor a training job hands the detector (issue 8, items 1, 3 and 4).
+"""Every kind of tensor a training job hands the detector.
 
 Tensor subclasses (``__torch_dispatch__`` wrappers, DTensor, FakeTensor, ``__torch_function__``
 subclasses, Parameters), meta and inference tensors, views, jagged and strided nested tensors,
@@ -193,7 +193,7 @@ def isolated_case(request):
 # -- tensor kinds -----------------------------------------------------------------------------
 
 class Wrapper(torch.Tensor):
-    """issue 8's ``__torch_dispatch__`` wrapper (the DTensor / torchao pattern): no storage of its
+    """The ``__torch_dispatch__`` wrapper (the DTensor / torchao pattern): no storage of its
     own; every op runs on the inner tensor and returns plain tensors, except ``detach``, which keeps
     the wrapper so that ``nn.Parameter`` accepts it (as DTensor's does)."""
 

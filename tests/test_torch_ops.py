@@ -1,4 +1,4 @@
-"""The engine as torch ops (issue 12 item 3): overflow_fast::tensor_stats(_out) (C++, CPU) and
+"""The engine as torch ops: overflow_fast::tensor_stats(_out) (C++, CPU) and
 overflow_fast::tensor_stats_triton(_out) (Triton): torch.library.opcheck, the same rows as the
 oracle and the torch backend, fake implementations under FakeTensorMode, profiler names, and
 torch.compile(fullgraph=True) through the op and through tensor_stats.

@@ -1,4 +1,4 @@
-"""The statistics engine as torch ops (issue 12 item 3): the kernels show by name in profiler
+"""The statistics engine as torch ops: the kernels show by name in profiler
 traces, trace under FakeTensor / ``make_fx`` / ``torch.compile``, and can sit inside compiled
 graphs.
 
@@ -14,7 +14,7 @@ graphs.
 Why ``custom_op`` and not ``torch.library.triton_op`` for Triton: a ``triton_op`` body is traced
 into the graph, and Inductor sees only the tensors passed to each ``wrap_triton`` launch. The
 backend's launches do not take the input tensors: they take a table of their raw addresses
-(``data_ptr()``, built on the host, the multi-tensor design of SPEC §7). Traced, ``data_ptr()``
+(``data_ptr()``, built on the host, the multi-tensor design). Traced, ``data_ptr()``
 does not exist on FakeTensors, and the inputs would not be arguments of any kernel in the graph,
 so nothing would keep them alive or ordered before the launch. ``custom_op`` keeps the launch
 opaque, with every input a declared argument of one node.
