@@ -112,12 +112,13 @@ std::string unavailable_reason(const std::string& name) {
     need(os_saves(kYmmState), "the OS's saving of the ymm registers (XCR0)", missing);
     return missing.empty() ? "" : "this CPU cannot run the AVX2 kernel: it lacks " + missing;
 #else
-    return "this module was built without the AVX2 kernel (not an x86-64 build)";
+    return "this module was built without the AVX2 kernel (each build holds the baseline kernel and "
+           "its instruction set's: see `overflow-fast info`)";
 #endif
   }
   if (name == "avx512") {
 #ifdef OVERFLOW_FAST_HAVE_AVX512
-    // everything kernel_avx512.cpp is compiled for (setup.py's AVX512_FLAGS)
+    // everything kernel_avx512.cpp is compiled for (cpu_build.py's ISA_FLAGS)
     __builtin_cpu_init();
     std::string missing;
     need(__builtin_cpu_supports("avx512f"), "avx512f", missing);
@@ -129,8 +130,8 @@ std::string unavailable_reason(const std::string& name) {
     need(os_saves(kZmmState), "the OS's saving of the zmm and opmask registers (XCR0)", missing);
     return missing.empty() ? "" : "this CPU cannot run the AVX-512 kernel: it lacks " + missing;
 #else
-    return "this module was built without the AVX-512 kernel (the compiler could not build it, or "
-           "OVERFLOW_FAST_NO_AVX512=1)";
+    return "this module was built without the AVX-512 kernel (each build holds the baseline kernel "
+           "and its instruction set's: see `overflow-fast info`)";
 #endif
   }
   return "unknown capability '" + name + "' (known: default, avx2, avx512)";
