@@ -1,6 +1,6 @@
 """The C++ kernel's build on first use (overflow_fast/stats/cpu_build.py): the cache key, the
 instruction set chosen, the lock that makes concurrent processes build once, a failed build's one
-warning and the fallback. Nothing here compiles the kernel (real builds
+warning and the fallback, and `overflow-fast info`. Nothing here compiles the kernel (real builds
 are the slow tests and .ci/run's)."""
 
 import json
@@ -15,6 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
+import overflow_fast
+from overflow_fast import cli
+from overflow_fast.info import info
 from overflow_fast.stats import cpu_backend, cpu_build, dispatch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -231,6 +234,9 @@ _FALLBACK = textwrap.dedent("""
     x = torch.tensor([1.0, float("inf"), -3.0])
     rows = [tensor_stats([x]).tolist()[0] for _ in range(3)]
     assert rows[0]["posinf"] == 1 and rows[0]["abs_max"] == float("inf"), rows
+    facts = overflow_fast.info()
+    print("KERNEL " + facts["cpu_kernel"])
+    print("CPU " + facts["default_backend"]["cpu"])
 """)
 
 
@@ -245,8 +251,8 @@ def _run_fallback(tmp_path, **env):
 
 
 def test_a_failed_build_warns_once_naming_the_error_and_the_fallback(tmp_path):
-    """CXX=false: a compiler that fails without a word. Import and three tensor_stats calls: one
-    warning, with the first error, the log, the fix and the 'torch' backend."""
+    """CXX=false: a compiler that fails without a word. Import, three tensor_stats calls and
+    info(): one warning, with the first error, the log, the fix and the 'torch' backend."""
     proc, warned = _run_fallback(tmp_path, CXX="false")
     assert len(warned) == 1, proc.stderr
     message = warned[0]
@@ -256,6 +262,8 @@ def test_a_failed_build_warns_once_naming_the_error_and_the_fallback(tmp_path):
     assert "falling back to the slower 'torch' backend" in message
     assert "OVERFLOW_FAST_AOT=1 pip install --no-build-isolation -e ." in message  # a checkout's fix
     assert "circular import" not in proc.stderr and "make setup" not in proc.stderr
+    assert "KERNEL unavailable (the C++ kernel could not be built: Command '['false'" in proc.stdout
+    assert "CPU torch (the C++ kernel is unavailable)" in proc.stdout
     assert len(list((tmp_path / "cache").glob("*/" + cpu_build.LOG))) == 1
 
 
@@ -330,3 +338,53 @@ def test_fallback_when_the_interface_version_differs(monkeypatch, fresh_cpu_back
 
     monkeypatch.setattr(cpu_build, "load", lambda: (Old(), None, {"cache_root": "/somewhere"}))
     _falls_back_with_one_warning(f"interface version {cpu_backend.ABI_VERSION - 1}")
+
+
+# ---- overflow-fast info -----------------------------------------------------------------------
+
+INFO_KEYS = {"overflow_fast", "python", "torch", "triton", "cpu_kernel", "cpu_kernel_file", "cpu_kernel_origin",
+             "cpu_kernel_cache", "default_backend", "cuda_devices", "environment"}
+
+
+def test_info_keys():
+    facts = overflow_fast.info()
+    assert set(facts) == INFO_KEYS
+    assert facts["torch"].startswith(torch.__version__ + " ")
+    assert facts["triton"] == getattr(sys.modules.get("triton"), "__version__", facts["triton"])
+    assert isinstance(facts["cuda_devices"], list) and isinstance(facts["environment"], dict)
+    assert set(facts["default_backend"]) == {"cpu", "cuda", "other"}
+    reason = cpu_backend.unavailable_reason()
+    if reason is None:
+        assert facts["cpu_kernel"] in ("avx512", "avx2", "baseline")
+        assert facts["cpu_kernel"] == {"default": "baseline"}.get(cpu_backend._C.capability(), cpu_backend._C.capability())
+        assert Path(facts["cpu_kernel_file"]).is_file()
+        assert facts["default_backend"]["cpu"] == "cpu"
+    else:
+        assert facts["cpu_kernel"] == f"unavailable ({reason})"
+
+
+def test_info_command_prints_one_fact_a_line(capsys, monkeypatch):
+    monkeypatch.setenv("OVERFLOW_FAST_BACKEND", "torch")
+    assert cli.main(["info"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    facts = info()
+    assert f"torch: {facts['torch']}" in lines and f"triton: {facts['triton']}" in lines
+    assert f"cpu kernel: {facts['cpu_kernel']}" in lines
+    assert "default backend (cpu): torch (OVERFLOW_FAST_BACKEND)" in lines
+    assert "environment: OVERFLOW_FAST_BACKEND=torch" in lines
+    assert any(line.startswith("cuda devices: ") for line in lines)
+    assert all(": " in line for line in lines)
+
+
+def test_python_dash_m_info():
+    # the cache directory stays (a different one would build again)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OVERFLOW_FAST_") or k == cpu_build.CACHE_ENV}
+    proc = subprocess.run([sys.executable, "-m", "overflow_fast", "info"], capture_output=True, text=True,
+                          cwd=ROOT, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    if cpu_build.CACHE_ENV in env:
+        assert f"environment: {cpu_build.CACHE_ENV}={env[cpu_build.CACHE_ENV]}" in proc.stdout
+    else:
+        assert "environment: no OVERFLOW_FAST_* variable set" in proc.stdout
+    kernel = [line for line in proc.stdout.splitlines() if line.startswith("cpu kernel: ")]
+    assert kernel and kernel[0] == f"cpu kernel: {info()['cpu_kernel']}"
