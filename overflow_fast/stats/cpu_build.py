@@ -485,7 +485,11 @@ def load():
             return {**ident, "seconds": round(time.perf_counter() - start, 1)}
 
         describe = f" ({isa}, torch {ident['torch']})"
-        directory, reason, built = obtain(cache_root(), key, build_here, describe)
+        try:
+            directory, reason, built = obtain(cache_root(), key, build_here, describe)
+        except OSError as error:  # a read-only home on a compute node, a full disk
+            return None, (f"cannot build the C++ kernel in {cache_root()} ({type(error).__name__}: {error}); "
+                          f"set {CACHE_ENV} to a writable folder, or {_fix_hint()}"), details
         details["built_now"] = built
         if reason is not None:
             log = cache_root() / key / LOG
