@@ -276,9 +276,10 @@ def _ninja_dir():
     return None
 
 
-def build(isa, build_dir, sources=None, ident=None):
+def build(isa, build_dir, sources=None, ident=None, verbose=False):
     """Compile and link the module for ``isa`` into ``build_dir``; returns the library's path.
-    Raises BuildError with the compiler's first error line (the whole log in build.log there)."""
+    Raises BuildError with the compiler's first error line (the whole log in build.log there).
+    ``verbose``: ninja's output (every command, every compiler message) on stdout."""
     sources = sources_dir() if sources is None else Path(sources)
     if sources is None:
         raise BuildError("the C++ sources are missing from this installation (overflow_fast/csrc)")
@@ -316,7 +317,7 @@ def build(isa, build_dir, sources=None, ident=None):
                     extra_include_paths=[str(sources)],
                     build_directory=str(build_dir),
                     is_python_module=False,  # loaded as overflow_fast._C by load_module()
-                    verbose=False,
+                    verbose=verbose,
                 )
             except Exception as error:
                 log = str(error)
