@@ -43,9 +43,18 @@ def unit_times(build_dir):
     return times
 
 
+def _cpu_build():
+    # by path: importing the package would load (or build) the kernel in this process first
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("cpu_build", ROOT / "overflow_fast" / "stats" / "cpu_build.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def main(argv=None):
-    sys.path.insert(0, str(ROOT))
-    from overflow_fast.stats import cpu_build
+    cpu_build = _cpu_build()
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--isa", default=None, help="default: this CPU's best (cpu_build.detect_isa())")
