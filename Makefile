@@ -4,7 +4,8 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-TORCH_PIN := torch==2.13.0
+# numpy: torch warns at every import without it
+TORCH_PIN := torch==2.13.0 numpy
 export MAX_JOBS ?= 2
 # what the demo needs: torch and the package
 RUNTIME := $(VENV)/.overflow_fast-runtime
@@ -17,8 +18,8 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 
 $(RUNTIME): $(PY) pyproject.toml setup.py
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet $(TORCH_PIN)
-	$(PY) -m pip install --quiet -e .
+	if $(PY) -c "import torch" 2>/dev/null; then $(PY) -m pip install --quiet -e .; \
+	else $(PY) -m pip install --quiet $(TORCH_PIN) -e .; fi
 	touch $(RUNTIME)
 
 $(DEV): $(RUNTIME)
