@@ -46,7 +46,7 @@ cpu_build = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(cpu_build)
 isa, scratch, dest_root = sys.argv[2], sys.argv[3], sys.argv[4]
 ident = cpu_build.identity(isa)
-print(f"overflow_fast: building the {isa} kernel (about a minute)", flush=True)
+print(f"overflow_fast: building the {isa} kernel (a minute or more)", flush=True)
 library = cpu_build.build(isa, scratch, ident=ident)
 dest = cpu_build.Path(dest_root) / cpu_build.cache_key(ident)
 dest.mkdir(parents=True, exist_ok=True)

@@ -391,7 +391,7 @@ def obtain(root, key, build_fn, describe=""):
         failure = _read(failed)
         if failure is not None and failure != failure_before:
             return None, json.loads(failure)["reason"], False
-        _say(f"building the C++ kernel{describe} in {directory} (once; about a minute)")
+        _say(f"building the C++ kernel{describe} in {directory} (once for this torch and CPU; a minute or more)")
         try:
             info = build_fn(directory) or {}
         except BuildError as error:
