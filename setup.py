@@ -15,6 +15,7 @@ for its CPU. Such a wheel is platform-specific and matches only that torch versi
 
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -78,6 +79,12 @@ class BuildPyWithKernel(build_py):
     into overflow_fast/_prebuilt/ of the build (of the source tree for an editable install)."""
 
     def run(self):
+        if not getattr(self, "editable_mode", False):
+            # setuptools reuses build/lib: a source deleted from csrc/ (or a kernel prebuilt for
+            # another torch) left there by an earlier build would go into this wheel, and the
+            # kernel's build compiles every csrc/*.cpp it finds.
+            for stale in ("csrc", "_prebuilt"):
+                shutil.rmtree(Path(self.build_lib) / "overflow_fast" / stale, ignore_errors=True)
         super().run()
         if not AOT or AOT == "0":
             return
