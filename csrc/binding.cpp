@@ -5,11 +5,16 @@
 // with the kernel picked for this CPU, and the per-thread partials are merged into one
 // [n, 8] int64 row per tensor (layout.py). Min, max and counts are exact, so the result does not
 // depend on how the work was split.
-#include <torch/extension.h>
-
+// Only the headers used: <torch/extension.h> (all of libtorch's C++ API) costs about 30 s of
+// compile time per translation unit on a small machine, most of the build.
 #include <ATen/EmptyTensor.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/LegacyTypeDispatch.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/record_function.h>
 #include <c10/util/SmallVector.h>
+#include <torch/csrc/utils/pybind.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
@@ -107,12 +112,13 @@ std::string unavailable_reason(const std::string& name) {
     need(os_saves(kYmmState), "the OS's saving of the ymm registers (XCR0)", missing);
     return missing.empty() ? "" : "this CPU cannot run the AVX2 kernel: it lacks " + missing;
 #else
-    return "this module was built without the AVX2 kernel (not an x86-64 build)";
+    return "this module was built without the AVX2 kernel (each build holds the baseline kernel and "
+           "its instruction set's: see `overflow-fast info`)";
 #endif
   }
   if (name == "avx512") {
 #ifdef OVERFLOW_FAST_HAVE_AVX512
-    // everything kernel_avx512.cpp is compiled for (setup.py's AVX512_FLAGS)
+    // everything kernel_avx512.cpp is compiled for (cpu_build.py's ISA_FLAGS)
     __builtin_cpu_init();
     std::string missing;
     need(__builtin_cpu_supports("avx512f"), "avx512f", missing);
@@ -124,8 +130,8 @@ std::string unavailable_reason(const std::string& name) {
     need(os_saves(kZmmState), "the OS's saving of the zmm and opmask registers (XCR0)", missing);
     return missing.empty() ? "" : "this CPU cannot run the AVX-512 kernel: it lacks " + missing;
 #else
-    return "this module was built without the AVX-512 kernel (the compiler could not build it, or "
-           "OVERFLOW_FAST_NO_AVX512=1)";
+    return "this module was built without the AVX-512 kernel (each build holds the baseline kernel "
+           "and its instruction set's: see `overflow-fast info`)";
 #endif
   }
   return "unknown capability '" + name + "' (known: default, avx2, avx512)";

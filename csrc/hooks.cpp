@@ -10,7 +10,10 @@
 //   ever changed after its hook.
 // Tensors and ints in, tuples of ints and tensors out: it never touches a Python object, so the
 // Python side can change without it.
-#include <torch/extension.h>
+// Only the headers used: <torch/extension.h> (all of libtorch's C++ API) costs about 30 s of
+// CPU to parse, most of this unit's share of a first-use build.
+#include <ATen/ops/empty.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <c10/core/TensorImpl.h>
 #include <c10/util/intrusive_ptr.h>

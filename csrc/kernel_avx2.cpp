@@ -1,7 +1,8 @@
-// The kernel for AVX2 CPUs: setup.py compiles this file alone with -DCPU_CAPABILITY=AVX2
-// -DCPU_CAPABILITY_AVX2 -mavx2 -mfma -mf16c -mpopcnt, and the binding calls it only after checking the CPU.
+// The kernel for AVX2 CPUs: the avx2 build (overflow_fast/stats/cpu_build.py) compiles it with
+// -DCPU_CAPABILITY=AVX2 -DCPU_CAPABILITY_AVX2 and -mavx2 -mfma -mf16c -mpopcnt, and the binding calls
+// it only after checking the CPU.
 #if !defined(CPU_CAPABILITY_AVX2)
-#error "kernel_avx2.cpp must be compiled with the AVX2 flags (see setup.py)"
+#error "kernel_avx2.cpp must be compiled with the AVX2 flags (see overflow_fast/stats/cpu_build.py)"
 #endif
 #include "kernel.h"
 

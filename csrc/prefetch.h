@@ -8,8 +8,6 @@
 // and storage while it works on tensor i, so that the misses of several tensors overlap.
 #pragma once
 
-#include <torch/extension.h>
-
 #include <torch/csrc/autograd/python_variable.h>
 
 namespace overflow_fast {

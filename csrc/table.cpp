@@ -5,10 +5,9 @@
 // attribute reads and list appends per tensor) is the cost of a detector hook. Here it is a few
 // tens of nanoseconds per tensor. Only the common case is handled: any tensor this loop does not
 // recognise as a plain strided tensor makes it return None, and Python takes its usual path.
-#include <torch/extension.h>
-
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <c10/util/SmallVector.h>
 

@@ -2,14 +2,14 @@
 
 ``watch(model)`` attaches the detector with the modern defaults (gradients, keyword inputs, model
 outputs, one host sync per forward and per backward); ``DebugUnderflowOverflow`` is a drop-in for
-``transformers.debug_utils.DebugUnderflowOverflow``; ``tensor_stats`` is the statistics engine.
+``transformers.debug_utils.DebugUnderflowOverflow``; ``tensor_stats`` is the statistics engine;
+``info()`` says what runs here (``overflow-fast info``).
 
 The names below are imported on first use: ``import overflow_fast`` alone does not import torch, so
 the ``overflow-fast report`` command, which only reads JSON, starts fast and small.
 """
 
 import importlib
-import sys
 
 _EXPORTS = {
     "DebugOption": ".debug_option",
@@ -18,36 +18,13 @@ _EXPORTS = {
     "detect_overflow": ".detector",
     "get_abs_min_max": ".detector",
     "watch": ".detector",
+    "info": ".info",
     "StatsBatch": ".stats",
     "tensor_stats": ".stats",
 }
 
-__all__ = [
-    "DebugOption",
-    "DebugUnderflowOverflow",
-    "OverflowDetected",
-    "StatsBatch",
-    "detect_overflow",
-    "get_abs_min_max",
-    "tensor_stats",
-    "watch",
-]
+__all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"
-
-
-class _TorchBeforeExtension:
-    """The compiled extension links against torch's libraries, which are found once torch is
-    imported: `import overflow_fast._C` imports torch first, as the eager package import did."""
-
-    @staticmethod
-    def find_spec(fullname, path=None, target=None):
-        if fullname == __name__ + "._C":
-            import torch  # noqa: F401
-        return None  # the usual finders load it
-
-
-if not any(getattr(finder, "__name__", None) == "_TorchBeforeExtension" for finder in sys.meta_path):
-    sys.meta_path.insert(0, _TorchBeforeExtension)
 
 
 def __getattr__(name):

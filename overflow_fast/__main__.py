@@ -1,4 +1,5 @@
-"""``python -m overflow_fast report RUN.jsonl [--png OUT.png]`` (see ``overflow_fast.cli``)."""
+"""``python -m overflow_fast report RUN.jsonl [--png OUT.png]``, ``python -m overflow_fast info``
+(see ``overflow_fast.cli``)."""
 
 import sys
 

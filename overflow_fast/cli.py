@@ -90,6 +90,7 @@ def build_parser():
                           help="always show progress on stderr")
     progress.add_argument("--no-progress", dest="progress", action="store_false",
                           help="never show progress")
+    commands.add_parser("info", help="what runs here: versions, the C++ kernel, backends, devices")
     return parser
 
 
@@ -178,6 +179,9 @@ def main(argv=None):
     args = parser.parse_args(argv)  # usage errors exit with 2
     if args.command == "report":
         return run_report(args)
+    if args.command == "info":
+        from .info import main as info_main
+        return info_main()
     parser.error(f"unknown command {args.command!r}")
 
 

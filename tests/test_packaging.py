@@ -1,6 +1,6 @@
-"""Packaging (issue 8 item 10): the sdist carries every C++ source, and a wheel built from it
-alone installs and loads its kernel. Both run tests/check_wheel.sh, which .ci/run also runs
-in full after `make test`."""
+"""Packaging: the sdist carries every C++ source, and the wheel built from it alone (build
+isolation on) installs into a fresh venv and builds and loads its kernel there. Both run
+tests/check_wheel.sh, which .ci/run also runs in full after `make test`."""
 
 import importlib.util
 import os
@@ -33,7 +33,8 @@ def test_sdist_has_every_cpp_source():
 
 @pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("OVERFLOW_FAST_SLOW_TESTS") != "1",
-                    reason="compiles the extension again (1-2 min); set OVERFLOW_FAST_SLOW_TESTS=1 (.ci/run runs it)")
+                    reason="a fresh venv and a build of the kernel (minutes); set OVERFLOW_FAST_SLOW_TESTS=1 (.ci/run runs "
+                           "tests/check_wheel.sh itself)")
 def test_wheel_from_the_sdist_loads_its_kernel():
     proc = run_check()
     assert proc.returncode == 0, proc.stdout + proc.stderr

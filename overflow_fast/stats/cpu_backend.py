@@ -1,16 +1,19 @@
 """The C++ backend (csrc/, the extension ``overflow_fast._C``): one pass per tensor, many tensors
 per call, SIMD and threads.
 
-The extension is optional. When it is missing, fails to load, was built against another torch
-or from other sources, ``unavailable_reason()`` says why and dispatch falls back to the torch
-backend with one warning; importing this module never raises.
+The extension comes from ``cpu_build``: a prebuilt copy when one matches this environment, else a
+build for this torch and this CPU made on first use and cached. ``extension()`` and
+``unavailable_reason()`` are the entry points; the first call of either loads (or builds) it.
+When it cannot be had, ``unavailable_reason()`` says why and what to do, one warning says so, and
+dispatch falls back to the torch backend; importing this module never raises, and never builds.
 """
 
-from pathlib import Path
+import threading
+import warnings
 
 import torch
 
-from .source_hash import source_hash
+from . import cpu_build
 
 NAME = "cpu"
 
@@ -24,42 +27,67 @@ SUPPORTED_DTYPES = frozenset({
     torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool,
 })
 
-_REBUILD = "rebuild it with `make setup` (or `pip install --no-build-isolation -e .`)"
-
-try:
-    from overflow_fast import _C
-    _load_error = None
-except Exception as error:  # ImportError, or OSError/undefined symbols from a mismatched torch
-    _C = None
-    _load_error = f"{type(error).__name__}: {error}"
+_lock = threading.Lock()
+_state = None  # (module or None, reason or None, details), once loaded
+_compute = None  # the module's compute, once it loaded and passed the checks
 
 
-def _check():
-    if _C is None:
-        return f"the C++ extension overflow_fast._C could not be loaded ({_load_error}); {_REBUILD}"
-    if getattr(_C, "ABI_VERSION", None) != ABI_VERSION:
-        return (f"overflow_fast._C has interface version {getattr(_C, 'ABI_VERSION', None)}, "
-                f"this package expects {ABI_VERSION}; {_REBUILD}")
-    built_with = getattr(_C, "TORCH_VERSION", None)
+def _check(module):
+    if getattr(module, "ABI_VERSION", None) != ABI_VERSION:
+        return (f"the C++ kernel at {module.__file__} has interface version "
+                f"{getattr(module, 'ABI_VERSION', None)}, this package expects {ABI_VERSION}; delete "
+                "it to rebuild")
+    built_with = getattr(module, "TORCH_VERSION", None)
     if built_with != torch.__version__:
-        return f"overflow_fast._C was built against torch {built_with}, not {torch.__version__}; {_REBUILD}"
-    # In a source checkout, a module built from older sources is stale.
-    csrc = Path(__file__).resolve().parents[2] / "csrc"
-    if (csrc / "binding.cpp").is_file() and source_hash(csrc) != getattr(_C, "SOURCE_HASH", None):
-        return f"overflow_fast._C is stale: csrc/ changed since it was built; {_REBUILD}"
+        return (f"the C++ kernel at {module.__file__} was built against torch {built_with}, not "
+                f"{torch.__version__}; delete it to rebuild")
     return None
 
 
-_reason = _check()
+def _ensure():
+    global _state, _compute
+    if _state is None:
+        with _lock:
+            if _state is None:
+                module, reason, details = cpu_build.load()
+                if module is not None and reason is None:
+                    reason = _check(module)
+                if reason is None:
+                    _compute = module.compute
+                else:
+                    # Warned here, once, whoever asked first: the detector's hooks and the Triton
+                    # table lose their C++ loops too, not only dispatch's CPU tensors.
+                    warnings.warn(f"overflow_fast: the 'cpu' backend is unavailable ({reason}); falling "
+                                  "back to the slower 'torch' backend", RuntimeWarning, stacklevel=3)
+                _state = (module, reason, details)
+    return _state
+
+
+def __getattr__(name):
+    # _C: the extension module (None where it could not be loaded), loaded on first access
+    if name == "_C":
+        return _ensure()[0]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def unavailable_reason():
-    return _reason
+    return _ensure()[1]
+
+
+def warned():
+    """Whether loading already warned that this backend is unavailable (dispatch does not repeat it)."""
+    return _state is not None and _state[1] is not None
+
+
+def details():
+    """Where the extension comes from: ``cpu_build.load``'s details (isa, origin, path, key, ...)."""
+    return _ensure()[2]
 
 
 def extension():
     """The extension module ``overflow_fast._C``, or None where ``unavailable_reason()`` says why not."""
-    return _C if _reason is None else None
+    module, reason, _ = _ensure()
+    return module if reason is None else None
 
 
 def supports(tensor: torch.Tensor) -> bool:
@@ -69,6 +97,8 @@ def supports(tensor: torch.Tensor) -> bool:
 def compute(tensors, out=None) -> torch.Tensor:
     """Statistics rows, ``[len(tensors), 8]`` int64 on the CPU (into ``out`` if given), in one
     call to the kernel."""
-    if _reason is not None:
-        raise RuntimeError(f"overflow_fast: the 'cpu' backend is unavailable: {_reason}")
-    return _C.compute(tensors if isinstance(tensors, list) else list(tensors), out)
+    if _compute is None:
+        reason = unavailable_reason()
+        if reason is not None:
+            raise RuntimeError(f"overflow_fast: the 'cpu' backend is unavailable: {reason}")
+    return _compute(tensors if isinstance(tensors, list) else list(tensors), out)

@@ -81,6 +81,10 @@ def requested_backend(backend):
     return None, None
 
 
+def _never():
+    return False
+
+
 def _warn_once(key, message):
     if key not in _warned:
         _warned.add(key)
@@ -104,7 +108,7 @@ def _module_for(tensor, requested, origin):
         module, reason = _load(preferred)
         if reason is None and module.supports(tensor):
             return module
-        if reason is not None:
+        if reason is not None and not getattr(module, "warned", _never)():  # the cpu backend warns as it loads
             _warn_once(
                 preferred,
                 f"overflow_fast: the {preferred!r} backend is unavailable ({reason}); "

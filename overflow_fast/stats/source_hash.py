@@ -1,6 +1,6 @@
-"""The identity of the C++ sources, recorded in the extension at build time (setup.py loads this
-file on its own) and compared at load time, so that a module built from older sources is seen as
-stale. Standard library only."""
+"""The identity of the C++ sources: part of the name of each build's folder (cpu_build.py, which
+setup.py loads on its own for an ahead-of-time build), so that a module built from other sources is
+never loaded; also recorded in the module (SOURCE_HASH). Standard library only."""
 
 import hashlib
 from pathlib import Path

@@ -1,0 +1,513 @@
+"""Where the C++ CPU kernel (``overflow_fast._C``) comes from: a prebuilt copy in the package, or a
+build made here on first use, as DeepSpeed's ops are.
+
+The build is ``torch.utils.cpp_extension.load`` (ninja, the translation units in parallel) of the
+sources shipped in the package (``overflow_fast/csrc``; in a checkout, ``csrc/``), for the torch in
+this environment and for this CPU's instruction set only (``baseline``, ``avx2`` or ``avx512``,
+read from /proc/cpuinfo and capped by ATen's own ``ATEN_CPU_CAPABILITY``). Every build has its
+own directory under the cache root, named by its key: instruction set, torch version, C++ ABI,
+Python and a hash of the sources; a module is never rebuilt in place, and one built for other
+sources or another torch is never loaded. Builds are serialised across processes by a file lock:
+eight ranks starting together build once, the others wait for it and load its result.
+
+Stdlib at import (torch only once a build or a load is asked for), so that setup.py can load this
+file on its own for an ahead-of-time build (``OVERFLOW_FAST_AOT``).
+"""
+
+import importlib.machinery
+import importlib.util
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+try:
+    from .source_hash import source_hash
+except ImportError:  # loaded on its own, by path (setup.py)
+    _spec = importlib.util.spec_from_file_location(
+        "_overflow_fast_source_hash", Path(__file__).with_name("source_hash.py"))
+    _source_hash_module = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_source_hash_module)
+    source_hash = _source_hash_module.source_hash
+
+ISAS = ("baseline", "avx2", "avx512")  # worst first
+MODULE_NAME = "overflow_fast._C"
+CACHE_ENV = "OVERFLOW_FAST_CACHE_DIR"
+JIT_ENV = "OVERFLOW_FAST_JIT"  # "0": never build at run time (a prebuilt module or nothing)
+DONE = "built.json"  # written last: a directory without it holds no finished build
+LOG = "build.log"
+
+PACKAGE = Path(__file__).resolve().parents[1]  # overflow_fast/
+PREBUILT = PACKAGE / "_prebuilt"  # ahead-of-time builds (setup.py, OVERFLOW_FAST_AOT)
+
+# What each kernel unit is compiled for. ATen's AVX2 and AVX512 flags (cmake/Codegen.cmake), plus
+# -mf16c (GCC's -mavx512f implies neither F16C nor FMA) and -mpopcnt (the AVX2 counting loops).
+ISA_FLAGS = {
+    "baseline": [],
+    "avx2": ["-mavx2", "-mfma", "-mf16c", "-mpopcnt"],
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
+}
+# The /proc/cpuinfo flags each build needs: the same instructions. Linux lists an AVX flag only
+# where the OS also saves the registers (XCR0), so a listed flag is a usable one.
+ISA_CPU_FLAGS = {
+    "avx2": {"avx2", "fma", "f16c", "popcnt"},
+    "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c"},
+}
+# The per-ISA kernel unit and the macros that name at::vec's inline namespace (and ours) for it.
+KERNEL_UNITS = {
+    "baseline": ("kernel_default.cpp", []),
+    "avx2": ("kernel_avx2.cpp", ["CPU_CAPABILITY AVX2", "CPU_CAPABILITY_AVX2"]),
+    "avx512": ("kernel_avx512.cpp", ["CPU_CAPABILITY AVX512", "CPU_CAPABILITY_AVX512"]),
+}
+HAVE_MACRO = {"avx2": "OVERFLOW_FAST_HAVE_AVX2", "avx512": "OVERFLOW_FAST_HAVE_AVX512"}
+
+# Intrinsics at::vec's AVX512 integer vectors use: an older GCC lacks some of them (ATen's note:
+# _mm512_set_epi16 only from GCC 9) or the BW/VL/DQ flags themselves.
+_AVX512_PROBE = """
+#include <immintrin.h>
+int main() {
+  __m512i a = _mm512_set_epi16(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15,
+                               0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __mmask64 m = _mm512_cmpeq_epi8_mask(a, _mm512_min_epi8(a, _mm512_set1_epi8(3)));
+  __m512i b = _mm512_mask_set1_epi8(_mm512_setzero_si512(), m, (char)0xFF);
+  __m512i c = _mm512_min_epi64(_mm512_movm_epi64(_mm512_cmpgt_epi64_mask(a, b)), b);
+  return _mm512_mask2int(_mm512_cmpeq_epi32_mask(c, a)) + (int)_mm256_extract_epi16(_mm512_castsi512_si256(c), 1);
+}
+"""
+
+
+class BuildError(RuntimeError):
+    """A build that failed; ``str()`` is one line: the compiler's first error (the log has the rest)."""
+
+
+# ---- what to build ------------------------------------------------------------------------------
+
+def sources_dir():
+    """The C++ sources: package data in an installed package, ``csrc/`` beside it in a checkout."""
+    for folder in (PACKAGE / "csrc", PACKAGE.parent / "csrc"):
+        if (folder / "binding.cpp").is_file():
+            return folder
+    return None
+
+
+def installed_from_checkout():
+    """Whether this package runs from a source tree (a checkout or an editable install)."""
+    return not (PACKAGE / "csrc" / "binding.cpp").is_file() and (PACKAGE.parent / "csrc" / "binding.cpp").is_file()
+
+
+def cpu_flags():
+    """This CPU's feature flags from /proc/cpuinfo, or None where there is no such file."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags") and ":" in line:
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        return None
+    return set()
+
+
+def _is_x86():
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+def _aten_cap():
+    """ATEN_CPU_CAPABILITY (default|avx2|avx512), torch's own cap on its kernels, caps ours too."""
+    value = os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower()
+    value = {"default": "baseline"}.get(value, value)
+    return value if value in ISAS else None
+
+
+def detect_isa():
+    """The best instruction set this CPU runs, as ATen picks its own kernels."""
+    best = "baseline"
+    if _is_x86():
+        flags = cpu_flags()
+        if flags is None:  # no /proc/cpuinfo (not Linux): torch's own answer
+            try:
+                import torch
+                capability = torch.backends.cpu.get_cpu_capability().lower()
+            except Exception:
+                capability = "default"
+            best = capability if capability in ISAS else "baseline"
+        else:
+            for isa in ("avx512", "avx2"):
+                if ISA_CPU_FLAGS[isa] <= flags:
+                    best = isa
+                    break
+    cap = _aten_cap()
+    if cap is not None and ISAS.index(cap) < ISAS.index(best):
+        best = cap
+    return best
+
+
+def compiler():
+    """The C++ compiler torch's build uses (``CXX``, else ``c++``)."""
+    return os.environ.get("CXX") or "c++"
+
+
+def compiler_builds(flags):
+    """Whether the C++ compiler compiles the AVX-512 probe with these flags."""
+    try:
+        result = subprocess.run([compiler(), *flags, "-x", "c++", "-c", "-", "-o", os.devnull],
+                                input=_AVX512_PROBE, capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return result.returncode == 0
+
+
+def identity(isa, sources=None):
+    """What a build's key is made of: everything its module depends on."""
+    import torch
+
+    sources = sources_dir() if sources is None else Path(sources)
+    return {
+        "isa": isa,
+        "torch": torch.__version__,
+        "cxx11_abi": int(bool(torch._C._GLIBCXX_USE_CXX11_ABI)),
+        "python": sys.implementation.cache_tag,
+        "sources": source_hash(sources),
+    }
+
+
+def cache_key(ident):
+    """The name of a build's directory: every part of its identity, readable."""
+    return (f"{ident['isa']}-torch{ident['torch']}-cxx11abi{ident['cxx11_abi']}-{ident['python']}"
+            f"-{ident['sources']}")
+
+
+def cache_root():
+    """Where run-time builds go: $OVERFLOW_FAST_CACHE_DIR, else overflow_fast/ under torch's own
+    extensions folder ($TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions)."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).expanduser()
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return Path(os.environ["TORCH_EXTENSIONS_DIR"]).expanduser() / "overflow_fast"
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache")
+    return Path(base).expanduser() / "torch_extensions" / "overflow_fast"
+
+
+def translation_units(isa, sources, build_dir):
+    """Every csrc/*.cpp except the per-ISA kernel units (found by glob: a file added or removed
+    needs no change here), then the kernel units of this build: the baseline one, which every
+    build holds, and the ISA's one through a generated wrapper that defines its CPU_CAPABILITY
+    macros (torch's load() gives every unit the same flags). The units that parse the most
+    headers come first, so that ninja starts them first."""
+    sources = Path(sources)
+    kernel_units = {unit for unit, _ in KERNEL_UNITS.values()}
+    common = [p for p in sources.glob("*.cpp") if p.name not in kernel_units]
+    common.sort(key=lambda p: (-p.stat().st_size, p.name))
+    units = [str(p) for p in common]
+    if isa != "baseline":
+        unit, macros = KERNEL_UNITS[isa]
+        wrapper = Path(build_dir) / f"isa_{unit}"
+        text = "// generated: the kernel unit of this build, with its CPU_CAPABILITY macros\n"
+        text += "".join(f"#define {macro}\n" for macro in macros) + f'#include "{unit}"\n'
+        if not wrapper.is_file() or wrapper.read_text() != text:
+            wrapper.write_text(text)
+        units.append(str(wrapper))
+    units.append(str(sources / KERNEL_UNITS["baseline"][0]))
+    return units
+
+
+def compile_flags(isa, ident):
+    # The ISA's flags go to every unit: the module is built for this CPU only, and a unit with
+    # other flags than its neighbours could hand the linker an AVX copy of a shared inline function.
+    # -fopenmp: at::parallel_for runs single-threaded without it. -ffp-contract=off: complex.cpp
+    # needs exact products and sums (a fused multiply-add changes the last bit).
+    # -Wall, and on GCC -Wno-maybe-uninitialized: GCC 12 reports the AVX-512 intrinsics' own
+    # deliberately uninitialised __Y (_mm512_undefined_epi32, GCC bug 105593) and c10::SmallVector's
+    # inline buffer as "may be used uninitialized", hundreds of lines of false positives.
+    # -Wno-unknown-pragmas: ATen's vec headers carry "#pragma unroll", which GCC does not know.
+    flags = ["-O3", "-fopenmp", "-ffp-contract=off", "-Wall", "-Wno-unknown-pragmas", *ISA_FLAGS[isa]]
+    if _is_gcc():
+        flags.append("-Wno-maybe-uninitialized")
+    if isa in HAVE_MACRO:
+        flags.append(f"-D{HAVE_MACRO[isa]}")
+    # string macros: the quotes escaped for the shell that ninja runs each command in
+    flags += [f'-DOVERFLOW_FAST_TORCH_VERSION=\\"{ident["torch"]}\\"',
+              f'-DOVERFLOW_FAST_SOURCE_HASH=\\"{ident["sources"]}\\"']
+    return flags
+
+
+def _is_gcc():
+    try:
+        out = subprocess.run([compiler(), "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return "clang" not in out.lower() and ("gcc" in out.lower() or "g++" in out.lower() or "free software" in out.lower())
+
+
+# ---- building -----------------------------------------------------------------------------------
+
+def first_error_line(log):
+    """The line of a build log that says what went wrong first: the compiler's first error, else
+    ninja's first failed step, else the last line."""
+    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    for line in lines:
+        if re.search(r"\b(error|Error|ERROR)\b", line) and not line.startswith(("ninja:", "FAILED:", "Error building")):
+            return line[:300]
+    for line in lines:
+        if line.startswith("FAILED:"):
+            return line[:300]
+    return lines[-1][:300] if lines else "no output"
+
+
+def _ninja_dir():
+    """The folder of the ninja that pip installed with this package, when it is not on PATH (a
+    virtual environment used without activating it)."""
+    if shutil.which("ninja"):
+        return None
+    candidates = [Path(sys.executable).parent]
+    try:
+        import ninja  # the PyPI package: its binary lives in ninja.BIN_DIR
+
+        candidates.insert(0, Path(ninja.BIN_DIR))
+    except Exception:
+        pass
+    for folder in candidates:
+        if (folder / "ninja").is_file():
+            return str(folder)
+    return None
+
+
+def build(isa, build_dir, sources=None, ident=None, verbose=False):
+    """Compile and link the module for ``isa`` into ``build_dir``; returns the library's path.
+    Raises BuildError with the compiler's first error line (the whole log in build.log there).
+    ``verbose``: ninja's output (every command, every compiler message) on stdout."""
+    sources = sources_dir() if sources is None else Path(sources)
+    if sources is None:
+        raise BuildError("the C++ sources are missing from this installation (overflow_fast/csrc)")
+    if shutil.which(compiler()) is None:
+        raise BuildError(f"no C++ compiler: {compiler()!r} is not on PATH (install g++, or set CXX)")
+    ninja_dir = _ninja_dir()
+    if ninja_dir is None and shutil.which("ninja") is None:
+        raise BuildError("ninja is not installed (pip install ninja)")
+    ident = identity(isa, sources) if ident is None else ident
+    build_dir = Path(build_dir)
+    build_dir.mkdir(parents=True, exist_ok=True)
+    # torch's own baton: a build killed while holding it would make load() wait forever. The
+    # caller holds our lock, so nobody else is building here.
+    (build_dir / "lock").unlink(missing_ok=True)
+
+    import warnings
+
+    import torch.utils.cpp_extension as cpp_extension
+
+    # Each build has its own directory and is loaded once; torch's in-process versioning would
+    # rename a second build of the same name (_C_v1) and its module's init function with it.
+    getattr(getattr(cpp_extension, "JIT_EXTENSION_VERSIONER", None), "entries", {}).pop("_C", None)
+    old_path = os.environ.get("PATH", "")
+    if ninja_dir is not None:
+        os.environ["PATH"] = ninja_dir + os.pathsep + old_path
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                library = cpp_extension.load(
+                    name="_C",
+                    sources=translation_units(isa, sources, build_dir),
+                    extra_cflags=compile_flags(isa, ident),
+                    extra_ldflags=["-fopenmp"],
+                    extra_include_paths=[str(sources)],
+                    build_directory=str(build_dir),
+                    is_python_module=False,  # loaded as overflow_fast._C by load_module()
+                    verbose=verbose,
+                )
+            except Exception as error:
+                log = str(error)
+                notes = "".join(f"{w.category.__name__}: {w.message}\n" for w in caught)
+                (build_dir / LOG).write_text(notes + log)
+                raise BuildError(first_error_line(log)) from None
+    finally:
+        if ninja_dir is not None:
+            os.environ["PATH"] = old_path
+    return Path(library)
+
+
+class _FileLock:
+    """An exclusive lock on a file (flock: released by the kernel if the holder dies)."""
+
+    def __init__(self, path, on_wait=None):
+        self.path = Path(path)
+        self.on_wait = on_wait
+        self.file = None
+
+    def __enter__(self):
+        self.file = open(self.path, "a+")
+        try:
+            import fcntl
+        except ImportError:  # not POSIX: no lock (concurrent builds of one key may collide)
+            return self
+        try:
+            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if self.on_wait is not None:
+                self.on_wait()
+            fcntl.flock(self.file, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc):
+        self.file.close()  # releases the lock
+        return False
+
+
+def _read(path):
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return None
+
+
+def _say(message):
+    sys.stderr.write(f"overflow_fast: {message}\n")
+    sys.stderr.flush()
+
+
+def obtain(root, key, build_fn, describe=""):
+    """The finished build directory ``root/key``, building it with ``build_fn(directory)`` if
+    needed, at most one process at a time. Returns ``(directory, None, built_here)`` or
+    ``(None, reason, built_here)``.
+
+    A process that waited while another built the same key takes that build, or that build's
+    failure (one failure for eight ranks, not eight); a later process tries again.
+    """
+    root = Path(root)
+    directory = root / key
+    if (directory / DONE).is_file():
+        return directory, None, False
+    root.mkdir(parents=True, exist_ok=True)
+    failed = root / f"{key}.failed"
+    failure_before = _read(failed)
+    waiting = lambda: _say(f"waiting for another process building the C++ kernel{describe} in {directory}")
+    with _FileLock(root / f"{key}.lock", on_wait=waiting):
+        if (directory / DONE).is_file():
+            return directory, None, False
+        failure = _read(failed)
+        if failure is not None and failure != failure_before:
+            return None, json.loads(failure)["reason"], False
+        _say(f"building the C++ kernel{describe} in {directory} (once for this torch and CPU; a minute or more)")
+        try:
+            info = build_fn(directory) or {}
+        except BuildError as error:
+            record = json.dumps({"reason": str(error), "pid": os.getpid(), "token": os.urandom(8).hex()})
+            tmp = failed.with_name(failed.name + f".{os.getpid()}")
+            tmp.write_text(record)
+            os.replace(tmp, failed)
+            return None, str(error), True
+        failed.unlink(missing_ok=True)
+        done = directory / DONE
+        tmp = done.with_name(DONE + f".{os.getpid()}")
+        tmp.write_text(json.dumps(info))
+        os.replace(tmp, done)
+        return directory, None, True
+
+
+def _library_in(directory):
+    for name in ("_C.so", "_C.pyd"):
+        if (Path(directory) / name).is_file():
+            return Path(directory) / name
+    return None
+
+
+def load_module(path):
+    """Import the library at ``path`` as ``overflow_fast._C`` (its init function is PyInit__C)."""
+    existing = sys.modules.get(MODULE_NAME)
+    if existing is not None and getattr(existing, "__file__", None) == str(path):
+        return existing
+    loader = importlib.machinery.ExtensionFileLoader(MODULE_NAME, str(path))
+    spec = importlib.util.spec_from_file_location(MODULE_NAME, str(path), loader=loader)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules[MODULE_NAME] = module
+    package = sys.modules.get("overflow_fast")
+    if package is not None:
+        package._C = module  # `overflow_fast._C`, as an imported submodule would be
+    return module
+
+
+def _fix_hint():
+    """How to get a kernel, for how this package was installed."""
+    if installed_from_checkout():
+        return ("fix what the log shows (a C++ compiler, `pip install ninja`), or build ahead of time: "
+                "OVERFLOW_FAST_AOT=1 pip install --no-build-isolation -e .")
+    return ("install a C++ compiler (g++) and ninja where this runs, or install a build made ahead of "
+            "time on a machine that has them: OVERFLOW_FAST_AOT=1 pip install --no-build-isolation overflow_fast")
+
+
+def locate():
+    """``(isa, identity, key, prebuilt library or None, cache directory)`` for this process."""
+    isa = detect_isa()
+    ident = identity(isa)
+    key = cache_key(ident)
+    return isa, ident, key, _library_in(PREBUILT / key), cache_root() / key
+
+
+def load():
+    """``(module or None, reason or None, details)``: the kernel for this process, prebuilt,
+    cached or built now. Never raises for a build or load failure: the reason says what happened
+    and what to do."""
+    details = {"cache_root": str(cache_root())}
+    try:
+        sources = sources_dir()
+        if sources is None:
+            return None, ("the C++ sources are missing from this installation (overflow_fast/csrc): "
+                          "reinstall overflow_fast"), details
+        isa = detect_isa()
+        ident = identity(isa, sources)
+        key = cache_key(ident)
+        prebuilt = _library_in(PREBUILT / key)
+        if prebuilt is None and isa == "avx512" and not (cache_root() / key / DONE).is_file() \
+                and shutil.which(compiler()) is not None and not compiler_builds(ISA_FLAGS["avx512"]):
+            isa = "avx2"  # this compiler cannot build the AVX-512 kernel: the next best
+            ident = identity(isa, sources)
+            key = cache_key(ident)
+            prebuilt = _library_in(PREBUILT / key)
+        details.update(isa=isa, key=key, identity=ident)
+        if prebuilt is not None:
+            details.update(origin="prebuilt", path=str(prebuilt), directory=str(prebuilt.parent))
+            return load_module(prebuilt), None, details
+        directory = cache_root() / key
+        details.update(directory=str(directory))
+        if os.environ.get(JIT_ENV, "1") == "0" and not (directory / DONE).is_file():
+            return None, (f"no prebuilt kernel matches this environment ({key}) and {JIT_ENV}=0 forbids "
+                          f"building one; unset {JIT_ENV}, or {_fix_hint()}"), details
+
+        def build_here(target):
+            start = time.perf_counter()
+            build(isa, target, sources, ident)
+            for obj in Path(target).glob("*.o"):  # never reused: a new key is a new directory
+                obj.unlink()
+            return {**ident, "seconds": round(time.perf_counter() - start, 1)}
+
+        describe = f" ({isa}, torch {ident['torch']})"
+        try:
+            directory, reason, built = obtain(cache_root(), key, build_here, describe)
+        except OSError as error:  # a read-only home on a compute node, a full disk
+            return None, (f"cannot build the C++ kernel in {cache_root()} ({type(error).__name__}: {error}); "
+                          f"set {CACHE_ENV} to a writable folder, or {_fix_hint()}"), details
+        details["built_now"] = built
+        if reason is not None:
+            log = cache_root() / key / LOG
+            where = f"; full log: {log}" if log.is_file() else ""
+            return None, f"the C++ kernel could not be built: {reason}{where}; {_fix_hint()}", details
+        library = _library_in(directory)
+        if library is None:
+            return None, (f"the build directory {directory} holds no module; delete it and run again "
+                          "to rebuild"), details
+        built_info = _read(directory / DONE)
+        try:
+            details["seconds"] = json.loads(built_info).get("seconds") if built_info else None
+        except ValueError:
+            details["seconds"] = None
+        details.update(origin="cache", path=str(library))
+        return load_module(library), None, details
+    except Exception as error:  # a load error (undefined symbol), an unwritable cache...
+        where = details.get("directory")
+        hint = f"; delete {where} to rebuild it" if where else ""
+        return None, f"the C++ kernel could not be loaded ({type(error).__name__}: {error}){hint}", details
