@@ -12,7 +12,17 @@ RUNTIME := $(VENV)/.overflow_fast-runtime
 # and the test, benchmark and packaging tools (pyproject's extras)
 DEV := $(VENV)/.overflow_fast-dev
 
-.PHONY: setup test demo report-demo bench clean
+# the compatibility and detector tests, run again with CPU tensors on the accelerators' path
+DEVICE_PATH_TESTS := tests/test_compat_rules.py tests/test_compat_transformers.py tests/test_compat_random.py \
+	tests/test_detector.py tests/test_reads.py tests/test_watch.py tests/test_options.py tests/test_skip.py
+# the inner loop: unit, exactness and compatibility core (the kernel's exactness on this CPU's build)
+FAST_TESTS := tests/test_compat_rules.py tests/test_compat_transformers.py tests/test_detector.py \
+	tests/test_reads.py tests/test_watch.py tests/test_options.py tests/test_skip.py tests/test_stats_torch.py \
+	tests/test_amd_float8.py
+FAST_KERNEL := (random_bit or special_values or every_byte or empty_and_zero or non_contiguous) and not default-
+PYTEST := $(PY) -m pytest -q -n 2
+
+.PHONY: setup test test-fast demo report-demo bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -29,7 +39,11 @@ $(DEV): $(RUNTIME)
 setup: $(DEV)
 
 test: $(DEV)
-	$(PY) -m pytest -q tests
+	$(PYTEST) tests
+	OVERFLOW_FAST_CPU_AS_DEVICE=1 $(PYTEST) $(DEVICE_PATH_TESTS)
+
+test-fast: $(DEV)
+	$(PYTEST) $(FAST_TESTS) tests/test_cpu_backend.py -k "not test_cpu_backend or ($(FAST_KERNEL))"
 
 demo: $(RUNTIME)
 	$(PY) -m overflow_fast.demo

@@ -11,6 +11,9 @@ the ``overflow-fast report`` command, which only reads JSON, starts fast and sma
 
 import importlib
 
+# eager: it imports nothing heavy, and a lazy name would lose to the submodule of the same name
+from .info import info
+
 _EXPORTS = {
     "DebugOption": ".debug_option",
     "DebugUnderflowOverflow": ".detector",
@@ -18,12 +21,11 @@ _EXPORTS = {
     "detect_overflow": ".detector",
     "get_abs_min_max": ".detector",
     "watch": ".detector",
-    "info": ".info",
     "StatsBatch": ".stats",
     "tensor_stats": ".stats",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = sorted([*_EXPORTS, "info"])
 __version__ = "0.1.0"
 
 

@@ -58,20 +58,19 @@ def test_bench_hook_breakdown_prints_its_table():
 
 
 def test_bench_all_csv_columns(tmp_path):
+    # one benchmark is enough to check the table's columns (bench_compile alone takes ~20 s; its
+    # graph breaks are tests/test_compile.py's)
     out = tmp_path / "bench.csv"
-    result = _run([os.path.join(BENCH, "bench_all.py"), "--smoke", "--only", "hook,compile", "--out", str(out)])
+    result = _run([os.path.join(BENCH, "bench_all.py"), "--smoke", "--only", "hook", "--out", str(out)])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert re.search(r"\[1/2\] hook: .* ok, \d+ s", result.stdout)
-    assert re.search(r"\[2/2\] compile: .* ok, \d+ s", result.stdout)
+    assert re.search(r"\[1/1\] hook: .* ok, \d+ s", result.stdout)
     with open(out, newline="") as f:
         reader = csv.DictReader(f)
         rows = list(reader)
     assert reader.fieldnames == ["benchmark", "metric", "value", "unit", "cpu_model", "avx", "threads",
                                  "torch", "date"]
-    assert {r["benchmark"] for r in rows} == {"hook_overhead", "compile"}
+    assert {r["benchmark"] for r in rows} == {"hook_overhead"}
     assert all(r["cpu_model"] and r["threads"] and r["torch"] and r["date"] for r in rows)
-    breaks = {r["metric"]: float(r["value"]) for r in rows if r["metric"].endswith("graph breaks")}
-    assert breaks["mlp none: graph breaks"] == 0 and breaks["mlp batch: graph breaks"] == 0
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="the benchmark needs triton")
