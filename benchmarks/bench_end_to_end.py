@@ -5,7 +5,8 @@ training step (forward + backward + SGD), with: no detector, transformers' refer
 overflow_fast check="module" (the drop-in default) and check="batch", and ``watch()`` (gradient
 checks, keyword inputs and containers on; check="batch", and "watch-module" with check="module").
 ``--anomaly`` adds ``torch.autograd.detect_anomaly`` for comparison; ``--log`` adds ``watch()`` with
-the flight recorder writing every step (``log_every=1``) and every 100th. Every variant has its own
+the flight recorder writing every step (``log_every=1``) and every 100th, and with TensorBoard
+scalars every 100th step. Every variant has its own
 copy of the model (the reference's hooks cannot be removed); the variants run round-robin in one
 process and the table reports medians and overheads against "none".
 
@@ -77,6 +78,11 @@ def attach(variant, model):
     elif variant.startswith("watch-log"):
         log = os.path.join(tempfile.mkdtemp(prefix="overflow_fast_bench_"), "run.jsonl")
         watch(model, log=log, log_every=int(variant[len("watch-log"):]))
+    elif variant.startswith("watch-tensorboard"):
+        from torch.utils.tensorboard import SummaryWriter
+
+        writer = SummaryWriter(tempfile.mkdtemp(prefix="overflow_fast_bench_"))
+        watch(model, log=writer, log_every=int(variant[len("watch-tensorboard"):]))
 
 
 def synchronize(device):
@@ -129,11 +135,12 @@ def main(argv=None):
     parser.add_argument("--models", default="gpt2,t5")
     parser.add_argument("--breakdown", action="store_true", help="also check='module' with reuse_stats=False")
     parser.add_argument("--anomaly", action="store_true", help="also torch.autograd.detect_anomaly")
-    parser.add_argument("--log", action="store_true", help="also watch() with log_every=1 and log_every=100")
+    parser.add_argument("--log", action="store_true",
+                        help="also watch() with log_every=1 and log_every=100, and to TensorBoard every 100th step")
     parser.add_argument("--csv", default=None, help="append machine-readable rows to this CSV")
     args = parser.parse_args(argv)
     variants = (VARIANTS + (BREAKDOWN if args.breakdown else ()) + (("anomaly",) if args.anomaly else ())
-                + (("watch-log1", "watch-log100") if args.log else ()))
+                + (("watch-log1", "watch-log100", "watch-tensorboard100") if args.log else ()))
     device = torch.device(args.device)
     repeats = args.repeats or (5 if args.quick else 15)
     print(f"torch {torch.__version__}, device {device}, threads {torch.get_num_threads()}, "

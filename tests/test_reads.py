@@ -237,7 +237,8 @@ def test_defer_reads_a_forward_in_one_engine_call_after_the_first(engine_calls, 
     assert per_forward[1] == per_forward[2] == [8]
 
 
-def test_defer_is_only_for_accelerators(engine_calls):
+def test_defer_is_only_for_accelerators(engine_calls, monkeypatch):
+    monkeypatch.setattr(reads_module, "CPU_AS_DEVICE", False)
     model = seeded(nn.Sequential, nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
     DebugUnderflowOverflow(model, check="batch", defer=True)
     for batch in batches(3):
