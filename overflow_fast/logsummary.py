@@ -910,24 +910,23 @@ def summary_text(summary, paths):
                        f"{_module_label(module, class_name)} {printable(entry)} [{printable(dtype)}] at "
                        f"{when(step, global_step, mode, unit)}, {phase}")
         nonfinite = summary.eval_nonfinite
-        out.append("  first non-finite value in eval: " + ("none" if nonfinite is None else _nonfinite_text(nonfinite, unit)))
+        out.append("  first non-finite value in eval: "
+                   + ("none" if nonfinite is None else _nonfinite_text(nonfinite, unit)))
         out.append("")
 
     hottest = summary.hottest()
     out.append("closest to the dtype's limit (headroom = log2(dtype max / abs max), in bits; lowest first):")
     if not hottest:
         out.append("  (no finite floating-point values recorded)")
-    elif unit == OPTIMIZER:
-        out.append(f"  {'bits':>6}  {'abs max':>9}  {'dtype':<9} {'opt step':>8} {'batch':>7}  module / entry")
-        for name, class_name, (bits, entry, dtype, step, phase, abs_max, global_step, mode) in hottest:
-            out.append(f"  {bits:6.2f}  {abs_max:9.3g}  {printable(dtype):<9} "
-                       f"{'-' if global_step is None else global_step:>8} {step:>7}  "
-                       f"{_module_label(name, class_name)} {printable(entry)} ({phase}{', eval' if mode == 'eval' else ''})")
     else:
-        out.append(f"  {'bits':>6}  {'abs max':>9}  {'dtype':<9} {'step':>7}  module / entry")
+        # with optimizer steps: the step and the batch number (the detector's report names the batch)
+        steps = f"{'opt step':>8} {'batch':>7}" if unit == OPTIMIZER else f"{'step':>7}"
+        out.append(f"  {'bits':>6}  {'abs max':>9}  {'dtype':<9} {steps}  module / entry")
         for name, class_name, (bits, entry, dtype, step, phase, abs_max, global_step, mode) in hottest:
-            out.append(f"  {bits:6.2f}  {abs_max:9.3g}  {printable(dtype):<9} {step:>7}  "
-                       f"{_module_label(name, class_name)} {printable(entry)} ({phase}{', eval' if mode == 'eval' else ''})")
+            steps = f"{'-' if global_step is None else global_step:>8} {step:>7}" if unit == OPTIMIZER else f"{step:>7}"
+            tag = ", eval" if mode == "eval" else ""
+            out.append(f"  {bits:6.2f}  {abs_max:9.3g}  {printable(dtype):<9} {steps}  "
+                       f"{_module_label(name, class_name)} {printable(entry)} ({phase}{tag})")
     out.append("")
 
     out.append("underflow hot spots (largest fraction of subnormal values):")
@@ -935,8 +934,8 @@ def summary_text(summary, paths):
     if not subnormal:
         out.append("  (no subnormal values recorded)")
     for (module, entry), _, (frac, step, dtype, numel, global_step, mode) in subnormal:
-        out.append(f"  {100 * frac:6.2f}%  of {numel:>9} {printable(dtype):<9} at {_at(step, global_step, mode, unit)}  "
-                   f"{_module_label(module)} {printable(entry)}")
+        out.append(f"  {100 * frac:6.2f}%  of {numel:>9} {printable(dtype):<9} at "
+                   f"{_at(step, global_step, mode, unit)}  {_module_label(module)} {printable(entry)}")
     zeros = summary.all_zero.best(TOP)
     out.append("entries that are all zeros (latest first):")
     if not zeros:

@@ -114,6 +114,9 @@ _LOW = 2 ** 64
 _BITS = "(({x})::BIT)::BIGINT"
 
 
+_FIRST = f"step::HUGEINT * {2 ** 21} + coalesce(rank, -1) + 1"  # what comes first: by batch number, then rank
+
+
 def _key(high):
     return f"(({high})::HUGEINT * {_LOW} + pos)"
 
@@ -131,10 +134,10 @@ SELECT k,
     min(CASE WHEN k = 1 AND ratio IS NOT NULL THEN {_key(_BITS.format(x="ratio"))} END) AS best,
     min(CASE WHEN k = 1 AND numel > 0 AND sf > 0 THEN {_key(f"{2 ** 63 - 1} - " + _BITS.format(x="sf"))} END) AS sub,
     min(CASE WHEN k = 1 AND numel > 0 AND zf >= 1 THEN {_key(f"{2 ** 41} - step")} END) AS zero,
-    min(CASE WHEN k = 1 AND nonfinite THEN {_key(f"step::HUGEINT * {2 ** 21} + coalesce(rank, -1) + 1")} END) AS nonfinite,
+    min(CASE WHEN k = 1 AND nonfinite THEN {_key(_FIRST)} END) AS nonfinite,
     min(CASE WHEN k = 1 AND ratio IS NOT NULL AND mode = 'eval' THEN {_key(_BITS.format(x="ratio"))} END) AS eval_best,
     min(CASE WHEN k = 1 AND nonfinite AND mode = 'eval'
-             THEN {_key(f"step::HUGEINT * {2 ** 21} + coalesce(rank, -1) + 1")} END) AS eval_nonfinite,
+             THEN {_key(_FIRST)} END) AS eval_nonfinite,
     min(CASE WHEN k = 1 AND numel > 0 AND sf > 0 THEN pos END) AS sub_first
 FROM e, (VALUES (1), (2)) AS u(k)
 WHERE k = 2 OR fast
@@ -194,7 +197,8 @@ def _query(count, max_modules, max_keys, step_cap):
     ]
     return (f"WITH {_rows(count)}, g AS MATERIALIZED ({_GROUPED}),\n"
             f"m AS MATERIALIZED (SELECT module, min(first_pos) AS first_pos, min(best) AS best {pairs} GROUP BY module),\n"
-            f"s AS MATERIALIZED (SELECT count(DISTINCT step) AS steps, count(DISTINCT {_OSTEP}) AS osteps {spots})\n" + "\nUNION ALL\n".join(parts))
+            f"s AS MATERIALIZED (SELECT count(DISTINCT step) AS steps, count(DISTINCT {_OSTEP}) AS osteps {spots})\n"
+            + "\nUNION ALL\n".join(parts))
 
 
 def _connect():
