@@ -324,3 +324,46 @@ def test_underflow_tracking_stays_bounded():
     assert len(summary.sub_bins) <= logsummary.UNDERFLOW_TRACK
     assert len(summary.sub_track.items) <= logsummary.UNDERFLOW_TRACK
     assert [key for key, _ in summary.underflow_curves()] == [key for key, _, _ in summary.subnormal.best(4)]
+
+
+# -- labels at the curves' ends --------------------------------------------------------------------------------------
+
+def _place_labels():
+    pytest.importorskip("matplotlib")
+    from overflow_fast.plot import place_labels
+
+    return place_labels
+
+
+def test_labels_apart_stay_where_they_are():
+    place_labels = _place_labels()
+    assert place_labels([0.1, 0.5, 0.9], 0.05, 0.0, 1.0) == [0.1, 0.5, 0.9]
+    assert place_labels([], 0.05) == []
+
+
+def test_overlapping_labels_are_nudged_apart_around_their_targets():
+    place_labels = _place_labels()
+    # three curves ending at the same height (the measured case: three of five overlapped)
+    placed = place_labels([0.5, 0.5, 0.5, 0.2, 0.9], 0.1, 0.0, 1.0)
+    assert placed[3] == pytest.approx(0.2) and placed[4] == pytest.approx(0.9)
+    assert sorted(placed[:3]) == pytest.approx([0.4, 0.5, 0.6])  # centred on their common target
+    # at the edge: pushed inside the bounds
+    assert place_labels([0.0, 0.0, 0.01], 0.1, 0.0, 1.0) == pytest.approx([0.0, 0.1, 0.2])
+    assert place_labels([1.0, 1.0], 0.1, 0.0, 1.0) == pytest.approx([0.9, 1.0])
+
+
+def test_labels_never_overlap_and_keep_their_order():
+    place_labels = _place_labels()
+    rng = random.Random(7)
+    for _ in range(500):
+        n = rng.randint(1, 12)
+        gap = rng.choice([0.01, 0.05, 0.08, 0.15])
+        targets = [rng.choice([rng.random(), 0.0, 1.0, 0.5]) for _ in range(n)]
+        placed = place_labels(targets, gap, 0.0, 1.0)
+        order = sorted(range(n), key=lambda i: (targets[i], i))
+        ys = [placed[i] for i in order]
+        assert all(b - a >= gap - 1e-9 for a, b in zip(ys, ys[1:]))  # no overlap, and in the targets' order
+        if (n - 1) * gap <= 1.0:
+            assert all(-1e-9 <= y <= 1.0 + 1e-9 for y in ys)
+        else:
+            assert ys[0] == pytest.approx(0.0)  # too many for the height: they run upward from the bottom
