@@ -10,13 +10,18 @@ Memory is bounded whatever the input. The summary keeps, with a count of the res
   picture, their lowest headroom per step bin, at most ``2 * max_columns`` bins);
 - the ``max_keys`` (module, entry) pairs with the largest subnormal fraction, and as many that
   were all zeros most recently;
-- the distinct steps, modules and all-zero entries, counted exactly up to ``distinct_cap``.
+- the distinct steps (batch numbers, and optimizer steps per mode), modules and all-zero entries,
+  counted exactly up to ``distinct_cap``;
+- for the picture, per kept module and bin: why a bin has no headroom (integer entries, all-zero
+  floating ones), and the bins where evaluation ran; the subnormal and zero fractions per bin of
+  the ``UNDERFLOW_TRACK`` (module, entry) pairs with the most subnormals.
 When more modules come than are kept, the ones furthest from their limit are dropped (a quarter at
 a time). Every table the report prints (the ``TOP`` lowest headroom, largest subnormal fraction,
 latest all-zero) is then still exact: an item dropped once can only be in a table if its deciding
 record came after it was dropped, and it is kept from then on. In the picture, a module dropped
-and taken back shows the steps from where it came back (the DuckDB reader has no such limit: it
-aggregates in SQL and hands over only the kept modules, whole).
+and taken back shows the steps from where it came back, and so does a tracked underflow pair (the
+DuckDB reader has no such limit: it aggregates in SQL and hands over only the kept modules and
+the drawn pairs, whole).
 
 Positions order everything that "comes first": a record's position is (file index, its ordinal
 among the non-blank lines of its file), so files count in the order given.
