@@ -287,6 +287,7 @@ def sql_columns():
 
 
 __all__ = [
-    "VERSION", "PHASES", "MODES", "WHEN_KNOWN", "KINDS", "NONFINITE", "STEP_MAX", "RANK_MAX", "MAX_LINE_BYTES", "RECORDS", "KEYS",
+    "VERSION", "PHASES", "MODES", "WHEN_KNOWN", "KINDS", "NONFINITE", "STEP_MAX", "RANK_MAX", "MAX_LINE_BYTES",
+    "RECORDS", "KEYS",
     "DTYPE_MAX", "Field", "Malformed", "check", "dtype_max", "magnitude", "sql_check", "sql_columns", "sql_values",
 ]
