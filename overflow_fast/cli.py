@@ -81,7 +81,8 @@ def build_parser():
     report.add_argument("--size", metavar="WxH", type=_size, default=None,
                         help="picture size in pixels (default: from the number of modules)")
     report.add_argument("--curves", type=int, default=5, metavar="N",
-                        help="headroom curves of the N hottest modules under the heatmap (default 5)")
+                        help="under the heatmap: the headroom curves of the N modules closest to overflow, and "
+                             "the fractions of up to N (at most 4) underflow hot spots (default 5)")
     report.add_argument("--engine", choices=("auto", "duckdb", "python"), default="auto",
                         help="what reads the logs: DuckDB (fast; pip install overflow_fast[fast-report]), "
                              "plain Python, or auto: DuckDB when it is installed (default)")

@@ -10,13 +10,18 @@ Memory is bounded whatever the input. The summary keeps, with a count of the res
   picture, their lowest headroom per step bin, at most ``2 * max_columns`` bins);
 - the ``max_keys`` (module, entry) pairs with the largest subnormal fraction, and as many that
   were all zeros most recently;
-- the distinct steps, modules and all-zero entries, counted exactly up to ``distinct_cap``.
+- the distinct steps (batch numbers, and optimizer steps per mode), modules and all-zero entries,
+  counted exactly up to ``distinct_cap``;
+- for the picture, per kept module and bin: why a bin has no headroom (integer entries, all-zero
+  floating ones), and the bins where evaluation ran; the subnormal and zero fractions per bin of
+  the ``UNDERFLOW_TRACK`` (module, entry) pairs with the most subnormals.
 When more modules come than are kept, the ones furthest from their limit are dropped (a quarter at
 a time). Every table the report prints (the ``TOP`` lowest headroom, largest subnormal fraction,
 latest all-zero) is then still exact: an item dropped once can only be in a table if its deciding
 record came after it was dropped, and it is kept from then on. In the picture, a module dropped
-and taken back shows the steps from where it came back (the DuckDB reader has no such limit: it
-aggregates in SQL and hands over only the kept modules, whole).
+and taken back shows the steps from where it came back, and so does a tracked underflow pair (the
+DuckDB reader has no such limit: it aggregates in SQL and hands over only the kept modules and
+the drawn pairs, whole).
 
 Positions order everything that "comes first": a record's position is (file index, its ordinal
 among the non-blank lines of its file), so files count in the order given.
@@ -36,6 +41,12 @@ PLOT_ROWS = 512  # heatmap rows; below 3/4 of MAX_MODULES, so the rows drawn are
 MAX_KEYS = 1024
 DISTINCT_CAP = 1 << 20
 MAX_NAMED = 5  # malformed lines named in the summary
+UNDERFLOW_ROWS = 4  # (module, entry) pairs of the picture's underflow panel
+UNDERFLOW_TRACK = 64  # pairs whose fractions the plain reader keeps per bin; the top 48 are exact
+BATCH, OPTIMIZER = "batch", "optimizer"  # the timeline's unit
+# why a module's bin has no headroom to show (bits of Summary.quiet)
+INTEGER = 1  # entries of a dtype without a largest finite value (integer, bool)
+ZERO = 2  # floating-point entries whose largest |value| is 0 (all zeros, or empty)
 BLOCK = 1 << 20
 
 _INF = float("inf")
@@ -162,12 +173,13 @@ class _Distinct:
 
 class _Best:
     """The ``cap`` names with the smallest keys (a key only ever decreases), each with its value;
-    over the cap the largest quarter goes."""
+    over the cap the largest quarter goes (``on_drop(names)`` hears of them)."""
 
-    def __init__(self, cap):
+    def __init__(self, cap, on_drop=None):
         self.cap = cap
         self.items = {}  # name -> (key, value)
         self.dropped = 0
+        self.on_drop = on_drop
 
     def offer(self, name, key, value):
         current = self.items.get(name)
@@ -183,6 +195,8 @@ class _Best:
         keep = self.cap * 3 // 4
         self.dropped += len(ranked) - keep
         self.items = dict(ranked[:keep])
+        if self.on_drop is not None:
+            self.on_drop([name for name, _ in ranked[keep:]])
 
     def best(self, n):
         """[(name, key, value)] of the n smallest keys."""
@@ -192,10 +206,16 @@ class _Best:
 
 class Summary:
     """Everything the report needs, in bounded memory. ``bins=False`` skips the picture's step
-    bins (only ``--png`` needs them)."""
+    bins (only ``--png`` needs them).
+
+    The picture's timeline is the trainer's optimizer step when any entry record carries one
+    (``unit == OPTIMIZER``; entries without it are then off the timeline), else the detector's
+    batch number. Its cells are the train timeline: records with ``mode`` "eval" only mark the
+    bins where evaluation ran (``eval_bins``), and records without a mode count as train.
+    """
 
     def __init__(self, max_columns=MAX_COLUMNS, max_modules=MAX_MODULES, max_keys=MAX_KEYS,
-                 distinct_cap=DISTINCT_CAP, bins=True, plot_rows=PLOT_ROWS):
+                 distinct_cap=DISTINCT_CAP, bins=True, plot_rows=PLOT_ROWS, underflow_rows=UNDERFLOW_ROWS):
         self.max_columns = max_columns
         self.max_modules = max_modules
         self.plot_rows = min(plot_rows, max_modules * 3 // 4)
@@ -206,25 +226,46 @@ class Summary:
         self.malformed = 0
         self.malformed_lines = []  # the first few: (file, line number, reason)
         self.phases = dict.fromkeys(schema.PHASES, 0)
+        self.modes = dict.fromkeys(schema.MODES, 0)  # entries per mode (the others: mode unknown)
         self.ranks = bytearray((schema.RANK_MAX + 8) // 8)  # one bit per rank
         self.steps = _Distinct(distinct_cap)
         self.first_step = None
         self.last_step = None
+        self.global_steps = 0  # entries that carry the optimizer step
+        self.opt_steps = _Distinct(distinct_cap)  # 2 * global_step + (mode == "eval")
+        self.first_global_step = None
+        self.last_global_step = None
         self.first_nonfinite = None  # a dict of the entry record's fields, and "source"
         self._first_nonfinite_key = None
+        self.eval_nonfinite = None  # the same, of the first in eval
+        self._eval_nonfinite_key = None
+        self.eval_best = None  # ((ratio, pos), (module, class, entry, dtype, step, phase, abs_max, global_step, mode))
         self.detections = []  # the first few detection records
         self.detection_count = 0
         # modules: name -> [class, first position, lowest-headroom key or None, its record or None]
         self.modules = {}
         self.module_names = _Distinct(distinct_cap)
         self.modules_dropped = 0
-        self.subnormal = _Best(max_keys)  # (module, entry) -> key (-frac, pos): (frac, step, dtype, numel)
-        self.all_zero = _Best(max_keys)  # (module, entry) -> key (-step, pos): (step, dtype, numel)
+        # (module, entry) -> key (-frac, pos): (frac, step, dtype, numel, global_step, mode)
+        self.subnormal = _Best(max_keys)
+        # (module, entry) -> key (-step, pos): (step, dtype, numel, global_step, mode)
+        self.all_zero = _Best(max_keys)
         self.zero_keys = _Distinct(distinct_cap)
-        # the picture: per kept module {bin index: lowest headroom ratio}, bins with a nan/inf
+        # the picture, on the train timeline: per kept module {bin index: lowest headroom ratio},
+        # the bins with a nan/inf, and for bins with no headroom what was there (INTEGER | ZERO);
+        # the bins where evaluation ran; the subnormal and zero fractions of the (module, entry)
+        # pairs with the most subnormals, per bin, from their first subnormal value on
+        self.unit = BATCH
+        self.first_x = None
+        self.last_x = None
         self.width = 1
         self.cells = {}
         self.bad_cells = {}
+        self.quiet = {}
+        self.eval_bins = set()
+        self.underflow_rows = underflow_rows
+        self.sub_track = _Best(max(UNDERFLOW_TRACK, underflow_rows * 2), on_drop=self._forget_underflow)
+        self.sub_bins = {}  # (module, entry) -> {bin index: [largest subnormal fraction, largest zero fraction]}
 
     # -- one line (the plain reader) --
 
@@ -261,50 +302,110 @@ class Summary:
         step, module, entry, dtype, numel = r["step"], r["module"], r["entry"], r["dtype"], r["numel"]
         abs_max = r.get("abs_max")
         rank = r.get("rank")
+        global_step, mode = r.get("global_step"), r.get("mode")
+        is_eval = mode == "eval"
         self.entries += 1
         self.phases[r["phase"]] += 1
+        if mode is not None:
+            self.modes[mode] += 1
         if rank is not None:
             self.add_rank(rank)
         self.add_steps(step, step)
         self.steps.add(step)
+        if global_step is not None:
+            self.global_steps += 1
+            self.opt_steps.add(2 * global_step + is_eval)
+            self.add_global_steps(global_step, global_step)
+        x = global_step if self.unit == OPTIMIZER else step
+        if x is not None:
+            self.add_x(x, x)
         nonfinite = bool(r["nan"] or r["posinf"] or r["neginf"] or type(abs_max) is str)
         ratio = None
         if not nonfinite:
             ratio = headroom_ratio(dtype, abs_max)
         best = None
         if ratio is not None:
-            best = ((ratio, pos), (entry, dtype, step, r["phase"], float(abs_max)))
+            best = ((ratio, pos), (entry, dtype, step, r["phase"], float(abs_max), global_step, mode))
+            if is_eval:
+                self.add_eval_best(module, r["class"], best)
         self.add_module(module, r["class"], pos, best, new_name=hash(module))
         if nonfinite:
-            self.add_nonfinite((step, -1 if rank is None else rank, pos), r, source)
-        if self.keep_bins and module in self.modules:
-            self.add_cell(module, step // self.width, 1.0 if nonfinite else ratio, nonfinite)
+            key = (step, -1 if rank is None else rank, pos)
+            self.add_nonfinite(key, r, source)
+            if is_eval:
+                self.add_nonfinite(key, r, source, in_eval=True)
+        if self.keep_bins and x is not None:
+            index = x // self.width
+            if is_eval:
+                self.eval_bins.add(index)
+            elif module in self.modules:
+                flags = 0
+                if ratio is None and not nonfinite:
+                    flags = INTEGER if schema.dtype_max(dtype) is None else ZERO
+                self.add_cell(module, index, 1.0 if nonfinite else ratio, nonfinite, flags)
         if numel:
             key = (module, entry)
             frac = r["subnormal_frac"]
             if frac > 0:
-                self.subnormal.offer(key, (-frac, pos), (frac, step, dtype, numel))
+                self.subnormal.offer(key, (-frac, pos), (frac, step, dtype, numel, global_step, mode))
+                if self.keep_bins:
+                    self.sub_track.offer(key, (-frac, pos), None)
+                    if key not in self.sub_bins and key in self.sub_track.items:
+                        self.sub_bins[key] = {}
             if r["zero_frac"] >= 1:
                 self.zero_keys.add(hash(key))
-                self.all_zero.offer(key, (-step, pos), (step, dtype, numel))
+                self.all_zero.offer(key, (-step, pos), (step, dtype, numel, global_step, mode))
+            if self.keep_bins and x is not None and not is_eval and key in self.sub_bins:
+                self.add_underflow(key, x // self.width, frac, r["zero_frac"])
 
     # -- aggregates (the DuckDB reader hands these over directly) --
 
     def add_steps(self, first, last):
+        """The detector's batch numbers seen (the picture's timeline is ``add_x``'s)."""
         if self.first_step is None:
             self.first_step, self.last_step = first, last
-        elif first < self.first_step or last > self.last_step:
+        else:
             self.first_step = min(self.first_step, first)
             self.last_step = max(self.last_step, last)
+
+    def add_global_steps(self, first, last):
+        """Optimizer steps seen: from the first, the picture's timeline is the optimizer step."""
+        if self.first_global_step is None:
+            self.first_global_step, self.last_global_step = first, last
+        else:
+            self.first_global_step = min(self.first_global_step, first)
+            self.last_global_step = max(self.last_global_step, last)
+        self.set_unit(OPTIMIZER)
+
+    def set_unit(self, unit):
+        """The timeline's x from now on. The bins so far were of the other unit: they go (the
+        records before the first optimizer step have none, and are off its timeline)."""
+        if unit == self.unit:
+            return
+        self.unit = unit
+        self.first_x = self.last_x = None
+        self.width = 1
+        self.cells, self.bad_cells, self.quiet, self.eval_bins = {}, {}, {}, set()
+        for bins in self.sub_bins.values():
+            bins.clear()
+
+    def add_x(self, first, last):
+        """Positions on the timeline (train and eval): the bins widen to keep them few."""
+        if self.first_x is None:
+            self.first_x, self.last_x = first, last
+        elif first < self.first_x or last > self.last_x:
+            self.first_x = min(self.first_x, first)
+            self.last_x = max(self.last_x, last)
         else:
             return
         if self.keep_bins:
-            width = bin_width(self.first_step, self.last_step, self.max_columns)
+            width = bin_width(self.first_x, self.last_x, self.max_columns)
             if width > self.width:
                 self._coarsen(width)
 
     def add_module(self, name, class_name, first_pos, best, new_name=None):
-        """``best``: ((ratio, pos), (entry, dtype, step, phase, abs_max)) of its lowest headroom."""
+        """``best``: ((ratio, pos), (entry, dtype, step, phase, abs_max, global_step, mode)) of its
+        lowest headroom."""
         info = self.modules.get(name)
         if info is None:
             if new_name is not None:
@@ -327,26 +428,62 @@ class Summary:
         for name, _ in ranked[keep:]:
             self.cells.pop(name, None)
             self.bad_cells.pop(name, None)
+            self.quiet.pop(name, None)
         self.modules_dropped += len(ranked) - keep
         self.modules = dict(ranked[:keep])
 
-    def add_nonfinite(self, key, record, source):
-        if self._first_nonfinite_key is None or key < self._first_nonfinite_key:
-            self._first_nonfinite_key = key
-            self.first_nonfinite = {k: record.get(k) for k in
-                                    ("step", "phase", "module", "class", "entry", "dtype", "rank",
-                                     "nan", "posinf", "neginf", "abs_max")}
-            self.first_nonfinite["source"] = source
+    def add_nonfinite(self, key, record, source, in_eval=False):
+        """``key``: (step, rank or -1, position): the first by batch number, then rank."""
+        current = self._eval_nonfinite_key if in_eval else self._first_nonfinite_key
+        if current is not None and key >= current:
+            return
+        fields = {k: record.get(k) for k in ("step", "phase", "module", "class", "entry", "dtype", "rank",
+                                             "nan", "posinf", "neginf", "abs_max", "global_step", "mode")}
+        fields["source"] = source
+        if in_eval:
+            self._eval_nonfinite_key, self.eval_nonfinite = key, fields
+        else:
+            self._first_nonfinite_key, self.first_nonfinite = key, fields
 
-    def add_cell(self, module, index, ratio, bad):
-        """The lowest headroom ratio in bin ``index`` (at ``self.width``); ``bad``: a nan/inf."""
+    def add_eval_best(self, module, class_name, best):
+        """The lowest headroom in eval (``best`` as ``add_module`` takes it)."""
+        if self.eval_best is None or best[0] < self.eval_best[0]:
+            self.eval_best = (best[0], (module, class_name) + best[1])
+
+    def add_cell(self, module, index, ratio, bad, flags=0):
+        """The lowest headroom ratio in bin ``index`` (at ``self.width``) of the train timeline;
+        ``bad``: a nan/inf; ``flags``: what entries without headroom were there (INTEGER, ZERO),
+        kept only for a bin that ends with no headroom at all."""
         cells = self.cells.setdefault(module, {})
         if ratio is not None:
             current = cells.get(index)
             if current is None or ratio < current:
                 cells[index] = ratio
+            quiet = self.quiet.get(module)
+            if quiet is not None and quiet.pop(index, None) is not None and not quiet:
+                del self.quiet[module]
+        elif flags and index not in cells:
+            quiet = self.quiet.setdefault(module, {})
+            quiet[index] = quiet.get(index, 0) | flags
         if bad:
             self.bad_cells.setdefault(module, set()).add(index)
+
+    def add_eval_bin(self, index):
+        self.eval_bins.add(index)
+
+    def add_underflow(self, key, index, subnormal_frac, zero_frac):
+        """The largest subnormal and zero fractions of (module, entry) ``key`` in bin ``index``."""
+        bins = self.sub_bins.setdefault(key, {})
+        current = bins.get(index)
+        if current is None:
+            bins[index] = [subnormal_frac, zero_frac]
+        else:
+            current[0] = max(current[0], subnormal_frac)
+            current[1] = max(current[1], zero_frac)
+
+    def _forget_underflow(self, keys):
+        for key in keys:
+            self.sub_bins.pop(key, None)
 
     def _coarsen(self, width):
         factor = width // self.width
@@ -361,6 +498,28 @@ class Summary:
             self.cells[module] = merged
         for module, bad in self.bad_cells.items():
             self.bad_cells[module] = {index // factor for index in bad}
+        for module in list(self.quiet):
+            cells = self.cells.get(module, {})
+            merged = {}
+            for index, flags in self.quiet[module].items():
+                index //= factor
+                if index not in cells:
+                    merged[index] = merged.get(index, 0) | flags
+            if merged:
+                self.quiet[module] = merged
+            else:
+                del self.quiet[module]
+        self.eval_bins = {index // factor for index in self.eval_bins}
+        for key, bins in self.sub_bins.items():
+            merged = {}
+            for index, (sub, zero) in bins.items():
+                index //= factor
+                current = merged.get(index)
+                if current is None:
+                    merged[index] = [sub, zero]
+                else:
+                    current[0], current[1] = max(current[0], sub), max(current[1], zero)
+            self.sub_bins[key] = merged
 
     # -- results --
 
@@ -380,8 +539,17 @@ class Summary:
                 ranks.extend(byte_index * 8 + bit for bit in range(8) if byte >> bit & 1)
         return ranks
 
+    def optimizer_steps(self, mode):
+        """The distinct optimizer steps of ``mode`` ("train": and records without a mode; "eval"),
+        sorted; None when there were too many to keep."""
+        if self.opt_steps.over or self.opt_steps.extra:
+            return None
+        low = 1 if mode == "eval" else 0
+        return sorted(value >> 1 for value in self.opt_steps.seen if value & 1 == low)
+
     def hottest(self, n=TOP):
-        """[(module, class, (headroom, entry, dtype, step, phase, abs_max))], lowest headroom first."""
+        """[(module, class, (headroom, entry, dtype, step, phase, abs_max, global_step, mode))],
+        lowest headroom first."""
         rows = [(name, info) for name, info in self.modules.items() if info[2] is not None]
         rows.sort(key=lambda row: row[1][2][0])
         return [(name, info[0], (headroom(info[2][0][0]),) + info[2][1]) for name, info in rows[:n]]
@@ -394,12 +562,11 @@ class Summary:
         return [name for name, _ in ranked]
 
     def columns(self):
-        """Indices of the step bins that hold any record, in order."""
+        """Indices of the train timeline's bins that hold any record, in order."""
         used = set()
-        for cells in self.cells.values():
-            used.update(cells)
-        for bad in self.bad_cells.values():
-            used.update(bad)
+        for table in (self.cells, self.bad_cells, self.quiet):
+            for bins in table.values():
+                used.update(bins)
         return sorted(used)
 
     def bin_steps(self, index):
@@ -407,13 +574,98 @@ class Summary:
         return index * self.width, index * self.width + self.width - 1
 
     def steps_per_column(self):
-        """The most recorded steps in any one bin (None when the steps were too many to keep)."""
-        if self.steps.over:
+        """The most recorded train steps (of the timeline's unit) in any one bin (None when the
+        steps were too many to keep)."""
+        if self.unit == OPTIMIZER:
+            steps = self.optimizer_steps("train")
+        else:
+            steps = None if self.steps.over else self.steps.seen
+        if steps is None:
             return None
         counts = {}
-        for step in self.steps.seen:
+        for step in steps:
             counts[step // self.width] = counts.get(step // self.width, 0) + 1
         return max(counts.values(), default=0)
+
+    def underflow_curves(self):
+        """[((module, entry), {bin index: (subnormal fraction, zero fraction)})] of the
+        ``underflow_rows`` pairs with the largest subnormal fractions (the hot spots table's
+        first rows), on the train timeline from each pair's first subnormal value: in each bin
+        the largest of each fraction."""
+        return [(key, {index: tuple(value) for index, value in sorted(self.sub_bins.get(key, {}).items())})
+                for key, _, _ in self.subnormal.best(self.underflow_rows)]
+
+
+# what a cell of the picture's heatmap shows
+HEADROOM = "headroom"  # the lowest headroom of the module's floating-point entries in that column
+NONFINITE = "nan/inf"  # a nan or inf was recorded there
+ALL_ZERO = "all zero"  # only floating-point entries whose largest |value| is 0 (or empty tensors)
+INTEGER_ONLY = "integer"  # only entries without headroom (integer or bool dtypes)
+NOT_RECORDED = "not recorded"  # no record of the module in that column
+
+
+class Picture:
+    """What ``report --png`` draws, as plain data (``plot.py`` only draws it): the heatmap's rows
+    (``modules``), columns (bins of ``width`` steps of ``unit``), and per cell ``values`` (headroom
+    in bits, or None) and ``kinds`` (one of HEADROOM, NONFINITE, ALL_ZERO, INTEGER_ONLY,
+    NOT_RECORDED); ``eval_x`` the columns' centres where evaluation ran; ``first`` the first
+    nan/inf (``x``, ``row``: None when it is not on the heatmap, ``text``); ``curves`` the
+    modules closest to overflow; ``underflow`` the top underflow hot spots' fractions."""
+
+    def __init__(self, summary, curves=5):
+        unit = self.unit = summary.unit
+        self.width = width = summary.width
+        self.modules = modules = summary.plot_modules()
+        self.classes = [summary.modules[name][0] for name in modules]
+        used = set()
+        for table in (summary.cells, summary.bad_cells, summary.quiet):
+            for name in modules:
+                used.update(table.get(name, ()))
+        self.columns = columns = sorted(used)
+        self.centres = [c * width + (width - 1) / 2 for c in columns]
+        position = {c: j for j, c in enumerate(columns)}
+        self.values = [[None] * len(columns) for _ in modules]
+        self.kinds = [[NOT_RECORDED] * len(columns) for _ in modules]
+        for i, name in enumerate(modules):
+            values, kinds = self.values[i], self.kinds[i]
+            for c, ratio in summary.cells.get(name, {}).items():
+                values[position[c]], kinds[position[c]] = headroom(ratio), HEADROOM
+            for c, flags in summary.quiet.get(name, {}).items():
+                kinds[position[c]] = ALL_ZERO if flags & ZERO else INTEGER_ONLY
+            for c in summary.bad_cells.get(name, ()):
+                values[position[c]], kinds[position[c]] = 0.0, NONFINITE
+        self.eval_x = [c * width + (width - 1) / 2 for c in sorted(summary.eval_bins)]
+        self.eval_entries = summary.modes["eval"]
+        what = "steps" if unit == OPTIMIZER else "batches"
+        self.xlabel = ("optimizer step" if unit == OPTIMIZER else
+                       "batch number (the detector's count of forwards: the records carry no optimizer step)")
+        per_column = summary.steps_per_column()
+        per_column = width if per_column is None else per_column
+        if per_column > 1:
+            self.xlabel += (f"; a column covers {width} {what}, up to {per_column} of them recorded: "
+                            f"its lowest headroom is shown")
+        self.first = None
+        first = summary.first_nonfinite
+        if first is not None:
+            x = first.get("global_step") if unit == OPTIMIZER else first["step"]
+            on_map = x is not None and first.get("mode") != "eval" and first["module"] in modules
+            name = printable(first["module"]) or "(model)"
+            self.first = {
+                "x": x, "row": modules.index(first["module"]) if on_map else None,
+                "text": (f"first nan/inf: {when(first['step'], first.get('global_step'), first.get('mode'), unit)}, "
+                         f"{first['phase']}\n{name} {printable(first['entry'])}"
+                         + ("" if on_map or x is None else "\n(not on the heatmap: eval)" if first.get("mode") == "eval"
+                            else "\n(not on the heatmap: not among the modules drawn)")),
+            }
+        drawn = set(modules)
+        self.curves = [(name, class_name) for name, class_name, _ in summary.hottest(max(curves, 0))
+                       if name in drawn] if curves else []
+        self.underflow = []
+        for (module, entry), bins in summary.underflow_curves():
+            if bins:
+                xs = [index * width + (width - 1) / 2 for index in bins]
+                self.underflow.append(((module, entry), xs, [v[0] for v in bins.values()],
+                                       [v[1] for v in bins.values()]))
 
 
 def bin_width(first, last, max_columns=MAX_COLUMNS):
@@ -572,8 +824,24 @@ def _module_label(name, class_name=None):
     return f"{label} ({printable(class_name)})" if class_name else label
 
 
+def when(step, global_step, mode, unit):
+    """Where a record sits in time, in the timeline's unit: "step 8" (the batch number, in a log
+    without optimizer steps), "optimizer step 3 (train, batch 8)"; the mode when known."""
+    if unit == OPTIMIZER and global_step is not None:
+        return f"optimizer step {global_step} ({mode + ', ' if mode else ''}batch {step})"
+    text = f"batch {step} (no optimizer step)" if unit == OPTIMIZER else f"step {step}"
+    return text + (f" ({mode})" if mode else "")
+
+
+def _steps_list(steps, limit=8):
+    if len(steps) <= limit:
+        return ", ".join(map(str, steps))
+    return f"{steps[0]} to {steps[-1]}"
+
+
 def summary_text(summary, paths):
     out = []
+    unit = summary.unit
     if len(paths) == 1:
         out.append(f"flight recorder log: {paths[0]}")
     else:
@@ -586,9 +854,28 @@ def summary_text(summary, paths):
     if summary.entries:
         count = summary.step_count
         count = f"more than {summary.steps.cap}" if count is None else count
-        out.append(f"steps recorded: {count} (first {summary.first_step}, last {summary.last_step})")
+        out.append(f"steps recorded: {count} (first {summary.first_step}, last {summary.last_step}), "
+                   f"the detector's batch numbers (its count of the model's forwards)")
+        if summary.global_steps:
+            train, evals = summary.optimizer_steps("train"), summary.optimizer_steps("eval")
+            count = summary.opt_steps.count
+            if count is not None and train is not None:
+                count = len(set(train) | set(evals))
+            count = f"more than {summary.opt_steps.cap}" if count is None else count
+            parts = "" if train is None else (
+                f": train at {len(train)}" + (f", eval at {len(evals)}" if evals else ""))
+            out.append(f"optimizer steps recorded: {count} (first {summary.first_global_step}, "
+                       f"last {summary.last_global_step}){parts}")
+            without = summary.entries - summary.global_steps
+            if without:
+                out.append(f"  {without} tensor entries carry no optimizer step: they are in the tables, "
+                           f"not on the picture's timeline")
         phases = ", ".join(f"{p} ({n} entries)" for p, n in summary.phases.items() if n)
         out.append(f"phases: {phases}")
+        if any(summary.modes.values()):
+            unknown = summary.entries - sum(summary.modes.values())
+            modes = [f"{m} ({n} entries)" for m, n in summary.modes.items() if n]
+            out.append(f"modes: {', '.join(modes + ([f'unknown ({unknown} entries)'] if unknown else []))}")
         modules = summary.module_count
         modules = f"more than {summary.module_names.cap}" if modules is None else modules
         kept = "" if summary.modules_dropped == 0 else (
@@ -609,43 +896,57 @@ def summary_text(summary, paths):
     if first is None:
         out.append("first non-finite value: no nan/inf recorded")
     else:
-        kinds = [k for k in ("nan", "posinf", "neginf") if first.get(k)]
-        what = ", ".join(f"{first[k]} {'+inf' if k == 'posinf' else '-inf' if k == 'neginf' else 'nan'}"
-                         for k in kinds) or f"abs max {first.get('abs_max')}"
-        rank = f", rank {first['rank']}" if first.get("rank") is not None else ""
-        out.append(f"first non-finite value: step {first['step']}, {first['phase']}{rank}, "
-                   f"module {_module_label(first['module'], first['class'])}, entry {printable(first['entry'])} "
-                   f"[{printable(first['dtype'])}]: {what}")
+        out.append(f"first non-finite value: {_nonfinite_text(first, unit)}")
     for det in summary.detections[:1]:
         entries = [printable(e) for e in det.get("entries", ())[:20]]
-        out.append(f"detection record: step {det.get('step')}, {det.get('phase')}, module "
-                   f"{_module_label(det.get('module', ''), det.get('class'))}, entries {entries}")
+        out.append(f"detection record: {when(det.get('step'), det.get('global_step'), det.get('mode'), unit)}, "
+                   f"{det.get('phase')}, module {_module_label(det.get('module', ''), det.get('class'))}, "
+                   f"entries {entries}")
     out.append("")
+
+    if summary.modes["eval"]:
+        evals = summary.optimizer_steps("eval") if summary.global_steps else None
+        at = f" at {len(evals)} optimizer steps ({_steps_list(evals)})" if evals else ""
+        out.append(f"eval (kept apart: the picture's cells are the train timeline): "
+                   f"{summary.modes['eval']} tensor entries{at}")
+        if summary.eval_best is not None:
+            (ratio, _), (module, class_name, entry, dtype, step, phase, abs_max, global_step, mode) = summary.eval_best
+            out.append(f"  lowest headroom in eval: {headroom(ratio):.2f} bits (abs max {abs_max:.3g}), "
+                       f"{_module_label(module, class_name)} {printable(entry)} [{printable(dtype)}] at "
+                       f"{when(step, global_step, mode, unit)}, {phase}")
+        nonfinite = summary.eval_nonfinite
+        out.append("  first non-finite value in eval: "
+                   + ("none" if nonfinite is None else _nonfinite_text(nonfinite, unit)))
+        out.append("")
 
     hottest = summary.hottest()
     out.append("closest to the dtype's limit (headroom = log2(dtype max / abs max), in bits; lowest first):")
     if not hottest:
         out.append("  (no finite floating-point values recorded)")
     else:
-        out.append(f"  {'bits':>6}  {'abs max':>9}  {'dtype':<9} {'step':>7}  module / entry")
-        for name, class_name, (bits, entry, dtype, step, phase, abs_max) in hottest:
-            out.append(f"  {bits:6.2f}  {abs_max:9.3g}  {printable(dtype):<9} {step:>7}  "
-                       f"{_module_label(name, class_name)} {printable(entry)} ({phase})")
+        # with optimizer steps: the step and the batch number (the detector's report names the batch)
+        steps = f"{'opt step':>8} {'batch':>7}" if unit == OPTIMIZER else f"{'step':>7}"
+        out.append(f"  {'bits':>6}  {'abs max':>9}  {'dtype':<9} {steps}  module / entry")
+        for name, class_name, (bits, entry, dtype, step, phase, abs_max, global_step, mode) in hottest:
+            steps = f"{'-' if global_step is None else global_step:>8} {step:>7}" if unit == OPTIMIZER else f"{step:>7}"
+            tag = ", eval" if mode == "eval" else ""
+            out.append(f"  {bits:6.2f}  {abs_max:9.3g}  {printable(dtype):<9} {steps}  "
+                       f"{_module_label(name, class_name)} {printable(entry)} ({phase}{tag})")
     out.append("")
 
     out.append("underflow hot spots (largest fraction of subnormal values):")
     subnormal = summary.subnormal.best(TOP)
     if not subnormal:
         out.append("  (no subnormal values recorded)")
-    for (module, entry), _, (frac, step, dtype, numel) in subnormal:
-        out.append(f"  {100 * frac:6.2f}%  of {numel:>9} {printable(dtype):<9} at step {step:>7}  "
-                   f"{_module_label(module)} {printable(entry)}")
+    for (module, entry), _, (frac, step, dtype, numel, global_step, mode) in subnormal:
+        out.append(f"  {100 * frac:6.2f}%  of {numel:>9} {printable(dtype):<9} at "
+                   f"{_at(step, global_step, mode, unit)}  {_module_label(module)} {printable(entry)}")
     zeros = summary.all_zero.best(TOP)
     out.append("entries that are all zeros (latest first):")
     if not zeros:
         out.append("  (none)")
-    for (module, entry), _, (step, dtype, numel) in zeros:
-        out.append(f"  last at step {step:>7}  {_module_label(module)} {printable(entry)} "
+    for (module, entry), _, (step, dtype, numel, global_step, mode) in zeros:
+        out.append(f"  last at {_at(step, global_step, mode, unit)}  {_module_label(module)} {printable(entry)} "
                    f"[{printable(dtype)}, {numel} elements]")
     total = summary.zero_keys.count
     if total is None:
@@ -653,3 +954,23 @@ def summary_text(summary, paths):
     elif total > len(zeros):
         out.append(f"  ... and {total - len(zeros)} more")
     return "\n".join(out)
+
+
+def _at(step, global_step, mode, unit):
+    """A table's step column: aligned, in the timeline's unit (eval rows say so)."""
+    if unit == OPTIMIZER and global_step is not None:
+        return f"optimizer step {global_step:>7} ({'eval, ' if mode == 'eval' else ''}batch {step})"
+    tag = " (eval)" if mode == "eval" else ""
+    if unit == OPTIMIZER:
+        return f"batch {step:>7} (no optimizer step){tag}"
+    return f"step {step:>7}{tag}"
+
+
+def _nonfinite_text(first, unit):
+    kinds = [k for k in ("nan", "posinf", "neginf") if first.get(k)]
+    what = ", ".join(f"{first[k]} {'+inf' if k == 'posinf' else '-inf' if k == 'neginf' else 'nan'}"
+                     for k in kinds) or f"abs max {first.get('abs_max')}"
+    rank = f", rank {first['rank']}" if first.get("rank") is not None else ""
+    return (f"{when(first['step'], first.get('global_step'), first.get('mode'), unit)}, {first['phase']}{rank}, "
+            f"module {_module_label(first['module'], first['class'])}, entry {printable(first['entry'])} "
+            f"[{printable(first['dtype'])}]: {what}")

@@ -30,7 +30,7 @@ if tuple(int(part) for part in duckdb.__version__.split(".")[:2] if part.isdigit
     raise ImportError(f"DuckDB {duckdb.__version__} is too old for the report (1.3 or newer)")
 
 from . import schema
-from .logsummary import POSITION_BITS, count_lines, parse_line, read_file
+from .logsummary import INTEGER, OPTIMIZER, POSITION_BITS, ZERO, count_lines, parse_line, read_file
 
 MAX_RECHECK = 10_000  # rows of one file handed back to the plain reader
 # what a file DuckDB cannot read raises (a line over its limit, bytes it cannot decode, memory);
@@ -75,13 +75,16 @@ src AS ({scans}
         {_text("class")} AS cls, {_text("entry")} AS entry, {_text("dtype")} AS dtype,
         "numel#int" AS numel, starts_with(abs_max::VARCHAR, '"') AS amax_text, "abs_max#double" AS amax,
         "nan#int" AS nan, "posinf#int" AS posinf, "neginf#int" AS neginf,
-        "zero_frac#double" AS zf, "subnormal_frac#double" AS sf, "rank#int" AS rank
+        "zero_frac#double" AS zf, "subnormal_frac#double" AS sf, "rank#int" AS rank,
+        "global_step#int" AS gstep, {_text("mode")} AS mode
     FROM v
 ), e AS (
     SELECT *, CASE WHEN NOT nonfinite AND amax > 0 AND dtype_max IS NOT NULL
                    THEN greatest(dtype_max / amax, 1.0) END AS ratio
     FROM (
-        SELECT *, (nan > 0 OR posinf > 0 OR neginf > 0 OR amax_text) AS nonfinite, {_limits_sql()} AS dtype_max
+        -- (an empty tensor's abs_max is null: not a nan/inf, never an unknown)
+        SELECT *, (nan > 0 OR posinf > 0 OR neginf > 0 OR coalesce(amax_text, false)) AS nonfinite,
+            {_limits_sql()} AS dtype_max
         FROM t
     )
 )
@@ -100,14 +103,18 @@ def _params(paths, indexes):
 #   all zeros (the only ones the pairs' tables look at; a wide log has far fewer of them): the
 #   row that decides each table (lowest headroom, largest subnormal fraction, latest all-zero
 #   step, first nan/inf) and the module's first row;
-# - k = 2, every row, by (file, step, rank) for the entries that fit, and one group per row that
-#   does not: the rows to hand back, the steps, ranks and phases.
+# - k = 2, every row, by (file, step, rank, optimizer step, mode) for the entries that fit (a
+#   batch has one optimizer step and mode: no more groups), and one group per row that does not:
+#   the rows to hand back, the steps, ranks, phases and modes.
 # "First" is decided by the position. Each "least" is one HUGEINT (a fixed-size state, much
 # cheaper than a struct's): the deciding value in the high 64 bits (a positive double's IEEE bits
 # order as the double does), the position in the low ones. Each is computed only for the rows it
 # is about (CASE, not FILTER: a FILTER still computes it for every row, and a negative one overflows).
 _LOW = 2 ** 64
 _BITS = "(({x})::BIT)::BIGINT"
+
+
+_FIRST = f"step::HUGEINT * {2 ** 21} + coalesce(rank, -1) + 1"  # what comes first: by batch number, then rank
 
 
 def _key(high):
@@ -120,17 +127,26 @@ SELECT k,
     CASE WHEN k = 1 AND numel > 0 AND (sf > 0 OR zf >= 1) THEN entry END AS entry,
     CASE WHEN k = 2 THEN file END AS file, CASE WHEN k = 2 THEN fast END AS ok,
     CASE WHEN k = 2 AND fast THEN step END AS step, CASE WHEN k = 2 AND fast THEN rank END AS rank,
+    CASE WHEN k = 2 AND fast THEN gstep END AS gstep, CASE WHEN k = 2 AND fast THEN mode END AS mode,
     CASE WHEN k = 2 AND NOT fast THEN pos END AS slow_pos,
     count(*) AS rows, min(pos) AS first_pos,
     count(*) FILTER (WHERE phase = 'forward') AS forward,
     min(CASE WHEN k = 1 AND ratio IS NOT NULL THEN {_key(_BITS.format(x="ratio"))} END) AS best,
     min(CASE WHEN k = 1 AND numel > 0 AND sf > 0 THEN {_key(f"{2 ** 63 - 1} - " + _BITS.format(x="sf"))} END) AS sub,
     min(CASE WHEN k = 1 AND numel > 0 AND zf >= 1 THEN {_key(f"{2 ** 41} - step")} END) AS zero,
-    min(CASE WHEN k = 1 AND nonfinite THEN {_key(f"step::HUGEINT * {2 ** 21} + coalesce(rank, -1) + 1")} END) AS nonfinite
+    min(CASE WHEN k = 1 AND nonfinite THEN {_key(_FIRST)} END) AS nonfinite,
+    min(CASE WHEN k = 1 AND ratio IS NOT NULL AND mode = 'eval' THEN {_key(_BITS.format(x="ratio"))} END) AS eval_best,
+    min(CASE WHEN k = 1 AND nonfinite AND mode = 'eval'
+             THEN {_key(_FIRST)} END) AS eval_nonfinite,
+    min(CASE WHEN k = 1 AND numel > 0 AND sf > 0 THEN pos END) AS sub_first
 FROM e, (VALUES (1), (2)) AS u(k)
 WHERE k = 2 OR fast
 GROUP BY ALL
 """
+
+
+# an optimizer step and whether it is eval, as the plain reader counts them (Summary.opt_steps)
+_OSTEP = "gstep * 2 + coalesce(mode = 'eval', false)::BIGINT"
 
 
 def _split(key):
@@ -159,14 +175,21 @@ def _query(count, max_modules, max_keys, step_cap):
                         l1=f"(list(slow_pos ORDER BY slow_pos) FILTER (WHERE slow_pos IS NOT NULL))[:{MAX_RECHECK + 1}]")}
             FROM g WHERE k = 2 GROUP BY file""",
         f"""SELECT {out('totals', 'sum(rows)', 'sum(forward)', 'min(step)', 'max(step)', '(SELECT steps FROM s)')} {spots}""",
+        f"""SELECT {out('timeline', 'sum(rows) FILTER (WHERE gstep IS NOT NULL)', 'min(gstep)', 'max(gstep)',
+                        "sum(rows) FILTER (WHERE mode = 'eval')", "sum(rows) FILTER (WHERE mode = 'train')",
+                        h1='(SELECT osteps FROM s)')} {spots}""",
+        f"""SELECT {out('ostep', 'v')} FROM (SELECT DISTINCT {_OSTEP} AS v {spots} AND gstep IS NOT NULL)
+            WHERE (SELECT osteps FROM s) <= {step_cap}""",
         f"""SELECT {out('step', 'step')} FROM (SELECT DISTINCT step {spots})
             WHERE (SELECT steps FROM s) <= {step_cap}""",
         f"""SELECT {out('rank', 'rank')} FROM (SELECT DISTINCT rank {spots} AND rank IS NOT NULL)""",
         f"""SELECT {out('nonfinite', h1='min(nonfinite)')} {pairs}""",
+        f"""SELECT {out('eval', h1='min(eval_best)')} {pairs}""",
+        f"""SELECT {out('eval_nonfinite', h1='min(eval_nonfinite)')} {pairs}""",
         f"""SELECT {out('module_count', 'count(*)')} FROM {modules}""",
         f"""SELECT * FROM (SELECT {out('module', 'first_pos', h1='best', s1='module')} FROM {modules}
             ORDER BY best NULLS LAST, first_pos LIMIT {max_modules})""",
-        f"""SELECT * FROM (SELECT {out('sub', h1='sub', s1='module', s2='entry')}
+        f"""SELECT * FROM (SELECT {out('sub', 'sub_first', h1='sub', s1='module', s2='entry')}
             {pairs} AND sub IS NOT NULL ORDER BY sub LIMIT {max_keys})""",
         f"""SELECT {out('zero_count', 'count(*)')} {pairs} AND zero IS NOT NULL""",
         f"""SELECT * FROM (SELECT {out('zero', h1='zero', s1='module', s2='entry')}
@@ -174,7 +197,8 @@ def _query(count, max_modules, max_keys, step_cap):
     ]
     return (f"WITH {_rows(count)}, g AS MATERIALIZED ({_GROUPED}),\n"
             f"m AS MATERIALIZED (SELECT module, min(first_pos) AS first_pos, min(best) AS best {pairs} GROUP BY module),\n"
-            f"s AS MATERIALIZED (SELECT count(DISTINCT step) AS steps {spots})\n" + "\nUNION ALL\n".join(parts))
+            f"s AS MATERIALIZED (SELECT count(DISTINCT step) AS steps, count(DISTINCT {_OSTEP}) AS osteps {spots})\n"
+            + "\nUNION ALL\n".join(parts))
 
 
 def _connect():
@@ -241,7 +265,8 @@ def read_files(paths, summary, progress=None):
         if tables:
             _merge(summary, tables, details)
         if summary.keep_bins and files:
-            _cells(con, summary, paths, [row["index"] for row in files])
+            firsts = {(module, entry): first for module, entry, _, first in tables["sub"]} if tables else {}
+            _cells(con, summary, paths, [row["index"] for row in files], firsts)
     finally:
         con.close()
 
@@ -307,20 +332,24 @@ def _tables(results, summary):
     out["ranks"] = [values[0] for values in results.get("rank", ())]
     if not entries:
         return out
-    key = results["nonfinite"][0][5]
-    out["nonfinite"] = None if key is None else _split(key)
+    with_global_step, first_global, last_global, evals, trains, osteps = results["timeline"][0][:6]
+    out["timeline"] = (with_global_step or 0, first_global, last_global, evals or 0, trains or 0)
+    out["osteps"] = [values[0] for values in results["ostep"]] if "ostep" in results else (osteps or 0)
+    for what in ("nonfinite", "eval", "eval_nonfinite"):
+        key = results[what][0][5]
+        out[what] = None if key is None else _split(key)
+        if key is not None:
+            out["rows"].add(out[what][1])
     out["module_count"] = results["module_count"][0][0]
     out["modules"] = [(v[6], v[0], None if v[5] is None else _split(v[5])) for v in results.get("module", ())]
-    out["sub"] = [(v[6], v[7], _split(v[5])) for v in results.get("sub", ())]
+    out["sub"] = [(v[6], v[7], _split(v[5]), v[0]) for v in results.get("sub", ())]  # and its first subnormal
     out["zero_count"] = results["zero_count"][0][0]
     out["zero"] = [(v[6], v[7], _split(v[5])) for v in results.get("zero", ())]
-    if out["nonfinite"] is not None:
-        out["rows"].add(out["nonfinite"][1])
     for _, first_pos, best in out["modules"]:
         out["rows"].add(first_pos)  # its class where it first appears
         if best is not None:
             out["rows"].add(best[1])
-    for _, _, (_, pos) in out["sub"] + out["zero"]:
+    for _, _, (_, pos), *_ in out["sub"] + out["zero"]:
         out["rows"].add(pos)
     return out
 
@@ -341,13 +370,36 @@ def _merge(summary, tables, details):
         summary.steps.add_count(tables["steps"])
     for rank in tables["ranks"]:
         summary.add_rank(rank)
+    with_global_step, first_global, last_global, evals, trains = tables["timeline"]
+    summary.modes["eval"] += evals
+    summary.modes["train"] += trains
+    if with_global_step:
+        summary.global_steps += with_global_step
+        summary.add_global_steps(first_global, last_global)  # the timeline is the optimizer step's now
+        if isinstance(tables["osteps"], list):
+            for value in tables["osteps"]:
+                summary.opt_steps.add(value)
+        else:
+            summary.opt_steps.add_count(tables["osteps"])
+    if summary.unit == OPTIMIZER:
+        if with_global_step:
+            summary.add_x(first_global, last_global)
+    else:
+        summary.add_x(first_step, last_step)
 
-    if tables["nonfinite"] is not None:
-        _, pos = tables["nonfinite"]
+    for what in ("nonfinite", "eval_nonfinite"):
+        if tables[what] is not None:
+            _, pos = tables[what]
+            if pos in details:
+                record, path = details[pos]
+                rank = record.get("rank")
+                summary.add_nonfinite((record["step"], -1 if rank is None else rank, pos), record, path,
+                                      in_eval=what == "eval_nonfinite")
+    if tables["eval"] is not None:
+        bits, pos = tables["eval"]
         if pos in details:
-            record, path = details[pos]
-            rank = record.get("rank")
-            summary.add_nonfinite((record["step"], -1 if rank is None else rank, pos), record, path)
+            r = details[pos][0]
+            summary.add_eval_best(r["module"], r["class"], ((_double(bits), pos), _best_of(r)))
 
     summary.module_names.add_count(tables["module_count"])
     summary.modules_dropped += max(0, tables["module_count"] - summary.max_modules)
@@ -355,37 +407,70 @@ def _merge(summary, tables, details):
         first = details.get(first_pos)
         class_name = first[0]["class"] if first else None
         if best is not None and best[1] in details:
-            r = details[best[1]][0]
-            best = ((_double(best[0]), best[1]), (r["entry"], r["dtype"], r["step"], r["phase"], float(r["abs_max"])))
+            best = ((_double(best[0]), best[1]), _best_of(details[best[1]][0]))
         else:
             best = None
         summary.add_module(module, class_name, first_pos, best)
 
-    for module, entry, (_, pos) in tables["sub"]:
+    for module, entry, (_, pos), _ in tables["sub"]:
         if pos in details:
             r = details[pos][0]
             frac = r["subnormal_frac"]
-            summary.subnormal.offer((module, entry), (-frac, pos), (frac, r["step"], r["dtype"], r["numel"]))
+            summary.subnormal.offer((module, entry), (-frac, pos),
+                                    (frac, r["step"], r["dtype"], r["numel"], r.get("global_step"), r.get("mode")))
     summary.zero_keys.add_count(tables["zero_count"])
     for module, entry, (_, pos) in tables["zero"]:
         if pos in details:
             r = details[pos][0]
-            summary.all_zero.offer((module, entry), (-r["step"], pos), (r["step"], r["dtype"], r["numel"]))
+            summary.all_zero.offer((module, entry), (-r["step"], pos),
+                                   (r["step"], r["dtype"], r["numel"], r.get("global_step"), r.get("mode")))
 
 
-def _cells(con, summary, paths, indexes):
-    """The picture's bins of the modules it draws: their lowest headroom ratio per bin of
-    ``summary.width`` steps, and the bins with a nan/inf (a second scan: only ``--png`` needs it)."""
+def _best_of(r):
+    """A lowest-headroom record as the summary keeps it (``Summary.add_module``'s ``best``)."""
+    return (r["entry"], r["dtype"], r["step"], r["phase"], float(r["abs_max"]), r.get("global_step"), r.get("mode"))
+
+
+def _cells(con, summary, paths, indexes, firsts):
+    """The picture's bins (a second scan: only ``--png`` needs it), on the timeline of
+    ``summary.unit``: per drawn module, its lowest headroom ratio per train bin of
+    ``summary.width`` steps, whether a nan/inf was there, and what entries without headroom were
+    (all-zero floating point, integer); the bins where evaluation ran; and per (module, entry) of
+    the top underflow hot spots, from its first subnormal value (``firsts``: its position), the
+    largest subnormal and zero fractions per train bin. One scan, its rows taken up to three times
+    (k = 1, 2, 3), as the first query does."""
     modules = summary.plot_modules()
     if not modules:
         return
+    tracked = [key for key, _, _ in summary.subnormal.best(summary.underflow_rows) if key in firsts]
+    x = "gstep" if summary.unit == OPTIMIZER else "step"
     query = f"""
-        WITH {_rows(len(indexes))}
-        SELECT module, step // {summary.width} AS b, min(CASE WHEN nonfinite THEN 1.0 ELSE ratio END) AS ratio,
-            bool_or(nonfinite) AS bad
-        FROM e WHERE fast AND module IN (SELECT unnest($modules::VARCHAR[]))  -- a hash join, not a list scan per row
+        WITH {_rows(len(indexes))},
+        drawn AS (SELECT unnest($modules::VARCHAR[]) AS drawn_module),
+        tracked AS (SELECT unnest($pair_modules::VARCHAR[]) AS tracked_module,
+                           unnest($pair_entries::VARCHAR[]) AS tracked_entry, unnest($pair_firsts::BIGINT[]) AS since),
+        r AS (
+            SELECT e.*, {x} // {summary.width} AS b, coalesce(mode = 'eval', false) AS is_eval,
+                drawn_module IS NOT NULL AS is_drawn, since
+            FROM e LEFT JOIN drawn ON module = drawn_module  -- hash joins, not a list scanned per row
+                LEFT JOIN tracked ON module = tracked_module AND entry = tracked_entry
+            WHERE fast AND {x} IS NOT NULL
+        )
+        SELECT k, CASE WHEN k <> 2 THEN module END AS m, CASE WHEN k = 3 THEN entry END AS en, b,
+            min(CASE WHEN nonfinite THEN 1.0 ELSE ratio END) AS ratio, bool_or(nonfinite) AS bad,
+            bool_or(NOT nonfinite AND ratio IS NULL AND dtype_max IS NOT NULL) AS zero,
+            bool_or(NOT nonfinite AND dtype_max IS NULL) AS integer, max(sf) AS sub, max(zf) AS zeros
+        FROM r, (VALUES (1), (2), (3)) AS u(k)
+        WHERE (k = 1 AND is_drawn AND NOT is_eval) OR (k = 2 AND is_eval)
+            OR (k = 3 AND since IS NOT NULL AND NOT is_eval AND numel > 0 AND pos >= since)
         GROUP BY ALL"""
     params = _params([paths[i] for i in indexes], indexes)
-    params["modules"] = modules
-    for module, index, ratio, bad in con.execute(query, params).fetchall():
-        summary.add_cell(module, index, ratio, bad)
+    params.update(modules=modules, pair_modules=[m for m, _ in tracked], pair_entries=[e for _, e in tracked],
+                  pair_firsts=[firsts[key] for key in tracked])
+    for k, module, entry, index, ratio, bad, zero, integer, sub, zeros in con.execute(query, params).fetchall():
+        if k == 1:
+            summary.add_cell(module, index, ratio, bad, (ZERO if zero else 0) | (INTEGER if integer else 0))
+        elif k == 2:
+            summary.add_eval_bin(index)
+        else:
+            summary.add_underflow((module, entry), index, sub, zeros)

@@ -7,6 +7,10 @@ One JSON object per line, strict JSON (non-finite floats are the strings ``"nan"
 - one ``"entry"`` record per tensor entry of every frame (``entry_record``);
 - one ``"detection"`` record when a nan/inf is detected (``detection_record``).
 
+Entry and detection records end with ``"global_step"`` and ``"mode"`` (the trainer's optimizer
+step, "train" or "eval") when they are known, and leave them out when not (no bytes spent on nulls
+in a loop that never names its steps).
+
 The fields of each kind are defined once, in ``schema.py``, which the report's readers check every
 line against.
 
@@ -49,8 +53,8 @@ PHASES = schema.PHASES
 
 _NONFINITE = set(schema.NONFINITE)
 _META_KEYS = schema.KEYS["meta"]
-_ENTRY_KEYS = schema.KEYS["entry"]
-_DETECTION_KEYS = schema.KEYS["detection"]
+_ENTRY_KEYS = tuple(k for k in schema.KEYS["entry"] if k not in schema.WHEN_KNOWN)
+_DETECTION_KEYS = tuple(k for k in schema.KEYS["detection"] if k not in schema.WHEN_KNOWN)
 
 
 # -- records ------------------------------------------------------------------------------------
@@ -89,8 +93,18 @@ def meta_record(rank=None, world_size=None):
     )))
 
 
-def entry_record(step, phase, call, module, class_name, ctx, dtype, row, rank=None):
+def _when_known(record, global_step, mode):
+    if global_step is not None:
+        record["global_step"] = int(global_step)
+    if mode is not None:
+        record["mode"] = mode
+    return record
+
+
+def entry_record(step, phase, call, module, class_name, ctx, dtype, row, rank=None, global_step=None, mode=None):
     """One tensor entry's record from its raw statistics row (8 ints, ``stats.layout``).
+    ``step`` is the detector's batch number; ``global_step`` and ``mode`` the trainer's optimizer
+    step and "train"/"eval", written when known (not None).
 
     Integer dtypes keep their exact magnitudes (up to 2**64 - 1) as JSON integers; float, bool
     and complex magnitudes are floats (non-finite ones encoded as strings); an empty tensor has
@@ -104,28 +118,29 @@ def entry_record(step, phase, call, module, class_name, ctx, dtype, row, rank=No
         abs_min, abs_max = stats["abs_min"], stats["abs_max"]
     else:
         abs_min, abs_max = encode_float(stats["abs_min"]), encode_float(stats["abs_max"])
-    return dict(zip(_ENTRY_KEYS, (
+    return _when_known(dict(zip(_ENTRY_KEYS, (
         "entry", int(step), phase, int(call), module, class_name, ctx, dtype_name(dtype), numel,
         abs_min, abs_max, stats["nan"], stats["posinf"], stats["neginf"],
         stats["zero"] / numel if numel else 0.0, stats["subnormal"] / numel if numel else 0.0, rank,
-    )))
+    ))), global_step, mode)
 
 
-def frame_records(step, phase, call, frame, rank=None):
+def frame_records(step, phase, call, frame, rank=None, global_step=None, mode=None):
     """The entry records of one ``frames.Frame`` whose ``rows`` are host rows: one per tensor
     entry (``None``, non-tensor and unreadable entries have no statistics and no record)."""
     from .report import TENSOR  # no import cycle at module load
 
     return [
         entry_record(step, phase, call, frame.module_name, frame.class_name, ctx,
-                     frame.dtypes[payload], frame.rows[payload], rank)
+                     frame.dtypes[payload], frame.rows[payload], rank, global_step, mode)
         for kind, ctx, payload in frame.entries
         if kind == TENSOR
     ]
 
 
-def detection_record(step, phase, module, class_name, entries, rank=None):
-    return dict(zip(_DETECTION_KEYS, ("detection", int(step), phase, module, class_name, list(entries), rank)))
+def detection_record(step, phase, module, class_name, entries, rank=None, global_step=None, mode=None):
+    return _when_known(dict(zip(_DETECTION_KEYS, ("detection", int(step), phase, module, class_name, list(entries),
+                                                  rank))), global_step, mode)
 
 
 def _strict(value):

@@ -29,7 +29,8 @@ def record_run(path, steps=400, grow=1.04, shrink=0.96, seed=0):
     detector = DebugUnderflowOverflow(model, check="batch", on_detect="record", log=path)
     try:
         with torch.no_grad():
-            for _ in range(steps):
+            for step in range(steps):
+                detector.set_step(step, "train")  # a hand-written loop names its optimizer steps
                 model(ids)
                 if detector.detections:
                     break

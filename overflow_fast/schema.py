@@ -6,6 +6,11 @@ A log is JSON Lines: one JSON object per line, UTF-8. Three kinds of record, tol
 ``"record"``; keys are written in the order below; a reader ignores keys it does not know (a
 newer writer may add some). A field marked nullable may also be missing.
 
+``global_step`` and ``mode`` (entry and detection records: the trainer's optimizer step, and
+``"train"`` or ``"eval"``) are written only when the detector knows them (``set_step``); a log
+without them (an older writer, a loop that never names its steps) reads as before, and ``step``
+is always the detector's batch number (its count of the model's forwards).
+
 Field kinds:
 
 - ``int``: a JSON integer (not a boolean, not ``1.0``) in ``[lo, hi]``;
@@ -24,6 +29,8 @@ from collections import namedtuple
 
 VERSION = 1
 PHASES = ("forward", "backward")
+MODES = ("train", "eval")
+WHEN_KNOWN = ("global_step", "mode")  # written only when known: a record without them is as valid
 KINDS = ("meta", "entry", "detection")
 NONFINITE = ("nan", "inf", "-inf")
 
@@ -70,6 +77,8 @@ RECORDS = {
         _f("zero_frac", "frac"),
         _f("subnormal_frac", "frac"),
         _f("rank", "int", 0, RANK_MAX, nullable=True),
+        _f("global_step", "int", 0, STEP_MAX, nullable=True),
+        _f("mode", "str", nullable=True, choices=MODES),
     ),
     "detection": (
         _f("record", "str", choices=("detection",)),
@@ -79,6 +88,8 @@ RECORDS = {
         _f("class", "str"),
         _f("entries", "strlist", hi=MAX_ENTRIES),
         _f("rank", "int", 0, RANK_MAX, nullable=True),
+        _f("global_step", "int", 0, STEP_MAX, nullable=True),
+        _f("mode", "str", nullable=True, choices=MODES),
     ),
 }
 
@@ -276,6 +287,7 @@ def sql_columns():
 
 
 __all__ = [
-    "VERSION", "PHASES", "KINDS", "NONFINITE", "STEP_MAX", "RANK_MAX", "MAX_LINE_BYTES", "RECORDS", "KEYS",
+    "VERSION", "PHASES", "MODES", "WHEN_KNOWN", "KINDS", "NONFINITE", "STEP_MAX", "RANK_MAX", "MAX_LINE_BYTES",
+    "RECORDS", "KEYS",
     "DTYPE_MAX", "Field", "Malformed", "check", "dtype_max", "magnitude", "sql_check", "sql_columns", "sql_values",
 ]

@@ -110,6 +110,35 @@ def test_frame_records_cover_the_tensor_entries_of_a_frame():
     assert records[-1]["numel"] == 2
 
 
+def test_global_step_and_mode_are_written_when_known_and_left_out_when_not():
+    from overflow_fast import schema
+    from overflow_fast.recorder import detection_record, encode_line
+
+    linear = torch.nn.Linear(3, 2)
+    x = torch.ones(1, 3)
+    entries, tensors, dtypes = entries_of(forward_items(linear, (x,), linear(x)))
+    frame = Frame("fc", "Linear", entries, dtypes)
+    frame.rows = _rows(tensors)
+    old = frame_records(8, "forward", 0, frame, None)  # the positional signature as before
+    new = frame_records(8, "forward", 0, frame, None, global_step=3, mode="eval")
+    assert all("global_step" not in r and "mode" not in r for r in old)
+    assert all(r["global_step"] == 3 and r["mode"] == "eval" and r["step"] == 8 for r in new)
+    assert list(new[0]) == list(schema.KEYS["entry"])  # the schema's order, the new fields last
+    assert list(old[0]) == [k for k in schema.KEYS["entry"] if k not in schema.WHEN_KNOWN]
+    train = entry_record(8, "forward", 0, "fc", "Linear", "weight", "float32", frame.rows[0], 1, 2 ** 40, "train")
+    assert (train["rank"], train["global_step"], train["mode"]) == (1, 2 ** 40, "train")
+    only_mode = detection_record(8, "forward", "fc", "Linear", ["output"], None, mode="eval")
+    assert "global_step" not in only_mode and only_mode["mode"] == "eval"
+    detection = detection_record(8, "backward", "fc", "Linear", ["weight.grad"], 0, 3, "train")
+    assert list(detection) == list(schema.KEYS["detection"])
+    for record in old + new + [train, only_mode, detection]:
+        assert schema.check(json.loads(encode_line(record))) == record["record"]
+    with pytest.raises(schema.Malformed, match="mode"):
+        schema.check(dict(new[0], mode="training"))
+    with pytest.raises(schema.Malformed, match="global_step"):
+        schema.check(dict(new[0], global_step=2 ** 40 + 1))
+
+
 def test_log_every_must_be_positive():
     with pytest.raises(ValueError):
         Recorder(os.devnull, log_every=0)

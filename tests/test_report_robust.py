@@ -216,6 +216,10 @@ def test_the_writers_records_fit_the_schema(tmp_path):
     for dtype in (torch.float16, torch.int64, torch.bool, torch.complex64, torch.uint64):
         record = entry_record(0, "backward", 1, "m", "M", "weight.grad", dtype, [0] * 7 + [0])
         assert schema.check(json.loads(encode_line(record))) == "entry"
+        # the schema's order; global_step and mode are left out when unknown
+        assert list(record) == [k for k in schema.KEYS["entry"] if k not in schema.WHEN_KNOWN]
+        record = entry_record(0, "backward", 1, "m", "M", "weight.grad", dtype, [0] * 8, global_step=5, mode="train")
+        assert schema.check(json.loads(encode_line(record))) == "entry"
         assert list(record) == list(schema.KEYS["entry"])
 
 
@@ -259,11 +263,18 @@ def damaged_files(tmp_path):
         {"record": "meta", "version": 1}, {"record": "meta", "version": 0},
         detection_record(8, "forward", "h.1", "Block", ["output"] * 3, None),
         dict(detection_record(8, "forward", "h.1", "Block", ["output"], None), entries=["x"] * 5000)))
+    put("fields.jsonl", lines_of(  # the optimizer step and mode: valid, missing, null, and wrong
+        entry(global_step=3, mode="train"), entry(step=4), entry(step=5, global_step=None, mode=None),
+        entry(step=6, global_step=4, mode="eval", abs_max="inf", posinf=1), entry(step=7, mode="eval"),
+        entry(global_step=-1), entry(global_step=2 ** 40 + 1), entry(global_step=True), entry(global_step=1.0),
+        entry(global_step="3"), entry(mode="training"), entry(mode=1), entry(mode=["eval"]),
+        detection_record(6, "forward", "h.0", "Block", ["output"], None, 4, "eval"),
+        dict(detection_record(6, "forward", "h.0", "Block", ["output"]), mode="test")))
     return files
 
 
 @pytest.mark.parametrize("name", ["truncated.jsonl", "empty.jsonl", "blank.jsonl", "crlf.jsonl", "garbage.bin",
-                                  "mixed.jsonl", "nonfinite.jsonl", "unicode.jsonl", "shapes.jsonl"])
+                                  "mixed.jsonl", "nonfinite.jsonl", "unicode.jsonl", "shapes.jsonl", "fields.jsonl"])
 def test_damaged_files_never_crash_and_both_readers_agree(tmp_path, capsys, name):
     files = damaged_files(tmp_path)
     code, out, err = both(capsys, files[name])
@@ -284,6 +295,12 @@ def test_damaged_files_never_crash_and_both_readers_agree(tmp_path, capsys, name
         assert "first non-finite value: step 1, forward, module h.0 (Block), entry output [float16]: abs max -inf" in out
     if name == "shapes.jsonl":
         assert "records: 4 (2 tensor entries), malformed lines: 11" in out and "detection record: step 8" in out
+    if name == "fields.jsonl":
+        assert "records: 6 (5 tensor entries), malformed lines: 9" in out
+        assert "fields.jsonl:6 (global_step out of range)" in out and "fields.jsonl:8 (global_step is not" in out
+        assert "optimizer steps recorded: 2 (first 3, last 4): train at 1, eval at 1" in out
+        assert "modes: train (1 entries), eval (2 entries), unknown (2 entries)" in out
+        assert "first non-finite value: optimizer step 4 (eval, batch 6), forward" in out
 
 
 def test_all_damaged_files_at_once_agree(tmp_path, capsys):
@@ -291,7 +308,7 @@ def test_all_damaged_files_at_once_agree(tmp_path, capsys):
     paths = [files[name] for name in sorted(files)] + [tmp_path / "run.jsonl"]
     code, out, err = both(capsys, *paths)
     assert code == 0, err
-    assert "malformed lines skipped (first): garbage.bin:1 (" in out
+    assert "malformed lines skipped (first): fields.jsonl:6 (" in out  # files count in the order given
 
 
 @pytest.mark.skipif("duckdb" not in ENGINES, reason="DuckDB not installed (pip install overflow_fast[fast-report])")
@@ -310,7 +327,9 @@ def test_the_readers_fill_the_same_picture(tmp_path):
     plain, duck = summaries
     assert plain.width == duck.width > 1
     assert plain.plot_modules() == duck.plot_modules()
-    assert plain.cells == duck.cells and plain.bad_cells == duck.bad_cells
+    assert plain.cells == duck.cells and plain.bad_cells == duck.bad_cells and plain.quiet == duck.quiet
+    assert plain.eval_bins == duck.eval_bins == set() and plain.unit == duck.unit == "batch"
+    assert plain.underflow_curves() == duck.underflow_curves() and plain.underflow_curves()
     assert plain.first_nonfinite == duck.first_nonfinite
     assert plain.steps_per_column() == duck.steps_per_column()
 
