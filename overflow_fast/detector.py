@@ -577,7 +577,7 @@ class DebugUnderflowOverflow:
         batch = call.batch_before - 1 if phase == BACKWARD else call.batch_before
         self._save(frame, batch)
         if self._log is not None:
-            self._log.frame(frame, batch, self._step_of(batch), self.mode)
+            self._log.frame(frame, batch, self.global_step, self.mode)
         if call.trace_mode:
             # the reference's ring holds just this frame now, whatever max_frames_to_save says
             _print(str(frame))
@@ -625,7 +625,7 @@ class DebugUnderflowOverflow:
             detection["mode"] = self.mode
         self.detections.append(detection)
         if self._log is not None:
-            self._log.detection(detection, self._step_of(batch))
+            self._log.detection(detection)
         on_detect = self._policy.on_detect
         frames = [report.frame_data(f) for f in self.frames if not isinstance(f, str)]
         if on_detect == "raise" or (on_detect == "skip" and self._skips_in_a_row >= self.max_skips):

@@ -39,7 +39,7 @@ class StepLog:
             raise
         self._step = None
         self._call = 0
-        self._held = []  # (call, frame, batch, mode) of a step log_every skips, kept until the step ends
+        self._held = []  # (call, frame, batch, global_step, mode) of a step log_every skips, until it ends
 
     def _rank(self):
         where = distributed.world()
@@ -48,33 +48,36 @@ class StepLog:
     def wants(self, step):
         return step % self.log_every == 0
 
-    def frame(self, frame, batch, step, mode=None):
-        """A frame replayed with host rows, of ``batch`` (the detector's batch number), ``step``
-        and ``mode`` ("train", "eval" or None)."""
+    def frame(self, frame, batch, global_step=None, mode=None):
+        """A frame replayed with host rows, of ``batch`` (the detector's batch number), and of the
+        trainer's ``global_step`` and ``mode`` ("train" or "eval") where known."""
+        step = batch if global_step is None else global_step
         if step != self._step:
             self._step, self._call, self._held = step, 0, []
         call, self._call = self._call, self._call + 1
         if not self.wants(step):
-            self._held.append((call, frame, batch, mode))
+            self._held.append((call, frame, batch, global_step, mode))
             return
-        self._write(call, frame, batch, step, mode)
+        self._write(call, frame, batch, global_step, mode)
 
-    def _write(self, call, frame, batch, step, mode):
+    def _write(self, call, frame, batch, global_step, mode):
         if self.recorders:
-            records = frame_records(batch, frame.phase, call, frame, self._rank())
+            records = frame_records(batch, frame.phase, call, frame, self._rank(), global_step, mode)
             for recorder in self.recorders:
                 recorder.write(records)
         for dashboard in self.dashboards:
-            dashboard.frame(frame, step, mode)
+            dashboard.frame(frame, batch if global_step is None else global_step, mode)
 
-    def detection(self, detection, step):
+    def detection(self, detection):
         """Write the frames of the detecting step that ``log_every`` held back, the detection,
         and wait until all of it is on disk (the error comes next)."""
-        for call, frame, batch, mode in self._held if self._step == step else []:
-            self._write(call, frame, batch, step, mode)
+        global_step, mode = detection.get("global_step"), detection.get("mode")
+        step = detection["batch_number"] if global_step is None else global_step
+        for held in self._held if self._step == step else []:
+            self._write(*held)
         self._held = []
         record = detection_record(detection["batch_number"], detection["phase"], detection["module"],
-                                  detection["class"], detection["entries"], self._rank())
+                                  detection["class"], detection["entries"], self._rank(), global_step, mode)
         for recorder in self.recorders:
             recorder.write([record])
             recorder.flush()

@@ -136,3 +136,42 @@ def test_a_killed_process_leaves_every_line_up_to_the_detection(tmp_path):
     records = strict_lines(path)
     assert records[-1]["record"] == "detection" and records[-1]["step"] == 2
     assert sorted({r["step"] for r in records if r["record"] == "entry"}) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_records_carry_the_optimizer_step_and_mode_and_the_report_uses_them(check, tmp_path):
+    from overflow_fast import cli
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    path = tmp_path / "run.jsonl"
+    detector = watch(model, check=check, log=str(path), log_every=2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    batches = [torch.randn(3, 4) for _ in range(8)]
+    batches[6][0, 0] = float("nan")
+    error = None
+    for index, x in enumerate(batches):  # gradient accumulation 2: optimizer step = index // 2
+        detector.set_step(index // 2, "train")
+        try:
+            model(x).sum().backward()
+        except ValueError as caught:
+            error = caught
+            break
+        if index % 2:
+            optimizer.step()
+            optimizer.zero_grad()
+        if index == 3:  # an evaluation at step 2
+            detector.set_step(2, "eval")
+            with torch.no_grad():
+                model(torch.randn(3, 4))
+    detector.remove()
+    assert error.global_step == 3 and error.mode == "train"
+    records = strict_lines(path)
+    entries = [r for r in records if r["record"] == "entry"]
+    assert {(r["global_step"], r["mode"]) for r in entries} == {(0, "train"), (2, "train"), (2, "eval"), (3, "train")}
+    [detection] = [r for r in records if r["record"] == "detection"]
+    assert (detection["global_step"], detection["mode"], detection["step"]) == (3, "train", 7)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert cli.main(["report", str(path)]) == 0
+    assert "optimizer step 3 (train" in out.getvalue()
