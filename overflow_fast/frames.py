@@ -78,7 +78,8 @@ def own_parameters(module):
     them; without the generator machinery when the module does not override it (it runs per hook)."""
     if type(module).named_parameters is _named_parameters:
         pairs = [(p, name) for name, p in module._parameters.items() if p is not None]
-        if len(pairs) < 2 or len({id(p) for p, _ in pairs}) == len(pairs):
+        count = len(pairs)
+        if count < 2 or (pairs[0][0] is not pairs[1][0] if count == 2 else len({id(p) for p, _ in pairs}) == count):
             return pairs
     # overridden, or one tensor under two names (the first wins)
     return [(p, name) for name, p in module.named_parameters(recurse=False)]

@@ -160,7 +160,8 @@ class Reads:
             rows, reasons = result
             out.copy_(torch.tensor(rows, dtype=torch.int64))
             self._marks.update(((key, first + index), reason) for index, reason in reasons.items())
-        self._marks.update(((key, row), CHANGED_AFTER_HOOK) for row in changed)
+        if changed:
+            self._marks.update(((key, row), CHANGED_AFTER_HOOK) for row in changed)
         infos = _shard_infos(tensors)
         if infos is not None:
             shards = self._shards.setdefault(key, {})
@@ -221,8 +222,14 @@ def _shard_infos(tensors):
     """Per tensor, what combining the rows of a DTensor's shards (or a ZeRO-3 parameter's
     partitions) across ranks needs (None for other tensors), or None when there is no such tensor
     (the common case: one type check per tensor)."""
-    zero3 = "deepspeed" in sys.modules  # a released ZeRO-3 parameter is a plain, empty tensor
-    if all(type(t) in PLAIN_TYPES and not (zero3 and is_zero3_released(t)) for t in tensors):
-        return None
+    if "deepspeed" in sys.modules:  # a released ZeRO-3 parameter is a plain, empty tensor
+        if all(type(t) in PLAIN_TYPES and not is_zero3_released(t) for t in tensors):
+            return None
+    else:
+        for tensor in tensors:
+            if type(tensor) not in PLAIN_TYPES:
+                break
+        else:
+            return None
     infos = [distributed.shard_info(t) for t in tensors]
     return infos if any(info is not None for info in infos) else None

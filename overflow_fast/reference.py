@@ -16,6 +16,7 @@ from .frames import FORWARD
 # One hook call as the reference's counters saw it when it ran.
 Call = collections.namedtuple("Call", ("trace_mode", "first_call", "last_frame_of_batch", "batch_before",
                                        "batch_after", "total_calls"))
+_call = Call._make  # without namedtuple's Python-level __new__ (it runs at every hook)
 
 
 class ReferenceState:
@@ -35,13 +36,13 @@ class ReferenceState:
         self.total_calls += 1
         if last_frame_of_batch:
             self.batch_number += 1
-        return Call(trace_mode, self.total_calls == 1, last_frame_of_batch, batch_before, self.batch_number,
-                    self.total_calls)
+        return _call((trace_mode, self.total_calls == 1, last_frame_of_batch, batch_before, self.batch_number,
+                      self.total_calls))
 
     def count_backward(self):
         """A gradient frame's call: it belongs to the batch whose forward ran last and moves no counter."""
         batch = self.batch_number
-        return Call((batch - 1) in self.trace_batch_nums, False, False, batch, batch, self.total_calls)
+        return _call(((batch - 1) in self.trace_batch_nums, False, False, batch, batch, self.total_calls))
 
     def rewind(self, call):
         """The counters as they were right after ``call`` (the calls after it are not replayed)."""
