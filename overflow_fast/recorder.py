@@ -364,14 +364,17 @@ class Recorder:
             self._thread.join(timeout=5)
         with self._io_lock:
             self._drain(notify=False)
-            fd, self._fd = self._fd, None
-            if fd is not None:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
+            self._close_fd()
         with _live_lock:
             _live.discard(self)
+
+    def _close_fd(self):
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
     def __enter__(self):
         return self
@@ -534,12 +537,7 @@ def _after_fork_in_child():
     # lock goes when the parent closes its recorder, not when the last worker exits (only in the
     # instant before a new child runs this does it still hold it).
     for recorder in list(_live):
-        fd, recorder._fd = recorder._fd, None
-        if fd is not None:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        recorder._close_fd()
 
 
 if hasattr(os, "register_at_fork"):

@@ -21,6 +21,7 @@ from oracle import AMD_FLOAT8, FLOAT8, assert_stats_equal, float8_value, referen
 from overflow_fast import DebugUnderflowOverflow, tensor_stats
 from overflow_fast.stats import cpu_backend, kinds, torch_backend
 from overflow_fast.stats.layout import SMALLEST_NORMAL, decode_row
+from test_tensor_kinds import Returns
 
 NAN_BYTE = {torch.float8_e4m3fnuz: 0x80, torch.float8_e5m2fnuz: 0x80, torch.float8_e8m0fnu: 0xFF}
 
@@ -98,13 +99,6 @@ def test_nan_count_of_a_nan_byte(dtype):
     assert row == {**reference_stats(x), "abs_min": row["abs_min"], "abs_max": row["abs_max"]}
 
 
-class Returns(nn.Module):
-    def __init__(self, value):
-        super().__init__()
-        self.value = value
-
-    def forward(self, x):
-        return self.value
 
 
 @pytest.mark.parametrize("check", ["module", "batch"])
