@@ -19,7 +19,6 @@ The bookkeeping (rows, reuse, what waits) is the C++ ``HookCore`` (csrc/hooks.cp
 extension every hook reads its tensors at once into host rows, and nothing is reused.
 """
 
-import ctypes
 import os
 import sys
 import warnings
@@ -67,7 +66,8 @@ class Reads:
                       if module is not None else None)
         self._full = module.HOOK_FULL if module is not None else None
         self._buffers = {}  # device key -> [capacity, 8] int64 rows on that device
-        self._host = {}  # device key -> the rows read, a flat int64 memoryview
+        self._host = {}  # device key -> (host rows [capacity, 8], the same memory as a flat int64 memoryview)
+        self._read_rows = {}  # device key -> rows brought to the host since the last reset
         self._marks = {}  # (device key, row) -> why that row's tensor could not be read
         self._shards = {}  # device key -> {row: ShardInfo} of DTensor and ZeRO-3 rows
         self._bad_shards = {}  # (device key, row) -> ranks whose shard holds the nan/inf
@@ -100,16 +100,22 @@ class Reads:
             self._launch(key, first, to_read, changed)
         nonfinite = self._apart_nonfinite
         for key, buffer in self._buffers.items():
+            # only the rows added since the last read: check="module" reads at every hook
+            start = self._read_rows.get(key, 0)
             used = core.used(key)
-            rows = buffer[:used]
+            if used <= start:
+                continue
+            rows = buffer[start:used]
             shards = self._shards.get(key)
             if shards:
                 bad = {}
-                rows = distributed.global_rows(rows, [shards.get(row) for row in range(used)], bad_shards=bad)
-                self._bad_shards.update(((key, row), ranks) for row, ranks in bad.items())
-            host = rows.cpu()
-            values = self._host[key] = memoryview(ctypes.string_at(host.data_ptr(), used * NUM_COLUMNS * 8)).cast("q")
-            nonfinite = nonfinite or any(any(values[column::NUM_COLUMNS]) for column in (NAN, POSINF, NEGINF))
+                rows = distributed.global_rows(rows, [shards.get(row) for row in range(start, used)], bad_shards=bad)
+                self._bad_shards.update(((key, start + row), ranks) for row, ranks in bad.items())
+            host, values = self._host_rows(key)
+            host[start:used].copy_(rows.cpu())  # the host read: waits for the device's work
+            self._read_rows[key] = used
+            nonfinite = nonfinite or any(any(values[column + start * NUM_COLUMNS:used * NUM_COLUMNS:NUM_COLUMNS])
+                                         for column in (NAN, POSINF, NEGINF))
         return nonfinite
 
     def resolve(self, frame, sources):
@@ -124,7 +130,7 @@ class Reads:
                 if ranks is not None:
                     frame.mark_bad_shards(index, ranks)
             return
-        values = self._host[key]
+        values = self._host[key][1]
         frame.rows = [values[row * NUM_COLUMNS:(row + 1) * NUM_COLUMNS].tolist() for row in rows]
         if self._marks or self._bad_shards:
             for index, row in enumerate(rows):
@@ -137,7 +143,7 @@ class Reads:
         """Every row is free again; nothing is reused or held."""
         if self._core is not None:
             self._core.reset()
-        self._host.clear()
+        self._read_rows.clear()
         self._marks.clear()
         self._shards.clear()
         self._bad_shards.clear()
@@ -151,6 +157,14 @@ class Reads:
             buffer = self._buffers[key] = torch.empty((self.capacity, NUM_COLUMNS), dtype=torch.int64,
                                                       device=self._core.device(key))
         return buffer
+
+    def _host_rows(self, key):
+        host = self._host.get(key)
+        if host is None:
+            memory = bytearray(self.capacity * NUM_COLUMNS * 8)
+            host = self._host[key] = (torch.frombuffer(memory, dtype=torch.int64).view(self.capacity, NUM_COLUMNS),
+                                      memoryview(memory).cast("q"))
+        return host
 
     def _launch(self, key, first, tensors, changed):
         """Enqueue the statistics of ``tensors`` into rows [first, first + len) of a device's buffer."""
