@@ -90,7 +90,8 @@ class Reads:
         return key, rows, None
 
     def read(self):
-        """Bring every buffer's rows to the host (one copy per device, which waits for its work);
+        """Bring every buffer's rows to the host (one copy per device, which waits for its work; CPU
+        rows are written in host memory);
         DTensor and ZeRO-3 rows are combined across ranks (one collective). True when a row
         counts a nan or an inf."""
         core = self._core
@@ -105,14 +106,16 @@ class Reads:
             used = core.used(key)
             if used <= start:
                 continue
-            rows = buffer[start:used]
-            shards = self._shards.get(key)
-            if shards:
-                bad = {}
-                rows = distributed.global_rows(rows, [shards.get(row) for row in range(start, used)], bad_shards=bad)
-                self._bad_shards.update(((key, start + row), ranks) for row, ranks in bad.items())
             host, values = self._host_rows(key)
-            host[start:used].copy_(rows.cpu())  # the host read: waits for the device's work
+            shards = self._shards.get(key)
+            if buffer is not host or shards:
+                rows = buffer[start:used]
+                if shards:
+                    bad = {}
+                    rows = distributed.global_rows(rows, [shards.get(row) for row in range(start, used)],
+                                                   bad_shards=bad)
+                    self._bad_shards.update(((key, start + row), ranks) for row, ranks in bad.items())
+                host[start:used].copy_(rows.cpu())  # the host read: waits for the device's work
             self._read_rows[key] = used
             nonfinite = nonfinite or any(any(values[column + start * NUM_COLUMNS:used * NUM_COLUMNS:NUM_COLUMNS])
                                          for column in (NAN, POSINF, NEGINF))
@@ -154,8 +157,12 @@ class Reads:
     def _buffer(self, key):
         buffer = self._buffers.get(key)
         if buffer is None:
-            buffer = self._buffers[key] = torch.empty((self.capacity, NUM_COLUMNS), dtype=torch.int64,
-                                                      device=self._core.device(key))
+            device = self._core.device(key)
+            if device.type == "cpu" and not CPU_AS_DEVICE:  # the kernel writes the host rows themselves
+                buffer = self._host_rows(key)[0]
+            else:
+                buffer = torch.empty((self.capacity, NUM_COLUMNS), dtype=torch.int64, device=device)
+            self._buffers[key] = buffer
         return buffer
 
     def _host_rows(self, key):

@@ -232,6 +232,7 @@ def _plain_stats(tensors, requested, out):
         return _plain_cpu_stats(module, words, tensors, out, zero3)
     out_storage = None
     if out is not None:
+        _check_out_shape(out, len(tensors))  # the kernels write into it unchecked
         if out.device != device:
             return None
         out_storage = _storage_bytes(out)
@@ -251,6 +252,8 @@ def _plain_cpu_stats(module, dtypes, tensors, out, zero3):
     (a plain strided CPU tensor of its dtypes, memory it owns, ``out`` apart from them) before it
     writes anything. A hook's few tensors took 7 us more through the general path than the
     kernel's whole call. None when a tensor is not such a tensor: the general path then runs."""
+    if out is not None and type(out) not in PLAIN_TYPES:
+        return None  # the general path says why
     seen = []
     for tensor in tensors:
         if type(tensor) not in PLAIN_TYPES:
@@ -319,8 +322,6 @@ def tensor_stats(tensors, backend=None, *, out=None) -> StatsBatch:
             f"tensor_stats expects a list or tuple of tensors, got {type(tensors).__name__}"
             + (" (wrap a single tensor in a list)" if isinstance(tensors, torch.Tensor) else "")
         )
-    if out is not None:
-        _check_out_shape(out, len(tensors))
     requested, origin = requested_backend(backend)
     if tensors:  # the detector's common call: plain tensors on one GPU, checked in one C++ loop
         batch = _plain_stats(tensors, requested, out)
