@@ -16,9 +16,7 @@ import os
 import sys
 import time
 
-from .logsummary import (  # noqa: F401  (the names this module had before they moved)
-    MAX_COLUMNS, TOP, BadFile, Summary, check_readable, read_files, summary_text, unique_paths,
-)
+from .logsummary import BadFile, Summary, check_readable, read_files, summary_text, unique_paths
 
 PROGRESS_BYTES = 32 << 20  # files above this show progress (on a terminal)
 

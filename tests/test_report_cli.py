@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from overflow_fast import cli
+from overflow_fast import cli, logsummary
 from overflow_fast.logsummary import headroom
 from overflow_fast.recorder import Recorder, detection_record, entry_record
 from test_recorder import child_env
@@ -140,7 +140,7 @@ def test_progress_on_request(tmp_path, capsys):
 
 
 def test_step_bins_stay_bounded():
-    summary = cli.Summary(max_columns=50)
+    summary = logsummary.Summary(max_columns=50)
     line = {"record": "entry", "phase": "forward", "call": 0, "module": "m", "class": "Linear",
             "entry": "output", "dtype": "float16", "numel": 4, "abs_min": 0.5, "nan": 0, "posinf": 0,
             "neginf": 0, "zero_frac": 0.0, "subnormal_frac": 0.0, "rank": None}
