@@ -31,6 +31,7 @@ def test_last_line_format_regex():
     assert not LAST_LINE.match("host us/hook: 336.5; launches/forward: 208; uploads/forward: 102")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="the host-path benchmark needs triton")
 def test_bench_host_path_quick_last_line(tmp_path):
     out = tmp_path / "host.csv"
@@ -46,6 +47,7 @@ def test_bench_host_path_quick_last_line(tmp_path):
     assert rows and all(r["benchmark"] == "host_path" for r in rows)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="the hook breakdown needs triton")
 def test_bench_hook_breakdown_prints_its_table():
     result = _run([os.path.join(BENCH, "bench_hook_breakdown.py"), "--layers", "1", "--batch", "1", "--seq", "8",
@@ -57,6 +59,7 @@ def test_bench_hook_breakdown_prints_its_table():
     assert re.search(r"^floor hook -?\d+\.\d+; detector ", result.stdout, re.M)
 
 
+@pytest.mark.slow
 def test_bench_all_csv_columns(tmp_path):
     # one benchmark is enough to check the table's columns (bench_compile alone takes ~20 s; its
     # graph breaks are tests/test_compile.py's)
@@ -73,6 +76,7 @@ def test_bench_all_csv_columns(tmp_path):
     assert all(r["cpu_model"] and r["threads"] and r["torch"] and r["date"] for r in rows)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="the benchmark needs triton")
 def test_bench_triton_host_smoke():
     result = _run([os.path.join(BENCH, "bench_triton_host.py"), "--counts", "1,8", "--calls", "3", "--rounds", "1"])

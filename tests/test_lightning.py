@@ -147,6 +147,7 @@ _DDP = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("check", ["batch"])
 def test_ddp_on_two_cpu_processes_stops_every_rank_at_the_step(check, tmp_path):
     script = tmp_path / "ddp_fit.py"

@@ -395,6 +395,7 @@ def test_gpu_check_budget_skips_phases():
         assert rows[measure][0] == "skipped (budget)", out.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(tb.triton is None, reason="triton is not installed")
 def test_gpu_check_dry_run_and_mismatch_exit():
     """benchmarks/gpu_check.py runs without a GPU (--dry-run) and exits 1 on a wrong result."""
