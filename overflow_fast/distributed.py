@@ -62,13 +62,14 @@ counts describe the terms, not their sum (finite terms whose sum overflows are n
 import contextlib
 import datetime
 import hashlib
+import struct
 import threading
 import time
 
 import torch
 
 from .stats.kinds import is_zero3_released
-from .stats.layout import NAN, NEGINF, NUM_COLUMNS, POSINF, is_integer_dtype, merge_rows_tensor
+from .stats.layout import NAN, NEGINF, NUM_COLUMNS, POSINF, host_bytes, is_integer_dtype, merge_rows_tensor
 
 _local = threading.local()
 
@@ -316,7 +317,7 @@ class Agreement:
         self._process_group = dist.ProcessGroupGloo(dist.PrefixStore("group/", self._store), self._index,
                                                     len(self.ranks), 2 * self._wait)
         rows = torch.zeros((len(self.ranks), 4), dtype=torch.int64)
-        self._rows = (rows, rows.numpy())
+        self._rows = (rows, host_bytes(rows))
 
     # -- creation ------------------------------------------------------------------------------
 
@@ -376,18 +377,20 @@ class Agreement:
 
     def _agree(self, detected, seq):
         # each rank's row: its sequence number, flag, start (wall clock, ms) and timeout (ms),
-        # written through numpy (a torch op per field costs more than the collective's own work);
-        # one buffer for every call: a call whose collective could still write it breaks the object
-        rows, values = self._rows
-        values.fill(0)
-        values[self._index] = (seq, detected, time.time_ns() // 1_000_000, self._wait.total_seconds() * 1000)
+        # written through a view of its bytes (a torch op per field costs more than the collective's
+        # own work); one buffer for every call: a call whose collective could still write it breaks
+        # the object
+        rows, view = self._rows
+        view[:] = bytes(len(view))
+        struct.pack_into("4q", view, self._index * 32, seq, int(detected), time.time_ns() // 1_000_000,
+                         int(self._wait.total_seconds() * 1000))
         started = time.monotonic()
         work = self._process_group.allreduce([rows])
         try:
             work.wait(self._wait)
         except Exception as error:  # a timeout, or gloo's error (a peer died)
             self._give_up(work, seq, started, error)
-        seqs, flags, starts, waits = values.T.tolist()
+        seqs, flags, starts, waits = zip(*rows.tolist())
         if len(set(seqs)) > 1:
             by_seq = {}
             for rank, number in zip(self.ranks, seqs):

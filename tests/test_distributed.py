@@ -9,7 +9,7 @@ import torch
 
 from oracle import ALL_DTYPES, random_bits, reference_stats, same_stats, special_values
 from overflow_fast import tensor_stats
-from overflow_fast.stats.layout import decode_row, is_integer_dtype, merge_rows, merge_rows_tensor
+from overflow_fast.stats.layout import decode_row, host_bytes, is_integer_dtype, merge_rows, merge_rows_tensor
 
 # -- merge_rows: exact, every dtype, special values, empty shards --------------------------------
 
@@ -203,7 +203,7 @@ def _two_rank_agreement(group):
     agreement._store = dist.HashStore()
     agreement._process_group = group
     rows = torch.zeros((2, 4), dtype=torch.int64)
-    agreement._rows = (rows, rows.numpy())
+    agreement._rows = (rows, host_bytes(rows))
     return agreement
 
 

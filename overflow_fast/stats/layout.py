@@ -9,12 +9,20 @@ unsigned 64-bit integer stored in int64 bits (|-2**63| = 2**63 does not fit int6
 uint64). For an empty tensor both hold 0 and the decoded value is ``None``.
 """
 
+import ctypes
 import struct
 
 import torch
 
 ABS_MIN, ABS_MAX, NAN, POSINF, NEGINF, ZERO, SUBNORMAL, NUMEL = range(8)
 NUM_COLUMNS = 8
+
+def host_bytes(tensor):
+    """A writable memoryview of the bytes of a contiguous CPU tensor (for ``struct.pack_into``),
+    without numpy, which torch does not depend on. The tensor must outlive the view."""
+    array = (ctypes.c_ubyte * (tensor.numel() * tensor.element_size())).from_address(tensor.data_ptr())
+    return memoryview(array).cast("B")
+
 
 FIELDS = ("abs_min", "abs_max", "nan", "posinf", "neginf", "zero", "subnormal", "numel")
 

@@ -73,7 +73,7 @@ import torch
 
 from . import cpu_backend
 from .kinds import PLAIN_TYPES
-from .layout import NUM_COLUMNS
+from .layout import NUM_COLUMNS, host_bytes
 
 NAME = "triton"
 
@@ -546,7 +546,7 @@ class _PinnedStaging:
         # the allocator and event factory are parameters only so that tests run without a GPU
         self._pinned_empty = pinned_empty or (lambda n: torch.empty(n, dtype=torch.int64, pin_memory=True))
         self._event = event or torch.cuda.Event
-        self.buffers = collections.deque()  # [pinned int64 tensor, its numpy view, event], oldest use first
+        self.buffers = collections.deque()  # [pinned int64 tensor, a view of its bytes, event], oldest use first
 
     def take(self, n):
         """A pinned buffer of at least ``n`` int64 that no pending copy reads, now the newest."""
@@ -559,7 +559,7 @@ class _PinnedStaging:
             entry[2].synchronize()
         if entry is None or entry[0].numel() < n:
             pinned = self._pinned_empty(max(n, self.MIN_INTS, entry[0].numel() * 2 if entry else 0))
-            entry = [pinned, pinned.numpy(), self._event()]
+            entry = [pinned, host_bytes(pinned), self._event()]
         buffers.append(entry)
         return entry
 
@@ -592,7 +592,7 @@ def _buffer(table, num_chunks, device):
     n = len(table)
     buffer = torch.empty(n + num_chunks * NUM_COLUMNS, dtype=torch.int64, device=device)
     if device.type == "cpu":  # the interpreter reads host memory: write the table in place
-        struct.pack_into(f"{n}q", buffer.numpy(), 0, *table)
+        struct.pack_into(f"{n}q", host_bytes(buffer), 0, *table)
     else:
         _staging(device).upload(table, buffer)
     return buffer
