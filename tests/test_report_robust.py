@@ -378,3 +378,36 @@ def test_a_duckdb_failure_falls_back_to_the_plain_reader(tmp_path, capsys, monke
     assert code == 0 and out == expected and "reading with plain Python" in err
     code, out, err = report(capsys, "duckdb", path)
     assert code == 1 and "DuckDB could not read the logs" in err and "Traceback" not in err
+
+
+@pytest.mark.skipif("duckdb" not in ENGINES, reason="DuckDB not installed (pip install overflow_fast[fast-report])")
+def test_duckdb_out_of_memory_scans_again_on_one_thread(tmp_path, capsys, monkeypatch):
+    from overflow_fast import logsummary_duckdb
+
+    path = write_run(tmp_path / "run.jsonl", steps=3)
+    expected = report(capsys, "python", path)[1]
+    connect, aggregate = logsummary_duckdb._connect, logsummary_duckdb._aggregate
+    threads = []
+
+    def two_threads():
+        con = connect()
+        con.execute("SET threads = 2")
+        return con
+
+    def short_of_memory(con, *args):
+        threads.append(con.execute("SELECT current_setting('threads')").fetchone()[0])
+        if threads[-1] > 1:
+            raise logsummary_duckdb.duckdb.OutOfMemoryException("failed to allocate data of size 32.0 MiB")
+        return aggregate(con, *args)
+
+    def whole_file_read(*args, **kwargs):
+        raise AssertionError("the plain reader read a whole file")
+
+    monkeypatch.setattr(logsummary_duckdb, "_connect", two_threads)
+    monkeypatch.setattr(logsummary_duckdb, "_aggregate", short_of_memory)
+    real_read_file = logsummary_duckdb.read_file
+    monkeypatch.setattr(logsummary_duckdb, "read_file",
+                        lambda *a, wanted=None, **k: real_read_file(*a, wanted=wanted, **k) if wanted is not None
+                        else whole_file_read())
+    code, out, err = report(capsys, "duckdb", path)
+    assert (code, out, err) == (0, expected, "") and threads == [2, 1]
