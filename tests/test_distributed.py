@@ -479,6 +479,6 @@ def _agreement_worker(rank, world):
     assert distributed.agree(False, timeout=20) == []
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_agreement_has_its_own_group_and_numbered_calls(world):
     run_ranks(_agreement_worker, world, world=world, timeout=90)

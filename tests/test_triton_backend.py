@@ -166,7 +166,7 @@ def test_mixed_dtypes_in_one_call():
 
 
 @needs_backend
-@pytest.mark.parametrize("count", [1, 2, 3, 5, 17, 70])
+@pytest.mark.parametrize("count", [1, 2, 3, 5, 17, pytest.param(70, marks=pytest.mark.slow)])
 def test_many_tensors_one_table(count):
     """Tensors of every dtype, sizes from empty to several chunks, aligned and not, empty ones
     first, last and in runs: the binary search over the chunk prefix sums finds every chunk's
