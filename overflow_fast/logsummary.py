@@ -760,7 +760,14 @@ def read_file(path, file_index, summary, progress=None, wanted=None, visit=None,
                 if next_wanted >= len(wanted):
                     return
                 lines = chunk.count(b"\n") + (not chunk.endswith(b"\n"))
-                if wanted[next_wanted] > ordinal + lines and (blank_free or not _may_have_blank(chunk)):
+                if blank_free or not _may_have_blank(chunk):  # the chunk's k-th line is ordinal + k
+                    if wanted[next_wanted] <= ordinal + lines:
+                        parts = chunk.split(b"\n")
+                        while next_wanted < len(wanted) and wanted[next_wanted] <= ordinal + lines:
+                            index = wanted[next_wanted] - ordinal - 1
+                            next_wanted += 1
+                            if index >= 0:  # (an ordinal not above the lines already read names none)
+                                visit(number + index + 1, ordinal + index + 1, parts[index])
                     number += lines
                     ordinal += lines
                     continue
