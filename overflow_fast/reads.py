@@ -30,7 +30,7 @@ from .frames import FORWARD
 from .stats import tensor_stats
 from .stats.cpu_backend import extension
 from .stats.kinds import PLAIN_TYPES, is_zero3_released, short_reason
-from .stats.layout import NAN, NEGINF, NUM_COLUMNS, POSINF
+from .stats.layout import NAN, NEGINF, NUM_COLUMNS, POSINF, host_bytes
 
 # CPU tensors count as an accelerator's for every decision that depends on the device (deferral):
 # the accelerators' path, testable without one.
@@ -90,10 +90,9 @@ class Reads:
         return key, rows, None
 
     def read(self):
-        """Bring every buffer's rows to the host (one copy per device, which waits for its work; CPU
-        rows are written in host memory);
-        DTensor and ZeRO-3 rows are combined across ranks (one collective). True when a row
-        counts a nan or an inf."""
+        """Bring the rows added since the last read to the host (one copy per device, which waits
+        for its work; CPU rows are written in host memory already); DTensor and ZeRO-3 rows are
+        combined across ranks (one collective). True when a row counts a nan or an inf."""
         core = self._core
         if core is None:
             return self._apart_nonfinite
@@ -168,9 +167,8 @@ class Reads:
     def _host_rows(self, key):
         host = self._host.get(key)
         if host is None:
-            memory = bytearray(self.capacity * NUM_COLUMNS * 8)
-            host = self._host[key] = (torch.frombuffer(memory, dtype=torch.int64).view(self.capacity, NUM_COLUMNS),
-                                      memoryview(memory).cast("q"))
+            rows = torch.empty((self.capacity, NUM_COLUMNS), dtype=torch.int64)
+            host = self._host[key] = (rows, host_bytes(rows).cast("q"))
         return host
 
     def _launch(self, key, first, tensors, changed):

@@ -17,9 +17,11 @@ import torch
 ABS_MIN, ABS_MAX, NAN, POSINF, NEGINF, ZERO, SUBNORMAL, NUMEL = range(8)
 NUM_COLUMNS = 8
 
+
 def host_bytes(tensor):
-    """A writable memoryview of the bytes of a contiguous CPU tensor (for ``struct.pack_into``),
-    without numpy, which torch does not depend on. The tensor must outlive the view."""
+    """A writable memoryview of the bytes of a contiguous CPU tensor (``struct.pack_into``,
+    ``.cast("q")``), without numpy, which torch does not depend on. The tensor must outlive the
+    view."""
     array = (ctypes.c_ubyte * (tensor.numel() * tensor.element_size())).from_address(tensor.data_ptr())
     return memoryview(array).cast("B")
 
