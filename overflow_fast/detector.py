@@ -293,7 +293,7 @@ class DebugUnderflowOverflow:
         # A module shared by two parents is visited twice and so hooked twice, like the reference.
         # Pre hooks count the hooked calls running (a pass ends when the outermost returns); the
         # hooks run even when the call raises (always_call), to end its pass. The model's own is
-        # kept out of a torch.compile graph: its eager run replays the traced calls (one break).
+        # kept out of a torch.compile graph: its eager run replays the traced calls.
         if module is self.model:
             after = self._after_model_with_kwargs if self.kwargs else self._after_model
         else:
@@ -548,7 +548,7 @@ class DebugUnderflowOverflow:
     def _add(self, call, module, entries, dtypes, tensors, phase, consumers=None):
         """Read a call's tensors (or let them wait, see ``reads``) and queue the call; decide now
         with check="module", in a traced batch and after a detection."""
-        now = self.check == "module" or call.trace_mode or self.detected_overflow
+        now = self._decides_now(call)
         if not tensors:
             sources = _NO_ROWS
         else:
@@ -561,6 +561,10 @@ class DebugUnderflowOverflow:
         self._queue.append((call, module, entries, dtypes, sources, phase, consumers))
         if now or len(self._queue) >= self._buffer_rows:
             self.flush()
+
+    def _decides_now(self, call):
+        """Whether a call is decided at once: with check="module", in a traced batch, after a detection."""
+        return self.check == "module" or call.trace_mode or self.detected_overflow
 
     def _frame(self, module, entries, dtypes, phase, consumers, sources):
         frame = Frame(self.module_names.get(module, "?"), class_name(module), entries, dtypes, phase, consumers)
@@ -685,7 +689,7 @@ class DebugUnderflowOverflow:
             sources = self._reads.host([next(host[rows.device]) for _ in dtypes]) if rows is not None else _NO_ROWS
             call = self._state.count(module is self.model)
             self._queue.append((call, module, entries, dtypes, sources, FORWARD, None))
-            if self.check == "module" or call.trace_mode or self.detected_overflow:
+            if self._decides_now(call):
                 self.flush()
 
 
