@@ -116,6 +116,13 @@ def read_chunks(handle, limit=schema.MAX_LINE_BYTES, size=BLOCK):
                 carry, carry_len, skipping = [], 0, True
 
 
+def _widen(span_first, span_last, first, last):
+    """The span [span_first, span_last] (None: nothing yet) widened to hold [first, last]."""
+    if span_first is None:
+        return first, last
+    return min(span_first, first), max(span_last, last)
+
+
 def is_blank(raw):
     return not raw.strip()  # JSON whitespace and \x0b, \x0c: DuckDB's NDJSON reader skips the same
 
@@ -362,19 +369,12 @@ class Summary:
 
     def add_steps(self, first, last):
         """The detector's batch numbers seen (the picture's timeline is ``add_x``'s)."""
-        if self.first_step is None:
-            self.first_step, self.last_step = first, last
-        else:
-            self.first_step = min(self.first_step, first)
-            self.last_step = max(self.last_step, last)
+        self.first_step, self.last_step = _widen(self.first_step, self.last_step, first, last)
 
     def add_global_steps(self, first, last):
         """Optimizer steps seen: from the first, the picture's timeline is the optimizer step."""
-        if self.first_global_step is None:
-            self.first_global_step, self.last_global_step = first, last
-        else:
-            self.first_global_step = min(self.first_global_step, first)
-            self.last_global_step = max(self.last_global_step, last)
+        self.first_global_step, self.last_global_step = _widen(self.first_global_step, self.last_global_step,
+                                                               first, last)
         self.set_unit(OPTIMIZER)
 
     def set_unit(self, unit):
