@@ -214,8 +214,8 @@ def test_use_in_trainer_leaves_a_name_set_by_someone_else():
 # -- watch()'s options, the trainer's steps, skip, report_to ------------------------------------------
 
 
-class _InfGradientAt(transformers.TrainerCallback):
-    """At training step ``step`` one weight's gradient comes out inf (a finite forward)."""
+class _HookAtStep(transformers.TrainerCallback):
+    """During training step ``step`` only, the hook that ``hook(model)`` registers."""
 
     def __init__(self, step):
         self.step = step
@@ -223,13 +223,19 @@ class _InfGradientAt(transformers.TrainerCallback):
 
     def on_step_begin(self, args, state, control, model=None, **kwargs):
         if state.global_step == self.step:
-            weight = model.transformer.h[1].mlp.c_fc.weight
-            self.handle = weight.register_hook(lambda grad: grad * math.inf)
+            self.handle = self.hook(model)
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.handle is not None:
             self.handle.remove()
             self.handle = None
+
+
+class _InfGradientAt(_HookAtStep):
+    """At training step ``step`` one weight's gradient comes out inf (a finite forward)."""
+
+    def hook(self, model):
+        return model.transformer.h[1].mlp.c_fc.weight.register_hook(lambda grad: grad * math.inf)
 
 
 @pytest.mark.parametrize("route", ["callback", "use_in_trainer"])
@@ -292,27 +298,17 @@ def test_a_detection_in_evaluation_is_tagged_eval(tmp_path):
     assert caught.value.mode == "eval" and caught.value.global_step == 2
 
 
-class _NanActivationAt(transformers.TrainerCallback):
+class _NanActivationAt(_HookAtStep):
     """At training step ``step`` the first block's output holds a nan."""
 
-    def __init__(self, step):
-        self.step = step
-        self.handle = None
+    def hook(self, model):
+        def poison(module, args, output):
+            hidden = output[0] if isinstance(output, tuple) else output
+            hidden = hidden.clone()
+            hidden[0, 0, 0] = math.nan
+            return (hidden,) + tuple(output[1:]) if isinstance(output, tuple) else hidden
 
-    def on_step_begin(self, args, state, control, model=None, **kwargs):
-        if state.global_step == self.step:
-            def poison(module, args, output):
-                hidden = output[0] if isinstance(output, tuple) else output
-                hidden = hidden.clone()
-                hidden[0, 0, 0] = math.nan
-                return (hidden,) + tuple(output[1:]) if isinstance(output, tuple) else hidden
-
-            self.handle = model.transformer.h[0].register_forward_hook(poison)
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if self.handle is not None:
-            self.handle.remove()
-            self.handle = None
+        return model.transformer.h[0].register_forward_hook(poison)
 
 
 def test_skip_in_the_trainer_keeps_counting_steps_and_applies_no_bad_update(tmp_path, capsys):
