@@ -724,12 +724,10 @@ def check_readable(paths):
     return total
 
 
-def read_file(path, file_index, summary, progress=None, wanted=None, visit=None, blank_free=False):
+def read_file(path, file_index, summary, progress=None, wanted=None, visit=None):
     """Stream the lines of one file into ``summary``. With ``wanted`` (a sorted list of ordinals of
-    non-blank lines), only those lines are read; the others are skipped, counted at C speed
-    (``blank_free``: the caller knows the file has no blank line, so none is looked for).
-    ``visit(number, ordinal, raw)`` replaces adding a line to the summary (``raw`` is None for a
-    line over the size limit)."""
+    non-blank lines), only those lines are read. ``visit(number, ordinal, raw)`` replaces adding a
+    line to the summary (``raw`` is None for a line over the size limit)."""
     if visit is None:
         def visit(number, ordinal, raw):
             if raw is None:
@@ -745,32 +743,19 @@ def read_file(path, file_index, summary, progress=None, wanted=None, visit=None,
     next_wanted = 0
     with handle:
         for chunk in read_chunks(handle):
+            if wanted is not None and next_wanted >= len(wanted):
+                return
             if chunk is None:  # an over-long line: never held whole
                 number += 1
                 ordinal += 1
                 if wanted is None:
                     visit(number, ordinal, None)
-                elif next_wanted < len(wanted) and wanted[next_wanted] == ordinal:
+                elif wanted[next_wanted] == ordinal:
                     next_wanted += 1
                     visit(number, ordinal, None)
                 continue
             if progress is not None:
                 progress.update(len(chunk))
-            if wanted is not None:
-                if next_wanted >= len(wanted):
-                    return
-                lines = chunk.count(b"\n") + (not chunk.endswith(b"\n"))
-                if blank_free or not _may_have_blank(chunk):  # the chunk's k-th line is ordinal + k
-                    if wanted[next_wanted] <= ordinal + lines:
-                        parts = chunk.split(b"\n")
-                        while next_wanted < len(wanted) and wanted[next_wanted] <= ordinal + lines:
-                            index = wanted[next_wanted] - ordinal - 1
-                            next_wanted += 1
-                            if index >= 0:  # (an ordinal not above the lines already read names none)
-                                visit(number + index + 1, ordinal + index + 1, parts[index])
-                    number += lines
-                    ordinal += lines
-                    continue
             parts = chunk.split(b"\n")
             if parts[-1] == b"":
                 parts.pop()
@@ -786,27 +771,53 @@ def read_file(path, file_index, summary, progress=None, wanted=None, visit=None,
                 visit(number, ordinal, raw)
 
 
-_BLANK_STARTS = (b"\n\n", b"\n ", b"\n\t", b"\n\r", b"\n\x0b", b"\n\x0c")
+# newlines are counted in pieces this size: a wanted line is then looked for, newline by
+# newline, only inside the piece that holds it
+_PIECE = 1 << 14
 
 
-def _may_have_blank(chunk):
-    if chunk[:1] in (b"\n", b" ", b"\t", b"\r", b"\x0b", b"\x0c"):
-        return True
-    return any(pattern in chunk for pattern in _BLANK_STARTS)
-
-
-def count_lines(path):
-    """Lines in the file (a last line without its newline counts), at C speed."""
-    count = 0
+def line_starts(path, numbers):
+    """(the byte offset where each line of ``numbers`` starts, the file's line count), in one pass
+    that counts newlines at C speed. ``numbers``: sorted line numbers (from 1), none above the
+    count. A last line without its newline counts."""
+    starts = []
+    targets = iter(numbers)
+    target = next(targets, None)
+    newlines = 0  # before the piece at hand
+    base = 0  # the block's offset in the file
     last = b"\n"
     with open(path, "rb") as handle:
         while True:
             block = handle.read(BLOCK)
             if not block:
                 break
-            count += block.count(b"\n")
+            for piece in range(0, len(block), _PIECE):
+                count = block.count(b"\n", piece, piece + _PIECE)
+                if target is not None and target - 1 <= newlines + count:  # line `target` follows newline target - 1
+                    seen, at = newlines, piece - 1
+                    while target is not None and target - 1 <= newlines + count:
+                        while seen < target - 1:
+                            at = block.find(b"\n", at + 1)
+                            seen += 1
+                        starts.append(base + at + 1)
+                        target = next(targets, None)
+                newlines += count
+            base += len(block)
             last = block[-1:]
-    return count + (last != b"\n")
+    return starts, newlines + (last != b"\n")
+
+
+def read_lines_at(path, starts, limit=schema.MAX_LINE_BYTES):
+    """The line that starts at each offset of ``starts``, without its newline; None for a line over
+    ``limit`` bytes (never read whole)."""
+    with open(path, "rb") as handle:
+        for start in starts:
+            handle.seek(start)
+            line = handle.readline(limit + 1)
+            if line.endswith(b"\n"):
+                yield line[:-1]
+            else:
+                yield None if len(line) > limit else line
 
 
 def read_files(paths, summary, progress=None):

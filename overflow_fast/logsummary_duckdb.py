@@ -30,7 +30,7 @@ if tuple(int(part) for part in duckdb.__version__.split(".")[:2] if part.isdigit
     raise ImportError(f"DuckDB {duckdb.__version__} is too old for the report (1.3 or newer)")
 
 from . import schema
-from .logsummary import INTEGER, OPTIMIZER, POSITION_BITS, ZERO, count_lines, parse_line, read_file
+from .logsummary import INTEGER, OPTIMIZER, POSITION_BITS, ZERO, line_starts, parse_line, read_file, read_lines_at
 
 MAX_RECHECK = 10_000  # rows of one file handed back to the plain reader
 # what a file DuckDB cannot read raises (a line over its limit, bytes it cannot decode, memory);
@@ -259,10 +259,14 @@ def read_files(paths, summary, progress=None):
             slow = set(row["slow_ordinals"])
             detail = wanted_detail.get(index, set())
             if slow or detail:
-                # as many lines as DuckDB had rows: no blank line, and no need to look for one
-                blank_free = count_lines(path) == row["rows"]
-                read_file(path, index, summary, wanted=sorted(slow | detail), blank_free=blank_free,
-                          visit=_visitor(summary, path, index, slow, detail, details))
+                wanted = sorted(slow | detail)
+                visit = _visitor(summary, path, index, slow, detail, details)
+                starts, lines = line_starts(path, wanted)
+                if lines == row["rows"]:  # no blank line: row k is line k
+                    for ordinal, raw in zip(wanted, read_lines_at(path, starts)):
+                        visit(ordinal, ordinal, raw)
+                else:  # blank lines (or a file still being written): walk it line by line
+                    read_file(path, index, summary, wanted=wanted, visit=visit)
             if progress is not None:
                 progress.update(_size(path))
         if tables:

@@ -161,6 +161,24 @@ def test_read_chunks_keeps_every_line():
         assert parts == [None if len(line) > 100 else line for line in lines]
 
 
+def test_line_starts_finds_every_asked_line_and_counts_them_all(tmp_path, monkeypatch):
+    rng = random.Random(2)
+    for block, piece in ((1 << 20, 1 << 14), (64, 16), (7, 3), (50, 50)):
+        monkeypatch.setattr(logsummary, "BLOCK", block)
+        monkeypatch.setattr(logsummary, "_PIECE", piece)
+        for trial in range(20):
+            lines = [b"x" * rng.choice([0, 1, 2, 15, 16, 17, 63, 64, 65, 100, 300]) for _ in range(rng.randrange(1, 200))]
+            data = b"\n".join(lines) + rng.choice([b"", b"\n"])
+            path = tmp_path / "lines.jsonl"
+            path.write_bytes(data)
+            expected = data.count(b"\n") + (not data.endswith(b"\n"))
+            numbers = sorted(rng.sample(range(1, expected + 1), rng.randrange(0, expected + 1)))
+            starts, count = logsummary.line_starts(str(path), numbers)
+            assert count == expected
+            assert list(logsummary.read_lines_at(str(path), starts, limit=100)) == [
+                None if len(lines[n - 1]) > 100 else lines[n - 1] for n in numbers]
+
+
 # -- further classes of damage ------------------------------------------------------------------------------
 
 def _wrong_values():
@@ -345,19 +363,22 @@ def test_duckdb_reads_several_ranks_at_once_and_hands_back_only_what_it_cannot_t
         paths.append(recorder.path)
     with open(paths[2], "ab") as f:
         f.write(b"oops\n")
-    reread = []
-    original = logsummary_duckdb.read_file
+    reread = []  # (file, the line numbers looked up in it)
+    walked = []  # files read line by line
+    original = logsummary_duckdb.line_starts
 
-    def spy(path, index, summary, progress=None, wanted=None, **kwargs):
-        reread.append((os.path.basename(path), wanted))
-        return original(path, index, summary, progress, wanted, **kwargs)
+    def spy(path, numbers):
+        reread.append((os.path.basename(path), list(numbers)))
+        return original(path, numbers)
 
-    monkeypatch.setattr(logsummary_duckdb, "read_file", spy)
+    monkeypatch.setattr(logsummary_duckdb, "line_starts", spy)
+    monkeypatch.setattr(logsummary_duckdb, "read_file", lambda path, *args, **kwargs: walked.append(path))
     summary = Summary(bins=False)
     logsummary_duckdb.read_files(paths, summary)
     assert summary.entries == 150 and summary.metas == 3 and summary.malformed == 1
     assert summary.malformed_lines == [(paths[2], 52, "not JSON")]
     # the plain parser saw the meta lines, the bad one and the few rows the tables name: no file whole
+    assert walked == []
     assert [name for name, _ in reread] == ["run.rank0.jsonl", "run.rank1.jsonl", "run.rank2.jsonl"]
     assert all(wanted[0] == 1 for _, wanted in reread) and 52 in reread[2][1]
     assert sum(len(wanted) for _, wanted in reread) <= 3 + 1 + 3 * 2
