@@ -724,6 +724,13 @@ def check_readable(paths):
     return total
 
 
+def _open(path):
+    try:
+        return open(path, "rb")
+    except OSError as error:
+        raise BadFile(f"cannot read {path}: {error.strerror or error}") from None
+
+
 def read_file(path, file_index, summary, progress=None, wanted=None, visit=None):
     """Stream the lines of one file into ``summary``. With ``wanted`` (a sorted list of ordinals of
     non-blank lines), only those lines are read. ``visit(number, ordinal, raw)`` replaces adding a
@@ -734,10 +741,7 @@ def read_file(path, file_index, summary, progress=None, wanted=None, visit=None)
                 summary.add_malformed(path, number, f"longer than {schema.MAX_LINE_BYTES} bytes")
             else:
                 summary.add_line(raw, file_index, path, number, ordinal)
-    try:
-        handle = open(path, "rb")
-    except OSError as error:
-        raise BadFile(f"cannot read {path}: {error.strerror or error}") from None
+    handle = _open(path)
     number = 0  # lines so far
     ordinal = 0  # non-blank lines so far
     next_wanted = 0
@@ -786,7 +790,7 @@ def line_starts(path, numbers):
     newlines = 0  # before the piece at hand
     base = 0  # the block's offset in the file
     last = b"\n"
-    with open(path, "rb") as handle:
+    with _open(path) as handle:
         while True:
             block = handle.read(BLOCK)
             if not block:
@@ -810,7 +814,7 @@ def line_starts(path, numbers):
 def read_lines_at(path, starts, limit=schema.MAX_LINE_BYTES):
     """The line that starts at each offset of ``starts``, without its newline; None for a line over
     ``limit`` bytes (never read whole)."""
-    with open(path, "rb") as handle:
+    with _open(path) as handle:
         for start in starts:
             handle.seek(start)
             line = handle.readline(limit + 1)
