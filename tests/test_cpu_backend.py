@@ -550,9 +550,7 @@ def test_over_two_to_the_31_elements(capability):
 _CAPABILITY = "from overflow_fast.stats import cpu_backend; print(cpu_backend.extension().capability())"
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("OVERFLOW_FAST_SLOW_TESTS") != "1",
-                    reason="builds the baseline kernel (about a minute); set OVERFLOW_FAST_SLOW_TESTS=1")
+@pytest.mark.slow  # builds the baseline kernel (about a minute)
 def test_baseline_kernel_when_torch_is_told_so():
     """ATEN_CPU_CAPABILITY=default (torch's switch for the baseline kernels) selects ours too."""
     env = dict(os.environ, ATEN_CPU_CAPABILITY="default")
@@ -602,9 +600,7 @@ def test_forcing_a_kernel_the_cpu_lacks_is_refused():
     assert previous == capabilities()[-1]
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("OVERFLOW_FAST_SLOW_TESTS") != "1",
-                    reason="builds the AVX2 kernel (about a minute); set OVERFLOW_FAST_SLOW_TESTS=1")
+@pytest.mark.slow  # builds the AVX2 kernel (about a minute)
 def test_aten_cpu_capability_caps_the_choice():
     """ATEN_CPU_CAPABILITY=avx2 (torch's own cap) keeps an AVX-512 CPU on the AVX2 kernel too."""
     env = dict(os.environ, ATEN_CPU_CAPABILITY="avx2")

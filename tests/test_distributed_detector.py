@@ -222,9 +222,7 @@ def _zero3_worker(rank):
     assert f"[rank {rank}/2] weight has them in the shard of rank(s) 1" in out, out
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("OVERFLOW_FAST_SLOW_TESTS") != "1",
-                    reason="DeepSpeed takes a minute to import in each rank; set OVERFLOW_FAST_SLOW_TESTS=1 (.ci/run does)")
+@pytest.mark.slow  # DeepSpeed takes a minute to import in each rank
 def test_deepspeed_zero3_partitions_read_as_whole_parameters():
     pytest.importorskip("deepspeed")
     run_ranks(_zero3_worker, timeout=400)  # the first run JIT-builds a DeepSpeed C++ op

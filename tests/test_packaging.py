@@ -31,10 +31,7 @@ def test_sdist_has_every_cpp_source():
     assert "sdist OK" in proc.stdout
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("OVERFLOW_FAST_SLOW_TESTS") != "1",
-                    reason="a fresh venv and a build of the kernel (minutes); set OVERFLOW_FAST_SLOW_TESTS=1 (.ci/run runs "
-                           "tests/check_wheel.sh itself)")
+@pytest.mark.slow  # a fresh venv and a build of the kernel (minutes); .ci/run runs tests/check_wheel.sh itself
 def test_wheel_from_the_sdist_loads_its_kernel():
     proc = run_check()
     assert proc.returncode == 0, proc.stdout + proc.stderr
