@@ -66,7 +66,8 @@ def info():
     reason = cpu_backend.unavailable_reason()
     details = cpu_backend.details()
     if reason is None:
-        kernel = {"default": "baseline"}.get(cpu_backend._C.capability(), cpu_backend._C.capability())
+        capability = cpu_backend._C.capability()
+        kernel = {"default": "baseline"}.get(capability, capability)
     else:
         kernel = f"unavailable ({reason})"
     origin = details.get("origin")

@@ -440,14 +440,6 @@ def _fix_hint():
             "time on a machine that has them: OVERFLOW_FAST_AOT=1 pip install --no-build-isolation overflow_fast")
 
 
-def locate():
-    """``(isa, identity, key, prebuilt library or None, cache directory)`` for this process."""
-    isa = detect_isa()
-    ident = identity(isa)
-    key = cache_key(ident)
-    return isa, ident, key, _library_in(PREBUILT / key), cache_root() / key
-
-
 def load():
     """``(module or None, reason or None, details)``: the kernel for this process, prebuilt,
     cached or built now. Never raises for a build or load failure: the reason says what happened
