@@ -14,6 +14,12 @@ from .dashboards import Dashboard, is_dashboard
 from .recorder import Recorder, detection_record, frame_records
 
 
+def _timeline_step(batch, global_step):
+    """The step a frame counts under (``log_every``, the dashboards' x axis): the trainer's
+    optimizer step where it names one, else the detector's batch number."""
+    return batch if global_step is None else global_step
+
+
 class StepLog:
     def __init__(self, log, log_every=1):
         if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1:
@@ -51,7 +57,7 @@ class StepLog:
     def frame(self, frame, batch, global_step=None, mode=None):
         """A frame replayed with host rows, of ``batch`` (the detector's batch number), and of the
         trainer's ``global_step`` and ``mode`` ("train" or "eval") where known."""
-        step = batch if global_step is None else global_step
+        step = _timeline_step(batch, global_step)
         if step != self._step:
             self._step, self._call, self._held = step, 0, []
         call, self._call = self._call, self._call + 1
@@ -66,13 +72,13 @@ class StepLog:
             for recorder in self.recorders:
                 recorder.write(records)
         for dashboard in self.dashboards:
-            dashboard.frame(frame, batch if global_step is None else global_step, mode)
+            dashboard.frame(frame, _timeline_step(batch, global_step), mode)
 
     def detection(self, detection):
         """Write the frames of the detecting step that ``log_every`` held back, the detection,
         and wait until all of it is on disk (the error comes next)."""
         global_step, mode = detection.get("global_step"), detection.get("mode")
-        step = detection["batch_number"] if global_step is None else global_step
+        step = _timeline_step(detection["batch_number"], global_step)
         for held in self._held if self._step == step else []:
             self._write(*held)
         self._held = []
