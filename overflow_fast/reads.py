@@ -241,14 +241,11 @@ def _shard_infos(tensors):
     """Per tensor, what combining the rows of a DTensor's shards (or a ZeRO-3 parameter's
     partitions) across ranks needs (None for other tensors), or None when there is no such tensor
     (the common case: one type check per tensor)."""
-    if "deepspeed" in sys.modules:  # a released ZeRO-3 parameter is a plain, empty tensor
-        if all(type(t) in PLAIN_TYPES and not is_zero3_released(t) for t in tensors):
-            return None
+    zero3 = "deepspeed" in sys.modules  # a released ZeRO-3 parameter is a plain, empty tensor
+    for tensor in tensors:  # a loop, not all(): this runs at every hook
+        if type(tensor) not in PLAIN_TYPES or (zero3 and is_zero3_released(tensor)):
+            break
     else:
-        for tensor in tensors:
-            if type(tensor) not in PLAIN_TYPES:
-                break
-        else:
-            return None
+        return None
     infos = [distributed.shard_info(t) for t in tensors]
     return infos if any(info is not None for info in infos) else None
