@@ -761,8 +761,8 @@ def load():
         if rejected is not None:
             details["cache_rejected"] = rejected
             _warn(f"not using the C++ kernel's cache {cache_root()}: {rejected}, so another user could replace "
-                  f"what would be loaded from it; using {root} instead (make that folder yours and not "
-                  f"writable by others, or point {CACHE_ENV} at one that is)")
+                  f"what would be loaded from it; using {root} instead (fix that, or point {CACHE_ENV} "
+                  "at a folder of yours that nobody else can write)")
         details["cache_root"] = str(root)
         directory = root / key
         details.update(directory=str(directory))
