@@ -52,6 +52,7 @@ library = cpu_build.build(isa, scratch, ident=ident)
 dest = cpu_build.Path(dest_root) / cpu_build.cache_key(ident)
 dest.mkdir(parents=True, exist_ok=True)
 shutil.copy2(library, dest / library.name)
+cpu_build.write_build_record(dest, dest / library.name, ident)  # its checksum, verified before each load
 print(f"overflow_fast: built the {isa} kernel into {dest}")
 """
 

@@ -1,7 +1,8 @@
 """``overflow-fast info`` / ``python -m overflow_fast info`` / ``overflow_fast.info()``: what runs
 here. One fact a line: versions, the C++ CPU kernel (its instruction set and where it is built or
-cached, or why it is unavailable), the default backend of each device type, the CUDA devices seen
-and the environment variables that change any of it.
+cached, or why it is unavailable; the cache folder in use, and why a configured one is not), the
+default backend of each device type, the CUDA devices seen and the environment variables that
+change any of it.
 
 Asking builds the C++ kernel if this environment has none yet (as the first use would).
 """
@@ -82,6 +83,9 @@ def info():
             where = "cached" + (f"; its build took {took}" if took else "")
     else:
         where = None
+    cache = details.get("cache_root")
+    if details.get("cache_rejected"):
+        cache = f"{cache} (the configured one is not private: {details['cache_rejected']})"
     status = dispatch.backend_status()
     environment = {name: value for name, value in sorted(os.environ.items())
                    if name.startswith("OVERFLOW_FAST_") or name in RELATED_ENV}
@@ -93,7 +97,7 @@ def info():
         "cpu_kernel": kernel,
         "cpu_kernel_file": details.get("path"),
         "cpu_kernel_origin": where,
-        "cpu_kernel_cache": details.get("cache_root"),
+        "cpu_kernel_cache": cache,
         "default_backend": _default_backends(status),
         "cuda_devices": _cuda_devices(),
         "environment": environment,

@@ -5,6 +5,7 @@ are the slow tests and .ci/run's)."""
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -162,9 +163,17 @@ def test_two_processes_starting_together_build_once(tmp_path, outcome):
     assert "building the C++ kernel" in first_err
     assert built is True and built2 is False
     assert len((tmp_path / "count").read_text().split()) == 1  # one build for the two
+    # the end of the wait is said too, one line
+    done = [line for line in second_err.splitlines() if line.startswith("overflow_fast: done waiting (")]
+    assert len(done) == 1, second_err
     if outcome == "ok":
         assert reason is None and reason2 is None and directory == directory2
         assert (Path(directory) / cpu_build.DONE).is_file()
+        # the end of the build: how long it took (a whole number of seconds) and the module's path
+        library = Path(directory) / "_C.so"
+        assert re.search(rf"^overflow_fast: built the C\+\+ kernel in \d+ s: {re.escape(str(library))}$",
+                         first_err, re.M), first_err
+        assert done[0].endswith(f" s): the other process built the C++ kernel: {library}"), done
         assert not (tmp_path / "cache" / "key.failed").exists()
         # later processes take the finished build without the lock or a message
         third = _start_worker(tmp_path)
@@ -172,6 +181,8 @@ def test_two_processes_starting_together_build_once(tmp_path, outcome):
         assert directory3 == directory and built3 is False and third_err == ""
     else:
         # the waiting process takes the failure it waited for instead of failing once more
+        assert done[0].endswith(" s): the other process could not build the C++ kernel"), done
+        assert "built the C++ kernel" not in first_err
         assert directory is None and directory2 is None
         assert reason == reason2 == "x.cpp:1:1: error: deliberately broken"
         # a later process tries again (a compiler installed since may fix it)
@@ -361,6 +372,28 @@ def test_info_keys():
         assert facts["default_backend"]["cpu"] == "cpu"
     else:
         assert facts["cpu_kernel"] == f"unavailable ({reason})"
+
+
+def test_info_names_the_cache_in_use_and_why_the_configured_one_is_not(monkeypatch, fresh_cpu_backend):
+    class Kernel:
+        __file__ = "/home/me/.cache/torch_extensions/overflow_fast/key/_C.so"
+        ABI_VERSION = cpu_backend.ABI_VERSION
+        TORCH_VERSION = torch.__version__
+        compute = None
+
+        @staticmethod
+        def capability():
+            return "avx2"
+
+    details = {"cache_root": "/home/me/.cache/torch_extensions/overflow_fast", "origin": "cache",
+               "path": Kernel.__file__, "seconds": 48.0, "built_now": True,
+               "cache_rejected": "/shared/cache is writable by its group and others (owner me, mode drwxrwxrwx 0777)"}
+    monkeypatch.setattr(cpu_build, "load", lambda: (Kernel(), None, details))
+    facts = info()
+    assert facts["cpu_kernel_cache"] == ("/home/me/.cache/torch_extensions/overflow_fast (the configured one is "
+                                         "not private: /shared/cache is writable by its group and others "
+                                         "(owner me, mode drwxrwxrwx 0777))")
+    assert facts["cpu_kernel_file"] == Kernel.__file__ and facts["cpu_kernel_origin"] == "built just now in 48 s"
 
 
 def test_info_command_prints_one_fact_a_line(capsys, monkeypatch):

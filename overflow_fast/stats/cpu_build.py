@@ -10,10 +10,16 @@ Python and a hash of the sources; a module is never rebuilt in place, and one bu
 sources or another torch is never loaded. Builds are serialised across processes by a file lock:
 eight ranks starting together build once, the others wait for it and load its result.
 
+Loading a module runs its code, so a module is loaded only from folders that nobody but this user
+(and root) can change, and only once its bytes match the checksum its build recorded: see "trust"
+below. A cache that fails the first check is not used (another private folder is); a build that
+fails the second (cut short, overwritten, made by an older version) is made again.
+
 Stdlib at import (torch only once a build or a load is asked for), so that setup.py can load this
 file on its own for an ahead-of-time build (``OVERFLOW_FAST_AOT``).
 """
 
+import hashlib
 import importlib.machinery
 import importlib.util
 import json
@@ -21,9 +27,12 @@ import os
 import platform
 import re
 import shutil
+import stat
 import subprocess
 import sys
+import tempfile
 import time
+import warnings
 from pathlib import Path
 
 try:
@@ -183,11 +192,17 @@ def cache_key(ident):
 
 def cache_root():
     """Where run-time builds go: $OVERFLOW_FAST_CACHE_DIR, else overflow_fast/ under torch's own
-    extensions folder ($TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions)."""
+    extensions folder ($TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions). A folder that is
+    not private is not used (``cache_folder``)."""
     if os.environ.get(CACHE_ENV):
         return Path(os.environ[CACHE_ENV]).expanduser()
     if os.environ.get("TORCH_EXTENSIONS_DIR"):
         return Path(os.environ["TORCH_EXTENSIONS_DIR"]).expanduser() / "overflow_fast"
+    return default_cache_root()
+
+
+def default_cache_root():
+    """The cache folder when no variable names one: ~/.cache/torch_extensions/overflow_fast."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache")
     return Path(base).expanduser() / "torch_extensions" / "overflow_fast"
 
@@ -330,6 +345,194 @@ def build(isa, build_dir, sources=None, ident=None, verbose=False):
     return Path(library)
 
 
+# ---- trust: who could have written what is loaded ------------------------------------------------
+#
+# Loading a module runs its code (its constructors run inside dlopen), so a module is loaded only
+# from where nobody but this user and root could have put or changed it, as ssh checks its key
+# files: every folder from / down to the module, and the module and its built.json, must be owned
+# by this user or root and writable by neither their group nor others. Root can replace any file
+# anyway (python itself), so its files cost no trust. Group-writable is refused even where the
+# group holds only this user, as ssh does: a group's members are not ours to know. Write access
+# given by an ACL shows in the group bits (the ACL mask), so it is refused too.
+#
+# One exception, for /tmp and its like: a folder *above* the cache may be writable by others if it
+# is sticky (+t). In a sticky folder only an entry's owner, the folder's owner or root may rename
+# or delete the entry, so the folder below it, checked next and found ours, stays ours. A
+# foreign-writable folder without the sticky bit lets anyone rename our folder away and put theirs
+# in its place; the cache folder itself may never be writable by others, sticky or not (anyone
+# could add a build folder to it). Folders are checked from / down, so each one is known to be
+# unchangeable by others before what it holds is looked at; symbolic links are resolved once, and
+# everything is then found through the real path.
+
+def _trusted(uid):
+    return uid == 0 or uid == os.getuid()
+
+
+def _owner(uid):
+    try:
+        import pwd
+
+        return pwd.getpwuid(uid).pw_name
+    except (ImportError, KeyError):
+        return f"uid {uid}"
+
+
+def _entry_problem(path, st, folder, above=False):
+    """Why the folder (or file) ``path``, whose lstat is ``st``, cannot be trusted, or None.
+    ``above``: a folder above the cache, which may be writable by others where it is sticky."""
+    if os.name != "posix":
+        return None  # no owners and mode bits to go by
+    mode = st.st_mode
+    if stat.S_ISLNK(mode):
+        what = "a symbolic link"
+    elif folder and not stat.S_ISDIR(mode):
+        what = "not a folder"
+    elif not folder and not stat.S_ISREG(mode):
+        what = "not a regular file"
+    elif not _trusted(st.st_uid):
+        you = "root" if os.getuid() == 0 else f"you ({_owner(os.getuid())}) or root"
+        what = f"owned by {_owner(st.st_uid)}, not by {you}"
+    elif mode & 0o022 and not (above and mode & stat.S_ISVTX):
+        what = "writable by " + {0o020: "its group", 0o002: "others", 0o022: "its group and others"}[mode & 0o022]
+    else:
+        return None
+    return f"{path} is {what} (owner {_owner(st.st_uid)}, mode {stat.filemode(mode)} {stat.S_IMODE(mode):04o})"
+
+
+def private_folder(path, create=False):
+    """``(folder, None)`` where ``path`` and every folder above it pass the rule above, ``folder``
+    being its real path (what is used from then on); else ``(folder, why not)``, naming the first
+    folder that fails, its owner and its mode. ``create``: make what is missing, private (0700).
+    A folder that does not exist (and is not made) holds nothing to distrust."""
+    folder = Path(os.path.realpath(os.path.expanduser(str(path))))
+    parts = folder.parts
+    for depth in range(1, len(parts) + 1):
+        current = Path(*parts[:depth])
+        try:
+            st = os.lstat(current)
+        except FileNotFoundError:
+            if not create:
+                return folder, None
+            try:
+                os.mkdir(current, 0o700)  # whatever the umask: nobody else may ever reach in
+            except FileExistsError:
+                pass  # made meanwhile by someone else: checked below as any other
+            st = os.lstat(current)
+        except OSError as error:
+            return folder, f"{current} cannot be examined ({type(error).__name__}: {error})"
+        problem = _entry_problem(current, st, folder=True, above=depth < len(parts))
+        if problem is not None:
+            return folder, problem
+    return folder, None
+
+
+def _read_trusted(path):
+    """``(content, None)`` of the file ``path``, read only if it passes the rule above (never
+    through a symbolic link); ``(None, None)`` where there is none; else ``(None, why not)``."""
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        return None, None
+    except OSError as error:
+        try:
+            problem = _entry_problem(path, os.lstat(path), folder=False)
+        except OSError:
+            problem = None
+        return None, problem or f"{path} cannot be read ({type(error).__name__}: {error})"
+    with os.fdopen(fd, "rb") as file:
+        problem = _entry_problem(path, os.fstat(file.fileno()), folder=False)  # the file read, not a name
+        if problem is not None:
+            return None, problem
+        return file.read(), None
+
+
+def check_build(directory, ident=None):
+    """``(library, None)`` where ``directory`` holds a finished build that may be loaded: the
+    folder and its files pass the rule above (the folders above it are the caller's to check:
+    ``private_folder``), built.json names the module, and the module is byte for byte what its
+    build recorded there (size and sha256), for ``ident`` where given. Else ``(None, (kind,
+    why))``, kind one of "missing" (no finished build), "old" (recorded by an older overflow_fast,
+    without a checksum), "damaged" and "unsafe"."""
+    directory = Path(directory)
+    try:
+        problem = _entry_problem(directory, os.lstat(directory), folder=True)
+    except FileNotFoundError:
+        return None, ("missing", f"{directory} holds no build")
+    if problem is not None:
+        return None, ("unsafe", problem)
+    text, problem = _read_trusted(directory / DONE)
+    if problem is not None:
+        return None, ("unsafe", problem)
+    if text is None:
+        return None, ("missing", f"{directory} holds no finished build")
+    try:
+        record = json.loads(text)
+    except ValueError:
+        record = None
+    if not isinstance(record, dict):
+        return None, ("damaged", f"{directory / DONE} is not a build record")
+    if "sha256" not in record:
+        return None, ("old", f"{directory} holds a build made by an older overflow_fast, without a checksum")
+    for field, value in (ident or {}).items():
+        if record.get(field) != value:
+            return None, ("damaged", f"{directory} holds a build for {field} {record.get(field)!r}, not {value!r}")
+    if record.get("library") not in ("_C.so", "_C.pyd"):
+        return None, ("damaged", f"{directory / DONE} names no module")
+    library = directory / record["library"]
+    data, problem = _read_trusted(library)
+    if problem is not None:
+        return None, ("unsafe", problem)
+    if data is None:
+        return None, ("damaged", f"{library} is missing")
+    if len(data) != record.get("size"):
+        return None, ("damaged", f"{library} is {len(data)} bytes, not the {record.get('size')} its build "
+                                 "wrote (cut short or overwritten)")
+    if hashlib.sha256(data).hexdigest() != record["sha256"]:
+        return None, ("damaged", f"{library} is not the file its build wrote (its sha256 differs)")
+    return library, None
+
+
+def _write_atomic(path, text):
+    """Write ``path`` whole or not at all (a reader sees the old file or the new one), mode 0644."""
+    path = Path(path)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    with os.fdopen(fd, "w") as file:
+        if hasattr(os, "fchmod"):
+            os.fchmod(file.fileno(), 0o644)  # a leftover of a killed process keeps its own mode otherwise
+        file.write(text)
+    os.replace(tmp, path)
+
+
+def write_build_record(directory, library, info):
+    """Write ``directory``'s built.json, last and atomically: ``info`` plus the module's name, size
+    and sha256, which check_build compares before every load. The module is first made writable by
+    its owner only (the linker follows the umask)."""
+    library = Path(library)
+    mode = stat.S_IMODE(os.stat(library).st_mode)
+    if mode & 0o022:
+        os.chmod(library, mode & ~0o022)
+    data = library.read_bytes()
+    record = {**info, "library": library.name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    _write_atomic(Path(directory) / DONE, json.dumps(record))
+
+
+def _set_aside(directory):
+    """Remove a build folder that must not be used: renamed first (one step: no process sees it
+    half gone), then deleted as far as this user may."""
+    if not os.path.lexists(directory):
+        return
+    aside = directory.with_name(f".{directory.name}.rejected-{os.getpid()}-{os.urandom(4).hex()}")
+    os.rename(directory, aside)
+    if aside.is_dir() and not aside.is_symlink():
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        aside.unlink(missing_ok=True)
+
+
+# ---- the cache ----------------------------------------------------------------------------------
+
 class _FileLock:
     """An exclusive lock on a file (flock: released by the kernel if the holder dies)."""
 
@@ -339,7 +542,8 @@ class _FileLock:
         self.file = None
 
     def __enter__(self):
-        self.file = open(self.path, "a+")
+        flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
+        self.file = os.fdopen(os.open(self.path, flags, 0o600), "r+")
         try:
             import fcntl
         except ImportError:  # not POSIX: no lock (concurrent builds of one key may collide)
@@ -369,43 +573,102 @@ def _say(message):
     sys.stderr.flush()
 
 
-def obtain(root, key, build_fn, describe=""):
-    """The finished build directory ``root/key``, building it with ``build_fn(directory)`` if
-    needed, at most one process at a time. Returns ``(directory, None, built_here)`` or
-    ``(None, reason, built_here)``.
+def _warn(message):
+    warnings.warn(f"overflow_fast: {message}", RuntimeWarning, stacklevel=3)
 
-    A process that waited while another built the same key takes that build, or that build's
-    failure (one failure for eight ranks, not eight); a later process tries again.
+
+def _failure_reason(record):
+    try:
+        return json.loads(record)["reason"]
+    except (ValueError, KeyError, TypeError):
+        return "an earlier build failed (its record is unreadable)"
+
+
+def obtain(root, key, build_fn, describe="", ident=None):
+    """The folder ``root/key`` holding a finished build that check_build accepts (for ``ident``),
+    building it with ``build_fn(folder)`` if needed, at most one process at a time. Returns
+    ``(folder, None, built_here)`` or ``(None, reason, built_here)``; ``folder`` is under the real
+    path of ``root``, which must pass private_folder's rule (it is made, private, if missing).
+
+    A build found damaged, not private or without a checksum is removed and made again in a
+    fresh folder, under the lock (so is an unfinished one). A process that waited while another
+    built the same key takes that build, or that build's failure (one failure for eight ranks,
+    not eight); a later process tries again.
     """
-    root = Path(root)
+    root, problem = private_folder(root, create=True)
+    if problem is not None:
+        return None, f"the cache folder is not private: {problem}", False
     directory = root / key
-    if (directory / DONE).is_file():
+    if check_build(directory, ident)[0] is not None:
         return directory, None, False
-    root.mkdir(parents=True, exist_ok=True)
     failed = root / f"{key}.failed"
-    failure_before = _read(failed)
-    waiting = lambda: _say(f"waiting for another process building the C++ kernel{describe} in {directory}")
+    failure_before = _read_trusted(failed)[0]
+    wait_start = []
+
+    def waiting():
+        wait_start.append(time.monotonic())
+        _say(f"waiting for another process building the C++ kernel{describe} in {directory}")
+
+    def done_waiting(what):
+        if wait_start:
+            _say(f"done waiting ({time.monotonic() - wait_start[0]:.0f} s): {what}")
+
     with _FileLock(root / f"{key}.lock", on_wait=waiting):
-        if (directory / DONE).is_file():
+        library, problem = check_build(directory, ident)
+        if library is not None:
+            done_waiting(f"the other process built the C++ kernel{describe}: {library}")
             return directory, None, False
-        failure = _read(failed)
+        failure = _read_trusted(failed)[0]
         if failure is not None and failure != failure_before:
-            return None, json.loads(failure)["reason"], False
+            done_waiting(f"the other process could not build the C++ kernel{describe}")
+            return None, _failure_reason(failure), False
+        done_waiting("the other process left no finished build; building it here")
+        kind, why = problem
+        if kind in ("damaged", "unsafe"):
+            _warn(f"not loading the cached C++ kernel: {why}; building it again in a fresh folder")
+        elif kind == "old":
+            _say(f"{why}; building it again")
+        _set_aside(directory)
+        os.mkdir(directory, 0o700)  # nobody else can reach a build's files, whatever the umask
         _say(f"building the C++ kernel{describe} in {directory} (once for this torch and CPU; a minute or more)")
+        start = time.monotonic()
         try:
             info = build_fn(directory) or {}
+            library = _library_in(directory)
+            if library is None:
+                raise BuildError(f"the build left no module in {directory}")
         except BuildError as error:
             record = json.dumps({"reason": str(error), "pid": os.getpid(), "token": os.urandom(8).hex()})
-            tmp = failed.with_name(failed.name + f".{os.getpid()}")
-            tmp.write_text(record)
-            os.replace(tmp, failed)
+            _write_atomic(failed, record)
             return None, str(error), True
         failed.unlink(missing_ok=True)
-        done = directory / DONE
-        tmp = done.with_name(DONE + f".{os.getpid()}")
-        tmp.write_text(json.dumps(info))
-        os.replace(tmp, done)
+        write_build_record(directory, library, info)
+        _say(f"built the C++ kernel{describe} in {time.monotonic() - start:.0f} s: {library}")
         return directory, None, True
+
+
+def cache_folder(fresh=False):
+    """``(folder, rejected)``: the cache folder to use, the first of cache_root(), the default
+    one, a per-user folder in the temporary folder (and, ``fresh``, a new private one made there)
+    that passes private_folder's rule; ``rejected`` says why those before it did not, or is None.
+    ``folder`` is None where none passes."""
+    candidates = [cache_root(), default_cache_root(), Path(tempfile.gettempdir()) / f"overflow_fast-{os.getuid()}"] \
+        if hasattr(os, "getuid") else [cache_root()]
+    rejected, seen = [], set()
+    for candidate in candidates:
+        folder, problem = private_folder(candidate)
+        if folder in seen:
+            continue
+        seen.add(folder)
+        if problem is None:
+            return folder, "; ".join(rejected) or None
+        rejected.append(problem)
+    if fresh:
+        folder, problem = private_folder(tempfile.mkdtemp(prefix=f"overflow_fast-{os.getuid()}-"))
+        if problem is None:
+            return folder, "; ".join(rejected)
+        rejected.append(problem)
+    return None, "; ".join(rejected)
 
 
 def _library_in(directory):
@@ -440,6 +703,30 @@ def _fix_hint():
             "time on a machine that has them: OVERFLOW_FAST_AOT=1 pip install --no-build-isolation overflow_fast")
 
 
+def _prebuilt_library(key, ident):
+    """The module prebuilt for ``key`` in the package, if there is one that may be loaded. The
+    same rule and check as for the cache: site-packages is usually root's, or the user's own in a
+    virtual environment, and not writable by others; a module there that others could replace is
+    not loaded (the package's .py files beside it would be as exposed, but a module is not loaded
+    on that ground alone)."""
+    directory = PREBUILT / key
+    if not os.path.lexists(directory):
+        return None
+    folder, problem = private_folder(directory)
+    if problem is None:
+        library, found = check_build(folder, ident)
+        if library is not None:
+            return library
+        kind, problem = found
+        if kind in ("missing", "old"):
+            if _library_in(folder) is not None:
+                _say(f"not loading the prebuilt C++ kernel in {folder}: it has no checksum (built by an older "
+                     "overflow_fast); reinstall with OVERFLOW_FAST_AOT to have it again")
+            return None
+    _warn(f"not loading the prebuilt C++ kernel: {problem}")
+    return None
+
+
 def load():
     """``(module or None, reason or None, details)``: the kernel for this process, prebuilt,
     cached or built now. Never raises for a build or load failure: the reason says what happened
@@ -450,25 +737,41 @@ def load():
         if sources is None:
             return None, ("the C++ sources are missing from this installation (overflow_fast/csrc): "
                           "reinstall overflow_fast"), details
+        jit = os.environ.get(JIT_ENV, "1") != "0"
         isa = detect_isa()
         ident = identity(isa, sources)
         key = cache_key(ident)
-        prebuilt = _library_in(PREBUILT / key)
-        if prebuilt is None and isa == "avx512" and not (cache_root() / key / DONE).is_file() \
-                and shutil.which(compiler()) is not None and not compiler_builds(ISA_FLAGS["avx512"]):
-            isa = "avx2"  # this compiler cannot build the AVX-512 kernel: the next best
-            ident = identity(isa, sources)
-            key = cache_key(ident)
-            prebuilt = _library_in(PREBUILT / key)
+        prebuilt = _prebuilt_library(key, ident)
+        root = rejected = None
+        if prebuilt is None:
+            root, rejected = cache_folder(fresh=jit)
+            if isa == "avx512" and not (root is not None and (root / key / DONE).is_file()) \
+                    and shutil.which(compiler()) is not None and not compiler_builds(ISA_FLAGS["avx512"]):
+                isa = "avx2"  # this compiler cannot build the AVX-512 kernel: the next best
+                ident = identity(isa, sources)
+                key = cache_key(ident)
+                prebuilt = _prebuilt_library(key, ident)
         details.update(isa=isa, key=key, identity=ident)
         if prebuilt is not None:
             details.update(origin="prebuilt", path=str(prebuilt), directory=str(prebuilt.parent))
             return load_module(prebuilt), None, details
-        directory = cache_root() / key
+        if root is None:
+            return None, (f"no private folder for the C++ kernel's cache ({rejected}); point {CACHE_ENV} at a "
+                          "folder of yours that nobody else can write"), details
+        if rejected is not None:
+            details["cache_rejected"] = rejected
+            _warn(f"not using the C++ kernel's cache {cache_root()}: {rejected}, so another user could replace "
+                  f"what would be loaded from it; using {root} instead (fix that, or point {CACHE_ENV} "
+                  "at a folder of yours that nobody else can write)")
+        details["cache_root"] = str(root)
+        directory = root / key
         details.update(directory=str(directory))
-        if os.environ.get(JIT_ENV, "1") == "0" and not (directory / DONE).is_file():
-            return None, (f"no prebuilt kernel matches this environment ({key}) and {JIT_ENV}=0 forbids "
-                          f"building one; unset {JIT_ENV}, or {_fix_hint()}"), details
+        if not jit:
+            library, problem = check_build(directory, ident)
+            if library is None:
+                found = "" if problem[0] == "missing" else f"; the cached one cannot be used: {problem[1]}"
+                return None, (f"no prebuilt kernel matches this environment ({key}) and {JIT_ENV}=0 forbids "
+                              f"building one{found}; unset {JIT_ENV}, or {_fix_hint()}"), details
 
         def build_here(target):
             start = time.perf_counter()
@@ -478,20 +781,24 @@ def load():
             return {**ident, "seconds": round(time.perf_counter() - start, 1)}
 
         describe = f" ({isa}, torch {ident['torch']})"
-        try:
-            directory, reason, built = obtain(cache_root(), key, build_here, describe)
-        except OSError as error:  # a read-only home on a compute node, a full disk
-            return None, (f"cannot build the C++ kernel in {cache_root()} ({type(error).__name__}: {error}); "
-                          f"set {CACHE_ENV} to a writable folder, or {_fix_hint()}"), details
+        built = False
+        if jit:
+            try:
+                found, reason, built = obtain(root, key, build_here, describe, ident)
+            except OSError as error:  # a read-only home on a compute node, a full disk
+                return None, (f"cannot build the C++ kernel in {root} ({type(error).__name__}: {error}); "
+                              f"set {CACHE_ENV} to a writable folder, or {_fix_hint()}"), details
+            if reason is not None:
+                log = directory / LOG
+                where = f"; full log: {log}" if log.is_file() else ""
+                return None, f"the C++ kernel could not be built: {reason}{where}; {_fix_hint()}", details
         details["built_now"] = built
-        if reason is not None:
-            log = cache_root() / key / LOG
-            where = f"; full log: {log}" if log.is_file() else ""
-            return None, f"the C++ kernel could not be built: {reason}{where}; {_fix_hint()}", details
-        library = _library_in(directory)
+        # Checked once more right before loading. Between this check and dlopen the file could only
+        # be swapped by someone who can write to its folders, and root/key passed the rule above:
+        # only this user and root can.
+        library, problem = check_build(directory, ident)
         if library is None:
-            return None, (f"the build directory {directory} holds no module; delete it and run again "
-                          "to rebuild"), details
+            return None, f"the build in {directory} cannot be used: {problem[1]}; delete it to rebuild", details
         built_info = _read(directory / DONE)
         try:
             details["seconds"] = json.loads(built_info).get("seconds") if built_info else None
