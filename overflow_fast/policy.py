@@ -3,20 +3,21 @@
 an entry nearing its dtype's largest value, or underflowing to zeros and subnormals), and the
 line naming where the non-finite values were born. Pure host logic over frames' rows."""
 
+import collections
 import re
 
 import torch
 
 from . import report
 from .frames import BACKWARD
+from .options import validated
 from .report import TENSOR
 from .stats.layout import ABS_MAX, NAN, NEGINF, NUMEL, POSINF, SUBNORMAL, ZERO, decode_row
 
-ON_DETECT = ("raise", "warn", "record", "skip")
-DEFAULT_MAX_SKIPS = 10
 # Subnormals above this fraction of an entry's elements get an underflow line (with warn_above).
 SUBNORMAL_FRACTION = 0.5
 UNDERFLOW_EVERY = 100  # steps between two underflow lines of one module
+REMEMBERED_PASSES = 256  # passes that detected, kept to tell their later frames from a new detection
 
 
 def is_bad(row):
@@ -41,16 +42,10 @@ class Policy:
     Ignored entries keep their lines in frames but never count as a detection."""
 
     def __init__(self, on_detect="raise", ignore=(), warn_above=None, warn_gradients=False):
-        if not callable(on_detect) and on_detect not in ON_DETECT:
-            raise ValueError(f"on_detect must be one of {ON_DETECT} or a callable, got {on_detect!r}")
-        if isinstance(ignore, str):
-            ignore = [ignore]
-        ignore = list(ignore or ())
-        if not all(isinstance(p, str) for p in ignore):
-            raise TypeError("ignore must be a pattern or a list of patterns ('MODULE' or 'MODULE:ENTRY')")
-        if warn_above is not None:
-            if isinstance(warn_above, bool) or not isinstance(warn_above, (int, float)) or not 0 < warn_above <= 1:
-                raise ValueError(f"warn_above must be a fraction in (0, 1], got {warn_above!r}")
+        on_detect = validated("on_detect", on_detect)
+        ignore = list(validated("ignore", ignore))
+        warn_above = validated("warn_above", warn_above)
+        warn_gradients = validated("warn_gradients", warn_gradients)
         self.on_detect = on_detect
         self.warn_above = warn_above
         self.warn_gradients = bool(warn_gradients)
@@ -63,15 +58,20 @@ class Policy:
         self._reported = set()  # (module, entry) already reported with on_detect="warn"
         self._first_bad = None  # (frame, entries) of the first frame that counts, until ``conclude``
         self._report_due = False  # on_detect="warn": a (module, entry) not reported before
-        self._reported_pass = None  # not "raise": the pass (or "skip": the step) already detected
+        # not "raise": the passes (or "skip": the steps) that detected already, the latest last
+        # (several threads' passes can be open at once)
+        self._reported_passes = collections.OrderedDict()
 
-    def _pass_of(self, frame, batch, step):
-        return ("step", step) if self.on_detect == "skip" else (frame.phase, batch)
+    def _pass_of(self, frame, batch, step, pass_key):
+        if self.on_detect == "skip":
+            return ("step", step)
+        return (frame.phase, batch) if pass_key is None else pass_key
 
-    def check(self, frame, batch, step=None):
+    def check(self, frame, batch, step=None, pass_key=None):
         """``(lines, detected)``: the lines to print at once for ``frame`` (the reference's "has
         nans"/"has infs", the shards that hold them, early warnings) and whether one of its
-        entries counts as a detection. ``step``: the training step it belongs to ("skip")."""
+        entries counts as a detection. ``step``: the training step it belongs to ("skip");
+        ``pass_key``: the pass it belongs to (by default its phase and batch)."""
         lines = []
         detected = False
         for kind, ctx, payload in frame.entries:
@@ -79,7 +79,7 @@ class Policy:
                 continue
             if self.ignore and self.ignored(frame.module_name, ctx):
                 continue
-            if self.on_detect != "raise" and self._reported_pass == self._pass_of(frame, batch, step):
+            if self.on_detect != "raise" and self._pass_of(frame, batch, step, pass_key) in self._reported_passes:
                 self.new_reports(frame, [ctx])  # a consequence of what this pass reported
                 continue
             if self._first_bad is None:
@@ -101,7 +101,7 @@ class Policy:
             lines.extend(self.early_warnings(frame, batch, step))
         return lines, detected
 
-    def conclude(self, frame, batch, step=None):
+    def conclude(self, frame, batch, step=None, pass_key=None):
         """A detection ends at ``frame`` (of ``batch``): ``(detection, first_frame, bad, report_due)``,
         the detection as data, the first frame that counted and its entries, and whether a report
         is due (with "warn" only when an entry was new, never with "record"). Later frames of the
@@ -110,7 +110,9 @@ class Policy:
         self._first_bad = None
         report_due, self._report_due = self._report_due, False
         if self.on_detect != "raise":
-            self._reported_pass = self._pass_of(frame, batch, step)
+            self._reported_passes[self._pass_of(frame, batch, step, pass_key)] = None
+            while len(self._reported_passes) > REMEMBERED_PASSES:
+                self._reported_passes.popitem(last=False)
         detection = {"batch_number": batch, "phase": first_frame.phase, "module": first_frame.module_name,
                      "class": first_frame.class_name, "entries": bad}
         return detection, first_frame, bad, report_due

@@ -10,7 +10,8 @@ from torch import nn
 
 import models
 from compat import ReferenceDetector, capture, run
-from overflow_fast import DebugUnderflowOverflow
+from overflow_fast import DebugUnderflowOverflow, watch
+from overflow_fast.detector import WATCH_DEFAULTS
 
 CHECKS = ("module", "batch")
 NAN = float("nan")
@@ -182,3 +183,74 @@ def test_nested_model_outputs_are_opened_by_path(check):
         "1.00e+00 1.00e+00 output[hidden_states][hidden_states][0]",
         "3.00e+00 3.00e+00 output[hidden_states][hidden_states][1]",
     ]
+
+
+# -- every option is validated once, with a message naming it -----------------------------------------
+
+BAD_OPTIONS = [
+    ({"reuse_stats": "no"}, TypeError, "reuse_stats takes True or False"),
+    ({"kwargs": 1}, TypeError, "kwargs takes True or False"),
+    ({"containers": None}, TypeError, "containers takes True or False"),
+    ({"backward": "yes"}, TypeError, "backward takes True or False"),
+    ({"defer": 0}, TypeError, "defer takes True or False"),
+    ({"sync": "false"}, TypeError, "sync takes True or False"),
+    ({"warn_gradients": 1.0}, TypeError, "warn_gradients takes True or False"),
+    ({"ignore": 5}, TypeError, "ignore takes a pattern"),
+    ({"ignore": [b"attn"]}, TypeError, "ignore takes a pattern"),
+    ({"ignore": b"attn"}, TypeError, "ignore takes a pattern"),
+    ({"log": ""}, ValueError, "log takes a non-empty path"),
+    ({"log": ["run.jsonl", ""]}, ValueError, "log takes a non-empty path"),
+    ({"log": []}, ValueError, "log takes a path"),
+    ({"log": 3}, TypeError, "log takes a path"),
+    ({"log_every": 0}, ValueError, "log_every takes an int >= 1"),
+    ({"on_detect": "skipp"}, ValueError, "on_detect takes one of 'raise', 'warn', 'record', 'skip' or a callable"),
+    ({"on_detect": 3}, TypeError, "on_detect takes one of"),
+    ({"check": "Batch"}, ValueError, "check takes one of 'module', 'batch'"),
+    ({"check": None}, TypeError, "check takes one of"),
+    ({"warn_above": 1.5}, ValueError, r"warn_above takes a fraction in \(0, 1\]"),
+    ({"warn_above": "0.5"}, TypeError, "warn_above takes a fraction"),
+    ({"sync_timeout": -1}, ValueError, "sync_timeout takes a positive time"),
+    ({"sync_timeout": "10s"}, TypeError, "sync_timeout takes seconds"),
+    ({"max_skips": -1}, ValueError, "max_skips takes an int >= 0"),
+    ({"buffer_rows": 2.0}, ValueError, "buffer_rows takes an int >= 1"),
+    ({"backend": "gpu"}, ValueError, "backend takes one of"),
+    ({"no_such_option": 1}, TypeError, "no_such_option"),
+]
+
+
+def _integrations():
+    builders = {"DebugUnderflowOverflow": lambda options: DebugUnderflowOverflow(nn.Linear(2, 2), **options),
+                "watch": lambda options: watch(nn.Linear(2, 2), **options)}
+    try:
+        from overflow_fast.integrations import transformers as hf
+
+        builders["Trainer DetectorCallback"] = lambda options: hf.DetectorCallback(**options)
+        builders["use_in_trainer"] = lambda options: hf.use_in_trainer(**options).undo()
+    except ImportError:
+        pass
+    try:
+        from overflow_fast.integrations import lightning
+
+        builders["Lightning DetectorCallback"] = lambda options: lightning.DetectorCallback(**options)
+    except ImportError:
+        pass
+    return builders
+
+
+@pytest.mark.parametrize("build", sorted(_integrations()))
+@pytest.mark.parametrize("options, error, message", BAD_OPTIONS, ids=[str(o) for o, _, _ in BAD_OPTIONS])
+def test_a_bad_option_fails_when_it_is_given_with_a_message_naming_it(build, options, error, message):
+    with pytest.raises(error, match=message):
+        _integrations()[build](options)
+
+
+def test_watch_lists_every_option_in_its_signature():
+    import inspect
+
+    from overflow_fast.options import Options
+
+    detector = inspect.signature(DebugUnderflowOverflow).parameters
+    options = {field.name for field in dataclasses.fields(Options)}
+    assert set(inspect.signature(watch).parameters) - {"model"} == options == set(detector) - {"model"}
+    for name in options - set(WATCH_DEFAULTS):  # watch's own defaults aside, the drop-in's
+        assert inspect.signature(watch).parameters[name].default == detector[name].default, name

@@ -12,6 +12,7 @@ records carry the trainer's ``global_step`` and ``"train"`` or ``"eval"``.
 """
 
 from ..detector import WATCH_DEFAULTS, DebugUnderflowOverflow
+from ..options import Options
 
 try:
     import lightning.pytorch as pl
@@ -28,6 +29,7 @@ class DetectorCallback(pl.Callback):
 
     def __init__(self, **options):
         self.options = {**WATCH_DEFAULTS, **options}
+        Options.of(**self.options)  # a bad option fails here, not when fit() starts
         self.detector = None
 
     def on_fit_start(self, trainer, pl_module):

@@ -26,6 +26,7 @@ import transformers
 from transformers import Trainer, TrainerCallback
 
 from ..detector import WATCH_DEFAULTS, DebugUnderflowOverflow
+from ..options import Options, validated_flag
 
 __all__ = ["DetectorCallback", "TrainerPatch", "use_in_trainer"]
 
@@ -135,7 +136,8 @@ class DetectorCallback(TrainerCallback):
 
     def __init__(self, report_to=False, **detector_kwargs):
         self.detector_kwargs = {**WATCH_DEFAULTS, **detector_kwargs}
-        self.report_to = bool(report_to)
+        Options.of(**self.detector_kwargs)  # a bad option fails here, not when train() starts
+        self.report_to = validated_flag("report_to", report_to)
         self.detector = None
         self._steps = None
         _ensure_train_wrapper()
@@ -185,6 +187,7 @@ class TrainerPatch:
 
     def __init__(self, detector_kwargs):
         self.detector_kwargs = dict(detector_kwargs)
+        Options.of(**{**WATCH_DEFAULTS, **self.detector_kwargs})  # a bad option fails here
         self.detectors = []
         self._module = _trainer_module()
         _ensure_train_wrapper()
