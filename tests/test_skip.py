@@ -152,3 +152,146 @@ def test_skip_is_copied_with_the_model():
     before = [p.detach().clone() for p in twin.parameters()]
     capture(lambda: step(twin, optimizer, data(1, bad=(0,))[0]))
     assert all(torch.equal(a, b) for a, b in zip(before, twin.parameters()))
+
+
+# -- an exact no-op update: GradScaler, shared optimizers, copies -----------------------------------
+
+def scaled_run(bad, detector=None, set_to_none=True, zero_grad_after_forward=False, count=7):
+    """A float16-style loop with torch.amp.GradScaler on CPU: per step, (weights, optimizer state,
+    scale) after it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=2)
+    if detector is not None:
+        detector(model)
+    states = []
+    for x in data(count, bad=bad):
+        if not zero_grad_after_forward:
+            optimizer.zero_grad(set_to_none=set_to_none)
+        loss = model(x).square().mean()
+        if zero_grad_after_forward:
+            optimizer.zero_grad(set_to_none=set_to_none)
+        out, error = capture(lambda: scaler.scale(loss).backward(), catch=Exception)
+        assert error is None
+        out, error = capture(lambda: (scaler.step(optimizer), scaler.update()), catch=Exception)
+        assert error is None, error
+        states.append(([p.detach().clone() for p in model.parameters()],
+                       {k: v.clone() if torch.is_tensor(v) else v
+                        for s in optimizer.state.values() for k, v in s.items()}, scaler.get_scale()))
+    return states
+
+
+def same_states(a, b):
+    return len(a) == len(b) and all(
+        all(torch.equal(p, q) for p, q in zip(pa, pb)) and sa.keys() == sb.keys()
+        and all(torch.equal(torch.as_tensor(sa[k]), torch.as_tensor(sb[k])) for k in sa) and ga == gb
+        for (pa, sa, ga), (pb, sb, gb) in zip(a, b))
+
+
+@pytest.mark.parametrize("attach", [lambda m: watch(m, on_detect="skip"),
+                                    lambda m: DebugUnderflowOverflow(m, on_detect="skip"),
+                                    lambda m: DebugUnderflowOverflow(m, on_detect="skip", check="batch")],
+                         ids=["watch", "module", "batch"])
+@pytest.mark.parametrize("loop", [{}, {"set_to_none": False}, {"zero_grad_after_forward": True}],
+                         ids=["zero_grad", "zero_grad_to_zeros", "zero_grad_after_forward"])
+def test_with_a_grad_scaler_the_scaler_steps_and_scales_as_it_would_alone(attach, loop):
+    # the nan reaches the gradients: GradScaler itself skips those steps and halves its scale; the
+    # detector must neither crash scaler.step nor change what the scaler does, nor skip a later step
+    alone = scaled_run(bad=(2, 3), **loop)
+    assert alone[2][2] == alone[1][2] / 2  # the scaler found the inf and backed off
+    assert same_states(scaled_run(bad=(2, 3), detector=attach, **loop), alone)
+
+
+def test_a_skip_the_scaler_would_not_make_still_applies_no_update():
+    # a nan in the forward that never reaches the loss: the scaler would step; the detector skips,
+    # and the scaler's own bookkeeping goes on as with a finite step (its scale grows on schedule)
+    class MaskedNan(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 1)
+            self.poison = False
+
+        def forward(self, x):
+            side = x * NAN if self.poison else x  # computed, never used
+            return self.fc(x), side
+
+    def run_steps(attach, poison_at=None, leave_out=None):
+        torch.manual_seed(0)
+        model = MaskedNan()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=2)
+        if attach:
+            watch(model, on_detect="skip")
+        states = []
+        for index, x in enumerate(data(6, bad=())):
+            if index != leave_out:
+                model.poison = index == poison_at
+                optimizer.zero_grad()
+                capture(lambda: scaler.scale(model(x)[0].square().mean()).backward())
+                scaler.step(optimizer)
+                scaler.update()
+            states.append(([p.detach().clone() for p in model.parameters()],
+                           {k: v.clone() for s in optimizer.state.values() for k, v in s.items()},
+                           scaler.get_scale()))
+        return states
+
+    run = run_steps(True, poison_at=2)
+    updates = run_steps(False, leave_out=2)  # the weights and AdamW's state of a run without that update
+    scales = run_steps(False)  # the scaler saw finite gradients at every step
+    assert same_states([(p, st, None) for p, st, _ in run], [(p, st, None) for p, st, _ in updates])
+    assert [g for *_, g in run] == [g for *_, g in scales] and scales[-1][2] > scales[0][2]
+
+
+def shared_optimizer_run(attach, groups):
+    """Five steps of one AdamW over the watched model and another one, the third batch bad; the
+    control (``attach`` False) never runs that step at all."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    other = nn.Linear(4, 1)  # another model, stepped by the same optimizer
+    if groups:
+        optimizer = torch.optim.AdamW([{"params": model[0].parameters()}, {"params": model[2].parameters(), "lr": 0.01},
+                                       {"params": other.parameters(), "weight_decay": 0.5}], lr=0.1)
+    else:
+        optimizer = torch.optim.AdamW(list(model.parameters()) + list(other.parameters()), lr=0.1)
+    if attach:
+        DebugUnderflowOverflow(model, on_detect="skip", check="batch")
+    for index, x in enumerate(data(5, bad=(2,))):
+        if index == 2 and not attach:
+            continue
+        optimizer.zero_grad()
+        capture(lambda: (model(x).square().mean() + other(x).square().mean()).backward())
+        optimizer.step()
+    return (model, optimizer), other
+
+
+@pytest.mark.parametrize("groups", [False, True], ids=["one_group", "groups"])
+def test_a_skipped_step_leaves_every_parameter_of_the_optimizer_alone(groups):
+    run, run_other = shared_optimizer_run(True, groups)
+    control, control_other = shared_optimizer_run(False, groups)
+    # the other model's nan gradients were not applied, and AdamW's state (step counts, moments) is
+    # what it is in a run that never took that step
+    assert same_state(run, control)
+    assert all(torch.equal(p, q) for p, q in zip(run_other.parameters(), control_other.parameters()))
+    assert {int(state["step"]) for state in run[1].state.values()} == {4}
+
+
+def test_copies_of_a_skipping_model_hold_no_process_wide_hook_and_are_freed():
+    import gc
+    import weakref
+
+    from torch.optim import optimizer as optim_module
+
+    def process_hooks():
+        return len(optim_module._global_optimizer_pre_hooks) + len(optim_module._global_optimizer_post_hooks)
+
+    before = process_hooks()
+    model, _ = model_and_optimizer()
+    detector = DebugUnderflowOverflow(model, on_detect="skip")
+    with_one = process_hooks()
+    copies = [weakref.ref(copy.deepcopy(model)) for _ in range(30)]
+    gc.collect()
+    assert all(ref() is None for ref in copies)  # every copy was freed
+    assert process_hooks() == with_one <= before + 2
+    detector.remove()
+    assert process_hooks() == before
