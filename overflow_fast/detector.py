@@ -4,10 +4,18 @@ call, and the last frames are printed when a nan/inf appears.
 It reproduces transformers' detector byte for byte, but each call's tensors are read by one
 ``tensor_stats`` call in the hook (``reads``), the ring keeps raw numbers (text is built only when
 printed), and with ``check="batch"`` no hook waits for the device: the rows are brought to the
-host once, when the outermost hooked call returns, and the calls are then replayed through the
-reference's state machine (``reference``) in order.
+host once, when the pass ends, and the calls are then replayed through the reference's state
+machine (``reference``) in order.
+
+A pass is the unit whose calls are decided together:
+- a forward pass: the outermost hooked call on one thread, until it returns (each thread has its
+  own, so threads driving one model never decide, or reset, each other's calls);
+- the backward pass: every call made while autograd runs a backward (gradient frames, and the
+  forwards that activation checkpointing recomputes), decided when that backward ends, before
+  ``backward()`` returns and so before any optimizer step.
 """
 
+import itertools
 import operator
 import sys
 import threading
@@ -15,25 +23,26 @@ import warnings
 
 import torch
 from torch.compiler import is_compiling
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from . import distributed, report
 from .flight import StepLog
-from .frames import BACKWARD, FORWARD, Frame, class_name, entries_of, forward_items
+from .frames import BACKWARD, FORWARD, Frame, class_name, entries_of, forward_items, transform_level
 from .gradients import GradientHooks
-from .policy import DEFAULT_MAX_SKIPS, Policy, is_bad, source_line
-from .reads import DEFAULT_DEFER_BYTES, Reads, may_wait
+from .options import DEFAULT_BUFFER_ROWS, DEFAULT_DEFER_BYTES, DEFAULT_MAX_SKIPS, Options
+from .policy import Policy, is_bad, source_line
+from .reads import Reads, may_wait
 from .reference import ReferenceState
 from .report import NONE, NOT_A_TENSOR, UNREADABLE
+from .skip import SkipStep
 from .stats import tensor_stats, unreadable_reason
-from .stats.dispatch import backend_status, check_backend_name, requested_backend
+from .stats.dispatch import backend_status, requested_backend
 
-CHECK_MODES = ("module", "batch")
-DEFAULT_BUFFER_ROWS = 1 << 16
 _graph_task_id = torch._C._current_graph_task_id  # -1 outside a backward pass
 _NO_ROWS = (None, [], None)
-_RUNTIME = ("_reads", "_queue", "_running", "_lock", "_traced", "_spent", "_stop_pending", "_deciding",
-            "_backward_flush_task", "_agreement", "_agreements", "_skipping", "_skips_in_a_row", "_optimizer_hooks")
+try:  # how non-reentrant activation checkpointing stops a recompute early: control flow, not an error
+    from torch.utils.checkpoint import _StopRecomputationError as _STOP_RECOMPUTATION
+except ImportError:
+    _STOP_RECOMPUTATION = ()
 
 
 class OverflowDetected(ValueError):
@@ -79,50 +88,122 @@ def _print(text):
     print(distributed.with_prefix(text, distributed.rank_prefix()), flush=True)
 
 
-class _Running(threading.local):
-    """Per thread, the hooked calls running: for each, its module and the exception being handled
-    when it started (a post hook that sees another one runs because the call raised)."""
+class _Pass:
+    """The calls of one pass waiting for their decision, and the rows that hold their statistics."""
+
+    __slots__ = ("reads", "queue", "serial", "stop_pending", "deciding")
+
+    def __init__(self, reads, serial):
+        self.reads = reads
+        self.queue = []  # _Pending calls, in hook order
+        self.serial = serial  # None for the backward pass
+        self.stop_pending = None  # (detection, frames): this rank detected; the error waits for the agreement
+        self.deciding = False  # the pass is ending: a detection now waits for its agreement
+
+    def key(self, batch):
+        """Which pass a detection belongs to (later frames of the same pass only pass the values on)."""
+        return ("forward", self.serial) if self.serial is not None else ("backward", batch)
+
+
+class _Pending:
+    """One hook call waiting for its rows: what the reference's counters said (``call``), its
+    module, entries and dtypes, where its rows are (``sources``), its phase, and for an output
+    gradient the modules whose backward produced it."""
+
+    __slots__ = ("call", "module", "entries", "dtypes", "sources", "phase", "consumers")
+
+    def __init__(self, call, module, entries, dtypes, sources, phase, consumers):
+        self.call = call
+        self.module = module
+        self.entries = entries
+        self.dtypes = dtypes
+        self.sources = sources
+        self.phase = phase
+        self.consumers = consumers
+
+
+class _ThreadState(threading.local):
+    """Per thread: the hooked calls running (each with the exception being handled when it started:
+    a post hook that sees another one runs because the call raised) and its forward pass."""
 
     def __init__(self):
         self.calls = []
+        self.forward = None
+
+
+class _Runtime:
+    """What a detector holds while it runs, never carried by a copy or a pickle (they make their own)."""
+
+    def __init__(self, detector):
+        options = detector.options
+        self.lock = threading.RLock()  # hooks may run on several threads
+        self.thread = _ThreadState()
+        self.backward = None  # the backward pass, while it has calls
+        self.open = []  # every pass with calls (remove() decides them)
+        self.idle_reads = []  # rows of ended passes, reused by the next ones
+        self.serials = itertools.count()
+        self.new_reads = lambda: Reads(detector.backend, options.buffer_rows, options.reuse_stats, options.stage_bytes)
+        self.apart = None  # the Reads of calls read on their own (create_frame)
+        self.traced = []  # records of hooks traced by torch.compile, not replayed yet (its identity is a guard)
+        # the last clean pass's calls, freed when the next pass begins (not between a forward's
+        # read and its backward: on a GPU the device would idle that long)
+        self.spent = None
+        self.flush_task = None  # the backward (graph task) whose end will decide the backward pass
+        self.agreement = None  # with the other ranks (made when first needed, if not at construction)
+        self.agreements = 0  # agreement points reached: their sequence numbers
+        self.skip = SkipStep(detector.model, options.max_skips) if options.on_detect == "skip" else None
+
+    def open_pass(self, serial):
+        reads = self.idle_reads.pop() if self.idle_reads else self.new_reads()
+        opened = _Pass(reads, serial)
+        self.open.append(opened)
+        return opened
+
+    def close_pass(self, ended):
+        """Free an ended pass's rows (after its calls were replayed)."""
+        if ended.reads is None:
+            return
+        ended.reads.reset()
+        if ended in self.open:
+            self.open.remove(ended)
+            self.idle_reads.append(ended.reads)
+        ended.reads = None  # closed: a thread that still holds it opens a new one
+        if self.thread.forward is ended:
+            self.thread.forward = None
+        if self.backward is ended:
+            self.backward = None
+
+    def forward_pass(self):
+        current = self.thread.forward
+        if current is None or current.reads is None:
+            current = self.thread.forward = self.open_pass(next(self.serials))
+        return current
+
+    def backward_pass(self):
+        if self.backward is None:
+            self.backward = self.open_pass(None)
+        return self.backward
 
 
 class DebugUnderflowOverflow:
     """Detect the first inf/nan in a model's weights, inputs and outputs, and print the frames
     that led to it. Same arguments, attributes, text and errors as
-    ``transformers.debug_utils.DebugUnderflowOverflow``, plus:
+    ``transformers.debug_utils.DebugUnderflowOverflow``, plus the options of ``docs/options.md``
+    (all off by default; ``watch()`` turns on the recommended ones):
 
     - ``check="module"`` (default) decides at each module, as the reference does, with one host
       read per hook; ``check="batch"`` never waits for the device in a hook and decides when the
-      outermost hooked call returns (the model's forward, or each top-level submodule's when
-      ``model.forward`` runs them directly), printing exactly the same report.
-    - ``backend``: the ``tensor_stats`` backend (None picks the fastest per device).
-    - ``reuse_stats``: within one pass, a tensor already read and unchanged (the same object, its
-      version counter and data pointer unchanged: one module's output is the next one's input) is
-      not read again. Writes that bypass the version counter (``.data``, custom kernels) between
-      two hooks that see the same tensor are then not seen by the second: turn it off for those.
-    - ``buffer_rows``: rows of a device's buffer of statistics (read early when full).
-    - ``defer`` (check="batch", accelerators; off by default): a forward hook's tensors may wait
-      and be read together at the end of the pass. It can miss: see ``overflow_fast.reads``.
-      ``stage_bytes`` bounds the bytes that only deferral keeps alive.
-    - ``kwargs``: keyword tensor inputs get lines too (``input[hidden_states]``); the reference
-      sees positional inputs only.
-    - ``containers``: tensors inside dicts, lists, ModelOutputs, dataclasses and nested tuples get
-      lines named by their path (``output[loss]``) instead of one ``not a tensor`` line.
-    - ``backward``: gradient frames (``overflow_fast.gradients``), decided before ``backward()``
-      returns.
+      pass ends, printing exactly the same report.
+    - ``backend``, ``buffer_rows``, ``reuse_stats``, ``defer``, ``stage_bytes``: how tensors are read
+      (``overflow_fast.reads``).
+    - ``kwargs``, ``containers``: keyword tensor inputs and tensors inside containers get lines.
+    - ``backward``: gradient frames (``overflow_fast.gradients``), decided before ``backward()`` returns.
     - ``on_detect``, ``ignore``, ``warn_above``, ``warn_gradients``: ``overflow_fast.policy``;
-      ``sync``, ``sync_timeout``: ``overflow_fast.distributed``.
-    - ``log``, ``log_every``: the flight recorder (``overflow_fast.flight``): a JSONL path, a
-      TensorBoard ``SummaryWriter``, a W&B run, or a list of them.
-    - ``on_detect="skip"``: a step in which a nan/inf appears (forward or gradients) applies no
-      update: its report is printed once, it is recorded once, every gradient of the model is
-      dropped (set to None: as it is accumulated, when the backward pass ends and right before
-      any ``torch.optim`` optimizer holding them steps), so the optimizer changes neither weights
-      nor state, and training goes on; after ``max_skips`` skipped steps in a row it raises as
-      "raise" does. A step ends when such an optimizer steps.
+      ``on_detect="skip"`` and ``max_skips``: ``overflow_fast.skip``.
+    - ``sync``, ``sync_timeout``: ``overflow_fast.distributed``.
+    - ``log``, ``log_every``: the flight recorder (``overflow_fast.flight``).
     - ``set_step(global_step, mode)``: the trainer's optimizer step and "train"/"eval", carried by
-      detections, errors and records (the integrations call it).
+      detections, errors, records and the report's ``Step:`` line (the integrations call it).
     - ``remove()`` and use as a context manager take the hooks off again.
     """
 
@@ -134,84 +215,43 @@ class DebugUnderflowOverflow:
                  warn_gradients=False):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        # The reference takes whatever its deque, `in` and `>` take: None (an unbounded ring),
-        # numpy integers, 0-dim integer tensors, any container of batch numbers.
-        if max_frames_to_save is not None:
-            max_frames_to_save = _integer(max_frames_to_save, "max_frames_to_save", "an int or None")
-            if max_frames_to_save < 0:
-                raise ValueError(f"max_frames_to_save must be >= 0, got {max_frames_to_save}")
-        if trace_batch_nums is None:
-            trace_batch_nums = []
-        if isinstance(trace_batch_nums, (str, bytes)) or not (
-                hasattr(trace_batch_nums, "__contains__") or hasattr(trace_batch_nums, "__iter__")):
-            raise TypeError(
-                f"trace_batch_nums must be a container of batch numbers, got {type(trace_batch_nums).__name__}"
-            )
-        self._abort_after = None
-        if abort_after_batch_num is not None:
-            self._abort_after = _integer(abort_after_batch_num, "abort_after_batch_num", "an integer or None")
-        if check not in CHECK_MODES:
-            raise ValueError(f"check must be one of {CHECK_MODES}, got {check!r}")
-        for name, value, least in (("buffer_rows", buffer_rows, 1), ("stage_bytes", stage_bytes, 0),
-                                   ("max_skips", max_skips, 0)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
-
+        options = Options.of(
+            max_frames_to_save=max_frames_to_save, trace_batch_nums=trace_batch_nums,
+            abort_after_batch_num=abort_after_batch_num, check=check, backend=backend, buffer_rows=buffer_rows,
+            reuse_stats=reuse_stats, kwargs=kwargs, containers=containers, backward=backward,
+            on_detect=on_detect, ignore=ignore, warn_above=warn_above, sync=sync, sync_timeout=sync_timeout,
+            log=log, log_every=log_every, defer=defer, stage_bytes=stage_bytes, max_skips=max_skips,
+            warn_gradients=warn_gradients)
+        self.options = options
         self.model = model
-        self.trace_batch_nums = trace_batch_nums
-        self.abort_after_batch_num = abort_after_batch_num
+        self.trace_batch_nums = options.trace_batch_nums
+        self.abort_after_batch_num = options.abort_after_batch_num
+        self._abort_after = None if abort_after_batch_num is None else int(abort_after_batch_num)
         self.prefix = report.PREFIX
-        self.check = check
-        self.backend = _usable_backend(backend)
-        self.reuse_stats = bool(reuse_stats)
-        self.defer = bool(defer) and check == "batch"
-        self.kwargs = bool(kwargs)
-        self.containers = bool(containers)
-        self.backward = bool(backward)
-        self._policy = Policy(on_detect, ignore, warn_above, warn_gradients)
-        self.max_skips = max_skips
+        self.check = options.check
+        self.backend = _usable_backend(options.backend)
+        self.reuse_stats = options.reuse_stats
+        self.defer = options.defer and options.check == "batch"
+        self.kwargs = options.kwargs
+        self.containers = options.containers
+        self.backward = options.backward
+        self.max_skips = options.max_skips
+        self.sync = options.sync
+        self.sync_timeout = options.sync_timeout
+        self._policy = Policy(options.on_detect, options.ignore, options.warn_above, options.warn_gradients)
         self.global_step = None  # the trainer's optimizer step, where known (set_step)
         self.mode = None  # "train" or "eval", where known
-        # beyond the drop-in, a report ends with the line saying where the values were born
-        self._explain = self.kwargs or self.containers or self.backward
         self.detections = []  # what was detected: batch_number, phase, module, class, entries
-        # under torch.distributed: every rank stops together at the end of the pass in which any
-        # rank detected (see overflow_fast.distributed for the hazards)
-        self.sync = bool(sync)
-        self.sync_timeout = sync_timeout
-        self._log = StepLog(log, log_every) if log is not None else None  # the flight recorder
-        self._state = ReferenceState(max_frames_to_save, trace_batch_nums)
-        self._buffer_rows = buffer_rows
-        self._stage_bytes = stage_bytes
+        self._log = StepLog(options.log, options.log_every) if options.log is not None else None
+        self._state = ReferenceState(options.max_frames_to_save, options.trace_batch_nums)
         self._handles = []
         self._gradients = None
-        self._new_runtime()
+        self._run = _Runtime(self)
         if self._sync_wanted():
             # collective: every rank builds its detector here; a rank alone fails here, in time
-            self._agreement = distributed.Agreement(timeout=sync_timeout)
+            self._run.agreement = distributed.Agreement(timeout=self.sync_timeout)
         self.analyse_model()
         self.register_forward_hook()
-
-    def _new_runtime(self):
-        """What a detector holds while it runs (not carried by a copy or a pickle)."""
-        self._reads = Reads(self.backend, self._buffer_rows, self.reuse_stats, self._stage_bytes)
-        self._queue = []  # calls waiting for their rows: (call, module, entries, dtypes, sources, phase, consumers)
-        self._running = _Running()
-        self._lock = threading.RLock()  # hooks may run on several threads
-        self._traced = []  # records of hooks traced by torch.compile, not replayed yet
-        self._spent = None  # the last clean read's calls, freed when the next pass begins (not between
-        # a forward's read and its backward: on a GPU the device would idle that long)
-        self._stop_pending = False  # this rank detected; the error waits for the agreement
-        self._deciding = False  # a pass is ending: a detection now waits for its agreement
-        self._backward_flush_task = None  # the backward pass whose end will flush
-        self._agreement = None  # with the other ranks (made when first needed, if not at construction)
-        self._agreements = 0  # agreement points reached: their sequence numbers
-        self._skipping = False  # on_detect="skip": this step applies no update
-        self._skips_in_a_row = 0
-        self._optimizer_hooks = []
-        if self._policy.on_detect == "skip":
-            self._optimizer_hooks = [register_optimizer_step_pre_hook(self._before_step),
-                                     register_optimizer_step_post_hook(self._after_step)]
 
     # -- the reference's attributes (its state machine's) -------------------------------------
 
@@ -276,18 +316,16 @@ class DebugUnderflowOverflow:
     def create_frame(self, module, input, output):
         """Build, check and save the frame of one hook call right away (one host read)."""
         entries, tensors, dtypes = entries_of(forward_items(module, input, output))
-        sources = self._reads.read_apart(tensors) if tensors else _NO_ROWS
-        self._save(self._frame(module, entries, dtypes, FORWARD, None, sources))
+        with self._run.lock:
+            if self._run.apart is None:
+                self._run.apart = self._run.new_reads()
+            sources = self._run.apart.read_apart(tensors) if tensors else _NO_ROWS
+            self._save(None, self._frame(self._run.apart, module, entries, dtypes, FORWARD, None, sources))
 
     def register_forward_hook(self):
         self.model.apply(self._register_forward_hook)
         if self.backward:
             self._gradients = GradientHooks(self.model, self.module_names, self._gradient_hook)
-        if self._policy.on_detect == "skip":
-            # a skipped step's gradients are dropped as they are accumulated (after the gradient
-            # frames read them), whatever runs the backward: an optimizer's closure included
-            self._handles.extend(p.register_post_accumulate_grad_hook(self._drop_if_skipping)
-                                 for p in self.model.parameters() if p.requires_grad)
 
     def _register_forward_hook(self, module):
         # A module shared by two parents is visited twice and so hooked twice, like the reference.
@@ -311,20 +349,22 @@ class DebugUnderflowOverflow:
 
     def remove(self):
         """Take every hook off the model, after deciding on any call still pending."""
-        with self._lock:
+        run = self._run
+        with run.lock:
             handles, self._handles = self._handles, []
             for handle in handles:
                 handle.remove()
             if self._gradients is not None:
                 self._gradients.remove()
-            for handle in self._optimizer_hooks:
-                handle.remove()
-            self._running = _Running()  # calls running now will never end a pass
+            if run.skip is not None:
+                run.skip.close()
+            run.thread = _ThreadState()  # calls running now will never end a pass
             try:
                 self.flush()  # its records and detection still reach the log
             finally:
-                self._reads.reset()
-                self._spent = None
+                for pending in list(run.open):
+                    run.close_pass(pending)
+                run.spent = None
                 if self._log is not None:
                     self._log.close()
 
@@ -343,33 +383,20 @@ class DebugUnderflowOverflow:
     def __getstate__(self):
         # deepcopy(model) and torch.save(model) reach the detector through the model's hooks:
         # carry the configuration and the ring, not device buffers, pending calls or a lock
-        state = {name: value for name, value in self.__dict__.items() if name not in _RUNTIME}
+        state = {name: value for name, value in self.__dict__.items() if name != "_run"}
         state["_log"] = None  # a copy does not write into the original's log
         return state
 
     def __setstate__(self, state):
         self.__dict__.update(state)
-        self._new_runtime()
+        self._run = _Runtime(self)
 
     def flush(self):
-        """Read the pending statistics (one host read per device) and replay their calls in order.
-
-        Raises the reference's ValueError if one of them holds a nan/inf.
-        """
-        with self._lock:
-            queue, self._queue = self._queue, []
-            if not queue:
-                return
-            nonfinite = self._reads.read()
-            if not (nonfinite or self._log is not None or self._policy.warn_above is not None
-                    or self.detected_overflow or any(record[0].trace_mode for record in queue)):
-                self._replay_finite(queue)
-                self._spent = queue
-                return
-            for record in queue:
-                if self._stop_pending:
-                    break  # this rank reported; the calls after the detection never happened
-                self._replay(record)  # raises at the first bad call: those after it never happened
+        """Read the pending statistics of every pass (one host read per device) and replay their
+        calls in order. Raises the reference's ValueError if one of them holds a nan/inf."""
+        with self._run.lock:
+            for pending in list(self._run.open):
+                self._flush(pending)
 
     def set_step(self, global_step=None, mode=None):
         """What runs next belongs to the trainer's optimizer step ``global_step`` (an int) and to
@@ -380,45 +407,25 @@ class DebugUnderflowOverflow:
                 raise ValueError(f"global_step must be >= 0, got {global_step}")
         if mode not in (None, "train", "eval"):
             raise ValueError(f"mode must be 'train', 'eval' or None, got {mode!r}")
-        with self._lock:
+        with self._run.lock:
+            skip = self._run.skip
+            if skip is not None and skip.skipping and global_step is not None and global_step != self.global_step:
+                skip.end()  # the trainer moved on: the skipped step is over (its scaler may have skipped it)
             self.global_step, self.mode = global_step, mode
 
-    # -- on_detect="skip": a bad step applies no update ----------------------------------------
-
-    def _drop_if_skipping(self, parameter):
-        if self._skipping:
-            parameter.grad = None
-
-    def _drop_gradients(self):
-        for parameter in self.model.parameters():
-            parameter.grad = None
-
-    def _holds_parameters(self, optimizer):
-        ours = {id(p) for p in self.model.parameters()}
-        return any(id(p) in ours for group in optimizer.param_groups for p in group["params"])
-
-    def _before_step(self, optimizer, args, kwargs):
-        if self._skipping and self._holds_parameters(optimizer):
-            self._drop_gradients()
-
-    def _after_step(self, optimizer, args, kwargs):
-        if self._holds_parameters(optimizer):
-            with self._lock:
-                self._skips_in_a_row = self._skips_in_a_row + 1 if self._skipping else 0
-                self._skipping = False
-
-    # -- passes: the outermost hooked call on a thread, and backward ---------------------------
+    # -- passes -----------------------------------------------------------------------------
 
     def _before(self, module, args):
         if is_compiling():
             return
-        running = self._running.calls
-        if not running:
-            with self._lock:
-                self._spent = None
+        thread = self._run.thread
+        calls = thread.calls
+        if not calls and _graph_task_id() == -1:
+            with self._run.lock:
+                self._run.spent = None
                 if module is self.model and self._gradients is not None:
                     self._gradients.new_forward()
-        running.append((module, sys.exc_info()[1]))
+        calls.append((module, sys.exc_info()[1]))
 
     def _after(self, module, input, output):
         self._after_with_kwargs(module, input, None, output)
@@ -434,152 +441,184 @@ class DebugUnderflowOverflow:
     def _after_with_kwargs(self, module, input, kwargs, output):
         if is_compiling():
             return self._traced_hook(module, input, output, kwargs)
-        running = self._running.calls
+        calls = self._run.thread.calls
         # no entry of its own: its pre hook did not run (another one before it raised, or the
         # detector was attached during the call)
-        ambient = running.pop()[1] if running and running[-1][0] is module else None
+        ambient = calls.pop()[1] if calls and calls[-1][0] is module else None
         error = sys.exc_info()[1]
         raised = error is not None and error is not ambient  # run by torch because the call raised
-        with self._lock:
+        if _graph_task_id() != -1:
+            # recomputed in backward (activation checkpointing): the backward pass decides it
+            if not raised:
+                with self._run.lock, _functorch_off(transform_level() is not None) as transformed:
+                    self._forward_call(self._run.backward_pass(), module, input, output, kwargs, True, transformed)
+            return
+        with self._run.lock, _functorch_off(transform_level() is not None) as transformed:
+            current = self._run.forward_pass()
             try:
                 if not raised:
-                    self._forward_call(module, input, output, kwargs)
+                    self._forward_call(current, module, input, output, kwargs, False, transformed)
             except BaseException as failure:
-                if not running:
-                    self._end_pass(failure)
+                if not calls:
+                    self._end_forward(current, failure)
                 raise
-            if not running:
-                self._end_pass(error if raised else None)
+            if not calls:
+                self._end_forward(current, error if raised else None)
 
-    def _end_pass(self, error):
+    def _end_forward(self, ended, error):
         """The outermost hooked call returned (or raised ``error``): decide on its calls, then
         (under torch.distributed) agree with the other ranks."""
-        self._deciding = True
+        ended.deciding = True
         try:
             if isinstance(error, OverflowDetected):
-                self._queue = []  # reported already, here or by another detector on this model
+                ended.queue = []  # reported already, here or by another detector on this model
             else:
                 try:
-                    self.flush()
+                    self._flush(ended)
                 except ValueError:
-                    if error is None:
+                    if error is None or isinstance(error, _STOP_RECOMPUTATION):
                         raise
                     # torch silences (with a warning) what a hook raises here: annotate its error
                     if hasattr(error, "add_note"):
                         error.add_note("overflow_fast: an inf/nan was detected earlier in this forward; "
                                        "its report is printed above")
         finally:
-            self._deciding = False
-            self._reads.reset()
+            ended.deciding = False
+            self._run.close_pass(ended)
             if self._sync_wanted():
-                self._agree(FORWARD)
+                self._agree(ended, FORWARD)
 
     def _gradient_hook(self, module, items, consumers):
-        with self._lock:
-            if self._stop_pending:
+        with self._run.lock, _functorch_off(transform_level() is not None) as transformed:
+            current = self._run.backward_pass()
+            if current.stop_pending:
                 return
-            entries, tensors, dtypes = entries_of(items)
-            self._add(self._state.count_backward(), module, entries, dtypes, tensors, BACKWARD, consumers)
-            if self.check == "batch" or self._sync_wanted():
-                self._flush_when_backward_ends()
+            entries, tensors, dtypes = entries_of(items, transformed)
+            self._add(current, self._state.count_backward(), module, entries, dtypes, tensors, BACKWARD, consumers)
+            self._decide_when_backward_ends()
 
-    def _flush_when_backward_ends(self):
-        """Decide when the backward pass ends, before ``backward()`` returns and so before the
-        optimizer step."""
-        task = _graph_task_id()
-        if self._backward_flush_task == task:
+    def _decide_when_backward_ends(self):
+        """Decide the backward pass when this backward ends, before ``backward()`` returns and so
+        before the optimizer step."""
+        if not (self.check == "batch" or self._sync_wanted()):
             return
-        self._backward_flush_task = task
-        torch.autograd.Variable._execution_engine.queue_callback(self._flush_after_backward)
+        task = _graph_task_id()
+        if self._run.flush_task == task:
+            return
+        self._run.flush_task = task
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
-    def _flush_after_backward(self):
-        with self._lock:
-            self._backward_flush_task = None
-            self._deciding = True
+    def _end_backward(self):
+        run = self._run
+        with run.lock:
+            run.flush_task = None
+            ended = run.backward_pass()
+            ended.deciding = True
             try:
-                self.flush()
+                self._flush(ended)
             finally:
-                self._deciding = False
-                self._reads.reset()
+                ended.deciding = False
+                run.close_pass(ended)
                 if self._sync_wanted():
-                    self._agree(BACKWARD)
-            if self._skipping:
-                self._drop_gradients()
+                    self._agree(ended, BACKWARD)
 
     def _sync_wanted(self):
         """Whether this detector's decisions are agreed between ranks (see overflow_fast.distributed)."""
         return (self.sync and self._policy.on_detect in ("raise", "skip") and distributed.world() is not None
                 and not distributed.is_local_only())
 
-    def _agree(self, phase):
+    def _agree(self, ended, phase):
         """One small collective on a process group of its own: every rank learns which ranks
         detected; all raise together (with on_detect="skip": all skip the step together). Its
         sequence number counts the agreement points and tells a forward's from a backward's, so
         ranks that meet at different points (uneven forwards, a backward one rank skipped after
         its forward raised) get an error naming them, never a decision."""
-        pending, self._stop_pending = self._stop_pending, False
-        if self._agreement is None:
-            self._agreement = distributed.Agreement(timeout=self.sync_timeout)
-        self._agreements += 1
-        seq = 2 * self._agreements + (phase == BACKWARD)
-        ranks = self._agreement.agree(bool(pending) or self._skipping, seq=seq)
-        if ranks and not pending and self._policy.on_detect == "skip":
-            self._skipping = True
+        pending, ended.stop_pending = ended.stop_pending, None
+        run = self._run
+        if run.agreement is None:
+            run.agreement = distributed.Agreement(timeout=self.sync_timeout)
+        run.agreements += 1
+        seq = 2 * run.agreements + (phase == BACKWARD)
+        skipping = run.skip is not None and run.skip.skipping
+        ranks = run.agreement.agree(bool(pending) or skipping, seq=seq)
+        if ranks and not pending and run.skip is not None:
+            run.skip.begin()
         elif ranks:
             self.detected_overflow = True
             raise OverflowDetectedOnRanks(ranks, distributed.world()[1], *(pending or ()))
 
     # -- one hook call ----------------------------------------------------------------------
 
-    def _forward_call(self, module, input, output, kwargs=None):
-        if self._traced:
-            self._absorb_traced()  # a compiled region ran before this call
-        if self._stop_pending:
+    def _forward_call(self, current, module, input, output, kwargs, recomputed, transformed):
+        if self._run.traced:
+            self._absorb_traced(current)  # a compiled region ran before this call
+        if current.stop_pending:
             return  # this rank reported; it stops with the others when the pass ends
-        entries, tensors, dtypes = entries_of(forward_items(module, input, output, kwargs, self.containers))
-        call = self._state.count(module is self.model)
-        if self._gradients is not None:
+        entries, tensors, dtypes = entries_of(forward_items(module, input, output, kwargs, self.containers),
+                                              transformed)
+        call = self._state.count(module is self.model, recomputed)
+        if self._gradients is not None and not transformed:  # torch.func takes gradients functionally
             self._gradients.watch_outputs(module, entries, tensors)
-        self._add(call, module, entries, dtypes, tensors, FORWARD)
+        self._add(current, call, module, entries, dtypes, tensors, FORWARD)
+        if recomputed:
+            self._decide_when_backward_ends()
         if self._abort_after is not None and self.batch_number > self._abort_after:
-            self.flush()
+            self._flush(current)
             raise ValueError(report.abort_error(self.batch_number, self.abort_after_batch_num))
 
-    def _add(self, call, module, entries, dtypes, tensors, phase, consumers=None):
+    def _add(self, current, call, module, entries, dtypes, tensors, phase, consumers=None):
         """Read a call's tensors (or let them wait, see ``reads``) and queue the call; decide now
         with check="module", in a traced batch and after a detection."""
         now = self._decides_now(call)
         if not tensors:
             sources = _NO_ROWS
         else:
+            reads = current.reads
             site = id(module) if self.defer and not now and may_wait(True, phase, call.trace_mode, tensors) else -1
-            sources = self._reads.add(tensors, site)
+            sources = reads.add(tensors, site)
             if sources is None:  # the buffer is full: what waits is decided now
-                self.flush()
-                self._reads.reset()
-                sources = self._reads.add(tensors, site)
-        self._queue.append((call, module, entries, dtypes, sources, phase, consumers))
-        if now or len(self._queue) >= self._buffer_rows:
-            self.flush()
+                self._flush(current)
+                reads.reset()
+                sources = reads.add(tensors, site)
+        current.queue.append(_Pending(call, module, entries, dtypes, sources, phase, consumers))
+        if now or len(current.queue) >= self.options.buffer_rows:
+            self._flush(current)
 
     def _decides_now(self, call):
         """Whether a call is decided at once: with check="module", in a traced batch, after a detection."""
         return self.check == "module" or call.trace_mode or self.detected_overflow
 
-    def _frame(self, module, entries, dtypes, phase, consumers, sources):
+    def _flush(self, current):
+        """Read a pass's pending statistics (one host read per device) and replay its calls in
+        order; raises the reference's ValueError at the first that holds a nan/inf."""
+        queue, current.queue = current.queue, []
+        if not queue:
+            return
+        nonfinite = current.reads.read()
+        if not (nonfinite or self._log is not None or self._policy.warn_above is not None
+                or self.detected_overflow or any(pending.call.trace_mode for pending in queue)):
+            self._replay_finite(current, queue)
+            self._run.spent = queue
+            return
+        for pending in queue:
+            if current.stop_pending:
+                break  # this rank reported; the calls after the detection never happened
+            self._replay(current, pending)  # raises at the first bad call: those after it never happened
+
+    def _frame(self, reads, module, entries, dtypes, phase, consumers, sources):
         frame = Frame(self.module_names.get(module, "?"), class_name(module), entries, dtypes, phase, consumers)
-        self._reads.resolve(frame, sources)
+        reads.resolve(frame, sources)
         return frame
 
-    def _replay(self, record):
+    def _replay(self, current, pending):
         """The reference's bookkeeping for one call whose rows are on the host."""
-        call, module, entries, dtypes, sources, phase, consumers = record
-        frame = self._frame(module, entries, dtypes, phase, consumers, sources)
+        call = pending.call
+        frame = self._frame(current.reads, pending.module, pending.entries, pending.dtypes, pending.phase,
+                            pending.consumers, pending.sources)
         state = self._state
         state.open(call)
-        # the batch a frame belongs to: a backward pass runs after its forward counted the batch
-        batch = call.batch_before - 1 if phase == BACKWARD else call.batch_before
-        self._save(frame, batch)
+        batch = call.batch_before  # a backward frame's call was counted with its forward's batch
+        self._save(current, frame, batch)
         if self._log is not None:
             self._log.frame(frame, batch, self.global_step, self.mode)
         if call.trace_mode:
@@ -590,26 +629,28 @@ class DebugUnderflowOverflow:
         if state.detected_overflow and not call.trace_mode:
             if self._policy.on_detect == "raise":
                 state.rewind(call)  # later calls may have run: they never happened
-            self._detected(frame, batch, call.batch_after)
+            self._detected(current, frame, batch, call.batch_after)
 
-    def _replay_finite(self, queue):
+    def _replay_finite(self, current, queue):
         """``_replay`` of calls none of whose rows counts a nan/inf, with nothing to trace, warn or
         log: only the ring and the waiting batch lines change, and the ring keeps the last frames
         alone, so only those are made."""
         state = self._state
         keep = state.frames.maxlen
         first_kept = 0 if keep is None else len(queue) - keep
-        for index, (call, module, entries, dtypes, sources, phase, consumers) in enumerate(queue):
-            state.open(call)
+        for index, pending in enumerate(queue):
+            state.open(pending.call)
             if index >= first_kept:
-                state.save(self._frame(module, entries, dtypes, phase, consumers, sources))
+                state.save(self._frame(current.reads, pending.module, pending.entries, pending.dtypes,
+                                       pending.phase, pending.consumers, pending.sources))
             else:
-                state.drop(phase)
-            state.close(call)
+                state.drop(pending.phase)
+            state.close(pending.call)
 
-    def _save(self, frame, batch=None):
+    def _save(self, current, frame, batch=None):
         """Print the frame's nan/inf lines, keep it in the ring (with the waiting lines as its lead)."""
-        lines, detected = self._policy.check(frame, batch, self._step_of(batch))
+        key = current.key(batch) if current is not None else None
+        lines, detected = self._policy.check(frame, batch, self._step_of(batch), key)
         for line in lines:
             _print(line)
         if detected:
@@ -620,9 +661,10 @@ class DebugUnderflowOverflow:
         """The training step a batch belongs to: the trainer's, where known."""
         return self.global_step if self.global_step is not None else batch
 
-    def _detected(self, frame, batch, shown_batch):
+    def _detected(self, current, frame, batch, shown_batch):
         """A nan/inf counted in ``frame`` (or earlier, in a traced batch): report it as on_detect says."""
-        detection, first_frame, bad, report_due = self._policy.conclude(frame, batch, self._step_of(batch))
+        detection, first_frame, bad, report_due = self._policy.conclude(frame, batch, self._step_of(batch),
+                                                                        current.key(batch))
         if self.global_step is not None:
             detection["global_step"] = self.global_step
         if self.mode is not None:
@@ -631,13 +673,14 @@ class DebugUnderflowOverflow:
         if self._log is not None:
             self._log.detection(detection)
         on_detect = self._policy.on_detect
+        skip = self._run.skip
         frames = [report.frame_data(f) for f in self.frames if not isinstance(f, str)]
-        if on_detect == "raise" or (on_detect == "skip" and self._skips_in_a_row >= self.max_skips):
+        if on_detect == "raise" or (skip is not None and skip.due_to_raise):
             self._dump(frame, first_frame, bad, batch, shown_batch)
-            if self._sync_wanted() and (self._running.calls or self._deciding or _graph_task_id() != -1):
+            if self._sync_wanted() and (self._run.thread.calls or current.deciding or _graph_task_id() != -1):
                 # the other ranks are mid-pass, inside their own collectives (DDP, FSDP2, tensor
                 # parallel): stop with them when this pass ends, not here
-                self._stop_pending = (detection, frames)
+                current.stop_pending = (detection, frames)
                 return
             raise OverflowDetected(report.OVERFLOW_ERROR, detection, frames)
         self.detected_overflow = False  # go on: later batches are checked afresh
@@ -647,19 +690,23 @@ class DebugUnderflowOverflow:
             warnings.warn(f"overflow_fast: inf/nan in {first_frame.module_name or '(model)'} "
                           f"{', '.join(bad)} ({first_frame.phase}, batch_number={detection['batch_number']}); "
                           "training goes on (on_detect='warn')", RuntimeWarning, stacklevel=2)
-        elif on_detect == "skip":
-            self._skipping = True
-            _print(f"overflow_fast: skipping this step: it applies no update ({self._skips_in_a_row + 1} "
-                   f"skipped in a row, at most {self.max_skips})")
+        elif skip is not None:
+            skip.begin()
+            _print(f"overflow_fast: skipping this step: it applies no update ({skip.in_a_row + 1} "
+                   f"skipped in a row, at most {skip.max_skips})")
         elif callable(on_detect):
             on_detect(OverflowDetected(report.OVERFLOW_ERROR, detection, frames))
         self.frames.clear()
 
     def _dump(self, frame, first_frame, bad, batch, shown_batch):
-        """The reference's report (its batch number is the one its state had at that call)."""
+        """The reference's report (its batch number is the one its state had at that call), then
+        the lines beyond it: the trainer's step where known, where the values were born."""
         during = f"the backward of batch_number={batch}" if frame.phase == BACKWARD else f"batch_number={shown_batch}"
         self.dump_saved_frames(during)
-        if self._explain and bad:
+        if self.global_step is not None:
+            mode = f" ({self.mode})" if self.mode is not None else ""
+            _print(f"Step: optimizer step {self.global_step}{mode}, batch_number {batch}")
+        if self.options.explain and bad:
             _print(source_line(first_frame, bad))
 
     # -- under torch.compile ----------------------------------------------------------------
@@ -673,24 +720,48 @@ class DebugUnderflowOverflow:
     def _traced_hook(self, module, input, output, kwargs=None):
         entries, tensors, dtypes = entries_of(forward_items(module, input, output, kwargs, self.containers))
         rows = tensor_stats(tensors, self.backend).values if tensors else None
-        self._traced.append((module, entries, dtypes, rows))
+        self._run.traced.append((module, entries, dtypes, rows))
 
-    def _absorb_traced(self):
+    def _absorb_traced(self, current):
         """Queue the records of a compiled region: one host read per device for all of them."""
-        records = list(self._traced)
-        self._traced.clear()  # the same list: its identity is a guard of the compiled graph
+        traced = self._run.traced
+        records = list(traced)
+        traced.clear()  # the same list: its identity is a guard of the compiled graph
         host = {}
         for device in {rows.device for _, _, _, rows in records if rows is not None}:
             host[device] = iter(torch.cat([rows for *_, rows in records
                                            if rows is not None and rows.device == device]).tolist())
         for module, entries, dtypes, rows in records:
-            if self._stop_pending:
+            if current.stop_pending:
                 return
-            sources = self._reads.host([next(host[rows.device]) for _ in dtypes]) if rows is not None else _NO_ROWS
+            sources = current.reads.host([next(host[rows.device]) for _ in dtypes]) if rows is not None else _NO_ROWS
             call = self._state.count(module is self.model)
-            self._queue.append((call, module, entries, dtypes, sources, FORWARD, None))
+            current.queue.append(_Pending(call, module, entries, dtypes, sources, FORWARD, None))
             if self._decides_now(call):
-                self.flush()
+                self._flush(current)
+
+
+class _functorch_off:
+    """Inside a torch.func transform (``active``), the hook's own work runs with functorch's
+    dispatch off: what it allocates stays a plain tensor, and it reads the values under the
+    wrappers (``frames.untransformed``). ``as`` gives ``active``."""
+
+    __slots__ = ("active", "guard")
+
+    def __init__(self, active):
+        self.active = active
+        self.guard = None
+
+    def __enter__(self):
+        if self.active:
+            self.guard = torch._C._DisableFuncTorch()
+            self.guard.__enter__()
+        return self.active
+
+    def __exit__(self, *exc):
+        if self.guard is not None:
+            self.guard.__exit__(*exc)
+        return False
 
 
 def _integer(value, name, expected):
@@ -703,7 +774,6 @@ def _integer(value, name, expected):
 def _usable_backend(backend):
     """The backend the detector will ask for: a named backend that cannot run here warns once
     and gives way to the default choice, rather than failing every hook into a slow fallback."""
-    backend = check_backend_name(backend)
     requested_backend(None)  # a bad OVERFLOW_FAST_BACKEND is an error now, not at every hook
     if backend is not None:
         reason = backend_status()[backend]
@@ -756,10 +826,19 @@ def detect_overflow(var, ctx):
 WATCH_DEFAULTS = dict(check="batch", kwargs=True, containers=True, backward=True)
 
 
-def watch(model, **options):
+def watch(model, *, max_frames_to_save=21, trace_batch_nums=None, abort_after_batch_num=None, check="batch",
+          backend=None, buffer_rows=DEFAULT_BUFFER_ROWS, reuse_stats=True, kwargs=True, containers=True,
+          backward=True, on_detect="raise", ignore=(), warn_above=None, sync=True, sync_timeout=None, log=None,
+          log_every=1, defer=False, stage_bytes=DEFAULT_DEFER_BYTES, max_skips=DEFAULT_MAX_SKIPS,
+          warn_gradients=False):
     """The detector with the recommended modern defaults: no host sync in any hook
     (``check="batch"``), keyword inputs, tensors inside model outputs and containers, and
     gradient checks in backward (a nan/inf there raises before ``backward()`` returns, so the
-    optimizer never applies it). Any option of ``DebugUnderflowOverflow`` overrides these.
+    optimizer never applies it). Every option is ``DebugUnderflowOverflow``'s (``docs/options.md``).
     Returns the detector: ``remove()`` it, or use it as a context manager."""
-    return DebugUnderflowOverflow(model, **{**WATCH_DEFAULTS, **options})
+    return DebugUnderflowOverflow(
+        model, max_frames_to_save=max_frames_to_save, trace_batch_nums=trace_batch_nums,
+        abort_after_batch_num=abort_after_batch_num, check=check, backend=backend, buffer_rows=buffer_rows,
+        reuse_stats=reuse_stats, kwargs=kwargs, containers=containers, backward=backward, on_detect=on_detect,
+        ignore=ignore, warn_above=warn_above, sync=sync, sync_timeout=sync_timeout, log=log, log_every=log_every,
+        defer=defer, stage_bytes=stage_bytes, max_skips=max_skips, warn_gradients=warn_gradients)

@@ -153,16 +153,38 @@ def _open(value, ctx, depth=0):
 
 _Tensor = torch.Tensor
 _STRIDED = torch.strided
+_functorch = torch._C._functorch
+transform_level = _functorch.maybe_current_level  # not None inside torch.func's grad, vmap, functionalize...
 
 
-def entries_of(items):
+def untransformed(tensor):
+    """The values of a tensor made inside a torch.func transform: the plain tensor under its wrappers
+    (under vmap, every instance of the batch at once), or why it cannot be read (a string). Call it
+    with functorch's dispatch off (``torch._C._DisableFuncTorch``): nothing is written, and what the
+    engine allocates stays a plain tensor."""
+    try:
+        while _functorch.is_functorch_wrapped_tensor(tensor):
+            if _functorch.is_functionaltensor(tensor):
+                torch._sync(tensor)  # functionalize applies pending in-place updates lazily
+            tensor = _functorch.get_unwrapped(tensor)
+    except Exception as error:  # noqa: BLE001 - a wrapper torch cannot open: a line, not a crash
+        return f"a torch.func transform's tensor that cannot be unwrapped ({type(error).__name__}: {error})"[:200]
+    return tensor
+
+
+def entries_of(items, transformed=False):
     """The entries of ``(value, ctx)`` items, the tensors among them that the engine reads (in row
     order) and their dtypes. A tensor the engine cannot read gets an UNREADABLE entry (its reason
-    as payload) and no row."""
+    as payload) and no row. ``transformed``: inside a torch.func transform (``untransformed``)."""
     entries = []
     tensors = []
     dtypes = []
     for var, ctx in items:
+        if transformed and isinstance(var, _Tensor):
+            var = untransformed(var)
+            if isinstance(var, str):
+                entries.append((UNREADABLE, ctx, var))
+                continue
         if isinstance(var, _Tensor):
             dtype = var.dtype
             # the common case without a call: a plain strided tensor of a supported dtype

@@ -28,21 +28,30 @@ class ReferenceState:
         self.batch_number = 0
         self.total_calls = 0
         self.detected_overflow = False
+        self.forward_batch = 0  # the batch of the last forward call (not one recomputed in backward)
 
-    def count(self, last_frame_of_batch):
-        """The counters of one forward hook call (``last_frame_of_batch``: the model's own)."""
+    def count(self, last_frame_of_batch, recomputed=False):
+        """The counters of one forward hook call (``last_frame_of_batch``: the model's own).
+        ``recomputed``: run during a backward pass (activation checkpointing's recompute), so it
+        belongs to the batch whose forward ran last and never counts one."""
         trace_mode = self.batch_number in self.trace_batch_nums
         batch_before = self.batch_number
         self.total_calls += 1
+        if recomputed:
+            last_frame_of_batch = False
+        else:
+            self.forward_batch = batch_before
         if last_frame_of_batch:
             self.batch_number += 1
         return _call((trace_mode, self.total_calls == 1, last_frame_of_batch, batch_before, self.batch_number,
                       self.total_calls))
 
     def count_backward(self):
-        """A gradient frame's call: it belongs to the batch whose forward ran last and moves no counter."""
-        batch = self.batch_number
-        return _call(((batch - 1) in self.trace_batch_nums, False, False, batch, batch, self.total_calls))
+        """A gradient frame's call: it belongs to the batch whose forward ran last (the model's
+        own, or a submodule's run alone, as a LightningModule's inner network is) and moves no
+        counter."""
+        batch = self.forward_batch
+        return _call((batch in self.trace_batch_nums, False, False, batch, batch, self.total_calls))
 
     def rewind(self, call):
         """The counters as they were right after ``call`` (the calls after it are not replayed)."""

@@ -102,3 +102,21 @@ class HostReads(TorchFunctionMode):
         if name in _HOST_READS:
             self.names.append(name)
         return func(*args, **(kwargs or {}))
+
+
+def read_back(path):
+    """Every record of a JSONL log, each checked against the project's own schema (the report's)."""
+    import json
+
+    from overflow_fast import schema
+
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            record = json.loads(line)
+            try:
+                schema.check(record)
+            except schema.Malformed as error:
+                raise AssertionError(f"{path}:{number}: {error}: {line[:300]}") from None
+            records.append(record)
+    return records

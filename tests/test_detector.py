@@ -131,35 +131,32 @@ def test_helpers_reject_non_tensors():
 def test_batch_mode_hooks_never_read_the_device(monkeypatch):
     # an accelerator's rows are read to the host; CPU rows are written in host memory already
     monkeypatch.setattr(overflow_fast.reads, "CPU_AS_DEVICE", True)
-    model = make(Scaled, depth=3)
-    detector = DebugUnderflowOverflow(model, check="batch", backend="torch")
     reads = HostReads()
-    inside = []
-    original_flush = DebugUnderflowOverflow.flush
 
-    def flush(self):
-        before = len(reads.names)
-        try:
-            return original_flush(self)
-        finally:
-            inside.extend(reads.names[before:])
-            del reads.names[before:]
+    def forwards(check, count):
+        """Per forward: the host reads made while its hooks ran (up to the model's own, whose
+        end decides the pass), and those made when it ended."""
+        model = make(Scaled, depth=3)
+        in_hooks = []
+        # registered before the detector's, so it runs before the detector ends the pass
+        model.register_forward_hook(lambda *_: in_hooks.append(list(reads.names)))
+        detector = DebugUnderflowOverflow(model, check=check, backend="torch")
+        seen = []
+        with reads:
+            for x in batches(count):
+                reads.names.clear()
+                model(x)
+                seen.append((in_hooks[-1], reads.names[len(in_hooks[-1]):]))
+        return detector, seen
 
-    monkeypatch.setattr(DebugUnderflowOverflow, "flush", flush)
-    with reads:
-        for x in batches(3):
-            model(x)
-    assert reads.names == []
-    assert inside == ["cpu"] * 3  # one device-to-host read per forward (one device)
+    detector, seen = forwards("batch", 3)
+    assert [hooks for hooks, _ in seen] == [[]] * 3
+    assert [at_end for _, at_end in seen] == [["cpu"]] * 3  # one device-to-host read per forward (one device)
     assert detector.total_calls == 3 * 4
 
     # the same instrument does see the reads of check="module", one per hook
-    inside.clear()
-    model = make(Scaled, depth=3)
-    DebugUnderflowOverflow(model, check="module", backend="torch")
-    with reads:
-        model(batches(1)[0])
-    assert reads.names == [] and inside == ["cpu"] * 4
+    _, seen = forwards("module", 1)
+    assert seen == [(["cpu"] * 3, ["cpu"])]
 
 
 class FailsOnNaN(nn.Module):

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import models
+from compat import read_back
 
 transformers = pytest.importorskip("transformers")
 
@@ -268,16 +269,22 @@ class _EvalData(_Data):
     pass
 
 
-def test_optimizer_steps_and_eval_as_the_trainer_counts_them(tmp_path):
+def test_optimizer_steps_and_eval_as_the_trainer_counts_them(tmp_path, capsys):
     model = models.gpt2().train()
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path), max_steps=6, per_device_train_batch_size=2, gradient_accumulation_steps=2,
         eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=2, learning_rate=1e-3, report_to=[],
         use_cpu=True, save_strategy="no", logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0)
     trainer = transformers.Trainer(model=model, args=args, train_dataset=_Data(size=32), eval_dataset=_EvalData(4),
-                                   callbacks=[integration.DetectorCallback(), _PoisonAt(3)])
+                                   callbacks=[integration.DetectorCallback(log=str(tmp_path / "run.jsonl")),
+                                              _PoisonAt(3)])
     with pytest.raises(ValueError, match=ERROR) as caught:
         trainer.train()
+    # the console names the optimizer step beside the reference's batch number
+    assert "\nStep: optimizer step 3 (train), batch_number 8\n" in capsys.readouterr().out
+    records = read_back(tmp_path / "run.jsonl")  # every record fits the report's schema
+    assert {r.get("global_step") for r in records[1:]} == {0, 1, 2, 3}
+    assert any(r["record"] == "entry" and r["phase"] == "backward" for r in records)
     # the weight goes inf at the end of optimizer step 3: the next forward (of step 3's successor,
     # counted 3 until it completes) reports it; the model's own forwards (train micro-batches and
     # evaluation) are the reference's batch_number

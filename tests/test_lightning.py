@@ -82,6 +82,25 @@ def test_a_nan_stops_fit_at_its_step(options, bad, capsys):
     assert callback.detector is None and not hooks_left(module)
 
 
+@pytest.mark.parametrize("bad", ["batch", "gradient"])
+def test_every_record_the_callback_writes_fits_the_schema_and_the_report_names_the_step(bad, tmp_path, capsys):
+    from compat import read_back
+
+    module = Module(bad_step=3, bad=bad)
+    log = tmp_path / "fit.jsonl"
+    with pytest.raises(ValueError, match="inf/nan detected"):
+        trainer(DetectorCallback(log=str(log)), val_check_interval=2, limit_val_batches=1).fit(
+            module, loader(), loader(2))
+    records = read_back(log)
+    assert {record["record"] for record in records} == {"meta", "entry", "detection"}
+    gradients = [r for r in records if r["record"] == "entry" and r["phase"] == "backward"]
+    assert gradients and {r["step"] for r in gradients} == {0}  # the batch_number of the inner network's forwards
+    # step 3's forward raised before its backward when its batch was bad
+    assert {r["global_step"] for r in gradients} == ({0, 1, 2} if bad == "batch" else {0, 1, 2, 3})
+    assert {r["mode"] for r in records[1:]} == {"train", "eval"}
+    assert "\nStep: optimizer step 3 (train), batch_number 0\n" in capsys.readouterr().out
+
+
 def test_a_gradient_overflow_stops_fit_before_its_update():
     module = Module(bad_step=2, bad="gradient")
     with pytest.raises(ValueError) as caught:
