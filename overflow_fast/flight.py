@@ -7,8 +7,6 @@ frames of other steps wait until the step ends, and are written only if the step
 is the trainer's optimizer step where the detector knows it (``set_step``), else its batch number.
 The rows are the ones the detector already read: no extra host sync."""
 
-import os
-
 from . import distributed
 from .dashboards import Dashboard, is_dashboard
 from .recorder import Recorder, detection_record, frame_records
@@ -22,15 +20,8 @@ def _timeline_step(batch, global_step):
 
 class StepLog:
     def __init__(self, log, log_every=1):
-        if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1:
-            raise ValueError(f"log_every must be a positive int, got {log_every!r}")
+        """``log`` and ``log_every`` as ``options.Options`` validated them."""
         targets = list(log) if isinstance(log, (list, tuple)) else [log]
-        for target in targets:
-            if not (is_dashboard(target) or isinstance(target, (str, os.PathLike))):
-                raise TypeError(f"log must be a path, a SummaryWriter, a wandb run or a list of them, got "
-                                f"{type(target).__name__}")
-        if not targets:
-            raise ValueError("log is an empty list")
         self.log_every = log_every
         where = distributed.world()
         self.dashboards = [Dashboard(target) for target in targets if is_dashboard(target)]
