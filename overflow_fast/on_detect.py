@@ -1,4 +1,15 @@
-"""``on_detect="skip"``: a step in which a nan/inf appears applies no update, and training goes on.
+"""What a detection does, one strategy per ``on_detect`` value. The detector reports a detection
+(the reference's text) and then asks the strategy: ``stops`` (raise now, as the reference does) or
+``went_on`` (what follows when training goes on).
+
+- ``Raise`` ("raise", the reference): report, then raise.
+- ``Warn`` ("warn"): report each offending (module, entry) once, warn, go on.
+- ``Record`` ("record"): record only (``detector.detections``), go on.
+- ``Skip`` ("skip"): report, then the step applies no update (``SkipStep`` below); after
+  ``max_skips`` skipped steps in a row it raises as "raise" does.
+- ``Call`` (a callable): report, then call it with the detection as an ``OverflowDetected``.
+
+``on_detect="skip"``: a step in which a nan/inf appears applies no update, and training goes on.
 
 A skipped step keeps its gradients until an optimizer holding one of the model's parameters steps,
 so that whatever inspects them first still can (``GradScaler.unscale_`` and its inf checks: the
@@ -17,10 +28,13 @@ objects (held weakly: a copied or pickled detector makes its own, and nothing ke
 """
 
 import threading
+import warnings
 import weakref
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from .errors import overflow_error, say
 
 _graph_task_id = torch._C._current_graph_task_id  # -1 outside a backward pass
 _live = weakref.WeakSet()
@@ -163,3 +177,98 @@ def _drop_gradients(optimizer):
     for group in optimizer.param_groups:
         for parameter in group["params"]:
             parameter.grad = None
+
+
+class Raise:
+    """The reference: report, then raise. Under torch.distributed the ranks agree first."""
+
+    name = "raise"
+    agreed = True  # its decisions are agreed between ranks
+
+    def stops(self):
+        return True
+
+    def went_on(self, detection, frames, first_frame, bad, report_due):
+        raise AssertionError("raise never goes on")
+
+    def skipping(self):
+        return False
+
+    def ranks_detected(self):
+        """Other ranks detected in this pass: True when that is handled here (else raise)."""
+        return False
+
+    def new_step(self):
+        pass
+
+    def close(self):
+        pass
+
+
+class Warn(Raise):
+    name = "warn"
+    agreed = False
+
+    def stops(self):
+        return False
+
+    def went_on(self, detection, frames, first_frame, bad, report_due):
+        if report_due:
+            warnings.warn(f"overflow_fast: inf/nan in {first_frame.module_name or '(model)'} {', '.join(bad)} "
+                          f"({first_frame.phase}, batch_number={detection['batch_number']}); training goes on "
+                          "(on_detect='warn')", RuntimeWarning, stacklevel=2)
+
+
+class Record(Warn):
+    name = "record"
+
+    def went_on(self, detection, frames, first_frame, bad, report_due):
+        pass
+
+
+class Call(Warn):
+    name = "callable"
+
+    def __init__(self, function):
+        self.function = function
+
+    def went_on(self, detection, frames, first_frame, bad, report_due):
+        self.function(overflow_error(detection, frames))
+
+
+class Skip(Raise):
+    name = "skip"
+
+    def __init__(self, model, max_skips):
+        self.step = SkipStep(model, max_skips)
+
+    def stops(self):
+        return self.step.due_to_raise
+
+    def went_on(self, detection, frames, first_frame, bad, report_due):
+        self.step.begin()
+        say(f"overflow_fast: skipping this step: it applies no update ({self.step.in_a_row + 1} skipped in a "
+            f"row, at most {self.step.max_skips})")
+
+    def skipping(self):
+        return self.step.skipping
+
+    def ranks_detected(self):
+        self.step.begin()  # every rank skips the step
+        return True
+
+    def new_step(self):
+        if self.step.skipping:
+            self.step.end()  # the trainer moved on: the skipped step is over (its scaler may have skipped it)
+
+    def close(self):
+        self.step.close()
+
+
+def strategy(on_detect, model, max_skips):
+    """The strategy of a (validated) ``on_detect`` value."""
+    if callable(on_detect):
+        return Call(on_detect)
+    if on_detect == "skip":
+        return Skip(model, max_skips)
+    return {"raise": Raise, "warn": Warn, "record": Record}[on_detect]()

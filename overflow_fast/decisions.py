@@ -1,0 +1,131 @@
+"""The replay: hook calls whose rows are on the host go through the reference's state machine in
+hook order, each as a frame; the policy says which of its entries count, and a frame that counts
+is a detection, which this reports (the reference's text, then the lines beyond it).
+
+What a detection does next (raise, go on, skip) is the strategy's (``on_detect``), which the
+passes ask: this module only finds and reports. It holds what a copy of the detector carries:
+the ring, the counters, the policy's memory, the detections so far.
+"""
+
+import collections
+
+from . import report
+from .errors import say
+from .frames import BACKWARD, Frame, class_name
+from .policy import source_line
+
+NO_ROWS = (None, [], None)  # the sources of a call without tensors
+
+# A hook call waiting for its rows: what the reference's counters said (``call``), its module,
+# entries and dtypes, where its rows are (``sources``), its phase, and for an output gradient the
+# modules whose backward produced it.
+Pending = collections.namedtuple("Pending", ("call", "module", "entries", "dtypes", "sources", "phase", "consumers"))
+
+# A detection found by the replay, for the strategy to act on.
+# ``frame``: where it was found; ``first_frame`` and ``bad``: the first frame that counted and its
+# entries; ``frames``: the ring as data; ``report_due``: whether the policy wants it reported.
+Found = collections.namedtuple("Found", ("detection", "frames", "frame", "first_frame", "bad", "batch",
+                                         "shown_batch", "report_due"))
+
+
+class Decisions:
+    def __init__(self, state, policy, log, module_names, explain, rewinds):
+        self.state = state  # reference.ReferenceState
+        self.policy = policy
+        self.log = log  # flight.StepLog or None
+        self.module_names = module_names
+        self.explain = explain  # beyond the drop-in: the Source line
+        self.rewinds = rewinds  # "raise": the calls after a detection never happened
+        self.global_step = None  # the trainer's optimizer step, where known (set_step)
+        self.mode = None  # "train" or "eval", where known
+        self.detections = []  # what was detected: batch_number, phase, module, class, entries
+
+    def frame(self, reads, pending):
+        frame = Frame(self.module_names.get(pending.module, "?"), class_name(pending.module), pending.entries,
+                      pending.dtypes, pending.phase, pending.consumers)
+        reads.resolve(frame, pending.sources)
+        return frame
+
+    def quiet(self, queue):
+        """Whether a queue whose rows count no nan/inf may take ``replay_finite``: nothing to trace,
+        warn or log, and no detection pending."""
+        return not (self.log is not None or self.policy.warn_above is not None or self.state.detected_overflow
+                    or any(pending.call.trace_mode for pending in queue))
+
+    def replay(self, pass_key, reads, pending):
+        """The reference's bookkeeping for one call whose rows are on the host: a ``Found`` when it
+        detects (reported already), else None. ``pass_key(batch)``: which pass it belongs to."""
+        call = pending.call
+        frame = self.frame(reads, pending)
+        state = self.state
+        state.open(call)
+        batch = call.batch_before  # a backward frame's call was counted with its forward's batch
+        self.save(frame, batch, pass_key(batch))
+        if self.log is not None:
+            self.log.frame(frame, batch, self.global_step, self.mode)
+        if call.trace_mode:
+            # the reference's ring holds just this frame now, whatever max_frames_to_save says
+            say(str(frame))
+            state.frames.clear()
+        state.close(call)
+        if not state.detected_overflow or call.trace_mode:
+            return None
+        if self.rewinds:
+            state.rewind(call)  # later calls may have run: they never happened
+        return self.found(frame, batch, call.batch_after, pass_key(batch))
+
+    def replay_finite(self, reads, queue):
+        """``replay`` of calls none of whose rows counts a nan/inf, when ``quiet``: only the ring and
+        the waiting batch lines change, and the ring keeps the last frames alone, so only those are
+        made."""
+        state = self.state
+        keep = state.frames.maxlen
+        first_kept = 0 if keep is None else len(queue) - keep
+        for index, pending in enumerate(queue):
+            state.open(pending.call)
+            if index >= first_kept:
+                state.save(self.frame(reads, pending))
+            else:
+                state.drop(pending.phase)
+            state.close(pending.call)
+
+    def save(self, frame, batch=None, pass_key=None):
+        """Print the frame's nan/inf lines, keep it in the ring (with the waiting lines as its lead)."""
+        lines, detected = self.policy.check(frame, batch, self.step_of(batch), pass_key)
+        for line in lines:
+            say(line)
+        if detected:
+            self.state.detected_overflow = True
+        self.state.save(frame)
+
+    def step_of(self, batch):
+        """The training step a batch belongs to: the trainer's, where known."""
+        return self.global_step if self.global_step is not None else batch
+
+    def found(self, frame, batch, shown_batch, pass_key):
+        """A nan/inf counted in ``frame`` (or earlier, in a traced batch): recorded, reported when due."""
+        detection, first_frame, bad, report_due = self.policy.conclude(frame, batch, self.step_of(batch), pass_key)
+        if self.global_step is not None:
+            detection["global_step"] = self.global_step
+        if self.mode is not None:
+            detection["mode"] = self.mode
+        self.detections.append(detection)
+        if self.log is not None:
+            self.log.detection(detection)
+        frames = [report.frame_data(f) for f in self.state.frames if not isinstance(f, str)]
+        return Found(detection, frames, frame, first_frame, bad, batch, shown_batch, report_due)
+
+    def dump(self, found):
+        """The reference's report (its batch number is the one its state had at that call), then
+        the lines beyond it: the trainer's step where known, where the values were born."""
+        if found.frame.phase == BACKWARD:
+            during = f"the backward of batch_number={found.batch}"
+        else:
+            during = f"batch_number={found.shown_batch}"
+        say(report.dump_text(self.state.batch_number, self.state.frames, during))
+        self.state.frames.clear()
+        if self.global_step is not None:
+            mode = f" ({self.mode})" if self.mode is not None else ""
+            say(f"Step: optimizer step {self.global_step}{mode}, batch_number {found.batch}")
+        if self.explain and found.bad:
+            say(source_line(found.first_frame, found.bad))

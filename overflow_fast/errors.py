@@ -1,0 +1,51 @@
+"""The errors a detection raises: the reference's ValueError, carrying what was detected as data."""
+
+from . import distributed
+from .report import OVERFLOW_ERROR
+
+
+def say(text):
+    """Print a report's lines: under torch.distributed each says which rank it comes from; flushed,
+    since a rank killed by its launcher right after the error must leave its report."""
+    print(distributed.with_prefix(text, distributed.rank_prefix()), flush=True)
+
+
+class OverflowDetected(ValueError):
+    """The reference's ValueError on a detected inf/nan (same message, so ``except ValueError``
+    and the text hold), carrying what was detected as data for a trainer to log or checkpoint:
+    ``batch_number``, ``phase``, ``module_name``, ``class_name``, ``entries`` (of the first frame
+    holding a nan/inf), ``global_step`` and ``mode`` (the trainer's optimizer step and "train" or
+    "eval", where known: ``set_step``), ``rank`` (None in a single process), ``detection`` (those
+    as a dict) and
+    ``frames``: the reported frames, each ``{"module", "class", "phase", "entries": [{"entry",
+    "dtype", "abs_min", "abs_max", "nan", "posinf", "neginf", "zero", "subnormal", "numel"}]}``.
+    Other detectors on the same model tell by this class that the report is already printed."""
+
+    def __init__(self, message, detection=None, frames=()):
+        ValueError.__init__(self, message)  # not super(): a subclass also derives from OverflowOnRanks
+        self.detection = detection
+        detection = detection or {}
+        self.batch_number = detection.get("batch_number")
+        self.phase = detection.get("phase")
+        self.module_name = detection.get("module")
+        self.class_name = detection.get("class")
+        self.entries = detection.get("entries", [])
+        self.global_step = detection.get("global_step")
+        self.mode = detection.get("mode")
+        where = distributed.world()
+        self.rank = where[0] if where else None
+        self.frames = list(frames)
+
+
+class OverflowDetectedOnRanks(OverflowDetected, distributed.OverflowOnRanks):
+    """Raised on every rank once the ranks agreed that some of them detected a nan/inf; the
+    message names them (``error.ranks``). On a rank that detected, ``detection`` and ``frames``
+    are its own; elsewhere None and empty."""
+
+    def __init__(self, ranks, world_size, detection=None, frames=()):
+        distributed.OverflowOnRanks.__init__(self, ranks, world_size)
+        OverflowDetected.__init__(self, str(self), detection, frames)
+
+
+def overflow_error(detection, frames):
+    return OverflowDetected(OVERFLOW_ERROR, detection, frames)

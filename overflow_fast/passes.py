@@ -1,0 +1,264 @@
+"""Passes: the unit whose calls are read and decided together, and what a detector holds while it runs.
+
+- A forward pass: the outermost hooked call on one thread, until it returns. Each thread has its
+  own, with its own rows, so threads driving one model never decide, or reset, each other's calls.
+- The backward pass: every call made while autograd runs a backward (gradient frames, and the
+  forwards that activation checkpointing recomputes), decided when that backward ends, before
+  ``backward()`` returns and so before any optimizer step.
+
+A pass's calls wait in its queue with their rows (``reads``); ``flush`` brings the rows to the
+host and has ``decisions`` replay the calls; a detection then goes to the strategy (``on_detect``).
+The end of a pass is one function for both kinds: flush, free the rows, agree with the other ranks.
+
+``Passes`` is made fresh for a detector and for each copy or pickle of it: it holds the lock,
+device buffers, waiting calls and the strategy's state, none of which a copy may share.
+"""
+
+import itertools
+import threading
+
+import torch
+
+from . import distributed
+from .compiled import Traced
+from .decisions import NO_ROWS, Pending
+from .errors import OverflowDetected, OverflowDetectedOnRanks, overflow_error
+from .frames import BACKWARD
+from .on_detect import strategy
+from .reads import Reads, may_wait
+
+_graph_task_id = torch._C._current_graph_task_id  # -1 outside a backward pass
+try:  # how non-reentrant activation checkpointing stops a recompute early: control flow, not an error
+    from torch.utils.checkpoint import _StopRecomputationError as _STOP_RECOMPUTATION
+except ImportError:
+    _STOP_RECOMPUTATION = ()
+
+
+class Pass:
+    """The calls of one pass waiting for their decision, and the rows that hold their statistics."""
+
+    __slots__ = ("reads", "queue", "serial", "stop_pending", "deciding")
+
+    def __init__(self, reads, serial):
+        self.reads = reads  # None once the pass is closed
+        self.queue = []  # Pending calls, in hook order
+        self.serial = serial  # None for the backward pass
+        self.stop_pending = None  # (detection, frames): this rank detected; the error waits for the agreement
+        self.deciding = False  # the pass is ending: a detection now waits for its agreement
+
+    def key(self, batch):
+        """Which pass a detection belongs to (later frames of the same pass only pass the values on)."""
+        return ("forward", self.serial) if self.serial is not None else ("backward", batch)
+
+
+class _ThreadState(threading.local):
+    """Per thread: the hooked calls running (each with the exception being handled when it started:
+    a post hook that sees another one runs because the call raised) and its forward pass."""
+
+    def __init__(self):
+        self.calls = []
+        self.forward = None
+
+
+class Passes:
+    def __init__(self, detector):
+        options = detector.options
+        self.options = options
+        self.decisions = detector.decisions
+        self.sync_timeout = options.sync_timeout
+        self.strategy = strategy(options.on_detect, detector.model, options.max_skips)
+        self.lock = threading.RLock()  # hooks may run on several threads
+        self.thread = _ThreadState()
+        self.backward = None  # the backward pass, while it has calls
+        self.open = []  # every pass with calls (close() decides them)
+        self.idle_reads = []  # rows of ended passes, reused by the next ones
+        self.serials = itertools.count()
+        self.new_reads = lambda: Reads(detector.backend, options.buffer_rows, options.reuse_stats, options.stage_bytes)
+        self.apart = None  # the Reads of calls read on their own (create_frame)
+        self.traced = Traced()  # hooks traced by torch.compile, replayed by the next eager hook
+        # the last clean pass's calls, freed when the next pass begins (not between a forward's
+        # read and its backward: on a GPU the device would idle that long)
+        self.spent = None
+        self.flush_task = None  # the backward (graph task) whose end will decide the backward pass
+        self.agreement = None  # with the other ranks (made when first needed, if not at construction)
+        self.agreements = 0  # agreement points reached: their sequence numbers
+        if self.sync_wanted():
+            # collective: every rank builds its detector here; a rank alone fails here, in time
+            self.agreement = distributed.Agreement(timeout=self.sync_timeout)
+
+    # -- which pass ------------------------------------------------------------------------------
+
+    def _open_pass(self, serial):
+        reads = self.idle_reads.pop() if self.idle_reads else self.new_reads()
+        opened = Pass(reads, serial)
+        self.open.append(opened)
+        return opened
+
+    def forward_pass(self):
+        """This thread's forward pass (opened by its first call)."""
+        current = self.thread.forward
+        if current is None or current.reads is None:
+            current = self.thread.forward = self._open_pass(next(self.serials))
+        return current
+
+    def backward_pass(self):
+        if self.backward is None:
+            self.backward = self._open_pass(None)
+        return self.backward
+
+    def _close(self, ended):
+        """Free an ended pass's rows (after its calls were replayed)."""
+        if ended.reads is None:
+            return
+        ended.reads.reset()
+        if ended in self.open:
+            self.open.remove(ended)
+            self.idle_reads.append(ended.reads)
+        ended.reads = None  # closed: a thread that still holds it opens a new one
+        if self.thread.forward is ended:
+            self.thread.forward = None
+        if self.backward is ended:
+            self.backward = None
+
+    # -- calls -----------------------------------------------------------------------------------
+
+    def decides_now(self, call):
+        """Whether a call is decided at once: with check="module", in a traced batch, after a detection."""
+        return self.options.check == "module" or call.trace_mode or self.decisions.state.detected_overflow
+
+    def add(self, current, call, module, entries, dtypes, tensors, phase, consumers=None):
+        """Read a call's tensors (or let them wait, see ``reads``) and queue the call; decide now
+        with check="module", in a traced batch and after a detection."""
+        now = self.decides_now(call)
+        if not tensors:
+            sources = NO_ROWS
+        else:
+            reads = current.reads
+            defer = self.options.defer and self.options.check == "batch" and not now
+            site = id(module) if defer and may_wait(True, phase, call.trace_mode, tensors) else -1
+            sources = reads.add(tensors, site)
+            if sources is None:  # the buffer is full: what waits is decided now
+                self.flush(current)
+                reads.reset()
+                sources = reads.add(tensors, site)
+        self.queue(current, Pending(call, module, entries, dtypes, sources, phase, consumers), now)
+
+    def queue(self, current, pending, now=False):
+        current.queue.append(pending)
+        if now or len(current.queue) >= self.options.buffer_rows:
+            self.flush(current)
+
+    def flush(self, current):
+        """Read a pass's pending statistics (one host read per device) and replay its calls in
+        order; raises the reference's ValueError at the first that holds a nan/inf (with "raise")."""
+        queue, current.queue = current.queue, []
+        if not queue:
+            return
+        nonfinite = current.reads.read()
+        decisions = self.decisions
+        if not nonfinite and decisions.quiet(queue):
+            decisions.replay_finite(current.reads, queue)
+            self.spent = queue
+            return
+        for pending in queue:
+            if current.stop_pending:
+                break  # this rank reported; the calls after the detection never happened
+            found = decisions.replay(current.key, current.reads, pending)
+            if found is not None:
+                self._act(current, found)  # raises at the first bad call: those after it never happened
+
+    def flush_all(self):
+        for pending in list(self.open):
+            self.flush(pending)
+
+    def _act(self, current, found):
+        """What the strategy does with a detection the replay found."""
+        decisions = self.decisions
+        if self.strategy.stops():
+            decisions.dump(found)
+            if self.sync_wanted() and (self.thread.calls or current.deciding or _graph_task_id() != -1):
+                # the other ranks are mid-pass, inside their own collectives (DDP, FSDP2, tensor
+                # parallel): stop with them when this pass ends, not here
+                current.stop_pending = (found.detection, found.frames)
+                return
+            raise overflow_error(found.detection, found.frames)
+        decisions.state.detected_overflow = False  # go on: later batches are checked afresh
+        if found.report_due:
+            decisions.dump(found)
+        self.strategy.went_on(found.detection, found.frames, found.first_frame, found.bad, found.report_due)
+        decisions.state.frames.clear()
+
+    # -- the end of a pass -------------------------------------------------------------------------
+
+    def end(self, ended, phase, error=None):
+        """A pass ended (its outermost call returned or raised ``error``; its backward finished):
+        decide on its calls, free its rows, then (under torch.distributed) agree with the other ranks."""
+        ended.deciding = True
+        try:
+            if isinstance(error, OverflowDetected):
+                ended.queue = []  # reported already, here or by another detector on this model
+            else:
+                try:
+                    self.flush(ended)
+                except ValueError:
+                    if error is None or isinstance(error, _STOP_RECOMPUTATION):
+                        raise
+                    # torch silences (with a warning) what a hook raises here: annotate its error
+                    if hasattr(error, "add_note"):
+                        error.add_note("overflow_fast: an inf/nan was detected earlier in this forward; "
+                                       "its report is printed above")
+        finally:
+            ended.deciding = False
+            self._close(ended)
+            if self.sync_wanted():
+                self._agree(ended, phase)
+
+    def decide_when_backward_ends(self):
+        """Decide the backward pass when this backward ends, before ``backward()`` returns and so
+        before the optimizer step."""
+        if not (self.options.check == "batch" or self.sync_wanted()):
+            return
+        task = _graph_task_id()
+        if self.flush_task == task:
+            return
+        self.flush_task = task
+        torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
+
+    def _backward_ended(self):
+        with self.lock:
+            self.flush_task = None
+            self.end(self.backward_pass(), BACKWARD)
+
+    def sync_wanted(self):
+        """Whether this detector's decisions are agreed between ranks (see overflow_fast.distributed)."""
+        return (self.options.sync and self.strategy.agreed and distributed.world() is not None
+                and not distributed.is_local_only())
+
+    def _agree(self, ended, phase):
+        """One small collective on a process group of its own: every rank learns which ranks
+        detected; all raise together (with on_detect="skip": all skip the step together). Its
+        sequence number counts the agreement points and tells a forward's from a backward's, so
+        ranks that meet at different points (uneven forwards, a backward one rank skipped after
+        its forward raised) get an error naming them, never a decision."""
+        pending, ended.stop_pending = ended.stop_pending, None
+        if self.agreement is None:
+            self.agreement = distributed.Agreement(timeout=self.sync_timeout)
+        self.agreements += 1
+        seq = 2 * self.agreements + (phase == BACKWARD)
+        ranks = self.agreement.agree(bool(pending) or self.strategy.skipping(), seq=seq)
+        if ranks and (pending or not self.strategy.ranks_detected()):
+            self.decisions.state.detected_overflow = True
+            raise OverflowDetectedOnRanks(ranks, distributed.world()[1], *(pending or ()))
+
+    def close(self):
+        """The hooks are off: decide what waits (its records and detection still reach the log),
+        free every row, let go of the strategy's own hooks."""
+        self.strategy.close()
+        self.thread = _ThreadState()  # calls running now will never end a pass
+        try:
+            self.flush_all()
+        finally:
+            for pending in list(self.open):
+                self._close(pending)
+            self.spent = None
+
