@@ -32,6 +32,7 @@ import bench_host_path as host  # noqa: E402
 from overflow_fast import DebugUnderflowOverflow  # noqa: E402
 from overflow_fast import detector as detector_module  # noqa: E402
 from overflow_fast import reads as reads_module  # noqa: E402
+from overflow_fast.passes import Passes  # noqa: E402
 
 
 def hook_sequence(layers, batch, seq):
@@ -69,7 +70,7 @@ def pieces(model, run, hooks, forwards):
     samples = []
     with timed(Detector, "_after_with_kwargs", "whole hook"), timed(detector_module, "entries_of", "entries_of"), \
             timed(reads_module.Reads, "add", "Reads.add"), timed(reads_module, "tensor_stats", "tensor_stats"), \
-            timed(Detector, "flush", "flush"), timed(Detector, "_before", "pre hook"):
+            timed(Passes, "flush", "flush"), timed(Detector, "_before", "pre hook"):
         detector = Detector(model, check="batch")
         run()
         run()

@@ -69,7 +69,7 @@ import transformers
 import overflow_fast
 import overflow_fast.reads
 from overflow_fast import DebugUnderflowOverflow
-from overflow_fast.detector import DebugUnderflowOverflow as _Detector
+from overflow_fast.passes import Passes
 from overflow_fast.frames import forward_items
 from overflow_fast.stats import cpu_backend, dispatch, triton_backend
 
@@ -246,7 +246,7 @@ def instrumented():
     """Time spent in triton_backend.compute, in the detector's flush and, of it, before the flush's
     host read (an extra, counted pass)."""
     real_compute = triton_backend.compute
-    real_flush = _Detector.flush
+    real_flush = Passes.flush
     real_cpu = torch.Tensor.cpu
     flush_start = [None]  # while a flush runs: when it started, until its first host read
 
@@ -279,10 +279,10 @@ def instrumented():
     scan = timed(triton_backend.scan, 0)
     compute_scanned = timed(triton_backend.compute_scanned, 1)
 
-    def flush(self):
+    def flush(self, current):
         start = flush_start[0] = time.perf_counter()
         try:
-            return real_flush(self)
+            return real_flush(self, current)
         finally:
             flush_start[0] = None
             COUNT.flush_s += time.perf_counter() - start
@@ -290,7 +290,7 @@ def instrumented():
     cpu_backend.unavailable_reason()  # loads the extension: its compute is what is timed
     cpu_compute = cpu_backend._compute
     with patched(triton_backend, "compute", compute), patched(triton_backend, "scan", scan), \
-            patched(triton_backend, "compute_scanned", compute_scanned), patched(_Detector, "flush", flush), \
+            patched(triton_backend, "compute_scanned", compute_scanned), patched(Passes, "flush", flush), \
             patched(torch.Tensor, "cpu", cpu), \
             patched(cpu_backend, "_compute", _timed_cpu_compute(cpu_compute) if cpu_compute is not None else None):
         yield
