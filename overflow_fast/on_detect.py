@@ -23,8 +23,11 @@ or when the gradients are reset before a backward pass without an optimizer step
 ``GradScaler`` that found an inf skips the optimizer's ``step``; ``zero_grad`` follows).
 
 The optimizer hooks are process-wide (``torch.optim`` has no other way to see every optimizer):
-one pair for the process, installed while some detector skips, which calls the live ``SkipStep``
-objects (held weakly: a copied or pickled detector makes its own, and nothing keeps it alive).
+one pair for the process, which calls the live ``SkipStep`` objects (held weakly: a copied or
+pickled detector makes its own, and nothing keeps it alive). It is installed with the first and
+taken off when the last is removed; a detector collected without ``remove()`` leaves the pair idle
+until then (never taken off by the collector: that could change torch's hook dict while an
+optimizer step is walking it).
 """
 
 import threading
