@@ -1091,18 +1091,24 @@ def _check_set(device):
 
 
 def self_check(device, read=None):
-    """None when the per-hook read (``read(tensors, rows)``, default ``read_into`` with this
-    device's state) gives the torch backend's rows for ``_check_set`` twice in a row (the second
+    """None when the per-hook read (``read(tensors, rows)`` on up to MAX_SLOTS tensors at a time,
+    default this device's per-hook kernel) gives the torch backend's rows for ``_check_set`` twice in a row (the second
     time through the compiled kernels' direct launch), else the first difference."""
     from . import torch_backend
 
     tensors = _check_set(device)
     want = torch_backend.compute(tensors).cpu()
-    reader = read if read is not None else _read
+    if read is None:
+        state = _DEVICES.get((device.type, device.index)) or _DeviceState(device)
+
+        def read(tensors, rows):
+            return _read(tensors, rows, state)
+
     for attempt in ("first", "second"):
         rows = torch.full((len(tensors), NUM_COLUMNS), -1, dtype=torch.int64, device=device)
-        if reader(tensors, rows) is False:
-            return f"the {attempt} read did not take the check's tensors"
+        for begin in range(0, len(tensors), MAX_SLOTS):  # one launch each, as a hook's call
+            if read(tensors[begin:begin + MAX_SLOTS], rows[begin:begin + MAX_SLOTS]) is False:
+                return f"the {attempt} read did not take the check's tensors"
         problem = _row_difference(rows.cpu(), want, tensors)
         if problem is not None:
             return f"{attempt} read: {problem}"
