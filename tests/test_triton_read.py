@@ -280,3 +280,21 @@ def test_compiles_for_sm90_with_int64_offsets_and_an_acq_rel_counter():
     if "FileNotFoundError" in proc.stderr and "ptxas" in proc.stderr:
         pytest.skip("no ptxas in this triton install")
     assert proc.returncode == 0 and "COMPILED" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+@needs_backend
+def test_info_names_each_devices_path_self_check_and_launch():
+    """``overflow-fast info`` says which path each device used runs, its self-check and how the
+    kernel is launched (here: the interpreter, so the ordinary call)."""
+    from overflow_fast import info
+
+    tb.forget_devices()
+    try:
+        assert "on first use" in "\n".join(info.lines(info.info()))
+        rows = torch.empty(1, 8, dtype=torch.int64, device=DEVICE)
+        assert tb.read_into([torch.ones(3, device=DEVICE)], rows)
+        lines = [line for line in info.lines(info.info()) if line.startswith("per-hook read")]
+        assert len(lines) == 1 and f"({torch.device(DEVICE)}): per-hook kernel; self-check" in lines[0], lines
+        assert "launch ordinary (" in lines[0] if DEVICE == "cpu" else "launch direct" in lines[0]
+    finally:
+        tb.forget_devices()
