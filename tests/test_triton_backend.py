@@ -570,13 +570,19 @@ def test_detector_reads_each_hook_or_with_defer_the_forward_at_once(monkeypatch,
     data[3][0, 0] = float("inf")
     calls = []
     real = tb._launch
+    real_read = tb._launch_read
 
     def counting(buffer, out, num_tensors, *args):
-        # one per engine call, through compute() or dispatch's C++ table (compute_scanned())
+        # one per engine call through the table kernels: compute() or dispatch's C++ table
         calls.append(num_tensors)
         return real(buffer, out, num_tensors, *args)
 
+    def counting_read(state, stream, programs, row, accumulators, group, *args):
+        calls.append(len(group))  # one per engine call through the per-hook kernel (at most 8 tensors here)
+        return real_read(state, stream, programs, row, accumulators, group, *args)
+
     monkeypatch.setattr(tb, "_launch", counting)
+    monkeypatch.setattr(tb, "_launch_read", counting_read)
     monkeypatch.setattr(overflow_fast.reads, "CPU_AS_DEVICE", True)  # the interpreter's tensors are on the CPU
     model = model.to(DEVICE)
     data = [x.to(DEVICE) for x in data]

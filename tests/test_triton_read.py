@@ -113,7 +113,8 @@ def test_declines_what_it_cannot_take():
     assert tb.read_into([x], torch.empty(1, 8, dtype=torch.int32, device=DEVICE)) is False
     assert tb.read_into([x], torch.empty(1, 16, dtype=torch.int64, device=DEVICE)[:, ::2]) is False
     buffer = torch.zeros(3, 8, dtype=torch.int64, device=DEVICE)
-    assert tb.read_into([buffer[2]], buffer[:1]) is False
+    assert tb.read_into([buffer[0, 3:]], buffer[:1]) is False and (buffer == 0).all()
+    assert tb.read_into([buffer[2]], buffer[:1])  # the same allocation, not the same memory: read
     assert tb.read_into([], torch.empty(0, 8, dtype=torch.int64, device=DEVICE))
 
 

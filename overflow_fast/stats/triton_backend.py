@@ -1163,17 +1163,24 @@ def _read(tensors, out, state=None, block_size=None, blocks_per_chunk=None):
     if (type(out) not in _PLAIN_TYPES or out.dtype != torch.int64 or tuple(out.shape) != (count, NUM_COLUMNS)
             or not out.is_contiguous()):
         return False
-    storage = out.untyped_storage()
-    out_first = storage.data_ptr()
-    out_last = out_first + storage.nbytes()
+    out_first = out.data_ptr()
+    out_last = out_first + count * 64
+    cuda = device.type == "cuda"
+    index = device.index if cuda else -1
     zero3 = "deepspeed" in sys.modules
     words = _FORMAT_WORD
+    block_size = block_size or BLOCK_SIZE
+    blocks_per_chunk = blocks_per_chunk or BLOCKS_PER_CHUNK
+    chunk = block_size * blocks_per_chunk
     slots = []  # (address, numel, word) per tensor
+    programs = []  # per launch
     keep = None  # flat copies, alive until the launches are enqueued
     formats = 0
     any_unaligned = False
     for tensor in tensors:
-        if type(tensor) not in _PLAIN_TYPES or tensor.layout is not _STRIDED or tensor.device != device:
+        # a few attribute reads per tensor: on a GPU this loop is the host cost of a hook's read
+        if (type(tensor) not in _PLAIN_TYPES or tensor.layout is not _STRIDED or tensor.is_cuda is not cuda
+                or tensor.get_device() != index or tensor.is_meta):
             return False
         word = words.get(tensor.dtype)
         if word is None or tensor.is_nested or _is_functorch_wrapped(tensor):
@@ -1181,38 +1188,34 @@ def _read(tensors, out, state=None, block_size=None, blocks_per_chunk=None):
         numel = tensor.numel()
         if numel == 0 and zero3 and is_zero3_released(tensor):
             return False  # a released ZeRO-3 parameter: the general path reads the whole one
-        if tensor.is_neg() or not (tensor.is_contiguous() or _is_dense(tensor)):
+        if not tensor.is_contiguous() and not _is_dense(tensor) or tensor.is_neg():
             tensor = _flat_source(tensor)
             keep = keep or []
             keep.append(tensor)
         address = tensor.data_ptr()
-        if numel and out_first <= address < out_last:
-            return False  # reading rows of out itself: the general path checks the exact extents
+        if numel and address < out_last and out_first < address + numel * tensor.element_size():
+            return False  # out shares memory with a tensor: the general path says so
         if address & 15:
             any_unaligned = True
         else:
             word |= _ALIGNED_BIT
         formats |= 1 << (word & _CODE_MASK)
+        if len(slots) % MAX_SLOTS == 0:
+            programs.append(0)
+        programs[-1] += -(-numel // chunk) or 1
         slots.append((address, numel, word))
-    if device.type == "cuda":
-        stream = torch._C._cuda_getCurrentRawStream(device.index)
-    else:
-        stream = 0
+    stream = torch._C._cuda_getCurrentRawStream(index) if cuda else 0
     accumulators = state.groups.get(stream)
     if accumulators is None:
         if len(state.groups) >= STREAM_GROUPS:
             return False
         accumulators = state.groups[stream] = state.pool[len(state.groups) * MAX_SLOTS].data_ptr()
-    block_size = block_size or BLOCK_SIZE
-    blocks_per_chunk = blocks_per_chunk or BLOCKS_PER_CHUNK
-    chunk = block_size * blocks_per_chunk
-    row = out.data_ptr()
-    with on_device(device):
-        for begin in range(0, count, MAX_SLOTS):
-            group = slots[begin:begin + MAX_SLOTS]
-            programs = sum(max(-(-numel // chunk), 1) for _, numel, _ in group)
-            _launch_read(state, stream, programs, row + begin * 64, accumulators, group, formats, any_unaligned,
-                         block_size, blocks_per_chunk)
+    # Triton launches on the current device: the tensors' one (cuda:1 under device_map="auto")
+    guard = on_device(device) if cuda and torch._C._cuda_getDevice() != index else contextlib.nullcontext()
+    with guard:
+        for launch, begin in enumerate(range(0, count, MAX_SLOTS)):
+            _launch_read(state, stream, programs[launch], out_first + begin * 64, accumulators,
+                         slots[begin:begin + MAX_SLOTS], formats, any_unaligned, block_size, blocks_per_chunk)
     del keep
     return True
 
