@@ -291,8 +291,8 @@ def bench_sizes(device, timer, sizes, dtypes, copy_gbps, deadline=math.inf):
                 print(f"  skip {dtype} {numel}: does not fit comfortably")
                 continue
             x = torch.randn(numel, device=device).to(dtype)
-            rows = torch.empty(1, 8, dtype=torch.int64, device=device)
-            t_triton = timer(lambda x=x: triton_be.read_into([x], rows))  # the per-hook kernel
+            out = torch.empty(1, 8, dtype=torch.int64, device=device)
+            t_triton = timer(lambda x=x, out=out: triton_be.read_into([x], out))  # the per-hook kernel
             t_torch = timer(lambda x=x: torch_be.compute([x]))
             t_ref = timer(lambda x=x: reference_ops([x]))
             rows.append(result_row(f"{str(dtype)[6:]} x1", numel, numel * dtype.itemsize,
