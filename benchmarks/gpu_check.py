@@ -121,8 +121,15 @@ def _cpu_backend_dicts(tensors):
 def check_batch(tensors, label, oracle_max=5000):
     """Triton equals the torch backend and the CPU backend on every tensor, and the oracle on the
     small ones."""
-    got = _dicts(triton_be.compute(tensors), tensors)
+    table_rows = triton_be.compute(tensors)
+    got = _dicts(table_rows, tensors)
     want = _dicts(torch_be.compute(tensors), tensors)
+    if len(tensors) <= triton_be.MAX_SLOTS * triton_be.MAX_READ_LAUNCHES:
+        read_rows = _read_rows(tensors)
+        if not torch.equal(read_rows, table_rows):
+            bad = next(i for i in range(len(tensors)) if not torch.equal(read_rows[i], table_rows[i]))
+            raise Mismatch(f"{label}[{bad}] {tensors[bad].dtype} {tuple(tensors[bad].shape)}: per-hook kernel "
+                           f"{read_rows[bad].tolist()} != table kernels {table_rows[bad].tolist()}")
     on_cpu = _cpu_backend_dicts(tensors)
     EXACT["cpu"] += len(on_cpu)
     for i, (g, w, t) in enumerate(zip(got, want, tensors)):
@@ -138,6 +145,15 @@ def check_batch(tensors, label, oracle_max=5000):
 
 
 _ORACLE_DTYPES = set(DTYPES)
+
+
+def _read_rows(tensors):
+    """The per-hook kernel's rows (``read_into``, whatever the device's self-check said)."""
+    rows = torch.full((len(tensors), 8), -1, dtype=torch.int64, device=tensors[0].device)
+    state = triton_be._DEVICES.get((rows.device.type, rows.device.index)) or triton_be.check_device(rows.device)
+    if not triton_be._read(tensors, rows, state):
+        raise Mismatch(f"the per-hook kernel did not take {len(tensors)} tensors")
+    return rows
 
 
 def _readable(dtype, device):
@@ -201,6 +217,8 @@ def check_huge(device):
     x[-1] = float("-inf")
     x[-2] = 2.0**-20
     got = _dicts(triton_be.compute([x]), [x])[0]
+    if not torch.equal(_read_rows([x]), triton_be.compute([x])):
+        raise Mismatch(f"fp16 tensor of {n} elements: the per-hook kernel differs from the table kernels")
     want = {"abs_min": math.nan, "abs_max": math.nan, "nan": 1, "posinf": 0, "neginf": 1, "zero": 0,
             "subnormal": 1, "numel": n}
     if not same_stats(got, want):
@@ -273,7 +291,8 @@ def bench_sizes(device, timer, sizes, dtypes, copy_gbps, deadline=math.inf):
                 print(f"  skip {dtype} {numel}: does not fit comfortably")
                 continue
             x = torch.randn(numel, device=device).to(dtype)
-            t_triton = timer(lambda x=x: triton_be.compute([x]))
+            out = torch.empty(1, 8, dtype=torch.int64, device=device)
+            t_triton = timer(lambda x=x, out=out: triton_be.read_into([x], out))  # the per-hook kernel
             t_torch = timer(lambda x=x: torch_be.compute([x]))
             t_ref = timer(lambda x=x: reference_ops([x]))
             rows.append(result_row(f"{str(dtype)[6:]} x1", numel, numel * dtype.itemsize,
@@ -369,8 +388,8 @@ def run_end_to_end(device, timeout):
 
 # --------------------------------------------------------------------------- GPT-2: host and training step
 
-HOST_VARIANTS = ("none", "module", "batch", "watch")
-TRAIN_VARIANTS = ("none", "reference", "module", "batch", "watch")
+HOST_VARIANTS = ("none", "module", "batch", "watch", "defer")
+TRAIN_VARIANTS = ("none", "reference", "module", "batch", "watch", "defer", "compiled", "compiled reduce-overhead")
 
 
 def gpt2_config(tiny):
@@ -449,9 +468,26 @@ def host_per_hook(device, tiny, batch, seq, repeats, inner, deadline):
                 times[variant].append(seconds)
         medians = {v: statistics.median(t) for v, t in times.items()}
         for variant in HOST_VARIANTS[1:]:
-            counts = hp.counted(model, run, variant)
+            launches = [0]
+            real_read, real_table = triton_be._launch_read, triton_be._launch
+
+            def read_launch(*a, **k):
+                launches[0] += 1
+                return real_read(*a, **k)
+
+            def table_launch(*a, **k):
+                launches[0] += 2
+                return real_table(*a, **k)
+
+            if device.type == "cuda":
+                triton_be._launch_read, triton_be._launch = read_launch, table_launch
+            try:
+                counts = hp.counted(model, run, variant, passes=1)
+            finally:
+                triton_be._launch_read, triton_be._launch = real_read, real_table
+            counts["launches"] = max(counts["launches"], launches[0])
             per_hook = (medians[variant] - medians["none"]) / hooks * 1e6
-            results[variant] = (per_hook, counts["compute_calls"], counts["compute_s"] / hooks * 1e6)
+            results[variant] = (per_hook, counts["compute_calls"], counts["compute_s"] / hooks * 1e6, counts["launches"])
             print(f"  {variant}: {medians[variant] * 1e3:.2f} ms per replayed forward, {per_hook:.1f} us/hook, "
                   f"{counts['compute_calls']} compute() calls, {results[variant][2]:.1f} us/hook inside compute()",
                   flush=True)
@@ -465,12 +501,22 @@ def _attach_train(variant, model):
         from transformers.debug_utils import DebugUnderflowOverflow as ReferenceDetector
 
         ReferenceDetector(model)  # its hooks cannot be removed: this copy keeps them
+        return model
     elif variant in ("module", "batch"):
         overflow_fast.DebugUnderflowOverflow(model, check=variant)
     elif variant == "watch":
         overflow_fast.watch(model)
+    elif variant == "defer":
+        overflow_fast.DebugUnderflowOverflow(model, check="batch", defer=True)
+    elif variant == "compiled":
+        overflow_fast.DebugUnderflowOverflow(model, check="batch")
+        return torch.compile(model)
+    elif variant == "compiled reduce-overhead":
+        overflow_fast.DebugUnderflowOverflow(model, check="batch")
+        return torch.compile(model, mode="reduce-overhead")
     elif variant != "none":
         raise ValueError(variant)
+    return model
 
 
 def train_step_overhead(device, tiny, batch, seq, warmup, steps, deadline):
@@ -488,12 +534,12 @@ def train_step_overhead(device, tiny, batch, seq, warmup, steps, deadline):
     runs, notes, peaks = {}, {}, {}
     for variant in TRAIN_VARIANTS:
         model = copy.deepcopy(base)
-        _attach_train(variant, model)
+        forward = _attach_train(variant, model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
 
-        def step(model=model, optimizer=optimizer):
+        def step(forward=forward, optimizer=optimizer):
             optimizer.zero_grad(set_to_none=True)
-            model(input_ids=ids, labels=ids).loss.backward()
+            forward(input_ids=ids, labels=ids).loss.backward()
             optimizer.step()
 
         runs[variant] = step
@@ -617,6 +663,19 @@ def main(args):
                   f"triton = torch backend = oracle (small ones); = cpu backend on {EXACT['cpu']}"
                   + ("" if cpu_be.unavailable_reason() is None else f" ({cpu_note})")))
 
+    # the per-hook kernel's self-check, as on a device's first use, then again with its kernels compiled
+    for attempt in ("first use", "warm"):
+        triton_be.forget_devices()
+        state = triton_be.check_device(device, read=None if device.type == "cuda" else triton_be._read)
+        print(f"  self-check ({attempt}): {state.self_check}, {state.check_ms:.0f} ms; path {state.path}; "
+              f"launch {state.launch}", flush=True)
+    table.append(("self-check", state.self_check,
+                  f"{state.check_ms:.1f} ms with its kernels compiled (target <= 50 ms); path {state.path}; "
+                  f"launch {state.launch}"))
+    if state.path != triton_be.PER_HOOK:
+        print(f"SELF-CHECK FAILED: {state.self_check}", flush=True)
+        return 1
+
     timer = make_timer(device)
     rows, copy_gbps = [], None
     if not budget.skip("2. bandwidth"):
@@ -646,11 +705,11 @@ def main(args):
               f"{device.type} tensors" + (" (triton launches stubbed)" if args.dry_run else ""), flush=True)
         host, hooks, none_s = host_per_hook(device, args.dry_run, *host_shape, host_repeats, host_inner,
                                             budget.deadline(0.12))
-        for variant, (per_hook, calls, in_compute) in host.items():
+        for variant, (per_hook, calls, in_compute, launches) in host.items():
             table.append((f"host us/hook {variant}", f"{per_hook:.1f} us",
                           f"{hooks} hooks, batch {host_shape[0]} x {host_shape[1]}, synced replay "
-                          f"(no hooks: {none_s * 1e3:.2f} ms); {calls} compute() calls/forward, "
-                          f"{in_compute:.1f} us/hook inside compute()"))
+                          f"(no hooks: {none_s * 1e3:.2f} ms); {calls} engine calls and {launches} launches per "
+                          f"forward, {in_compute:.1f} us/hook inside the engine"))
         if device.type == "cuda":
             torch.cuda.empty_cache()
     else:
@@ -699,6 +758,9 @@ def main(args):
         print(format_table(rows))
         print()
     print(summary_table(table, source))
+    if os.environ.get("OUT"):  # the lent machine's folder of results
+        with open(os.path.join(os.environ["OUT"], "gpu_check.md"), "w") as f:
+            f.write(summary_table(table, source) + "\n")
     return 0
 
 

@@ -54,11 +54,38 @@ def _default_backends(status):
     return chosen
 
 
+def _per_hook_paths():
+    """{device: "<path>; self-check <result>; launch <how>"} of the triton backend's per-hook read:
+    every CUDA device is set up (and self-checked) now, as its first use would; without one, how
+    the launch would be made."""
+    import torch
+
+    from .stats import triton_backend
+
+    if triton_backend.unavailable_reason() is not None:
+        return {"all": f"none (the triton backend is unavailable: {triton_backend.unavailable_reason()})"}
+    if torch.cuda.is_available():
+        for index in range(torch.cuda.device_count()):
+            try:
+                triton_backend._state(torch.device("cuda", index))
+            except Exception as error:  # noqa: BLE001 - info reports, it never fails
+                return {f"cuda:{index}": f"cannot be set up ({type(error).__name__}: {error})"}
+    report = {device: f"{path}; self-check {check}; launch {launch}"
+              for device, (path, check, launch) in triton_backend.device_report().items()}
+    if not report:
+        launch = ("direct (CompiledKernel.run)" if triton_backend._DIRECT_REASON is None
+                  else f"ordinary ({triton_backend._DIRECT_REASON})")
+        report["none used yet"] = f"{triton_backend.PER_HOOK} on first use; launch {launch}"
+    return report
+
+
 def info():
     """What runs here, as a dict: ``overflow_fast``, ``python``, ``torch``, ``triton``,
     ``cpu_kernel`` (``"avx512"``, ``"avx2"``, ``"baseline"`` or ``"unavailable (<reason>)"``),
     ``cpu_kernel_file``, ``cpu_kernel_origin``, ``cpu_kernel_cache``, ``default_backend``
-    ({device type: backend}), ``cuda_devices`` (list) and ``environment`` ({name: value})."""
+    ({device type: backend}), ``cuda_devices`` (list), ``per_hook_read`` ({device: the triton
+    backend's per-hook path there, its self-check and how it launches}) and ``environment``
+    ({name: value})."""
     import torch
 
     import overflow_fast
@@ -100,6 +127,7 @@ def info():
         "cpu_kernel_cache": cache,
         "default_backend": _default_backends(status),
         "cuda_devices": _cuda_devices(),
+        "per_hook_read": _per_hook_paths(),
         "environment": environment,
     }
 
@@ -115,6 +143,7 @@ def lines(facts):
         out.append(f"default backend ({device}): {backend}")
     out.append(f"cuda devices: {len(facts['cuda_devices']) or 'none'}")
     out += [f"cuda device {device}" for device in facts["cuda_devices"]]
+    out += [f"per-hook read ({device}): {path}" for device, path in facts["per_hook_read"].items()]
     if not any(name.startswith("OVERFLOW_FAST_") for name in facts["environment"]):
         out.append("environment: no OVERFLOW_FAST_* variable set")
     out += [f"environment: {name}={value}" for name, value in facts["environment"].items()]

@@ -28,6 +28,7 @@ import torch
 from . import distributed
 from .frames import FORWARD
 from .stats import tensor_stats
+from .stats.dispatch import per_hook_reader
 from .stats.cpu_backend import extension
 from .stats.kinds import PLAIN_TYPES, is_zero3_released, short_reason
 from .stats.layout import NAN, NEGINF, NUM_COLUMNS, POSINF, host_bytes
@@ -211,9 +212,12 @@ class Reads:
         return None, rows, marks
 
     def _stats(self, tensors, out):
-        """``tensor_stats`` into ``out``; None when it worked, else the fallback's rows and reasons."""
+        """The backend's per-hook read into ``out`` (the triton backend's one launch), else
+        ``tensor_stats``; None when it worked, else the fallback's rows and reasons."""
         try:
-            tensor_stats(tensors, self.backend, out=out)
+            reader = per_hook_reader(self.backend, out.device)
+            if reader is None or not reader(tensors, out):
+                tensor_stats(tensors, self.backend, out=out)
             return None
         except Exception as error:  # noqa: BLE001
             return self._one_at_a_time(tensors, error)

@@ -67,6 +67,8 @@ def test_schemas():
         "overflow_fast::tensor_stats_triton(Tensor[] tensors) -> Tensor"
     assert str(triton.tensor_stats_triton_out.default._schema) == \
         "overflow_fast::tensor_stats_triton_out(Tensor[] tensors, Tensor(a1!) out) -> ()"
+    assert str(triton.read_into.default._schema) == \
+        "overflow_fast::read_into(Tensor[] tensors, Tensor(a1!) rows, SymInt first) -> ()"
 
 
 @needs_cpu_ops
@@ -238,6 +240,50 @@ for name, tensors in lists.items():
     assert torch.equal(got[~nan], want[~nan]), (name, got, want)
     op_out(tensors, out)
     assert torch.equal(out, got), name
+
+# the per-hook read: opcheck, then inside a fullgraph compile, the rows buffer mutated in place
+read = torch.ops.overflow_fast.read_into
+for name, tensors in lists.items():
+    rows = torch.full((len(tensors) + 3, 8), -1, dtype=torch.int64)
+    result = torch.library.opcheck(read.default, (tensors, rows, 2), test_utils=utils)
+    assert set(result.values()) == {"SUCCESS"}, (name, result)
+    rows.fill_(-1)
+    read(tensors, rows, 2)
+    assert torch.equal(rows[2:2 + len(tensors)], op(tensors)) and (rows[:2] == -1).all(), name
+try:
+    read([torch.ones(2)], torch.empty(1, 8, dtype=torch.int64), 1)
+except ValueError as error:
+    assert "room for 1 rows from row 1" in str(error)
+else:
+    raise AssertionError("no room: should raise")
+
+import torch._dynamo as dynamo
+from torch._dynamo.utils import counters
+
+
+def step(x, rows):
+    h = torch.relu(x) * 2
+    read([x, h], rows, 0)
+    y = h.sum(dim=0)
+    read([y], rows, 2)
+    return y + 1
+
+
+for backend in ("aot_eager", "inductor"):
+    dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(step, fullgraph=True, backend=backend)
+    for batch in range(3):
+        x = torch.randn(5, 7)
+        x[batch, 1] = float("inf")
+        rows = torch.full((4, 8), -1, dtype=torch.int64)
+        out = compiled(x, rows)
+        h = torch.relu(x) * 2
+        assert torch.equal(rows[:3], op([x, h, h.sum(dim=0)])), (backend, batch, rows)
+        assert (rows[3] == -1).all() and rows[0, 3] == 1
+    assert counters["stats"]["unique_graphs"] == 1, (backend, dict(counters["stats"]))
+explained = dynamo.explain(step)(torch.randn(5, 7), torch.zeros(4, 8, dtype=torch.int64))
+assert explained.graph_break_count == 0 and explained.graph_count == 1
 print("TRITON OPS OK")
 '''
 

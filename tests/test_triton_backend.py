@@ -45,11 +45,24 @@ def _rows_to_dicts(rows, tensors):
     return StatsBatch([t.dtype for t in tensors], [(list(range(len(tensors))), rows)]).tolist()
 
 
+def _read_rows(tensors, **launch):
+    """The per-hook kernel's rows (``read_into``), written over rows of -1; several launches when
+    there are more tensors than its largest variant holds."""
+    rows = torch.full((len(tensors), 8), -1, dtype=torch.int64, device=DEVICE)
+    assert tb.read_into(tensors, rows, **launch)
+    return rows
+
+
 def _check(tensors, label, **launch):
-    """Triton rows equal the oracle and the torch backend, through compute() and tensor_stats()."""
+    """Triton rows equal the oracle and the torch backend, through compute() (the table kernels)
+    and tensor_stats(); the per-hook kernel's rows equal the table kernels' bit for bit."""
     tensors = [t.to(DEVICE) for t in tensors]
     want_torch = tensor_stats(tensors, backend="torch").tolist()
-    got = _rows_to_dicts(tb.compute(tensors, **launch), tensors)
+    table_rows = tb.compute(tensors, **launch)
+    if len(tensors) <= tb.MAX_SLOTS * tb.MAX_READ_LAUNCHES:
+        read_rows = _read_rows(tensors, **launch)
+        assert torch.equal(read_rows, table_rows), f"{label}: per-hook kernel {read_rows} != table kernels {table_rows}"
+    got = _rows_to_dicts(table_rows, tensors)
     assert_stats_equal(got, [t.cpu() for t in tensors], label)
     for i, (g, w) in enumerate(zip(got, want_torch)):
         assert same_stats(g, w), f"{label} tensor {i} ({tensors[i].dtype}): triton {g}, torch backend {w}"
@@ -557,13 +570,19 @@ def test_detector_reads_each_hook_or_with_defer_the_forward_at_once(monkeypatch,
     data[3][0, 0] = float("inf")
     calls = []
     real = tb._launch
+    real_read = tb._launch_read
 
     def counting(buffer, out, num_tensors, *args):
-        # one per engine call, through compute() or dispatch's C++ table (compute_scanned())
+        # one per engine call through the table kernels: compute() or dispatch's C++ table
         calls.append(num_tensors)
         return real(buffer, out, num_tensors, *args)
 
+    def counting_read(state, stream, programs, row, accumulators, group, *args):
+        calls.append(len(group))  # one per engine call through the per-hook kernel (at most 8 tensors here)
+        return real_read(state, stream, programs, row, accumulators, group, *args)
+
     monkeypatch.setattr(tb, "_launch", counting)
+    monkeypatch.setattr(tb, "_launch_read", counting_read)
     monkeypatch.setattr(overflow_fast.reads, "CPU_AS_DEVICE", True)  # the interpreter's tensors are on the CPU
     model = model.to(DEVICE)
     data = [x.to(DEVICE) for x in data]

@@ -43,6 +43,7 @@ def _load(name):
             module, reason = None, f"{type(error).__name__}: {error}"
         _loaded[name] = (module, reason)
         _choices.clear()
+        _READERS.clear()
     return _loaded[name]
 
 
@@ -236,6 +237,10 @@ def _plain_stats(tensors, requested, out):
         if out.device != device:
             return None
         out_storage = _storage_bytes(out)
+    if len(tensors) <= module.MAX_SLOTS * module.MAX_READ_LAUNCHES:  # one launch per 8, nothing uploaded
+        rows = out if out is not None else torch.empty((len(tensors), NUM_COLUMNS), dtype=torch.int64, device=device)
+        if module.read_into(tensors if type(tensors) is list else list(tensors), rows):
+            return StatsBatch([t.dtype for t in tensors], [(range(len(tensors)), rows)])
     scanned = module.scan(tensors if type(tensors) is list else list(tensors), words,
                           module.BLOCK_SIZE * module.BLOCKS_PER_CHUNK, out_storage, zero3)
     if scanned is None:
@@ -245,6 +250,26 @@ def _plain_stats(tensors, requested, out):
     if zero3 and any(kinds.is_zero3_released(tensors[index]) for index in scanned.empties):
         return None
     return StatsBatch(scanned.dtypes, [(range(len(tensors)), module.compute_scanned(scanned, out))])
+
+
+_READERS = {}  # (requested backend, device) -> the per-hook read of that device, or None
+
+
+def per_hook_reader(backend, device):
+    """The backend's per-hook entry for tensors on ``device`` when ``backend`` (as
+    ``tensor_stats`` takes it) means the triton backend there: ``read_into(tensors, out)``,
+    True when it wrote the rows, False when the caller must take ``tensor_stats``. Else None."""
+    requested, _ = requested_backend(backend)
+    key = (requested, device)
+    if key not in _READERS:
+        name = requested if requested is not None else _PREFERRED.get(device.type)
+        reader = None
+        if name == "triton":
+            module, reason = _load(name)
+            if reason is None and module.supports(torch.empty(0, device=device)):
+                reader = module.read_into
+        _READERS[key] = reader
+    return _READERS[key]
 
 
 def _plain_cpu_stats(module, dtypes, tensors, out, zero3):

@@ -6,10 +6,11 @@ graphs.
   ``overflow_fast::tensor_stats_out(Tensor[] tensors, Tensor(a!) out) -> ()``: the C++ kernel
   (csrc/binding.cpp, ``TORCH_LIBRARY``), CPU tensors. Loaded with ``overflow_fast._C``. (Why the
   out variant is an op of its own rather than an ``.out`` overload: see binding.cpp.)
-- ``overflow_fast::tensor_stats_triton(Tensor[] tensors) -> Tensor`` and
-  ``overflow_fast::tensor_stats_triton_out(Tensor[] tensors, Tensor(a!) out) -> ()``: the Triton
-  kernels (CUDA tensors; CPU tensors under ``TRITON_INTERPRET=1``), registered with
-  ``torch.library.custom_op``.
+- ``overflow_fast::tensor_stats_triton(Tensor[] tensors) -> Tensor``,
+  ``overflow_fast::tensor_stats_triton_out(Tensor[] tensors, Tensor(a!) out) -> ()`` and the per-hook
+  read ``overflow_fast::read_into(Tensor[] tensors, Tensor(a!) rows, int first) -> ()``: the Triton
+  kernels (CUDA tensors; CPU tensors under ``TRITON_INTERPRET=1``; the per-hook kernel where it
+  takes the tensors, else the table kernels), registered with ``torch.library.custom_op``.
 
 Why ``custom_op`` and not ``torch.library.triton_op`` for Triton: a ``triton_op`` body is traced
 into the graph, and Inductor sees only the tensors passed to each ``wrap_triton`` launch. The
@@ -66,6 +67,10 @@ def tensor_stats_triton(tensors: list[torch.Tensor]) -> torch.Tensor:
     """Rows of ``tensors`` from the Triton kernels (triton_backend.compute), no host sync."""
     from . import triton_backend
 
+    if tensors:
+        rows = torch.empty((len(tensors), NUM_COLUMNS), dtype=torch.int64, device=tensors[0].device)
+        if triton_backend.read_into(tensors, rows):  # one launch per 8 tensors, nothing uploaded
+            return rows
     rows = triton_backend.compute(tensors)
     if not tensors:  # an op's output must be on a device the caller can know: the CPU
         return rows.cpu()
@@ -84,12 +89,35 @@ def tensor_stats_triton_out(tensors: list[torch.Tensor], out: torch.Tensor) -> N
 
     if tuple(out.shape) != (len(tensors), NUM_COLUMNS) or out.dtype != torch.int64 or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous int64 tensor of shape ({len(tensors)}, {NUM_COLUMNS})")
-    if tensors:
+    if tensors and not triton_backend.read_into(tensors, out):
         triton_backend.compute(tensors, out=out)
 
 
 @tensor_stats_triton_out.register_fake
 def _tensor_stats_triton_out_fake(tensors, out):
+    return None
+
+
+@torch.library.custom_op("overflow_fast::read_into", mutates_args=("rows",))
+def read_into(tensors: list[torch.Tensor], rows: torch.Tensor, first: int) -> None:
+    """The per-hook read: the rows of ``tensors`` written into ``rows[first:first + len(tensors)]``
+    (``rows``: a contiguous ``[R, 8]`` int64 buffer on their device). On CUDA one launch per 8
+    tensors with nothing uploaded and no host sync, into a buffer the op mutates: safe to capture
+    in a CUDA graph (``torch.compile(mode="reduce-overhead")``) once a first eager call has set up
+    the device. Tensors that kernel does not take go through the table kernels."""
+    from . import triton_backend
+
+    if rows.dtype != torch.int64 or rows.dim() != 2 or rows.shape[1] != NUM_COLUMNS or not rows.is_contiguous() \
+            or not 0 <= first <= rows.shape[0] - len(tensors):
+        raise ValueError(f"rows must be a contiguous int64 [R, {NUM_COLUMNS}] tensor with room for "
+                         f"{len(tensors)} rows from row {first}")
+    out = rows[first:first + len(tensors)]
+    if tensors and not triton_backend.read_into(tensors, out):
+        triton_backend.compute(tensors, out=out)
+
+
+@read_into.register_fake
+def _read_into_fake(tensors, rows, first):
     return None
 
 

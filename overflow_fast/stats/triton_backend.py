@@ -68,11 +68,12 @@ import contextlib
 import itertools
 import os
 import struct
+import sys
 
 import torch
 
 from . import cpu_backend
-from .kinds import PLAIN_TYPES
+from .kinds import PLAIN_TYPES, is_zero3_released
 from .layout import NUM_COLUMNS, host_bytes
 
 NAME = "triton"
@@ -235,10 +236,12 @@ if triton is not None:
         return key, counts
 
     @triton.jit
-    def _chunk_stats(X, start, end, out, KIND: tl.constexpr, EXP_BITS: tl.constexpr,
-                     MANT_BITS: tl.constexpr, SPECIALS: tl.constexpr, KEY_DTYPE: tl.constexpr,
-                     FLIP: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-        """The partial row (8 int64 at ``out``) of elements [start, end) of the tensor at ``X``.
+    def _chunk_partial(X, start, end, KIND: tl.constexpr, EXP_BITS: tl.constexpr,
+                       MANT_BITS: tl.constexpr, SPECIALS: tl.constexpr, KEY_DTYPE: tl.constexpr,
+                       FLIP: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+        """The partial of elements [start, end) of the tensor at ``X``: (key min, key max, nan,
+        +inf, -inf, zero, subnormal), int64 scalars; the keys order like magnitudes (see
+        ``_classify``), 64-bit integers' with the sign bit flipped.
 
         The alignment hints of ``X`` and ``start`` are the caller's: ``tl.multiple_of`` marks the
         op that defines a value, so it has no effect on a function's parameter."""
@@ -282,31 +285,57 @@ if triton is not None:
             key_max = tl.maximum(key_max, key)
             packed += tl.where(mask, counts, 1)
 
-        count = end - start
+        count = (end - start).to(tl.int64)
         subnormal = tl.sum((packed >> 5) & 31, axis=0).to(tl.int64)
         normal = tl.sum((packed >> 10) & 31, axis=0).to(tl.int64)
         posinf = tl.sum((packed >> 15) & 31, axis=0).to(tl.int64)
         nan = tl.sum((packed >> 20) & 31, axis=0).to(tl.int64)
         neginf = tl.sum((packed >> 25) & 31, axis=0).to(tl.int64)
-        tl.store(out + 0, tl.min(key_min, axis=0).to(tl.int64))
-        tl.store(out + 1, tl.max(key_max, axis=0).to(tl.int64))
+        lo = tl.min(key_min, axis=0).to(tl.int64)
+        hi = tl.max(key_max, axis=0).to(tl.int64)
+        if KIND == 0:
+            zero = count - (subnormal + normal + posinf + nan + neginf)
+        else:
+            zero = count - subnormal  # field 1 counted the nonzero values
+            subnormal = normal  # 0
+        return lo, hi, nan, posinf, neginf, zero, subnormal
+
+    @triton.jit
+    def _chunk_stats(X, start, end, out, KIND: tl.constexpr, EXP_BITS: tl.constexpr,
+                     MANT_BITS: tl.constexpr, SPECIALS: tl.constexpr, KEY_DTYPE: tl.constexpr,
+                     FLIP: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+        """The partial row (8 int64 at ``out``) of elements [start, end) of the tensor at ``X``:
+        ``_chunk_partial``'s values, then the element count."""
+        lo, hi, nan, posinf, neginf, zero, subnormal = _chunk_partial(
+            X, start, end, KIND, EXP_BITS, MANT_BITS, SPECIALS, KEY_DTYPE, FLIP, BLOCK_SIZE)
+        tl.store(out + 0, lo)
+        tl.store(out + 1, hi)
         tl.store(out + 2, nan)
         tl.store(out + 3, posinf)
         tl.store(out + 4, neginf)
-        if KIND == 0:
-            tl.store(out + 5, count - (subnormal + normal + posinf + nan + neginf))
-            tl.store(out + 6, subnormal)
-        else:
-            tl.store(out + 5, count - subnormal)  # field 1 counted the nonzero values
-            tl.store(out + 6, normal)  # 0
-        tl.store(out + 7, count)
+        tl.store(out + 5, zero)
+        tl.store(out + 6, subnormal)
+        tl.store(out + 7, (end - start).to(tl.int64))
 
     @triton.jit
-    def _format_branch(address, code, aligned, start, end, out, FORMATS: tl.constexpr,
-                       ANY_UNALIGNED: tl.constexpr, CODE: tl.constexpr, LOAD_DTYPE: tl.constexpr,
-                       KIND: tl.constexpr, EXP_BITS: tl.constexpr, MANT_BITS: tl.constexpr,
-                       SPECIALS: tl.constexpr, KEY_DTYPE: tl.constexpr, FLIP: tl.constexpr,
-                       BLOCK_SIZE: tl.constexpr):
+    def _chunk_out(X, start, end, out, programs, numel, word, acc, MERGE: tl.constexpr, KIND: tl.constexpr,
+                   EXP_BITS: tl.constexpr, MANT_BITS: tl.constexpr, SPECIALS: tl.constexpr,
+                   KEY_DTYPE: tl.constexpr, FLIP: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+        """The chunk's partial: stored as a partial row at ``out`` (the table kernels), or with
+        ``MERGE`` merged into its tensor's row (the per-hook kernel, ``_merge``)."""
+        if MERGE:
+            lo, hi, nan, posinf, neginf, zero, subnormal = _chunk_partial(
+                X, start, end, KIND, EXP_BITS, MANT_BITS, SPECIALS, KEY_DTYPE, FLIP, BLOCK_SIZE)
+            _merge(lo, hi, nan, posinf, neginf, zero, subnormal, programs, numel, word, out, acc)
+        else:
+            _chunk_stats(X, start, end, out, KIND, EXP_BITS, MANT_BITS, SPECIALS, KEY_DTYPE, FLIP, BLOCK_SIZE)
+
+    @triton.jit
+    def _format_branch(address, code, aligned, start, end, out, programs, numel, word, acc,
+                       FORMATS: tl.constexpr, ANY_UNALIGNED: tl.constexpr, MERGE: tl.constexpr,
+                       CODE: tl.constexpr, LOAD_DTYPE: tl.constexpr, KIND: tl.constexpr,
+                       EXP_BITS: tl.constexpr, MANT_BITS: tl.constexpr, SPECIALS: tl.constexpr,
+                       KEY_DTYPE: tl.constexpr, FLIP: tl.constexpr, BLOCK_SIZE: tl.constexpr):
         """The chunk's statistics when its tensor has format ``CODE``. Compiled only when the
         launch has a tensor of that format; floats load as same-width integers (their bits)."""
         if (FORMATS >> CODE) & 1:
@@ -314,13 +343,13 @@ if triton is not None:
                 # ANY_UNALIGNED False (a constexpr) ends the `and` at compile time: no scalar loop
                 if ANY_UNALIGNED and not aligned:
                     X = address.to(tl.pointer_type(LOAD_DTYPE))
-                    _chunk_stats(X, start, end, out, KIND, EXP_BITS, MANT_BITS, SPECIALS, KEY_DTYPE, FLIP,
-                                 BLOCK_SIZE)
+                    _chunk_out(X, start, end, out, programs, numel, word, acc, MERGE, KIND, EXP_BITS, MANT_BITS,
+                               SPECIALS, KEY_DTYPE, FLIP, BLOCK_SIZE)
                 else:
                     # The hint must stay in this branch: a value merged from both would lose it.
                     X = tl.multiple_of(address.to(tl.pointer_type(LOAD_DTYPE)), 16)
-                    _chunk_stats(X, start, end, out, KIND, EXP_BITS, MANT_BITS, SPECIALS, KEY_DTYPE, FLIP,
-                                 BLOCK_SIZE)
+                    _chunk_out(X, start, end, out, programs, numel, word, acc, MERGE, KIND, EXP_BITS, MANT_BITS,
+                               SPECIALS, KEY_DTYPE, FLIP, BLOCK_SIZE)
 
     @triton.jit
     def _stats_partials_kernel(
@@ -359,44 +388,69 @@ if triton is not None:
         aligned = (word & 32) != 0  # _ALIGNED_BIT
         address = tl.load(Ptrs + tensor)
         out = Partials + chunk * 8
+        _every_format(address, code, aligned, start, end, out, 0, 0, 0, 0, FORMATS, ANY_UNALIGNED, False,
+                      BLOCK_SIZE)
+
+    @triton.jit
+    def _every_format(address, code, aligned, start, end, out, programs, numel, word, acc, FORMATS: tl.constexpr,
+                      ANY_UNALIGNED: tl.constexpr, MERGE: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+        """The chunk's statistics, by the branch of its format code (``_chunk_out``)."""
         # One branch per format code (_FORMATS, same order): code, load dtype (floats as their
         # bits), kind, exponent bits, mantissa bits, specials, key dtype (int64 where int32 cannot
         # hold the magnitude), flip (64-bit integers: unsigned order through a sign-bit flip).
-        _format_branch(address, code, aligned, start, end, out, FORMATS, ANY_UNALIGNED,
+        _format_branch(address, code, aligned, start, end, out, programs, numel, word, acc, FORMATS,
+                       ANY_UNALIGNED, MERGE,
                        0, tl.int64, 0, 11, 52, 0, tl.int64, False, BLOCK_SIZE)  # float64
-        _format_branch(address, code, aligned, start, end, out, FORMATS, ANY_UNALIGNED,
+        _format_branch(address, code, aligned, start, end, out, programs, numel, word, acc, FORMATS,
+                       ANY_UNALIGNED, MERGE,
                        1, tl.int32, 0, 8, 23, 0, tl.int32, False, BLOCK_SIZE)  # float32
-        _format_branch(address, code, aligned, start, end, out, FORMATS, ANY_UNALIGNED,
+        _format_branch(address, code, aligned, start, end, out, programs, numel, word, acc, FORMATS,
+                       ANY_UNALIGNED, MERGE,
                        2, tl.int16, 0, 5, 10, 0, tl.int32, False, BLOCK_SIZE)  # float16
-        _format_branch(address, code, aligned, start, end, out, FORMATS, ANY_UNALIGNED,
+        _format_branch(address, code, aligned, start, end, out, programs, numel, word, acc, FORMATS,
+                       ANY_UNALIGNED, MERGE,
                        3, tl.int16, 0, 8, 7, 0, tl.int32, False, BLOCK_SIZE)  # bfloat16
-        _format_branch(address, code, aligned, start, end, out, FORMATS, ANY_UNALIGNED,
+        _format_branch(address, code, aligned, start, end, out, programs, numel, word, acc, FORMATS,
+                       ANY_UNALIGNED, MERGE,
                        4, tl.int8, 0, 4, 3, 1, tl.int32, False, BLOCK_SIZE)  # float8_e4m3fn
-        _format_branch(address, code, aligned, start, end, out, FORMATS, ANY_UNALIGNED,
+        _format_branch(address, code, aligned, start, end, out, programs, numel, word, acc, FORMATS,
+                       ANY_UNALIGNED, MERGE,
                        5, tl.int8, 0, 5, 2, 0, tl.int32, False, BLOCK_SIZE)  # float8_e5m2
-        _format_branch(address, code, aligned, start, end, out, FORMATS, ANY_UNALIGNED,
+        _format_branch(address, code, aligned, start, end, out, programs, numel, word, acc, FORMATS,
+                       ANY_UNALIGNED, MERGE,
                        6, tl.uint8, 2, 0, 0, 0, tl.int32, False, BLOCK_SIZE)  # uint8
-        _format_branch(address, code, aligned, start, end, out, FORMATS, ANY_UNALIGNED,
+        _format_branch(address, code, aligned, start, end, out, programs, numel, word, acc, FORMATS,
+                       ANY_UNALIGNED, MERGE,
                        7, tl.int8, 1, 0, 0, 0, tl.int32, False, BLOCK_SIZE)  # int8
-        _format_branch(address, code, aligned, start, end, out, FORMATS, ANY_UNALIGNED,
+        _format_branch(address, code, aligned, start, end, out, programs, numel, word, acc, FORMATS,
+                       ANY_UNALIGNED, MERGE,
                        8, tl.int16, 1, 0, 0, 0, tl.int32, False, BLOCK_SIZE)  # int16
-        _format_branch(address, code, aligned, start, end, out, FORMATS, ANY_UNALIGNED,
+        _format_branch(address, code, aligned, start, end, out, programs, numel, word, acc, FORMATS,
+                       ANY_UNALIGNED, MERGE,
                        9, tl.int32, 1, 0, 0, 0, tl.int64, False, BLOCK_SIZE)  # int32
-        _format_branch(address, code, aligned, start, end, out, FORMATS, ANY_UNALIGNED,
+        _format_branch(address, code, aligned, start, end, out, programs, numel, word, acc, FORMATS,
+                       ANY_UNALIGNED, MERGE,
                        10, tl.int64, 1, 0, 0, 0, tl.int64, True, BLOCK_SIZE)  # int64
-        _format_branch(address, code, aligned, start, end, out, FORMATS, ANY_UNALIGNED,
+        _format_branch(address, code, aligned, start, end, out, programs, numel, word, acc, FORMATS,
+                       ANY_UNALIGNED, MERGE,
                        11, tl.uint8, 3, 0, 0, 0, tl.int32, False, BLOCK_SIZE)  # bool
-        _format_branch(address, code, aligned, start, end, out, FORMATS, ANY_UNALIGNED,
+        _format_branch(address, code, aligned, start, end, out, programs, numel, word, acc, FORMATS,
+                       ANY_UNALIGNED, MERGE,
                        12, tl.uint16, 2, 0, 0, 0, tl.int32, False, BLOCK_SIZE)  # uint16
-        _format_branch(address, code, aligned, start, end, out, FORMATS, ANY_UNALIGNED,
+        _format_branch(address, code, aligned, start, end, out, programs, numel, word, acc, FORMATS,
+                       ANY_UNALIGNED, MERGE,
                        13, tl.uint32, 2, 0, 0, 0, tl.int64, False, BLOCK_SIZE)  # uint32
-        _format_branch(address, code, aligned, start, end, out, FORMATS, ANY_UNALIGNED,
+        _format_branch(address, code, aligned, start, end, out, programs, numel, word, acc, FORMATS,
+                       ANY_UNALIGNED, MERGE,
                        14, tl.uint64, 2, 0, 0, 0, tl.int64, True, BLOCK_SIZE)  # uint64
-        _format_branch(address, code, aligned, start, end, out, FORMATS, ANY_UNALIGNED,
+        _format_branch(address, code, aligned, start, end, out, programs, numel, word, acc, FORMATS,
+                       ANY_UNALIGNED, MERGE,
                        15, tl.int8, 0, 4, 3, 2, tl.int32, False, BLOCK_SIZE)  # float8_e4m3fnuz
-        _format_branch(address, code, aligned, start, end, out, FORMATS, ANY_UNALIGNED,
+        _format_branch(address, code, aligned, start, end, out, programs, numel, word, acc, FORMATS,
+                       ANY_UNALIGNED, MERGE,
                        16, tl.int8, 0, 5, 2, 2, tl.int32, False, BLOCK_SIZE)  # float8_e5m2fnuz
-        _format_branch(address, code, aligned, start, end, out, FORMATS, ANY_UNALIGNED,
+        _format_branch(address, code, aligned, start, end, out, programs, numel, word, acc, FORMATS,
+                       ANY_UNALIGNED, MERGE,
                        17, tl.uint8, 0, 8, 0, 3, tl.int32, False, BLOCK_SIZE)  # float8_e8m0fnu
 
     @triton.jit
@@ -432,9 +486,15 @@ if triton is not None:
             neginf += tl.load(p + 4, mask=mask, other=0)
             zero += tl.load(p + 5, mask=mask, other=0)
             subnormal += tl.load(p + 6, mask=mask, other=0)
-        lo = tl.min(key_min, axis=0)
-        hi = tl.max(key_max, axis=0)
-        nan_count = tl.sum(nan, axis=0)
+        _final_row(Out_ptr + tensor * 8, tl.min(key_min, axis=0), tl.max(key_max, axis=0), tl.sum(nan, axis=0),
+                   tl.sum(posinf, axis=0), tl.sum(neginf, axis=0), tl.sum(zero, axis=0), tl.sum(subnormal, axis=0),
+                   word, numel)
+
+    @triton.jit
+    def _final_row(out, lo, hi, nan_count, posinf, neginf, zero, subnormal, word, numel):
+        """Store at ``out`` the row (layout.py) of a tensor from its merged partial: the winning
+        keys made float64 bits (or integer magnitudes), NaN poisoning both; an empty tensor's row
+        is zeros. ``word``: its format word (see _format_word), read as run-time scalars."""
 
         # the format's parameters, run-time scalars of the word (see _format_word)
         kind = (word >> 6) & 3
@@ -457,16 +517,15 @@ if triton is not None:
             lo = lo ^ (-(2**63))
             hi = hi ^ (-(2**63))
 
-        # an empty tensor has no chunks and a row of zeros
+        # an empty tensor has no elements and a row of zeros
         empty = numel == 0
-        out = Out_ptr + tensor * 8
         tl.store(out + 0, tl.where(empty, 0, lo))
         tl.store(out + 1, tl.where(empty, 0, hi))
         tl.store(out + 2, nan_count)
-        tl.store(out + 3, tl.sum(posinf, axis=0))
-        tl.store(out + 4, tl.sum(neginf, axis=0))
-        tl.store(out + 5, tl.sum(zero, axis=0))
-        tl.store(out + 6, tl.sum(subnormal, axis=0))
+        tl.store(out + 3, posinf)
+        tl.store(out + 4, neginf)
+        tl.store(out + 5, zero)
+        tl.store(out + 6, subnormal)
         tl.store(out + 7, numel)
 
     @triton.jit
@@ -485,6 +544,116 @@ if triton is not None:
         is_inf = (specials == 0) & (a == ((1 << exp_bits) - 1) << mant_bits)
         return tl.where(is_inf, 0x7FF0000000000000, result)
 
+
+    @triton.jit
+    def _merge(lo, hi, nan, posinf, neginf, zero, subnormal, programs, numel, word, out, acc):
+        """The per-hook kernel's end of a program: its chunk's partial (``_chunk_partial``) made
+        its tensor's row at ``out``. A tensor read by one program writes its row at once. Else
+        every program merges its partial into the tensor's accumulator row ``acc`` with integer
+        atomics (min/max of the keys, which order like magnitudes; adds of the counts), then
+        counts itself done in ``acc[7]``; the last one takes the merged values, puts the
+        accumulator back at its identity (keys at the ends of int64, counts and counter 0) for
+        the next launch on this stream, and writes the row."""
+        if programs == 1:
+            _final_row(out, lo, hi, nan, posinf, neginf, zero, subnormal, word, numel)
+        else:
+            Acc = acc.to(tl.pointer_type(tl.int64))
+            tl.atomic_min(Acc + 0, lo, sem="relaxed")
+            tl.atomic_max(Acc + 1, hi, sem="relaxed")
+            tl.atomic_add(Acc + 2, nan, sem="relaxed")
+            tl.atomic_add(Acc + 3, posinf, sem="relaxed")
+            tl.atomic_add(Acc + 4, neginf, sem="relaxed")
+            tl.atomic_add(Acc + 5, zero, sem="relaxed")
+            tl.atomic_add(Acc + 6, subnormal, sem="relaxed")
+            # release: this program's merges are visible to whoever sees its count; acquire: the
+            # last one sees every other program's merges
+            done = tl.atomic_add(Acc + 7, 1, sem="acq_rel")
+            if done == programs - 1:
+                lo = tl.atomic_xchg(Acc + 0, 2**63 - 1, sem="relaxed")
+                hi = tl.atomic_xchg(Acc + 1, -(2**63), sem="relaxed")
+                nan = tl.atomic_xchg(Acc + 2, 0, sem="relaxed")
+                posinf = tl.atomic_xchg(Acc + 3, 0, sem="relaxed")
+                neginf = tl.atomic_xchg(Acc + 4, 0, sem="relaxed")
+                zero = tl.atomic_xchg(Acc + 5, 0, sem="relaxed")
+                subnormal = tl.atomic_xchg(Acc + 6, 0, sem="relaxed")
+                tl.atomic_xchg(Acc + 7, 0, sem="relaxed")
+                _final_row(out, lo, hi, nan, posinf, neginf, zero, subnormal, word, numel)
+
+    @triton.jit
+    def _pick(i, pid, first, address, numel, word, programs, start, slot, a, n, w, chunk):
+        """Slot ``i`` (address ``a``, numel ``n``, format word ``w``), whose programs start at
+        ``first``: where program ``pid`` is one of them, its tensor's values. Returns the first
+        program of the next slot and the values picked so far."""
+        n = n.to(tl.int64)
+        # an empty tensor has one program too; an unused slot (numel -1) none
+        count = tl.where(n < 0, 0, tl.maximum((n + chunk - 1) // chunk, 1))
+        mine = (pid >= first) & (pid < first + count)
+        address = tl.where(mine, a.to(tl.int64), address)
+        numel = tl.where(mine, n, numel)
+        word = tl.where(mine, w.to(tl.int64), word)
+        programs = tl.where(mine, count, programs)
+        start = tl.where(mine, (pid - first) * chunk, start)
+        slot = tl.where(mine, i, slot)
+        return first + count, address, numel, word, programs, start, slot
+
+    @triton.jit(do_not_specialize=["Out", "Accumulators"] + [f"{c}{i}" for i in range(8) for c in "anw"])
+    def _read_kernel(
+        Out: tl.int64,  # address of the first of K destination rows (8 int64 each, consecutive)
+        Accumulators: tl.int64,  # address of this stream's K accumulator rows, at their identity
+        a0: tl.int64, n0: tl.int64, w0: tl.int64,  # slot 0
+        a1: tl.int64, n1: tl.int64, w1: tl.int64,  # slot 1
+        a2: tl.int64, n2: tl.int64, w2: tl.int64,  # slot 2
+        a3: tl.int64, n3: tl.int64, w3: tl.int64,  # slot 3
+        a4: tl.int64, n4: tl.int64, w4: tl.int64,  # slot 4
+        a5: tl.int64, n5: tl.int64, w5: tl.int64,  # slot 5
+        a6: tl.int64, n6: tl.int64, w6: tl.int64,  # slot 6
+        a7: tl.int64, n7: tl.int64, w7: tl.int64,  # slot 7
+        K: tl.constexpr,  # slots used (a variant: 1, 2, 4 or 8)
+        FORMATS: tl.constexpr,  # bit c set: a tensor of format code c is in this launch
+        ANY_UNALIGNED: tl.constexpr,  # a tensor of this launch starts off a 16-byte boundary
+        BLOCK_SIZE: tl.constexpr,
+        BLOCKS_PER_CHUNK: tl.constexpr,
+    ):
+        """The rows of K tensors in one launch, nothing uploaded: each tensor's address, element
+        count and format word are scalar arguments. Program ``pid`` reads chunk ``pid - first``
+        of the tensor whose programs it falls in (``_pick``, unrolled over the slots); ``_merge``
+        makes the rows."""
+        tl.static_assert(BLOCKS_PER_CHUNK <= 31)
+        CHUNK: tl.constexpr = BLOCK_SIZE * BLOCKS_PER_CHUNK
+        # int64 from the start: element offsets of tensors over 2**31 elements must not wrap.
+        pid = tl.program_id(0).to(tl.int64)
+        zero = pid * 0
+        first, address, numel, word, programs, start, slot = _pick(
+            0, pid, zero, zero, zero, zero, zero, zero, zero, a0, n0, w0, CHUNK)
+        if K > 1:
+            first, address, numel, word, programs, start, slot = _pick(
+                1, pid, first, address, numel, word, programs, start, slot, a1, n1, w1, CHUNK)
+        if K > 2:
+            first, address, numel, word, programs, start, slot = _pick(
+                2, pid, first, address, numel, word, programs, start, slot, a2, n2, w2, CHUNK)
+        if K > 3:
+            first, address, numel, word, programs, start, slot = _pick(
+                3, pid, first, address, numel, word, programs, start, slot, a3, n3, w3, CHUNK)
+        if K > 4:
+            first, address, numel, word, programs, start, slot = _pick(
+                4, pid, first, address, numel, word, programs, start, slot, a4, n4, w4, CHUNK)
+        if K > 5:
+            first, address, numel, word, programs, start, slot = _pick(
+                5, pid, first, address, numel, word, programs, start, slot, a5, n5, w5, CHUNK)
+        if K > 6:
+            first, address, numel, word, programs, start, slot = _pick(
+                6, pid, first, address, numel, word, programs, start, slot, a6, n6, w6, CHUNK)
+        if K > 7:
+            first, address, numel, word, programs, start, slot = _pick(
+                7, pid, first, address, numel, word, programs, start, slot, a7, n7, w7, CHUNK)
+        start = tl.multiple_of(start, BLOCK_SIZE)  # for the vector loads
+        end = tl.minimum(start + CHUNK, numel)
+        code = word & 31  # _CODE_MASK
+        aligned = (word & 32) != 0  # _ALIGNED_BIT
+        out = (Out.to(tl.int64) + slot * 64).to(tl.pointer_type(tl.int64))
+        acc = Accumulators.to(tl.int64) + slot * 64
+        _every_format(address, code, aligned, start, end, out, programs, numel, word, acc, FORMATS, ANY_UNALIGNED,
+                      True, BLOCK_SIZE)
 
 def _is_dense(tensor: torch.Tensor) -> bool:
     """True when the elements fill exactly numel slots from data_ptr() on, in any order."""
@@ -735,3 +904,354 @@ def _launch(buffer, out, num_tensors, num_chunks, formats, any_unaligned, block_
             BLOCKS_PER_CHUNK=blocks_per_chunk, num_warps=NUM_WARPS, **_REGISTER_CAP,
         )
     _stats_combine_kernel[(num_tensors,)](buffer, out, num_tensors, BLOCK_SIZE=COMBINE_BLOCK, num_warps=2)
+
+
+# -- the per-hook read: one launch per MAX_SLOTS tensors, nothing uploaded ------------------------
+#
+# ``read_into`` is what the hook layer calls for a hook's new tensors. The tensors' addresses,
+# element counts and format words go to ``_read_kernel`` as scalar arguments (as apex's and
+# PyTorch's multi-tensor kernels pass their pointers by value), so nothing is uploaded and the
+# launch is the call's only device work. Variants by tensor count (SLOT_VARIANTS); a call with more
+# tensors than the largest takes one launch per MAX_SLOTS of them, up to MAX_READ_LAUNCHES, and the
+# table kernels (``compute``: two launches and an upload whatever the count) past that.
+#
+# How one kernel writes final rows: a tensor read by one program (up to one chunk, most of a
+# model's) writes its row directly. A tensor spanning several programs merges their partials with
+# integer atomics into an accumulator row and the last program to finish writes the row (``_merge``).
+# The accumulators are not the destination rows because a row's final form (float64 bits, NaN
+# poisoning both extremes) is not a lattice the atomics can build in place, and because rows given
+# by the caller hold anything. They belong to the stream: each CUDA stream that runs the kernel on
+# a device gets its own group of MAX_SLOTS rows from a pool allocated (at identity) on the device's
+# first use, and every launch leaves its group at identity again. Kernels of one stream run one
+# after another, so no two launches share a group at once; a graph captured on a stream keeps that
+# stream's group (replaying one graph on two streams at once is unsound for any graph). Integer
+# atomics are exact and their order does not change the result: the rows are the table kernels'
+# bit for bit.
+#
+# The launch itself: after a variant's first launch through Triton's ordinary call (which
+# compiles it), its compiled kernel is called directly (``CompiledKernel.run``, as Inductor's
+# launcher does), skipping ``JITFunction.run``'s binding and specialisation on every call. The
+# kernel's scalars are annotated int64 and never specialised, so one compiled kernel serves every
+# value. When the installed Triton has no such entry point, or it refuses the call, the ordinary
+# call is used (``device_report`` says which).
+#
+# The first use of a CUDA device runs ``self_check``: a small fixed set of tensors through this
+# path and through the torch backend. On any difference, or an error, it warns once and that
+# device keeps the table kernels.
+
+SLOT_VARIANTS = (1, 2, 4, 8)
+MAX_SLOTS = SLOT_VARIANTS[-1]
+MAX_READ_LAUNCHES = 4
+STREAM_GROUPS = 64  # accumulator groups per device: the streams that can run the per-hook kernel
+_IDENTITY_ROW = (2**63 - 1, -(2**63), 0, 0, 0, 0, 0, 0)  # keys at the ends of int64, counts and counter 0
+_STRIDED = torch.strided
+_is_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+
+PER_HOOK = "per-hook kernel"
+TABLE = "table kernels"
+
+
+def _direct_launch_reason():
+    """None when compiled kernels can be called directly here, else why not."""
+    if triton is None:
+        return _IMPORT_ERROR
+    if _INTERPRET:
+        return "the interpreter runs the kernels (TRITON_INTERPRET=1)"
+    try:
+        from triton.compiler import CompiledKernel
+        from triton import knobs
+    except Exception as error:  # an older or newer Triton
+        return f"this Triton ({triton.__version__}) has no triton.compiler.CompiledKernel / triton.knobs ({error})"
+    if not all(hasattr(CompiledKernel, name) for name in ("run", "launch_metadata")):
+        return f"this Triton ({triton.__version__}) has no CompiledKernel.run"
+    if not hasattr(knobs, "runtime") or not hasattr(knobs.runtime, "launch_enter_hook"):
+        return f"this Triton ({triton.__version__}) has no knobs.runtime.launch_enter_hook"
+    return None
+
+
+_DIRECT_REASON = _direct_launch_reason() if triton is not None else _IMPORT_ERROR
+_KNOBS = None
+if _DIRECT_REASON is None:
+    from triton import knobs as _KNOBS
+
+
+class _DeviceState:
+    """What the per-hook read uses on one device."""
+
+    __slots__ = ("device", "path", "self_check", "launch", "pool", "groups", "compiled", "check_ms")
+
+    def __init__(self, device):
+        self.device = device
+        self.path = PER_HOOK
+        self.self_check = "not run"
+        self.launch = "direct (CompiledKernel.run)" if _DIRECT_REASON is None else f"ordinary ({_DIRECT_REASON})"
+        self.groups = {}  # stream handle -> address of its accumulator group
+        self.compiled = {} if _DIRECT_REASON is None else None  # variant -> CompiledKernel; None: ordinary calls
+        self.check_ms = None
+        with on_device(device):
+            identity = torch.tensor(_IDENTITY_ROW, dtype=torch.int64)
+            self.pool = identity.repeat(STREAM_GROUPS * MAX_SLOTS, 1).to(device)
+
+
+_DEVICES = {}  # (device type, index) -> _DeviceState
+_warned_devices = set()
+
+
+def _state(device):
+    key = (device.type, device.index)
+    state = _DEVICES.get(key)
+    if state is None:
+        state = check_device(device)
+    return state
+
+
+def check_device(device, read=None):
+    """Set up the per-hook read on ``device`` and, on a CUDA device, run ``self_check`` (once per
+    process and device; ``read``: the path checked, default this one; tests pass a wrong one).
+    A failed check warns once and leaves the device on the table kernels. Returns its state."""
+    device = torch.device(device)
+    key = (device.type, device.index)
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"overflow_fast: the first read on {device} is inside CUDA graph capture; its "
+                           "self-check needs one eager call first (run one step before capturing)")
+    state = _DEVICES[key] = _DeviceState(device)
+    if device.type == "cuda" or read is not None:
+        import time
+
+        started = time.perf_counter()
+        try:
+            problem = self_check(device, read)
+        except Exception as error:  # noqa: BLE001 - a failing fast path must not fail the read
+            problem = f"{type(error).__name__}: {error}"
+        state.check_ms = (time.perf_counter() - started) * 1e3
+        if problem is None:
+            state.self_check = "passed"
+        else:
+            state.self_check = f"failed: {problem}"
+            state.path = TABLE
+            if key not in _warned_devices:
+                _warned_devices.add(key)
+                import warnings
+
+                warnings.warn(f"overflow_fast: the per-hook Triton kernel gave wrong statistics on {device} "
+                              f"({problem}); that device uses the table kernels", RuntimeWarning, stacklevel=3)
+    else:
+        state.self_check = "not run (CPU tensors under the interpreter)"
+    return state
+
+
+def forget_devices():
+    """Forget every device's state: the next read on each sets it up and checks it again."""
+    _DEVICES.clear()
+    _warned_devices.clear()
+
+
+def device_report():
+    """{device name: (path, self-check, launch)} of the devices used (or checked) so far."""
+    return {str(state.device): (state.path, state.self_check, state.launch) for state in _DEVICES.values()}
+
+
+def _check_set(device):
+    """The self-check's tensors: every dtype's special values and random bit patterns, empty and
+    0-dim tensors, an unaligned view, a transposed (dense) one, and bf16 and int64 tensors that
+    span several programs with their specials in the middle and last chunks."""
+    gen = torch.Generator().manual_seed(0)
+    tensors = []
+    for dtype in sorted(SUPPORTED_DTYPES, key=str):
+        size = dtype.itemsize
+        if dtype.is_floating_point and size == 1:
+            special = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype)  # every byte
+        elif dtype.is_floating_point:
+            info = torch.finfo(dtype)
+            special = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), info.tiny, -info.tiny / 4,
+                                    info.max, -info.max, 1.0, -2.5], dtype=torch.float64).to(dtype)
+        elif dtype == torch.bool:
+            special = torch.tensor([True, False, True])
+        else:
+            signed = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size]
+            info = torch.iinfo(signed)
+            special = torch.tensor([0, -1, 1, info.min, info.max, info.min + 1], dtype=signed)
+            special = special.view(dtype) if dtype != torch.uint8 else special.view(torch.uint8)
+        if dtype == torch.bool:
+            noise = torch.randint(0, 2, (77,), generator=gen, dtype=torch.uint8).view(torch.bool)
+        else:
+            noise = torch.randint(-128, 128, (77 * size,), generator=gen, dtype=torch.int8).view(dtype)
+        tensors += [special, noise]
+    chunk = BLOCK_SIZE * BLOCKS_PER_CHUNK
+    wide = torch.full((2 * chunk + 77,), 1.5, dtype=torch.bfloat16)
+    wide[chunk + 5] = float("nan")
+    wide[-1] = -float("inf")
+    wide[-2] = 2.0**-130
+    ints = torch.arange(chunk + 3, dtype=torch.int64)
+    ints[-1] = -(2**63)
+    square = torch.randint(-100, 100, (30, 40), generator=gen).to(torch.float16)
+    tensors += [wide, wide[1:], ints, torch.empty(0, dtype=torch.float32), torch.tensor(-3.0), square.t(),
+                torch.zeros(70, dtype=torch.float32)[1:]]
+    return [t.to(device) for t in tensors]
+
+
+def self_check(device, read=None):
+    """None when the per-hook read (``read(tensors, rows)`` on up to MAX_SLOTS tensors at a time,
+    default this device's per-hook kernel) gives the torch backend's rows for ``_check_set`` twice in a row (the second
+    time through the compiled kernels' direct launch), else the first difference."""
+    from . import torch_backend
+
+    tensors = _check_set(device)
+    want = torch_backend.compute(tensors).cpu()
+    if read is None:
+        state = _DEVICES.get((device.type, device.index)) or _DeviceState(device)
+
+        def read(tensors, rows):
+            return _read(tensors, rows, state)
+
+    for attempt in ("first", "second"):
+        rows = torch.full((len(tensors), NUM_COLUMNS), -1, dtype=torch.int64, device=device)
+        for begin in range(0, len(tensors), MAX_SLOTS):  # one launch each, as a hook's call
+            if read(tensors[begin:begin + MAX_SLOTS], rows[begin:begin + MAX_SLOTS]) is False:
+                return f"the {attempt} read did not take the check's tensors"
+        problem = _row_difference(rows.cpu(), want, tensors)
+        if problem is not None:
+            return f"{attempt} read: {problem}"
+    return None
+
+
+def _row_difference(got, want, tensors):
+    """The first row where ``got`` differs from ``want`` (host int64 [N, 8]), or None; NaN rows
+    may hold another NaN pattern in the extremes."""
+    for index, (g, w) in enumerate(zip(got.tolist(), want.tolist())):
+        same = g[2:] == w[2:]
+        if same and g[2] > 0 and tensors[index].is_floating_point():
+            same = all((v & 0x7FFFFFFFFFFFFFFF) > 0x7FF0000000000000 for v in g[:2])
+        elif same:
+            same = g[:2] == w[:2]
+        if not same:
+            t = tensors[index]
+            return f"tensors[{index}] {t.dtype} {tuple(t.shape)}: row {g}, torch backend {w}"
+    return None
+
+
+def read_into(tensors, out, block_size=None, blocks_per_chunk=None):
+    """The rows of ``tensors`` (a list of plain strided tensors on one device) written into
+    ``out`` (a contiguous ``[len(tensors), 8]`` int64 tensor on their device), by the per-hook
+    kernel: one launch per MAX_SLOTS tensors, nothing uploaded, no host sync. False when it does
+    not take the call (nothing was launched): a tensor of another kind, device or dtype, more
+    than MAX_SLOTS * MAX_READ_LAUNCHES tensors, ``out`` not such a tensor or sharing memory with
+    a tensor, or this device's self-check failed; the caller then takes the general path.
+    ``block_size`` and ``blocks_per_chunk`` override the launch shape (tests use small chunks)."""
+    if not tensors:
+        return True
+    device = out.device
+    state = _DEVICES.get((device.type, device.index))
+    if state is None:
+        if not supports(tensors[0]):
+            return False
+        state = _state(device)
+    if state.path is not PER_HOOK:
+        return False
+    return _read(tensors, out, state, block_size, blocks_per_chunk)
+
+
+def _read(tensors, out, state=None, block_size=None, blocks_per_chunk=None):
+    """``read_into`` on a device whose state is set up (``state``, default looked up), whatever
+    its self-check said (the self-check calls this)."""
+    count = len(tensors)
+    if count > MAX_SLOTS * MAX_READ_LAUNCHES or _functorch_interpreter() is not None:
+        return False
+    device = out.device
+    if state is None:
+        state = _DEVICES[(device.type, device.index)]
+    if (type(out) not in _PLAIN_TYPES or out.dtype != torch.int64 or tuple(out.shape) != (count, NUM_COLUMNS)
+            or not out.is_contiguous()):
+        return False
+    out_first = out.data_ptr()
+    out_last = out_first + count * 64
+    cuda = device.type == "cuda"
+    index = device.index if cuda else -1
+    zero3 = "deepspeed" in sys.modules
+    words = _FORMAT_WORD
+    block_size = block_size or BLOCK_SIZE
+    blocks_per_chunk = blocks_per_chunk or BLOCKS_PER_CHUNK
+    chunk = block_size * blocks_per_chunk
+    slots = []  # (address, numel, word) per tensor
+    programs = []  # per launch
+    keep = None  # flat copies, alive until the launches are enqueued
+    formats = 0
+    any_unaligned = False
+    for tensor in tensors:
+        # a few attribute reads per tensor: on a GPU this loop is the host cost of a hook's read
+        if (type(tensor) not in _PLAIN_TYPES or tensor.layout is not _STRIDED or tensor.is_cuda is not cuda
+                or tensor.get_device() != index or tensor.is_meta):
+            return False
+        word = words.get(tensor.dtype)
+        if word is None or tensor.is_nested or _is_functorch_wrapped(tensor):
+            return False
+        numel = tensor.numel()
+        if numel == 0 and zero3 and is_zero3_released(tensor):
+            return False  # a released ZeRO-3 parameter: the general path reads the whole one
+        if not tensor.is_contiguous() and not _is_dense(tensor) or tensor.is_neg():
+            tensor = _flat_source(tensor)
+            keep = keep or []
+            keep.append(tensor)
+        address = tensor.data_ptr()
+        if numel and address < out_last and out_first < address + numel * tensor.element_size():
+            return False  # out shares memory with a tensor: the general path says so
+        if address & 15:
+            any_unaligned = True
+        else:
+            word |= _ALIGNED_BIT
+        formats |= 1 << (word & _CODE_MASK)
+        if len(slots) % MAX_SLOTS == 0:
+            programs.append(0)
+        programs[-1] += -(-numel // chunk) or 1
+        slots.append((address, numel, word))
+    stream = torch._C._cuda_getCurrentRawStream(index) if cuda else 0
+    accumulators = state.groups.get(stream)
+    if accumulators is None:
+        if len(state.groups) >= STREAM_GROUPS:
+            return False
+        accumulators = state.groups[stream] = state.pool[len(state.groups) * MAX_SLOTS].data_ptr()
+    # Triton launches on the current device: the tensors' one (cuda:1 under device_map="auto")
+    guard = on_device(device) if cuda and torch._C._cuda_getDevice() != index else contextlib.nullcontext()
+    with guard:
+        for launch, begin in enumerate(range(0, count, MAX_SLOTS)):
+            _launch_read(state, stream, programs[launch], out_first + begin * 64, accumulators,
+                         slots[begin:begin + MAX_SLOTS], formats, any_unaligned, block_size, blocks_per_chunk)
+    del keep
+    return True
+
+
+def _variant(count):
+    for slots in SLOT_VARIANTS:
+        if slots >= count:
+            return slots
+    raise ValueError(count)
+
+
+_PADDING = (0, -1, 0)  # an unused slot: no programs
+
+
+def _launch_read(state, stream, programs, row, accumulators, group, formats, any_unaligned, block_size,
+                 blocks_per_chunk):
+    """One launch of ``_read_kernel`` for ``group`` ([(address, numel, word)], at most MAX_SLOTS)."""
+    slots = _variant(len(group))
+    args = [row, accumulators]
+    for address, numel, word in group:
+        args += (address, numel, word)
+    args += _PADDING * (MAX_SLOTS - len(group))
+    constexprs = (slots, formats, any_unaligned, block_size, blocks_per_chunk)
+    compiled = state.compiled
+    if compiled is not None and _KNOBS.runtime.launch_enter_hook is None:  # a profiler's hook: the ordinary call
+        kernel = compiled.get(constexprs)
+        if kernel is not None:
+            try:
+                kernel.run(programs, 1, 1, stream, kernel.function, kernel.packed_metadata, None, None, None,
+                           *args, *constexprs)
+                return
+            except (TypeError, ValueError, SystemError) as error:  # the launcher's calling convention changed
+                state.compiled = None
+                state.launch = f"ordinary (CompiledKernel.run refused the call: {type(error).__name__}: {error})"
+    kernel = _read_kernel[(programs,)](*args, K=slots, FORMATS=formats, ANY_UNALIGNED=any_unaligned,
+                                       BLOCK_SIZE=block_size, BLOCKS_PER_CHUNK=blocks_per_chunk,
+                                       num_warps=NUM_WARPS, **_REGISTER_CAP)
+    if state.compiled is not None and hasattr(kernel, "function"):
+        state.compiled[constexprs] = kernel

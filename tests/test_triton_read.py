@@ -1,0 +1,303 @@
+"""The per-hook kernel (``triton_backend.read_into``): how many launches a call takes, what it
+declines, that its accumulators are left at identity for the next launch, its self-check, the
+direct launch of compiled kernels, and (compiled for sm90 without a GPU) int64 offsets.
+
+Its exactness over every dtype, special value, size and layout is checked in
+test_triton_backend.py, where every case also runs this kernel against the table kernels.
+"""
+
+import inspect
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+import torch
+
+from oracle import assert_stats_equal, random_bits, special_values
+from overflow_fast.stats import StatsBatch
+from overflow_fast.stats import triton_backend as tb
+
+if tb.unavailable_reason() is not None:
+    DEVICE = None
+elif tb._INTERPRET:
+    DEVICE = "cpu"
+else:
+    DEVICE = "cuda"
+
+needs_backend = pytest.mark.skipif(DEVICE is None, reason=f"triton backend unavailable ({tb.unavailable_reason()})")
+SMALL = dict(block_size=16, blocks_per_chunk=2)  # chunks of 32 elements
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _dicts(rows, tensors):
+    return StatsBatch([t.dtype for t in tensors], [(list(range(len(tensors))), rows)]).tolist()
+
+
+class Launches:
+    """Counts ``_read_kernel`` launches (and their programs), passing them through."""
+
+    def __init__(self, monkeypatch):
+        self.grids = []
+        kernel = tb._read_kernel
+        launches = self
+
+        class Counting:
+            def __getitem__(self, grid):
+                launches.grids.append(grid[0])
+                return kernel[grid]
+
+        monkeypatch.setattr(tb, "_read_kernel", Counting())
+
+
+@needs_backend
+@pytest.mark.parametrize("count", [1, 2, 3, 5, 8, 9, 17])
+def test_one_launch_per_eight_tensors(monkeypatch, count):
+    """A call's tensors take ceil(count / 8) launches, each of one program per chunk of each
+    tensor (one for an empty one), whatever the mix of dtypes; nothing else runs."""
+    launches = Launches(monkeypatch)
+    gen = _gen(count)
+    dtypes = [torch.bfloat16, torch.float32, torch.int64, torch.bool, torch.float8_e4m3fn]
+    sizes = [70, 0, 1, 33, 32, 5]
+    tensors = [random_bits(dtypes[i % len(dtypes)], (sizes[i % len(sizes)],), gen).to(DEVICE) for i in range(count)]
+    rows = torch.full((count, 8), -1, dtype=torch.int64, device=DEVICE)
+    assert tb.read_into(tensors, rows, **SMALL)
+    programs = [max(-(-t.numel() // 32), 1) for t in tensors]
+    assert launches.grids == [sum(programs[i:i + 8]) for i in range(0, count, 8)]
+    assert_stats_equal(_dicts(rows, tensors), [t.cpu() for t in tensors], f"{count} tensors")
+
+
+@needs_backend
+def test_accumulators_are_left_at_identity(monkeypatch):
+    """Tensors spanning many programs merge through the stream's accumulators; each launch leaves
+    them ready for the next: reading the same tensors again, in another order and beside others,
+    gives the same rows."""
+    gen = _gen(1)
+    big = random_bits(torch.float32, (32 * 9 + 5,), gen).to(DEVICE)
+    ints = random_bits(torch.int64, (32 * 4,), gen).to(DEVICE)
+    nan = special_values(torch.bfloat16).repeat(7).to(DEVICE)
+    first = torch.empty(3, 8, dtype=torch.int64, device=DEVICE)
+    assert tb.read_into([big, ints, nan], first, **SMALL)
+    assert_stats_equal(_dicts(first, [big, ints, nan]), [big.cpu(), ints.cpu(), nan.cpu()], "first read")
+    again = torch.empty(4, 8, dtype=torch.int64, device=DEVICE)
+    assert tb.read_into([nan, torch.ones(1, device=DEVICE), big, ints], again, **SMALL)
+    assert torch.equal(again[[2, 3, 0]], first)
+    state = tb._DEVICES[(torch.device(DEVICE).type, torch.device(DEVICE).index)]
+    identity = torch.tensor(tb._IDENTITY_ROW).expand(tb.STREAM_GROUPS * tb.MAX_SLOTS, 8)
+    assert torch.equal(state.pool.cpu(), identity)
+
+
+@needs_backend
+def test_declines_what_it_cannot_take():
+    """False, with nothing written, for what the general path must decide: complex, meta or
+    other-device tensors, subclasses, more tensors than its launches hold, rows of the wrong
+    shape or type, rows inside which a tensor lies."""
+    x = torch.arange(6.0, device=DEVICE)
+    rows = torch.full((1, 8), -1, dtype=torch.int64, device=DEVICE)
+
+    class Sub(torch.Tensor):
+        pass
+
+    for tensors in ([torch.zeros(2, dtype=torch.complex64, device=DEVICE)], [torch.zeros(2, device="meta")],
+                    [x.as_subclass(Sub)]):
+        assert tb.read_into(tensors, rows) is False
+    assert (rows == -1).all()
+    many = [x] * (tb.MAX_SLOTS * tb.MAX_READ_LAUNCHES + 1)
+    assert tb.read_into(many, torch.empty(len(many), 8, dtype=torch.int64, device=DEVICE)) is False
+    assert tb.read_into([x], torch.empty(2, 8, dtype=torch.int64, device=DEVICE)) is False
+    assert tb.read_into([x], torch.empty(1, 8, dtype=torch.int32, device=DEVICE)) is False
+    assert tb.read_into([x], torch.empty(1, 16, dtype=torch.int64, device=DEVICE)[:, ::2]) is False
+    buffer = torch.zeros(3, 8, dtype=torch.int64, device=DEVICE)
+    assert tb.read_into([buffer[0, 3:]], buffer[:1]) is False and (buffer == 0).all()
+    assert tb.read_into([buffer[2]], buffer[:1])  # the same allocation, not the same memory: read
+    assert tb.read_into([], torch.empty(0, 8, dtype=torch.int64, device=DEVICE))
+
+
+@needs_backend
+def test_views_far_into_their_storage_and_copied_layouts():
+    """A view starting past element 2**31 of a larger storage (virtual memory, never touched but
+    for its few elements), an expanded view (copied flat first), a lazily negated one and an
+    unaligned one: the rows the oracle gives."""
+    storage = torch.empty(2**31 + 64, dtype=torch.uint8, device=DEVICE) if DEVICE == "cpu" else None
+    tensors = []
+    if storage is not None:
+        far = storage[2**31 + 3:2**31 + 40]
+        far.copy_(torch.arange(37, dtype=torch.uint8) * 7)
+        tensors.append(far)
+        tensors.append(storage[2**31 + 1:2**31 + 40].view(torch.int8)[::2])
+    base = random_bits(torch.bfloat16, (5, 9), _gen(2)).to(DEVICE)
+    tensors += [base[1].reshape(1, 9).expand(4, 9), base.t(), base.reshape(-1)[1:],
+                torch._neg_view(torch.tensor([float("inf"), -1.5, 0.0], device=DEVICE))]
+    rows = torch.empty(len(tensors), 8, dtype=torch.int64, device=DEVICE)
+    assert tb.read_into(tensors, rows, **SMALL)
+    assert_stats_equal(_dicts(rows, tensors), [t.cpu() for t in tensors], "views")
+
+
+@needs_backend
+def test_self_check_passes_and_a_wrong_result_keeps_the_table_kernels():
+    """The self-check runs the fixed set through the per-hook path twice against the torch
+    backend. A path that gets one count wrong fails it: one warning naming the tensor, and that
+    device then declines the per-hook path (its reads go to the table kernels)."""
+    device = torch.device(DEVICE)
+    tb.forget_devices()
+    try:
+        assert tb.self_check(device) is None
+        state = tb.check_device(device, read=tb._read)
+        assert state.self_check == "passed" and state.path == tb.PER_HOOK
+
+        def off_by_one(tensors, rows):
+            tb._read(tensors, rows)
+            if len(tensors) > 5:  # the first call: tensors[5] of the check's set
+                rows[5, 2] += 1  # a nan count
+
+        tb.forget_devices()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            state = tb.check_device(device, read=off_by_one)
+        messages = [str(w.message) for w in caught if "per-hook" in str(w.message)]
+        assert len(messages) == 1 and "tensors[5]" in messages[0], messages
+        assert state.path == tb.TABLE and state.self_check.startswith("failed: first read: tensors[5]")
+        report = tb.device_report()[str(device)]
+        assert report[0] == tb.TABLE and report[1].startswith("failed")
+        rows = torch.full((1, 8), -1, dtype=torch.int64, device=DEVICE)
+        assert tb.read_into([torch.ones(3, device=DEVICE)], rows) is False and (rows == -1).all()
+
+        def raises(tensors, rows):
+            raise RuntimeError("simulated launch failure")
+
+        tb.forget_devices()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            state = tb.check_device(device, read=raises)
+        assert state.path == tb.TABLE and "simulated launch failure" in state.self_check
+        assert sum("per-hook" in str(w.message) for w in caught) == 1
+    finally:
+        tb.forget_devices()
+
+
+@needs_backend
+def test_direct_launch_calls_the_compiled_kernel_and_falls_back(monkeypatch):
+    """Once a variant has been launched through Triton's ordinary call, its compiled kernel is
+    called directly with Triton's launcher convention (grid, stream, function, metadata, no
+    launch metadata, no hooks, then every argument in signature order, constexprs included); a
+    launcher that refuses the call turns the device to ordinary calls for good. (A stand-in for
+    the compiled kernel: there is none under the interpreter.)"""
+    calls = []
+
+    class Compiled:
+        function = 1234
+        packed_metadata = ("metadata",)
+
+        def run(self, *args):
+            calls.append(args)
+
+    class Knobs:
+        class runtime:
+            launch_enter_hook = None
+
+    monkeypatch.setattr(tb, "_KNOBS", Knobs)
+    state = tb._DeviceState(torch.device(DEVICE))
+    key = (2, 1 << 3, False, 16, 2)  # K=2, bfloat16 only, aligned
+    state.compiled = {key: Compiled()}
+    group = [(4096, 70, tb._FORMAT_WORD[torch.bfloat16] | tb._ALIGNED_BIT),
+             (8192, 5, tb._FORMAT_WORD[torch.bfloat16] | tb._ALIGNED_BIT)]
+    tb._launch_read(state, 77, 4, 1 << 20, 2 << 20, group, 1 << 3, False, 16, 2)
+    (args,) = calls
+    assert args[:9] == (4, 1, 1, 77, 1234, ("metadata",), None, None, None)
+    kernel_args = args[9:]
+    names = list(inspect.signature(tb._read_kernel.fn).parameters)
+    assert len(kernel_args) == len(names)
+    values = dict(zip(names, kernel_args))
+    assert (values["Out"], values["Accumulators"]) == (1 << 20, 2 << 20)
+    assert (values["a0"], values["n0"], values["a1"], values["n1"]) == (4096, 70, 8192, 5)
+    assert all(values[f"n{i}"] == -1 for i in range(2, 8))  # unused slots: no programs
+    assert (values["K"], values["FORMATS"], values["BLOCK_SIZE"], values["BLOCKS_PER_CHUNK"]) == (2, 8, 16, 2)
+
+    class Refusing(Compiled):
+        def run(self, *args):
+            raise TypeError("function takes exactly 40 arguments (41 given)")
+
+    state.compiled = {key: Refusing()}
+    launched = []
+    monkeypatch.setattr(tb, "_read_kernel", type("K", (), {"__getitem__": lambda self, grid: (
+        lambda *a, **k: launched.append(grid))})())
+    tb._launch_read(state, 77, 4, 1 << 20, 2 << 20, group, 1 << 3, False, 16, 2)
+    assert launched == [(4,)] and state.compiled is None and state.launch.startswith("ordinary (CompiledKernel.run")
+
+
+@pytest.mark.skipif(tb.triton is None, reason="triton is not installed")
+def test_the_installed_triton_launches_compiled_kernels_with_the_same_convention():
+    """JITFunction.run of the installed Triton calls ``kernel.run`` as ``_launch_read`` does (the
+    lent GPU's Triton 3.6 does too, read from its sources): a change there would show here."""
+    from triton.runtime.jit import JITFunction
+
+    source = " ".join(inspect.getsource(JITFunction.run).split())
+    assert ("kernel.run(grid_0, grid_1, grid_2, stream, kernel.function, kernel.packed_metadata, launch_metadata, "
+            "knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *bound_args.values())") in source
+
+
+_COMPILE_CHILD = r'''
+import re
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import triton
+from overflow_fast.stats import triton_backend as tb
+assert not tb._INTERPRET
+names = list(__import__("inspect").signature(tb._read_kernel.fn).parameters)
+code = tb._FORMAT_WORD[__import__("torch").bfloat16] & tb._CODE_MASK
+constexprs = dict(K=8, FORMATS=1 << code, ANY_UNALIGNED=True, BLOCK_SIZE=tb.BLOCK_SIZE,
+                  BLOCKS_PER_CHUNK=tb.BLOCKS_PER_CHUNK)
+signature = {name: ("constexpr" if name in constexprs else "i64") for name in names}
+kernel = triton.compile(ASTSource(tb._read_kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32),
+                        options={"num_warps": tb.NUM_WARPS, **tb._REGISTER_CAP})
+ttir = kernel.asm["ttir"]
+offsets = re.findall(r"tt\.addptr[^\n]*:\s*tensor<\d+x!tt\.ptr<[^>]+>>,\s*tensor<\d+x(i\d+)", ttir)
+assert offsets and set(offsets) == {"i64"}, set(offsets)
+ptx = kernel.asm["ptx"]
+assert re.search(r"atom\.[\w.]*acq_rel[\w.]*\.add", ptx), "no acquire-release counter"
+atomics = [line.strip() for line in ptx.splitlines() if re.search(r"\b(atom|red)\.global", line)]
+# each scalar atomic is issued once per program: by one thread, under one predicate
+assert atomics and len({line.split()[0] for line in atomics}) == 1 and atomics[0].startswith("@%p"), atomics
+print("COMPILED", len(offsets), ptx.count("atom."))
+'''
+
+
+@pytest.mark.skipif(tb.triton is None, reason="triton is not installed")
+@pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
+def test_compiles_for_sm90_with_int64_offsets_and_an_acq_rel_counter():
+    """Compiled for an H100-class target (no GPU needed): every pointer offset of the per-hook
+    kernel's loads is int64 (so tensors over 2**31 elements cannot wrap); the counter that finds
+    the last program is an acquire-release atomic, and every merge is issued by one thread of a
+    program (the interpreter runs programs one at a time and cannot show either)."""
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(_COMPILE_CHILD)], env=env, capture_output=True,
+                          text=True, timeout=600)
+    if "FileNotFoundError" in proc.stderr and "ptxas" in proc.stderr:
+        pytest.skip("no ptxas in this triton install")
+    assert proc.returncode == 0 and "COMPILED" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+@needs_backend
+def test_info_names_each_devices_path_self_check_and_launch():
+    """``overflow-fast info`` says which path each device used runs, its self-check and how the
+    kernel is launched (here: the interpreter, so the ordinary call)."""
+    import importlib
+
+    info = importlib.import_module("overflow_fast.info")
+
+    tb.forget_devices()
+    try:
+        assert "on first use" in "\n".join(info.lines(info.info()))
+        rows = torch.empty(1, 8, dtype=torch.int64, device=DEVICE)
+        assert tb.read_into([torch.ones(3, device=DEVICE)], rows)
+        lines = [line for line in info.lines(info.info()) if line.startswith("per-hook read")]
+        assert len(lines) == 1 and f"({torch.device(DEVICE)}): per-hook kernel; self-check" in lines[0], lines
+        assert "launch ordinary (" in lines[0] if DEVICE == "cpu" else "launch direct" in lines[0]
+    finally:
+        tb.forget_devices()
