@@ -167,7 +167,14 @@ class _StubCompiled:
         ctypes.memset(out, 0, 64 * slots)
 
     def run(self, grid, _y, _z, _stream, _function, _metadata, _launch_metadata, _enter, _exit, out, *args):
-        self.launch(grid, out, args[-5])  # constexprs last: K, FORMATS, ANY_UNALIGNED, BLOCK_SIZE, BLOCKS_PER_CHUNK
+        self.launch(grid, out, _used_slots(args[1:]))  # args[0]: the accumulators
+
+
+def _used_slots(slots):
+    """The slots a launch fills (its rows), from its (address, numel, word) per slot (an unused one
+    has numel -1), then the constexprs."""
+    numels = slots[1:3 * triton_backend.MAX_SLOTS:3]
+    return sum(1 for numel in numels if numel != -1)
 
 
 class _StubReadKernel:
@@ -176,7 +183,7 @@ class _StubReadKernel:
 
     def __getitem__(self, grid):
         def call(out, *args, K, **kwargs):
-            _StubCompiled.launch(grid[0], out, K)
+            _StubCompiled.launch(grid[0], out, _used_slots(args[1:]))  # args[0]: the accumulators
             return _StubCompiled()
         return call
 
