@@ -13,7 +13,7 @@ import math
 import torch
 
 from .report import TENSOR
-from .stats.layout import NAN, NEGINF, NUMEL, POSINF, SUBNORMAL, decode_row
+from .stats.layout import NUMEL, SUBNORMAL, decode_row, holds_nonfinite
 
 HEADROOM = "overflow_fast/headroom_bits/"
 SUBNORMAL_FRACTION = "overflow_fast/subnormal_frac/"
@@ -33,7 +33,7 @@ def _largest(dtype):
 def headroom_bits(row, dtype):
     """Bits left before ``dtype`` overflows, from an entry's row: None for an empty or all-zero
     entry (no magnitude to speak of), 0 for one holding a nan/inf."""
-    if row[NAN] or row[POSINF] or row[NEGINF]:
+    if holds_nonfinite(row):
         return 0.0
     abs_max = decode_row(row, dtype)["abs_max"]
     if not abs_max:

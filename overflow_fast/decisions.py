@@ -11,6 +11,7 @@ import collections
 
 from . import report
 from .errors import say
+from .flight import timeline_step
 from .frames import BACKWARD, Frame, class_name
 from .policy import source_line
 
@@ -100,7 +101,7 @@ class Decisions:
 
     def step_of(self, batch):
         """The training step a batch belongs to: the trainer's, where known."""
-        return self.global_step if self.global_step is not None else batch
+        return timeline_step(batch, self.global_step)
 
     def found(self, frame, batch, shown_batch, pass_key):
         """A nan/inf counted in ``frame`` (or earlier, in a traced batch): recorded, reported when due."""

@@ -22,17 +22,17 @@ from . import report
 from .decisions import NO_ROWS, Decisions
 from .errors import OverflowDetected, OverflowDetectedOnRanks, say  # noqa: F401 - the package's names
 from .flight import StepLog
-from .frames import BACKWARD, FORWARD, entries_of, forward_items, transform_level
+from .frames import BACKWARD, FORWARD, entries_of, forward_items, graph_task_id, transform_level
 from .gradients import GradientHooks
 from .options import DEFAULT_BUFFER_ROWS, DEFAULT_DEFER_BYTES, DEFAULT_MAX_SKIPS, Options
 from .passes import Passes
-from .policy import Policy, is_bad
+from .policy import Policy
 from .reference import ReferenceState
 from .report import NONE, NOT_A_TENSOR, UNREADABLE
 from .stats import tensor_stats, unreadable_reason
 from .stats.dispatch import backend_status, requested_backend
+from .stats.layout import holds_nonfinite
 
-_graph_task_id = torch._C._current_graph_task_id  # -1 outside a backward pass
 
 
 class DebugUnderflowOverflow:
@@ -140,7 +140,7 @@ class DebugUnderflowOverflow:
             self.expand_frame(report.tensor_line(row, var.dtype, ctx))
             for line in report.overflow_lines(row, ctx):
                 say(line)
-            if is_bad(row):
+            if holds_nonfinite(row):
                 self.detected_overflow = True
         elif var is None:
             self.expand_frame(report.entry_line(NONE, ctx, None))
@@ -255,7 +255,7 @@ class DebugUnderflowOverflow:
             return
         run = self._run
         calls = run.thread.calls
-        if not calls and _graph_task_id() == -1:
+        if not calls and graph_task_id() == -1:
             with run.lock:
                 run.spent = None
                 if module is self.model and self._gradients is not None:
@@ -283,7 +283,7 @@ class DebugUnderflowOverflow:
         ambient = calls.pop()[1] if calls and calls[-1][0] is module else None
         error = sys.exc_info()[1]
         raised = error is not None and error is not ambient  # run by torch because the call raised
-        if _graph_task_id() != -1:
+        if graph_task_id() != -1:
             # recomputed in backward (activation checkpointing): the backward pass decides it
             if not raised:
                 with run.lock, _FunctorchOff() as transformed:

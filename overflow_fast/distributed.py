@@ -96,6 +96,12 @@ def world(group=None):
     return dist.get_rank(group), size
 
 
+def rank(group=None):
+    """This process's rank in ``group``, or None outside a process group of several ranks."""
+    where = world(group)
+    return where[0] if where else None
+
+
 def rank_prefix(group=None):
     """``"[rank R/W] "`` for the lines of a rank-aware report, or None in a single process."""
     where = world(group)

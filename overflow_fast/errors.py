@@ -32,8 +32,7 @@ class OverflowDetected(ValueError):
         self.entries = detection.get("entries", [])
         self.global_step = detection.get("global_step")
         self.mode = detection.get("mode")
-        where = distributed.world()
-        self.rank = where[0] if where else None
+        self.rank = distributed.rank()
         self.frames = list(frames)
 
 

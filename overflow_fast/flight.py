@@ -12,7 +12,7 @@ from .dashboards import Dashboard, is_dashboard
 from .recorder import Recorder, detection_record, frame_records
 
 
-def _timeline_step(batch, global_step):
+def timeline_step(batch, global_step):
     """The step a frame counts under (``log_every``, the dashboards' x axis): the trainer's
     optimizer step where it names one, else the detector's batch number."""
     return batch if global_step is None else global_step
@@ -38,17 +38,13 @@ class StepLog:
         self._call = 0
         self._held = []  # (call, frame, batch, global_step, mode) of a step log_every skips, until it ends
 
-    def _rank(self):
-        where = distributed.world()
-        return where[0] if where else None
-
     def wants(self, step):
         return step % self.log_every == 0
 
     def frame(self, frame, batch, global_step=None, mode=None):
         """A frame replayed with host rows, of ``batch`` (the detector's batch number), and of the
         trainer's ``global_step`` and ``mode`` ("train" or "eval") where known."""
-        step = _timeline_step(batch, global_step)
+        step = timeline_step(batch, global_step)
         if step != self._step:
             self._step, self._call, self._held = step, 0, []
         call, self._call = self._call, self._call + 1
@@ -59,22 +55,22 @@ class StepLog:
 
     def _write(self, call, frame, batch, global_step, mode):
         if self.recorders:
-            records = frame_records(batch, frame.phase, call, frame, self._rank(), global_step, mode)
+            records = frame_records(batch, frame.phase, call, frame, distributed.rank(), global_step, mode)
             for recorder in self.recorders:
                 recorder.write(records)
         for dashboard in self.dashboards:
-            dashboard.frame(frame, _timeline_step(batch, global_step), mode)
+            dashboard.frame(frame, timeline_step(batch, global_step), mode)
 
     def detection(self, detection):
         """Write the frames of the detecting step that ``log_every`` held back, the detection,
         and wait until all of it is on disk (the error comes next)."""
         global_step, mode = detection.get("global_step"), detection.get("mode")
-        step = _timeline_step(detection["batch_number"], global_step)
+        step = timeline_step(detection["batch_number"], global_step)
         for held in self._held if self._step == step else []:
             self._write(*held)
         self._held = []
         record = detection_record(detection["batch_number"], detection["phase"], detection["module"],
-                                  detection["class"], detection["entries"], self._rank(), global_step, mode)
+                                  detection["class"], detection["entries"], distributed.rank(), global_step, mode)
         for recorder in self.recorders:
             recorder.write([record])
             recorder.flush()

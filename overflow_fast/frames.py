@@ -12,6 +12,7 @@ from .stats import unreadable_reason
 from .stats.kinds import PLAIN_TYPES, SUPPORTED_DTYPES
 
 FORWARD, BACKWARD = "forward", "backward"
+graph_task_id = torch._C._current_graph_task_id  # the backward pass running on this thread; -1 outside one
 
 
 class Frame:

@@ -34,12 +34,11 @@ import threading
 import warnings
 import weakref
 
-import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from .errors import overflow_error, say
+from .frames import graph_task_id
 
-_graph_task_id = torch._C._current_graph_task_id  # -1 outside a backward pass
 _live = weakref.WeakSet()
 _hooks = []
 _hooks_lock = threading.Lock()
@@ -106,7 +105,7 @@ class SkipStep:
         if not self.skipping:
             self.skipping = True
             self._seen = {}
-            self._checked_task = _graph_task_id()
+            self._checked_task = graph_task_id()
             for parameter in self.model.parameters() if not self._handles else ():
                 if parameter.requires_grad:
                     self._handles.append(parameter.register_hook(self._before_accumulate(parameter)))
@@ -164,7 +163,7 @@ class SkipStep:
     def _look_for_reset(self, parameter):
         """Before the first gradient of a new backward pass is accumulated: were the gradients of
         the skipped step reset (``zero_grad``) since its last backward, without an optimizer step?"""
-        task = _graph_task_id()
+        task = graph_task_id()
         if parameter is None or task == self._checked_task or id(parameter) not in self._seen:
             return
         self._checked_task = task

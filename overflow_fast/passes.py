@@ -23,11 +23,10 @@ from . import distributed
 from .compiled import Traced
 from .decisions import NO_ROWS, Pending
 from .errors import OverflowDetected, OverflowDetectedOnRanks, overflow_error
-from .frames import BACKWARD
+from .frames import BACKWARD, graph_task_id
 from .on_detect import strategy
 from .reads import Reads, may_wait
 
-_graph_task_id = torch._C._current_graph_task_id  # -1 outside a backward pass
 try:  # how non-reentrant activation checkpointing stops a recompute early: control flow, not an error
     from torch.utils.checkpoint import _StopRecomputationError as _STOP_RECOMPUTATION
 except ImportError:
@@ -176,7 +175,7 @@ class Passes:
         decisions = self.decisions
         if self.strategy.stops():
             decisions.dump(found)
-            if self.sync_wanted() and (self.thread.calls or current.deciding or _graph_task_id() != -1):
+            if self.sync_wanted() and (self.thread.calls or current.deciding or graph_task_id() != -1):
                 # the other ranks are mid-pass, inside their own collectives (DDP, FSDP2, tensor
                 # parallel): stop with them when this pass ends, not here
                 current.stop_pending = (found.detection, found.frames)
@@ -218,7 +217,7 @@ class Passes:
         before the optimizer step."""
         if not (self.options.check == "batch" or self.sync_wanted()):
             return
-        task = _graph_task_id()
+        task = graph_task_id()
         if self.flush_task == task:
             return
         self.flush_task = task

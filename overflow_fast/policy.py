@@ -12,16 +12,12 @@ from . import report
 from .frames import BACKWARD
 from .options import validated
 from .report import TENSOR
-from .stats.layout import ABS_MAX, NAN, NEGINF, NUMEL, POSINF, SUBNORMAL, ZERO, decode_row
+from .stats.layout import ABS_MAX, NUMEL, SUBNORMAL, ZERO, decode_row, holds_nonfinite
 
 # Subnormals above this fraction of an entry's elements get an underflow line (with warn_above).
 SUBNORMAL_FRACTION = 0.5
 UNDERFLOW_EVERY = 100  # steps between two underflow lines of one module
 REMEMBERED_PASSES = 256  # passes that detected, kept to tell their later frames from a new detection
-
-
-def is_bad(row):
-    return bool(row[NAN] or row[POSINF] or row[NEGINF])
 
 
 def _glob(pattern):
@@ -75,7 +71,7 @@ class Policy:
         lines = []
         detected = False
         for kind, ctx, payload in frame.entries:
-            if kind != TENSOR or not is_bad(frame.rows[payload]):
+            if kind != TENSOR or not holds_nonfinite(frame.rows[payload]):
                 continue
             if self.ignore and self.ignored(frame.module_name, ctx):
                 continue
@@ -142,7 +138,7 @@ class Policy:
         underflows = []
         where = f"{frame.module_name or '(model)'} {frame.class_name}"
         for ctx, row, dtype in frame.tensor_entries():
-            if not dtype.is_floating_point or row[NUMEL] == 0 or is_bad(row):
+            if not dtype.is_floating_point or row[NUMEL] == 0 or holds_nonfinite(row):
                 continue
             key = (frame.module_name, ctx)
             limit = torch.finfo(dtype).max

@@ -54,6 +54,11 @@ INTEGER_DTYPES = frozenset(
 )
 
 
+def holds_nonfinite(row) -> bool:
+    """Whether a row counts a nan, a +inf or a -inf."""
+    return bool(row[NAN] or row[POSINF] or row[NEGINF])
+
+
 def is_integer_dtype(dtype: torch.dtype) -> bool:
     return dtype in INTEGER_DTYPES
 
