@@ -10,7 +10,8 @@ their first bytes, whatever their names); one cut or damaged is read up to the d
 as a malformed line; a zstd one is refused (exit 1).
 
 Exit codes: 0 ok, 1 a file that cannot be read or has no records (or matplotlib missing for
-``--png``, or DuckDB for ``--engine duckdb``), 2 a usage error.
+``--png``, or DuckDB for ``--engine duckdb``, or the output's reader gone: ``| head``), 2 a usage
+error.
 """
 
 import argparse
@@ -181,11 +182,27 @@ def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)  # usage errors exit with 2
     if args.command == "report":
-        return run_report(args)
+        try:
+            code = run_report(args)
+            sys.stdout.flush()
+            return code
+        except BrokenPipeError:  # its reader left (`| head`): what was cut off is said by the exit code alone
+            _silence_stdout()
+            return 1
     if args.command == "info":
         from .info import main as info_main
         return info_main()
     parser.error(f"unknown command {args.command!r}")
+
+
+def _silence_stdout():
+    """Stdout to /dev/null, so that the interpreter's own flush at exit meets no broken pipe."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
 
 
 if __name__ == "__main__":
