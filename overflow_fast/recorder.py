@@ -22,7 +22,8 @@ Streams: ``log=`` may also be a FIFO, a terminal or another character device, or
 this process by name (``/dev/stdout``, ``/dev/stderr``, ``/dev/fd/N``, ``/proc/self/fd/N``).
 - Opening never blocks: a FIFO that no process is reading is refused at once (``OSError`` naming
   it and why). After the open, writes block: a full pipe makes the writer thread wait for its
-  reader (backpressure, as ``print`` does), it never drops records. A descriptor by name is the
+  reader (backpressure, as ``print`` does; ``flush()``, ``close()`` and a normal exit wait with
+  it), it never drops records. A descriptor by name is the
   process's own stream (``os.dup``): its offset, its flags (a non-blocking one is waited on with
   ``poll``), shared with the process's own prints.
 - A stream is never truncated and never seeked, and keeps its name under several ranks (they all
