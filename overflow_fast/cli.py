@@ -5,10 +5,13 @@ against ``schema.py``; bounded memory: aggregates per module and per step bin, n
 themselves; ``logsummary.py``) and prints a summary; ``--png`` draws headroom per module over steps
 (matplotlib, ``overflow_fast[plot]``). With DuckDB installed (``overflow_fast[fast-report]``) the
 files are scanned by DuckDB (``logsummary_duckdb.py``), all at once; without it, by plain Python.
-Both give the same summary.
+Both give the same summary. Logs compressed with gzip, bzip2 or xz are read as they are (told by
+their first bytes, whatever their names); one cut or damaged is read up to the damage, which counts
+as a malformed line; a zstd one is refused (exit 1).
 
 Exit codes: 0 ok, 1 a file that cannot be read or has no records (or matplotlib missing for
-``--png``, or DuckDB for ``--engine duckdb``), 2 a usage error.
+``--png``, or DuckDB for ``--engine duckdb``, or the output's reader gone: ``| head``), 2 a usage
+error.
 """
 
 import argparse
@@ -16,7 +19,7 @@ import os
 import sys
 import time
 
-from .logsummary import BadFile, Summary, check_readable, read_files, summary_text, unique_paths
+from .logsummary import BadFile, Summary, check_readable, malformed_names, read_files, summary_text, unique_paths
 
 PROGRESS_BYTES = 32 << 20  # files above this show progress (on a terminal)
 
@@ -73,7 +76,8 @@ def build_parser():
         description="Summarise a flight-recorder log: steps, the first nan/inf, the modules closest to "
                     "their dtype's limit, underflow hot spots. With --png, draw a heatmap of headroom "
                     "(bits below the dtype's largest finite value) per module over steps.")
-    report.add_argument("logs", nargs="+", metavar="RUN.jsonl", help="log file(s), e.g. one per rank")
+    report.add_argument("logs", nargs="+", metavar="RUN.jsonl",
+                        help="log file(s), e.g. one per rank; gzip, bzip2 or xz compressed ones too")
     report.add_argument("--png", metavar="OUT.png", help="write a picture (needs matplotlib: "
                                                          "pip install overflow_fast[plot])")
     report.add_argument("--size", metavar="WxH", type=_size, default=None,
@@ -156,7 +160,8 @@ def run_report(args):
         return 1
     if summary.records == 0:
         print(f"overflow-fast: no flight-recorder records in {', '.join(args.logs)}"
-              + (f" ({summary.malformed} malformed lines)" if summary.malformed else ""), file=sys.stderr)
+              + (f" ({summary.malformed} malformed lines; first: {malformed_names(summary)})" if summary.malformed else ""),
+              file=sys.stderr)
         return 1
     print(summary_text(summary, paths))
     if plot is not None:
@@ -177,11 +182,27 @@ def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)  # usage errors exit with 2
     if args.command == "report":
-        return run_report(args)
+        try:
+            code = run_report(args)
+            sys.stdout.flush()
+            return code
+        except BrokenPipeError:  # its reader left (`| head`): what was cut off is said by the exit code alone
+            _silence_stdout()
+            return 1
     if args.command == "info":
         from .info import main as info_main
         return info_main()
     parser.error(f"unknown command {args.command!r}")
+
+
+def _silence_stdout():
+    """Stdout to /dev/null, so that the interpreter's own flush at exit meets no broken pipe."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
 
 
 if __name__ == "__main__":

@@ -5,6 +5,11 @@ Every line is checked against ``schema.py``; a line that does not fit is counted
 the reason, never raised. Lines are read in pieces of at most ``schema.MAX_LINE_BYTES``: a longer
 line is skipped without being held whole.
 
+Compressed logs (gzip, bzip2, xz: told by their first bytes, never by their names) are read
+decompressed (``LogFile``). One that is cut or damaged is read up to the damage, which then counts
+as one malformed line where the readable lines end (a last line cut in two is part of it); zstd,
+which Python's standard library cannot decompress, is refused (``BadFile``).
+
 Memory is bounded whatever the input. The summary keeps, with a count of the rest:
 - the ``max_modules`` modules with the least headroom (their lowest-headroom entry; and, for the
   picture, their lowest headroom per step bin, at most ``2 * max_columns`` bins);
@@ -27,9 +32,14 @@ Positions order everything that "comes first": a record's position is (file inde
 among the non-blank lines of its file), so files count in the order given.
 """
 
+import bz2
+import gzip
 import json
+import lzma
 import math
 import os
+import stat
+import zlib
 
 from . import schema
 from .schema import Malformed
@@ -712,16 +722,112 @@ def unique_paths(paths):
 
 
 def check_readable(paths):
-    """Total size of the files; BadFile for one that cannot be read."""
+    """Total size of the files (as stored: compressed where they are); BadFile for one that cannot
+    be read, and for one compressed in a way this reader cannot undo."""
     total = 0
     for path in paths:
         try:
-            with open(path, "rb"):
-                pass
+            with open(path, "rb") as handle:
+                if _is_regular(handle):  # a pipe's first bytes must not be read here: they would be lost
+                    compression_of(handle, path)
             total += os.path.getsize(path)
         except (OSError, ValueError) as error:
             raise BadFile(f"cannot read {path}: {getattr(error, 'strerror', None) or error}") from None
     return total
+
+
+def _is_regular(handle):
+    try:
+        return stat.S_ISREG(os.fstat(handle.fileno()).st_mode)
+    except (OSError, ValueError):
+        return False
+
+
+# compressed logs, told by their first bytes (a name can say anything): what opens each
+_MAGIC = ((b"\x1f\x8b", "gzip"), (b"\xfd7zXZ\x00", "xz"), (b"\x28\xb5\x2f\xfd", "zstd"))
+_OPENERS = {"gzip": lambda raw: gzip.GzipFile(fileobj=_Pieces(raw), mode="rb"), "bzip2": bz2.BZ2File,
+            "xz": lzma.LZMAFile}
+# what a damaged compressed stream raises as it is read (a cut one: EOFError)
+_DAMAGED = (OSError, EOFError, zlib.error, lzma.LZMAError)
+
+
+class _Pieces:
+    """A file read at most 8 KiB at a time: gzip decompresses what it reads in one call, and a
+    call that meets damage gives nothing, so the lines before the damage are lost only up to
+    that much of the file (not gzip's own 128 KiB, megabytes of lines)."""
+
+    def __init__(self, raw):
+        self.raw = raw
+
+    def read(self, size=-1):
+        return self.raw.read(8192 if size is None or size < 0 else min(size, 8192))
+
+
+def compression_of(handle, path):
+    """``"gzip"``, ``"bzip2"``, ``"xz"`` or None (not compressed), from the first bytes of
+    ``handle`` (a buffered binary file, not moved); BadFile for zstd, which Python's standard
+    library cannot decompress."""
+    head = handle.peek(6)[:6]
+    kind = next((name for magic, name in _MAGIC if head.startswith(magic)), None)
+    if kind is None and head[:3] == b"BZh" and head[3:4].isdigit() and head[3:4] != b"0":
+        kind = "bzip2"
+    if kind == "zstd":
+        raise BadFile(f"cannot read {path}: it is zstd-compressed, which the report cannot decompress "
+                      f"(plain, gzip, bzip2 and xz logs it can): decompress it first (zstd -d)")
+    return kind
+
+
+class LogFile:
+    """A log opened for reading: ``read(size)`` gives its lines' bytes, decompressed where the file
+    is compressed (``compression``). A compressed stream that is cut or damaged ends there:
+    ``damage`` then says why (its last line, if cut in two, is part of that damage, not a line)."""
+
+    def __init__(self, path):
+        try:
+            self._raw = open(path, "rb")
+        except OSError as error:
+            raise BadFile(f"cannot read {path}: {error.strerror or error}") from None
+        try:
+            self.compression = compression_of(self._raw, path)
+        except BaseException:
+            self._raw.close()
+            raise
+        if self.compression:
+            # read1: a read that stops at the damage keeps what it decompressed (read() would lose it)
+            self._read = _OPENERS[self.compression](self._raw).read1
+        else:
+            self._read = self._raw.read
+        self.damage = None
+
+    def read(self, size):
+        if self.damage is not None:
+            return b""
+        try:
+            return self._read(size)
+        except _DAMAGED as error:
+            if self.compression is None:
+                raise
+            if isinstance(error, EOFError):
+                self.damage = f"the {self.compression} stream ends early: the file is cut"
+            else:
+                self.damage = f"{self.compression} data damaged ({error})"
+            return b""
+
+    def consumed(self):
+        """Bytes of the file itself read so far (the progress of a compressed one)."""
+        try:
+            return self._raw.tell()
+        except (OSError, ValueError):
+            return 0
+
+    def close(self):
+        self._raw.close()  # the decompressor holds no resource of its own
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 def _open(path):
@@ -732,20 +838,21 @@ def _open(path):
 
 
 def read_file(path, file_index, summary, progress=None, wanted=None, visit=None):
-    """Stream the lines of one file into ``summary``. With ``wanted`` (a sorted list of ordinals of
-    non-blank lines), only those lines are read. ``visit(number, ordinal, raw)`` replaces adding a
-    line to the summary (``raw`` is None for a line over the size limit)."""
+    """Stream the lines of one file (decompressed: ``LogFile``) into ``summary``. With ``wanted``
+    (a sorted list of ordinals of non-blank lines), only those lines are read. ``visit(number,
+    ordinal, raw)`` replaces adding a line to the summary (``raw`` is None for a line over the size
+    limit). A compressed stream cut or damaged counts as one malformed line, where it ends."""
     if visit is None:
         def visit(number, ordinal, raw):
             if raw is None:
                 summary.add_malformed(path, number, f"longer than {schema.MAX_LINE_BYTES} bytes")
             else:
                 summary.add_line(raw, file_index, path, number, ordinal)
-    handle = _open(path)
     number = 0  # lines so far
     ordinal = 0  # non-blank lines so far
     next_wanted = 0
-    with handle:
+    read = 0  # of the file itself, for the progress
+    with LogFile(path) as handle:
         for chunk in read_chunks(handle):
             if wanted is not None and next_wanted >= len(wanted):
                 return
@@ -759,9 +866,12 @@ def read_file(path, file_index, summary, progress=None, wanted=None, visit=None)
                     visit(number, ordinal, None)
                 continue
             if progress is not None:
-                progress.update(len(chunk))
+                done = handle.consumed() if handle.compression else read + len(chunk)
+                progress.update(done - read)
+                read = done
             parts = chunk.split(b"\n")
-            if parts[-1] == b"":
+            cut = parts[-1] != b"" and handle.damage is not None  # the last line, cut in two by the damage
+            if parts[-1] == b"" or cut:
                 parts.pop()
             for raw in parts:
                 number += 1
@@ -773,6 +883,17 @@ def read_file(path, file_index, summary, progress=None, wanted=None, visit=None)
                         continue
                     next_wanted += 1
                 visit(number, ordinal, raw)
+        if handle.damage is not None and wanted is None:
+            summary.add_malformed(path, number + 1, handle.damage)
+
+
+def intact(path):
+    """Whether the whole file reads without damage (a compressed one: to its end, checksums and
+    all); for a file another reader (DuckDB) decompresses with fewer checks."""
+    with LogFile(path) as handle:
+        while handle.read(BLOCK):
+            pass
+        return handle.damage is None
 
 
 # newlines are counted in pieces this size: a wanted line is then looked for, newline by
@@ -871,8 +992,7 @@ def summary_text(summary, paths):
     out.append(f"records: {summary.records} ({summary.entries} tensor entries)"
                + (f", malformed lines: {summary.malformed}" if summary.malformed else ""))
     if summary.malformed_lines:
-        where = ", ".join(f"{printable(os.path.basename(s))}:{n} ({reason})" for s, n, reason in summary.malformed_lines)
-        out.append(f"  malformed lines skipped (first): {where}")
+        out.append(f"  malformed lines skipped (first): {malformed_names(summary)}")
     if summary.entries:
         count = summary.step_count
         count = f"more than {summary.steps.cap}" if count is None else count
@@ -976,6 +1096,11 @@ def summary_text(summary, paths):
     elif total > len(zeros):
         out.append(f"  ... and {total - len(zeros)} more")
     return "\n".join(out)
+
+
+def malformed_names(summary):
+    """The first malformed lines, where and why: "run.jsonl:3 (not JSON), ..."."""
+    return ", ".join(f"{printable(os.path.basename(s))}:{n} ({reason})" for s, n, reason in summary.malformed_lines)
 
 
 def _at(step, global_step, mode, unit):

@@ -11,8 +11,15 @@ How the two agree:
 - the SQL only finds *which* rows decide the tables (row numbers, by exact keys); those few rows
   are re-read and parsed by the plain parser too, so every value printed comes from it.
 A file that DuckDB cannot read (a line over its 16 MiB limit, a name it would take for a glob
-pattern, not a regular file) or that has more than ``MAX_RECHECK`` rows to hand back (a file of
-garbage) is read by the plain reader instead.
+pattern, not a regular file, compressed other than with gzip, a gzip stream that is cut or damaged)
+or that has more than ``MAX_RECHECK`` rows to hand back (a file of garbage) is read by the plain
+reader instead.
+
+Compression is told by the file's first bytes, as the plain reader tells it, never by its name.
+DuckDB reads gzip without checking its checksums (a damaged stream can inflate to wrong lines,
+silently): a gzip log is first read to its end by Python's gzip, which checks them, and only one
+found intact is DuckDB's. Its rows are re-read by walking the decompressed lines (byte offsets
+into a compressed file mean nothing).
 
 Known difference: a line nesting deeper than Python's parser goes (about 1000 levels) inside a key
 the schema does not know is malformed to the plain reader and read by DuckDB.
@@ -30,7 +37,8 @@ if tuple(int(part) for part in duckdb.__version__.split(".")[:2] if part.isdigit
     raise ImportError(f"DuckDB {duckdb.__version__} is too old for the report (1.3 or newer)")
 
 from . import schema
-from .logsummary import INTEGER, OPTIMIZER, POSITION_BITS, ZERO, line_starts, parse_line, read_file, read_lines_at
+from .logsummary import (INTEGER, OPTIMIZER, POSITION_BITS, ZERO, BadFile, LogFile, intact, line_starts,
+                         parse_line, read_file, read_lines_at)
 
 MAX_RECHECK = 10_000  # rows of one file handed back to the plain reader
 # what a file DuckDB cannot read raises (a line over its limit, bytes it cannot decode, memory);
@@ -58,16 +66,24 @@ def _text(column):
     return f"CASE WHEN contains({c}::VARCHAR, '\\') THEN {c}->>'$' ELSE ({c}::VARCHAR)[2:-2] END"
 
 
-def _rows(count):
-    """The rows of ``count`` files, given as parameters $f0, $f1, ...: each file's own scan, numbered
-    by a streaming row_number() (the rows of a file in its order: its non-blank lines). One numbered
-    scan of all files would run on one thread; a union of per-file scans runs them in parallel.
-    ``pos`` is the plain reader's position: (file index << 40) | ordinal; ``$i{j}`` the file's index."""
+def _scan_sql(param, compression, columns):
+    """read_json of the file given as ``$param``, with its ``compression`` ("none" or "gzip": never
+    guessed from the name, as DuckDB's "auto" would)."""
+    assert compression in _COMPRESSIONS
+    return (f"read_json(${param}, format = 'newline_delimited', columns = {columns}, ignore_errors = true, "
+            f"maximum_object_size = {schema.MAX_LINE_BYTES}, compression = '{compression}')")
+
+
+def _rows(compressions):
+    """The rows of the files given as parameters $f0, $f1, ... (``compressions``: each one's):
+    each file's own scan, numbered by a streaming row_number() (the rows of a file in its order:
+    its non-blank lines). One numbered scan of all files would run on one thread; a union of
+    per-file scans runs them in parallel. ``pos`` is the plain reader's position:
+    (file index << 40) | ordinal; ``$i{j}`` the file's index."""
     scans = " UNION ALL ".join(
         f"""SELECT $i{j}::BIGINT * {1 << POSITION_BITS} + row_number() OVER () AS pos, $i{j}::BIGINT AS file, *
-            FROM read_json($f{j}, format = 'newline_delimited', columns = {schema.sql_columns()},
-                           ignore_errors = true, maximum_object_size = {schema.MAX_LINE_BYTES})"""
-        for j in range(count))
+            FROM {_scan_sql(f"f{j}", compression, schema.sql_columns())}"""
+        for j, compression in enumerate(compressions))
     return f"""
 src AS ({scans}
 ), v AS (
@@ -161,8 +177,11 @@ def _double(bits):
     return struct.unpack("<d", struct.pack("<q", bits))[0]
 
 
-def _query(count, max_modules, max_keys, step_cap):
-    """The whole read of ``count`` files as one statement (a table in between would cost more
+def _query(compressions, max_modules, max_keys, step_cap, names=False):
+    """The whole read of the files (``compressions``: each one's) as one statement. With
+    ``names``, the distinct module names and all-zero (module, entry) pairs themselves, not only
+    their counts (up to ``step_cap`` and one more: where the plain reader reads other files of the
+    same run, the same names counted on both sides must count once) (a table in between would cost more
     than the scan: DuckDB compresses what it stores). Its rows: (what, i1..i5, h1, s1, s2, l1)."""
     pairs = "FROM g WHERE k = 1"
     spots = "FROM g WHERE k = 2 AND ok"
@@ -198,7 +217,13 @@ def _query(count, max_modules, max_keys, step_cap):
         f"""SELECT * FROM (SELECT {out('zero', h1='zero', s1='module', s2='entry')}
             {pairs} AND zero IS NOT NULL ORDER BY zero LIMIT {max_keys})""",
     ]
-    return (f"WITH {_rows(count)}, g AS MATERIALIZED ({_GROUPED}),\n"
+    if names:
+        parts += [
+            f"""SELECT * FROM (SELECT {out('module_name', s1='module')} FROM {modules} LIMIT {step_cap + 1})""",
+            f"""SELECT * FROM (SELECT {out('zero_name', s1='module', s2='entry')}
+                {pairs} AND zero IS NOT NULL LIMIT {step_cap + 1})""",
+        ]
+    return (f"WITH {_rows(compressions)}, g AS MATERIALIZED ({_GROUPED}),\n"
             f"m AS MATERIALIZED (SELECT module, min(first_pos) AS first_pos, min(best) AS best {pairs} GROUP BY module),\n"
             f"s AS MATERIALIZED (SELECT count(DISTINCT step) AS steps, count(DISTINCT {_OSTEP}) AS osteps {spots})\n"
             + "\nUNION ALL\n".join(parts))
@@ -212,26 +237,39 @@ def _connect():
     return con
 
 
+_COMPRESSIONS = ("none", "gzip")
+
+
 def _scannable(path):
-    """DuckDB reads the file itself: a regular file whose name it will not take for a pattern."""
+    """How DuckDB reads the file itself ("none" or "gzip"), or None where the plain reader must: a
+    name DuckDB would take for a pattern, not a regular file, another compression, a gzip stream
+    that Python's gzip (which checks what DuckDB's does not) finds cut or damaged."""
     if _GLOB & set(path):
-        return False
+        return None
     try:
-        return stat.S_ISREG(os.stat(path).st_mode)
-    except OSError:
-        return False
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            return None
+        with LogFile(path) as handle:
+            compression = handle.compression or "none"
+    except (OSError, BadFile):
+        return None
+    if compression not in _COMPRESSIONS or (compression == "gzip" and not intact(path)):
+        return None
+    return compression
 
 
 _ORDINAL = (1 << POSITION_BITS) - 1
 
 
 def _aggregate(con, paths, candidates, summary):
-    """Run the query over the files ``candidates`` (indexes into ``paths``): (the per-file rows;
-    the other result rows, by kind)."""
-    query = _query(len(candidates), summary.max_modules, max(summary.subnormal.cap, summary.all_zero.cap),
-                   summary.steps.cap)
-    results = {}
-    for what, *values in con.execute(query, _params([paths[i] for i in candidates], candidates)).fetchall():
+    """Run the query over the files ``candidates`` ({index into ``paths``: its compression}): (the
+    per-file rows; the other result rows, by kind). Where other files are left to the plain
+    reader, the distinct names come whole (``_query``'s ``names``)."""
+    names = len(candidates) < len(paths)
+    query = _query(list(candidates.values()), summary.max_modules, max(summary.subnormal.cap, summary.all_zero.cap),
+                   summary.steps.cap, names)
+    results = {"module_name": [], "zero_name": []} if names else {}
+    for what, *values in con.execute(query, _params([paths[i] for i in candidates], list(candidates))).fetchall():
         results.setdefault(what, []).append(values)
     files = []
     for index, rows, slow, _, _, _, _, _, slow_pos in results.pop("file", ()):  # i1..i5, h1, s1, s2, l1
@@ -244,7 +282,8 @@ def read_files(paths, summary, progress=None):
     """Fill ``summary`` from ``paths`` (in this order), as ``logsummary.read_files`` would."""
     con = _connect()
     try:
-        files, results = _scan(con, paths, [i for i, path in enumerate(paths) if _scannable(path)], summary)
+        scannable = {i: _scannable(path) for i, path in enumerate(paths)}
+        files, results = _scan(con, paths, {i: c for i, c in scannable.items() if c is not None}, summary)
         tables = _tables(results, summary) if files else None
         details = {}  # position -> (the parsed record of a row the tables name, its file)
         wanted_detail = {}
@@ -261,11 +300,11 @@ def read_files(paths, summary, progress=None):
             if slow or detail:
                 wanted = sorted(slow | detail)
                 visit = _visitor(summary, path, index, slow, detail, details)
-                starts, lines = line_starts(path, wanted)
+                starts, lines = line_starts(path, wanted) if scannable[index] == "none" else (None, None)
                 if lines == row["rows"]:  # no blank line: row k is line k
                     for ordinal, raw in zip(wanted, read_lines_at(path, starts)):
                         visit(ordinal, ordinal, raw)
-                else:  # blank lines (or a file still being written): walk it line by line
+                else:  # compressed, blank lines (or a file still being written): walk it line by line
                     read_file(path, index, summary, wanted=wanted, visit=visit)
             if progress is not None:
                 progress.update(_size(path))
@@ -273,7 +312,7 @@ def read_files(paths, summary, progress=None):
             _merge(summary, tables, details)
         if summary.keep_bins and files:
             firsts = {(module, entry): first for module, entry, _, first in tables["sub"]} if tables else {}
-            _cells(con, summary, paths, [row["index"] for row in files], firsts)
+            _cells(con, summary, paths, {row["index"]: scannable[row["index"]] for row in files}, firsts)
     finally:
         con.close()
 
@@ -301,8 +340,8 @@ def _size(path):
 
 
 def _scan(con, paths, candidates, summary):
-    """The query over the files of ``candidates`` that DuckDB can take: one it cannot read, or
-    with too much to hand back, is left out (to the plain reader)."""
+    """The query over the files of ``candidates`` ({index: compression}) that DuckDB can take: one
+    it cannot read, or with too much to hand back, is left out (to the plain reader)."""
     while candidates:
         try:
             files, results = _aggregate(con, paths, candidates, summary)
@@ -313,13 +352,12 @@ def _scan(con, paths, candidates, summary):
                 continue
             if len(candidates) == 1:
                 return [], {}
-            readable = []  # which files it cannot read, one by one (rare: a line over its limit)
-            for i in candidates:
+            readable = {}  # which files it cannot read, one by one (rare: a line over its limit)
+            for i, compression in candidates.items():
                 try:
-                    con.execute(f"SELECT count(*) FROM read_json($files, format = 'newline_delimited', "
-                                f"columns = {{'record': 'JSON'}}, ignore_errors = true, "
-                                f"maximum_object_size = {schema.MAX_LINE_BYTES})", {"files": [paths[i]]})
-                    readable.append(i)
+                    con.execute(f"SELECT count(*) FROM {_scan_sql('file', compression, {'record': 'JSON'})}",
+                                {"file": [paths[i]]})
+                    readable[i] = compression
                 except _UNREADABLE:
                     pass
             if readable == candidates:
@@ -329,7 +367,7 @@ def _scan(con, paths, candidates, summary):
         heavy = {row["index"] for row in files if row["slow"] > MAX_RECHECK}
         if not heavy:
             return files, results
-        candidates = [i for i in candidates if i not in heavy]
+        candidates = {i: c for i, c in candidates.items() if i not in heavy}
     return [], {}
 
 
@@ -352,6 +390,8 @@ def _tables(results, summary):
         if key is not None:
             out["rows"].add(out[what][1])
     out["module_count"] = results["module_count"][0][0]
+    out["module_names"] = [v[6] for v in results["module_name"]] if "module_name" in results else None
+    out["zero_names"] = [(v[6], v[7]) for v in results["zero_name"]] if "zero_name" in results else None
     out["modules"] = [(v[6], v[0], None if v[5] is None else _split(v[5])) for v in results.get("module", ())]
     out["sub"] = [(v[6], v[7], _split(v[5]), v[0]) for v in results.get("sub", ())]  # and its first subnormal
     out["zero_count"] = results["zero_count"][0][0]
@@ -412,7 +452,11 @@ def _merge(summary, tables, details):
             r = details[pos][0]
             summary.add_eval_best(r["module"], r["class"], ((_double(bits), pos), _best_of(r)))
 
-    summary.module_names.add_count(tables["module_count"])
+    if tables["module_names"] is None:
+        summary.module_names.add_count(tables["module_count"])
+    else:  # the plain reader counts other files' names: the same name on both sides counts once
+        for name in tables["module_names"]:
+            summary.module_names.add(hash(name))
     summary.modules_dropped += max(0, tables["module_count"] - summary.max_modules)
     for module, first_pos, best in tables["modules"]:
         first = details.get(first_pos)
@@ -429,7 +473,11 @@ def _merge(summary, tables, details):
             frac = r["subnormal_frac"]
             summary.subnormal.offer((module, entry), (-frac, pos),
                                     (frac, r["step"], r["dtype"], r["numel"], r.get("global_step"), r.get("mode")))
-    summary.zero_keys.add_count(tables["zero_count"])
+    if tables["zero_names"] is None:
+        summary.zero_keys.add_count(tables["zero_count"])
+    else:
+        for key in tables["zero_names"]:
+            summary.zero_keys.add(hash(key))
     for module, entry, (_, pos) in tables["zero"]:
         if pos in details:
             r = details[pos][0]
@@ -442,7 +490,7 @@ def _best_of(r):
     return (r["entry"], r["dtype"], r["step"], r["phase"], float(r["abs_max"]), r.get("global_step"), r.get("mode"))
 
 
-def _cells(con, summary, paths, indexes, firsts):
+def _cells(con, summary, paths, compressions, firsts):
     """The picture's bins (a second scan: only ``--png`` needs it), on the timeline of
     ``summary.unit``: per drawn module, its lowest headroom ratio per train bin of
     ``summary.width`` steps, whether a nan/inf was there, and what entries without headroom were
@@ -456,7 +504,7 @@ def _cells(con, summary, paths, indexes, firsts):
     tracked = [key for key, _, _ in summary.subnormal.best(summary.underflow_rows) if key in firsts]
     x = "gstep" if summary.unit == OPTIMIZER else "step"
     query = f"""
-        WITH {_rows(len(indexes))},
+        WITH {_rows(list(compressions.values()))},
         drawn AS (SELECT unnest($modules::VARCHAR[]) AS drawn_module),
         tracked AS (SELECT unnest($pair_modules::VARCHAR[]) AS tracked_module,
                            unnest($pair_entries::VARCHAR[]) AS tracked_entry, unnest($pair_firsts::BIGINT[]) AS since),
@@ -475,7 +523,7 @@ def _cells(con, summary, paths, indexes, firsts):
         WHERE (k = 1 AND is_drawn AND NOT is_eval) OR (k = 2 AND is_eval)
             OR (k = 3 AND since IS NOT NULL AND NOT is_eval AND numel > 0 AND pos >= since)
         GROUP BY ALL"""
-    params = _params([paths[i] for i in indexes], indexes)
+    params = _params([paths[i] for i in compressions], list(compressions))
     params.update(modules=modules, pair_modules=[m for m, _ in tracked], pair_entries=[e for _, e in tracked],
                   pair_firsts=[firsts[key] for key in tracked])
     for k, module, entry, index, ratio, bad, zero, integer, sub, zeros in con.execute(query, params).fetchall():

@@ -18,10 +18,34 @@ One writer per file: a recorder holds an advisory lock (``flock``) on its file u
 or its process dies; a second recorder on a file being written, in this process or another, is
 refused with ``LogInUse`` before it truncates anything.
 
-``Recorder.write(records)`` only enqueues: a daemon thread encodes and writes, one ``write(2)``
-of complete lines per batch, so no partial line is ever on disk. Everything enqueued is written
-by ``flush()``, ``close()``, at normal interpreter exit and on SIGTERM; a write error warns once
-and drops records (training goes on).
+Streams: ``log=`` may also be a FIFO, a terminal or another character device, or a descriptor of
+this process by name (``/dev/stdout``, ``/dev/stderr``, ``/dev/fd/N``, ``/proc/self/fd/N``).
+- Opening never blocks: a FIFO that no process is reading is refused at once (``OSError`` naming
+  it and why). After the open, writes block: a full pipe makes the writer thread wait for its
+  reader (backpressure, as ``print`` does; ``flush()``, ``close()`` and a normal exit wait with
+  it), it never drops records. A descriptor by name is the
+  process's own stream (``os.dup``): its offset, its flags (a non-blocking one is waited on with
+  ``poll``), shared with the process's own prints.
+- A stream is never truncated and never seeked, and keeps its name under several ranks (they all
+  write to it; every record carries its rank).
+- It is shared by design, so it takes no lock: any number of recorders, in this process or others,
+  may write one FIFO, terminal or ``/dev/stdout``. Except where the descriptor is a regular file
+  (stdout redirected to a file): it takes a shared lock there, so that all of the process's
+  recorders on it go together, while a recorder of that file by its name (which truncates it) is
+  refused with ``LogInUse``, and the other way round.
+- Lines stay whole: a regular file gets one ``write(2)`` per batch, and a failed one is cut back to
+  where the batch began. A stream gets whole lines, at most ``PIPE_BUF`` bytes per ``write(2)``
+  where the lines allow: POSIX makes such a write to a pipe atomic, so the lines of several writers
+  (another recorder, the process's own prints) never interleave. A single line longer than
+  ``PIPE_BUF`` goes in one write of its own, which the kernel may split and interleave with another
+  writer's output (no more can be had on a pipe). A stream cannot be cut back: a failed write
+  can leave a partial last line there, and nothing more is written after it.
+
+``Recorder.write(records)`` only enqueues: a daemon thread encodes and writes, so no partial line
+is ever on disk. Everything enqueued is written by ``flush()``, ``close()``, at normal interpreter
+exit and on SIGTERM (on SIGTERM for as long as the writer makes progress: one stalled for
+``STALL_SECONDS``, a pipe nobody reads, is given up on with a warning, and the process dies as
+SIGTERM asks); a write error warns once and drops records (training goes on).
 """
 
 import atexit
@@ -31,6 +55,8 @@ import errno
 import json
 import math
 import os
+import re
+import select
 import signal
 import stat
 import threading
@@ -200,16 +226,55 @@ def _distributed_rank():
 def rank_path(path, rank=None, world_size=None) -> str:
     """The file of one rank: ``{rank}`` in the path is replaced by the rank (0 without one);
     otherwise with a world size above 1 the rank goes before the suffix
-    (``run.jsonl`` -> ``run.rank1.jsonl``)."""
+    (``run.jsonl`` -> ``run.rank1.jsonl``), except for a stream (``is_stream``), which the ranks
+    share under its own name (``/dev/stdout.rank1`` would be a new file in ``/dev``)."""
     path = os.fspath(path)
     if "{rank}" in path:
         return path.replace("{rank}", str(rank if rank is not None else 0))
-    if world_size is not None and world_size > 1 and rank is not None:
+    if world_size is not None and world_size > 1 and rank is not None and not is_stream(path):
         directory, name = os.path.split(path)
         stem, dot, suffix = name.rpartition(".")
         name = f"{stem}.rank{rank}.{suffix}" if dot and stem else f"{name}.rank{rank}"
         return os.path.join(directory, name)
     return path
+
+
+_STD_NAMES = {"/dev/stdin": 0, "/dev/stdout": 1, "/dev/stderr": 2}
+
+
+def descriptor_named(path):
+    """The file descriptor of this process that ``path`` names, or None: ``/dev/stdout`` (and
+    stdin, stderr), ``/dev/fd/N``, ``/proc/self/fd/N``, ``/proc/<this pid>/fd/N``, or a symbolic
+    link to one of them. Such a path opened anew would not be the process's own stream (a regular
+    file behind it would be opened at offset 0, a socket not at all)."""
+    own = re.compile(rf"/(?:dev/fd|proc/(?:self|thread-self|{os.getpid()})/fd)/([0-9]+)")
+    path = os.fspath(path)
+    for _ in range(40):  # the kernel's own limit on links followed
+        normal = os.path.normpath(os.path.abspath(path))
+        if normal in _STD_NAMES:
+            return _STD_NAMES[normal]
+        match = own.fullmatch(normal)
+        if match:
+            return int(match.group(1))
+        try:
+            target = os.readlink(normal)
+        except (OSError, ValueError):
+            return None
+        path = os.path.join(os.path.dirname(normal), target)
+    return None
+
+
+def is_stream(path) -> bool:
+    """Whether ``path`` is written as a stream (see the module's docstring): a descriptor of this
+    process by name, or an existing file that is neither regular nor a directory (a FIFO, a
+    terminal, a device)."""
+    if descriptor_named(path) is not None:
+        return True
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):
+        return False
+    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
 
 
 # -- one writer per file ----------------------------------------------------------------------------
@@ -218,34 +283,92 @@ class LogInUse(RuntimeError):
     """Another flight recorder, in this process or another, is writing this file."""
 
 
-def _open_locked(path):
-    """The file opened for writing, locked for this recorder alone, then truncated. The lock comes
-    first: a recorder refused must not have cut the file of the one writing it. The lock is an
-    ``flock`` on the open file, so it conflicts within one process too, and goes away when the
-    file is closed or the process dies (a crash leaves no stale lock)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+_O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+_O_NOCTTY = getattr(os, "O_NOCTTY", 0)  # a terminal as the log must not become the controlling one
+
+
+def _refused(path, why, number=errno.EINVAL):
+    return OSError(number, f"overflow_fast: the flight-recorder log {path} {why}")
+
+
+def _lock(fd, path, how):
+    """``flock`` ``fd`` without waiting; ``LogInUse`` when another recorder holds the file."""
+    if fcntl is None:
+        return
     try:
-        regular = stat.S_ISREG(os.fstat(fd).st_mode)  # /dev/null, /dev/full, a pipe: shared by design
-        if regular and fcntl is not None:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as error:
-                if error.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                    raise LogInUse(
-                        f"overflow_fast: the flight-recorder log {path} is already being written by another "
-                        f"recorder (in this process or another); give each one its own path "
-                        f"(one file per rank: put {{rank}} in the path)") from None
-                warnings.warn(f"overflow_fast: cannot lock the flight-recorder log {path} ({error.strerror}); "
-                              f"make sure no other recorder writes it", RuntimeWarning, stacklevel=3)
-        if regular:
+        fcntl.flock(fd, how | fcntl.LOCK_NB)
+    except OSError as error:
+        if error.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise LogInUse(
+                f"overflow_fast: the flight-recorder log {path} is already being written by another "
+                f"recorder (in this process or another); give each one its own path "
+                f"(one file per rank: put {{rank}} in the path)") from None
+        warnings.warn(f"overflow_fast: cannot lock the flight-recorder log {path} ({error.strerror}); "
+                      f"make sure no other recorder writes it", RuntimeWarning, stacklevel=4)
+
+
+def _open_locked(path):
+    """(the file descriptor to write, whether it is a regular file of this recorder's own), the
+    file locked and truncated when it is one.
+
+    A regular file: the lock comes first, then the truncation: a recorder refused must not have cut
+    the file of the one writing it. The lock is an ``flock`` on the open file, so it conflicts
+    within one process too, and goes away when the file is closed or the process dies (a crash
+    leaves no stale lock). Anything else is a stream (see the module's docstring): opened without
+    blocking (a FIFO with no reader is refused, not waited on), then written with blocking writes;
+    never locked (but a regular file behind a descriptor, shared), never truncated."""
+    number = descriptor_named(path)
+    if number is not None:
+        try:
+            fd = os.dup(number)
+        except OSError:
+            raise _refused(path, f"names file descriptor {number} of this process, which is not open",
+                           errno.EBADF) from None
+    else:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | _O_NONBLOCK | _O_NOCTTY, 0o644)
+        except OSError as error:
+            raise _open_error(path, error) from None
+        if _O_NONBLOCK:
+            os.set_blocking(fd, True)  # only the open must not wait: a full pipe is waited on, never dropped
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISBLK(mode):
+            raise _refused(path, "is a block device (a disk): give a file, a FIFO or a terminal")
+        if number is not None and fcntl is not None and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY:
+            raise _refused(path, f"names file descriptor {number} of this process, which is open for reading only",
+                           errno.EBADF)
+        own_file = stat.S_ISREG(mode) and number is None
+        if own_file:
+            _lock(fd, path, fcntl.LOCK_EX if fcntl else 0)
             os.ftruncate(fd, 0)
+        elif stat.S_ISREG(mode):
+            _lock(fd, path, fcntl.LOCK_SH if fcntl else 0)
     except BaseException:
         os.close(fd)
         raise
-    return fd
+    return fd, own_file
+
+
+def _open_error(path, error):
+    """The error of opening ``path``, said plainly where the system's words would puzzle."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        mode = 0
+    if error.errno == errno.ENXIO and stat.S_ISFIFO(mode):
+        return _refused(path, "is a FIFO that no process is reading (opening it would wait for one): "
+                              "start its reader first, or give a file", errno.ENXIO)
+    if error.errno == errno.ENXIO and stat.S_ISSOCK(mode):
+        return _refused(path, "is a Unix socket, which cannot be opened as a file: connect to it and give "
+                              "/dev/fd/N of the connection", errno.ENXIO)
+    return _refused(path, f"cannot be opened for writing ({error.strerror or error})", error.errno or errno.EIO)
 
 
 # -- the writer ------------------------------------------------------------------------------------
+
+PIPE_BUF = getattr(select, "PIPE_BUF", 512)  # the largest write a pipe takes atomically (POSIX: at least 512)
+STALL_SECONDS = 5.0  # on SIGTERM, how long a writer that makes no progress is waited for
 
 _live = weakref.WeakSet()  # recorders to flush at exit and on SIGTERM
 _live_lock = threading.RLock()  # re-entrant: the SIGTERM handler runs on the main thread
@@ -256,8 +379,10 @@ _sigterm_installed = False
 class Recorder:
     """A JSONL file written by a daemon thread.
 
-    ``path``: the file (truncated); see ``rank_path`` for one file per rank. A file another
-    recorder is writing (this process or another) raises ``LogInUse``. ``rank`` and
+    ``path``: the file (truncated), or a stream (a FIFO, a terminal, ``/dev/stdout``: see the
+    module's docstring); see ``rank_path`` for one file per rank. A file another recorder is
+    writing (this process or another) raises ``LogInUse``; a FIFO that no process is reading, an
+    ``OSError`` at once. ``rank`` and
     ``world_size`` default to torch.distributed's (or RANK/WORLD_SIZE in the environment).
     ``log_every``: ``should_record(step)`` is true for every ``log_every``-th step.
     ``max_pending``: records waiting for the writer beyond which new ones are dropped (with one
@@ -276,7 +401,7 @@ class Recorder:
         directory = os.path.dirname(self.path)
         if directory:
             os.makedirs(directory, exist_ok=True)
-        self._fd = _open_locked(self.path)
+        self._fd, self._own_file = _open_locked(self.path)
         self._pid = os.getpid()
         self._pending = collections.deque()  # (sequence number, [records])
         self._seq = 0  # last sequence number enqueued
@@ -291,6 +416,8 @@ class Recorder:
         self._stopping = False
         self._broken = False
         self._warned_closed = False
+        self._drainer = None  # the thread inside _drain
+        self._progress = 0  # records encoded and writes done so far: how SIGTERM tells a slow writer from a stalled one
         self.write([meta_record(rank, world_size)])
         self._thread = threading.Thread(target=self._run, name="overflow_fast-recorder", daemon=True)
         self._thread.start()
@@ -400,29 +527,36 @@ class Recorder:
                 return
 
     def _drain(self, notify=True):
-        """Encode and write every pending batch as one write of complete lines."""
+        """Encode and write every pending batch: complete lines only (see ``_write_all``)."""
         with self._io_lock:
-            batches = []
-            while True:
-                try:
-                    batches.append(self._pending.popleft())
-                except IndexError:
-                    break
-            if not batches:
-                return
-            last = batches[-1][0]
-            count = sum(len(records) for _, records in batches)
-            with self._lock:
-                self._queued -= count
-            if not self._broken:
-                try:
-                    data = b"".join(encode_line(record) for _, records in batches for record in records)
-                except Exception as error:  # a record that cannot be encoded: drop this batch, keep going
-                    self._warn(f"a record could not be encoded ({error!r})", once_key="encode")
-                    data = b""
-                if data:
-                    self._write_all(data)
-            self._done = max(self._done, last)
+            outer, self._drainer = self._drainer, threading.get_ident()
+            try:
+                batches = []
+                while True:
+                    try:
+                        batches.append(self._pending.popleft())
+                    except IndexError:
+                        break
+                if not batches:
+                    return
+                last = batches[-1][0]
+                count = sum(len(records) for _, records in batches)
+                with self._lock:
+                    self._queued -= count
+                if not self._broken:
+                    lines = []
+                    for _, records in batches:
+                        for record in records:
+                            try:
+                                lines.append(encode_line(record))
+                            except Exception as error:  # a record that cannot be encoded: drop it, keep going
+                                self._warn(f"could not encode a record ({error!r}); it is dropped", once_key="encode")
+                            self._progress += 1
+                    if lines:
+                        self._write_all(b"".join(lines))
+                self._done = max(self._done, last)
+            finally:
+                self._drainer = outer
         if notify:
             with self._done_cond:
                 self._done_cond.notify_all()
@@ -432,6 +566,14 @@ class Recorder:
         if fd is None:
             self._fail(ValueError("the file is closed"))
             return
+        if self._own_file:
+            self._write_file(fd, data)
+        else:
+            self._write_stream(fd, data)
+
+    def _write_file(self, fd, data):
+        """One regular file of this recorder's: the batch in one write; a failed write is cut back to
+        where the batch began (never a partial line)."""
         try:
             start = os.lseek(fd, 0, os.SEEK_CUR)
         except OSError as error:
@@ -445,13 +587,36 @@ class Recorder:
                 if n <= 0:
                     raise OSError("write returned 0")
                 written += n
+                self._progress += 1
         except OSError as error:
-            if written:  # never leave a partial line: cut the file back to where this batch began
+            if written:
                 try:
                     os.ftruncate(fd, start)
                     os.lseek(fd, start, os.SEEK_SET)
                 except OSError:
                     pass
+            self._fail(error)
+
+    def _write_stream(self, fd, data):
+        """A stream (a pipe, a terminal, a socket, a descriptor shared with the process): never
+        seeked. Whole lines, at most PIPE_BUF bytes per write where the lines allow (atomic on a
+        pipe: never interleaved with another writer's); a descriptor its owner made non-blocking is
+        waited on until it takes more, never given up on."""
+        view = memoryview(data)
+        try:
+            for begin, end in whole_line_pieces(data, PIPE_BUF):
+                piece = view[begin:end]
+                while piece:
+                    try:
+                        n = os.write(fd, piece)
+                    except BlockingIOError:
+                        _wait_writable(fd)
+                        continue
+                    if n <= 0:
+                        raise OSError("write returned 0")
+                    piece = piece[n:]
+                    self._progress += 1
+        except OSError as error:
             self._fail(error)
 
     def _fail(self, error):
@@ -469,10 +634,62 @@ class Recorder:
         except Exception:
             pass
 
-    def _flush_at_exit(self):
-        if os.getpid() != self._pid or self._closed:
+    def _flush_before_dying(self):
+        """On SIGTERM: everything enqueued written by the writer thread, for as long as it makes
+        progress; one that makes none for ``STALL_SECONDS`` (a pipe nobody reads) is given up on,
+        saying so, so that SIGTERM still ends the process."""
+        if os.getpid() != self._pid or self._closed or self._broken:
             return
-        self._drain(notify=False)
+        if self._drainer == threading.get_ident():
+            # this thread was inside a write when the signal came: writing more now would cut its line
+            if self._done < self._seq:
+                self._warn_stalled()
+            return
+        if not self._thread.is_alive():
+            self._drain(notify=False)
+            return
+        target = self._seq
+        self._wake.set()
+        progress, since = self._progress, _now()
+        while self._done < target and not self._broken:
+            if self._progress != progress:
+                progress, since = self._progress, _now()
+            elif _now() - since >= STALL_SECONDS:
+                self._warn_stalled()
+                return
+            time.sleep(0.005)
+
+    def _warn_stalled(self):
+        why = ("is not being read" if not self._own_file
+               else f"took no write for {STALL_SECONDS:g} s")
+        self._warn(f"log {self.path} {why}: records still queued are dropped", "stalled")
+
+
+def whole_line_pieces(data, limit):
+    """(begin, end) of consecutive pieces of ``data`` (complete lines) that end at line ends and
+    hold at most ``limit`` bytes, except a line longer than ``limit``: a piece of its own."""
+    begin, size = 0, len(data)
+    while begin < size:
+        if size - begin <= limit:
+            yield begin, size
+            return
+        cut = data.rfind(b"\n", begin, begin + limit)
+        if cut < 0:  # one line longer than the limit
+            cut = data.find(b"\n", begin + limit)
+            if cut < 0:
+                cut = size - 1
+        yield begin, cut + 1
+        begin = cut + 1
+
+
+def _wait_writable(fd):
+    """Until ``fd`` (non-blocking) takes more bytes (or fails: the write that follows says how)."""
+    if hasattr(select, "poll"):
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        poller.poll()
+    else:
+        select.select([], [fd], [fd])
 
 
 def _now():
@@ -484,7 +701,7 @@ def _flush_all():
         recorders = list(_live)
     for recorder in recorders:
         try:
-            recorder._flush_at_exit()
+            recorder._flush_before_dying()
         except Exception:
             pass
 

@@ -2,6 +2,10 @@
 through both integration routes, and Accelerate's prepare() with the detector attached."""
 
 import math
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -349,3 +353,46 @@ def test_report_to_forwards_the_scalars_to_the_trainers_tensorboard(tmp_path, mo
     tags = events.Tags()["scalars"]
     assert "overflow_fast/headroom_bits/transformer.h.0.mlp.c_fc" in tags
     assert sorted({e.step for e in events.Scalars("overflow_fast/headroom_bits/lm_head")}) == [0, 1, 2]
+
+
+# -- without transformers ----------------------------------------------------------------------------
+
+_IMPORT_WITHOUT = """
+import sys
+{setup}
+try:
+    import overflow_fast.integrations.transformers
+except ImportError as error:
+    print(type(error).__name__, error, sep=": ")
+    print("cause", type(error.__cause__).__name__, error.__cause__, sep=": ")
+else:
+    print("imported")
+"""
+
+
+def _import_without(setup, tmp_path=None):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path or ""), root,
+                                                                    os.environ.get("PYTHONPATH", "")])))
+    child = subprocess.run([sys.executable, "-c", textwrap.dedent(_IMPORT_WITHOUT.format(setup=setup))],
+                           env=env, capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, child.stderr
+    return child.stdout.splitlines()
+
+
+def test_without_transformers_the_error_says_what_to_install():
+    lines = _import_without("sys.modules['transformers'] = None  # not installed")
+    assert lines[0].startswith("ImportError: overflow_fast.integrations.transformers needs Hugging Face "
+                               "transformers: pip install transformers (import transformers failed: ")
+    assert lines[1].startswith("cause: ModuleNotFoundError: ") and "transformers" in lines[1]
+
+
+def test_a_broken_transformers_is_named_with_its_own_error(tmp_path):
+    # installed, but its own import fails (a dependency missing): the reason is kept, and the fix
+    (tmp_path / "transformers").mkdir()
+    (tmp_path / "transformers" / "__init__.py").write_text("import a_dependency_that_is_not_there\n")
+    lines = _import_without("", tmp_path)
+    assert lines[0].startswith("ImportError: overflow_fast.integrations.transformers needs Hugging Face "
+                               "transformers: pip install transformers")
+    assert "No module named 'a_dependency_that_is_not_there'" in lines[0]
+    assert lines[1] == "cause: ModuleNotFoundError: No module named 'a_dependency_that_is_not_there'"

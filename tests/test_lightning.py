@@ -180,3 +180,44 @@ def test_ddp_on_two_cpu_processes_stops_every_rank_at_the_step(check, tmp_path):
     for rank, line in enumerate(results):
         assert line.startswith(f"RESULT rank {rank} stopped [0, 1, 2]"), line
         assert "inf/nan detected on rank(s) 1" in line
+
+
+# -- without Lightning ---------------------------------------------------------------------------------
+
+_IMPORT_WITHOUT = """
+import sys
+{setup}
+try:
+    from overflow_fast.integrations.lightning import DetectorCallback
+except ImportError as error:
+    print(type(error).__name__, error, sep=": ")
+    print("cause", type(error.__cause__).__name__, error.__cause__, sep=": ")
+else:
+    print("imported", DetectorCallback.__mro__[1].__module__)
+"""
+
+
+def _import_without(setup, path=None):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(path or ""), root,
+                                                                    os.environ.get("PYTHONPATH", "")])))
+    child = subprocess.run([sys.executable, "-c", textwrap.dedent(_IMPORT_WITHOUT.format(setup=setup))],
+                           env=env, capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, child.stderr
+    return child.stdout.splitlines()
+
+
+def test_without_lightning_the_error_says_what_to_install():
+    lines = _import_without("for name in ('lightning', 'lightning.pytorch', 'pytorch_lightning'):\n"
+                            "    sys.modules[name] = None  # neither package installed")
+    assert lines[0].startswith("ImportError: overflow_fast.integrations.lightning needs PyTorch Lightning 2.x: "
+                               "pip install lightning (import lightning.pytorch failed: ")
+    assert lines[0].endswith("nor is the older pytorch_lightning installed)")
+    assert lines[1].startswith("cause: ModuleNotFoundError: ") and "lightning" in lines[1]
+
+
+def test_the_older_pytorch_lightning_alone_still_serves(tmp_path):
+    (tmp_path / "pytorch_lightning").mkdir()
+    (tmp_path / "pytorch_lightning" / "__init__.py").write_text("class Callback:\n    pass\n")
+    lines = _import_without("sys.modules['lightning'] = sys.modules['lightning.pytorch'] = None", tmp_path)
+    assert lines == ["imported pytorch_lightning"]

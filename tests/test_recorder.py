@@ -3,6 +3,7 @@ exit, SIGTERM and SIGKILL, one file per rank, write errors that never crash."""
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -451,3 +452,508 @@ def test_a_forked_child_does_not_keep_the_lock(tmp_path):
         os.waitpid(pid, 0)
         os.close(ready_read)
         os.close(ready_write)
+
+
+# -- streams: FIFOs, pipes, terminals, this process's own stdout ----------------------------------------
+
+def _construct_in_a_thread(make):
+    """Run ``make()`` on a thread; (finished, its result or the exception it raised). A constructor
+    that blocks is not waited for forever: the test fails instead of hanging."""
+    outcome = []
+
+    def target():
+        try:
+            outcome.append(make())
+        except BaseException as error:  # noqa: B902 - handed to the test
+            outcome.append(error)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(timeout=60)
+    return not thread.is_alive(), outcome[0] if outcome else None
+
+
+def _unblock_writer(fifo):
+    """Give a writer stuck opening ``fifo`` its reader, so a failed test leaves no thread behind."""
+    fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    os.close(fd)
+
+
+def _needs_fifo():
+    if not hasattr(os, "mkfifo"):
+        pytest.skip("needs FIFOs")
+
+
+@pytest.mark.parametrize("via", ["recorder", "detector"])
+def test_a_fifo_without_a_reader_is_refused_at_once(tmp_path, via):
+    _needs_fifo()
+    from overflow_fast import DebugUnderflowOverflow
+
+    fifo = str(tmp_path / "run.fifo")
+    os.mkfifo(fifo)
+    model = torch.nn.Linear(2, 2)
+    make = (lambda: Recorder(fifo)) if via == "recorder" else (lambda: DebugUnderflowOverflow(model, log=fifo))
+    finished, result = _construct_in_a_thread(make)
+    if not finished:
+        _unblock_writer(fifo)
+    assert finished, "the constructor blocked on a FIFO without a reader"
+    assert isinstance(result, OSError), result
+    assert fifo in str(result) and "no process is reading" in str(result)
+    assert not model._forward_hooks  # refused before any hook went on
+
+
+def _fionread(fd):
+    import array
+    import fcntl
+    import termios
+
+    count = array.array("i", [0])
+    fcntl.ioctl(fd, termios.FIONREAD, count)
+    return count[0]
+
+
+def _shrink_pipe(fd):
+    """Make the pipe of ``fd`` as small as it can be (a page, on Linux): a writer of much more than
+    that must then wait for room, again and again, whenever its reader is not reading."""
+    import fcntl
+
+    try:
+        fcntl.fcntl(fd, getattr(fcntl, "F_SETPIPE_SZ", 1031), 4096)
+    except OSError:
+        pass
+
+
+def _wait_until(condition, what):
+    for _ in range(6000):  # a bounded wait (about a minute): never a hang
+        if condition():
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"never happened: {what}")
+
+
+def _read_lines(fd, count):
+    """The first ``count`` lines from ``fd``, parsed; waits a bounded time for each (never a hang)."""
+    import select
+
+    data = b""
+    while data.count(b"\n") < count:
+        ready, _, _ = select.select([fd], [], [], 60)
+        assert ready, f"no more data after {data!r}"
+        block = os.read(fd, 1 << 16)
+        assert block, f"end of stream after {data!r}"
+        data += block
+    return [json.loads(line, parse_constant=_reject) for line in data.splitlines()[:count]]
+
+
+def _read_all(fd, into):
+    while True:
+        block = os.read(fd, 1 << 16)
+        if not block:
+            return
+        into.append(block)
+
+
+def test_a_fifo_with_a_reader_gets_every_record_even_when_the_pipe_is_full(tmp_path):
+    _needs_fifo()
+    fifo = str(tmp_path / "run.fifo")
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # a reader that has not started reading yet
+    _shrink_pipe(reader)
+    try:
+        finished, recorder = _construct_in_a_thread(lambda: Recorder(fifo, rank=1, world_size=2))
+        assert finished and isinstance(recorder, Recorder), recorder
+        assert recorder.path == fifo  # no rank suffix: a stream is shared by the ranks
+        assert not os.path.exists(fifo + ".rank1") and not os.path.exists(str(tmp_path / "run.rank1.fifo"))
+        os.set_blocking(reader, True)
+        big = "z" * 3 * select.PIPE_BUF  # a line longer than PIPE_BUF
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(200):
+                recorder.write([{"record": "entry", "step": step, "i": i, "pad": "x" * 80} for i in range(50)])
+            recorder.write([{"record": "entry", "step": 200, "pad": big}])
+            # the writer has begun: with a page of pipe for a megabyte, it must wait for room (were its
+            # writes non-blocking, they would fail and records would be dropped)
+            _wait_until(lambda: _fionread(reader) > 0, "the first records in the pipe")
+            blocks = []
+            drain = threading.Thread(target=_read_all, args=(reader, blocks), daemon=True)
+            drain.start()
+            recorder.close()
+            drain.join(timeout=60)
+            assert not drain.is_alive()
+        assert not [w for w in caught if "overflow_fast" in str(w.message)]
+    finally:
+        os.close(reader)
+    data = b"".join(blocks)
+    assert data.endswith(b"\n")
+    lines = [json.loads(line, parse_constant=_reject) for line in data.decode().splitlines()]
+    assert lines[0]["record"] == "meta" and len(lines) == 1 + 200 * 50 + 1
+    assert [(l["step"], l["i"]) for l in lines[1:-1]] == [(s, i) for s in range(200) for i in range(50)]
+    assert lines[-1]["pad"] == big
+
+
+def test_two_recorders_share_a_fifo_and_a_reader_that_leaves_is_warned_about(tmp_path):
+    _needs_fifo()
+    fifo = str(tmp_path / "shared.fifo")
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    os.set_blocking(reader, True)
+    first, second = Recorder(fifo), Recorder(fifo)  # no LogInUse: a stream is shared by design
+    first.write([{"record": "entry", "who": "first"}])
+    second.write([{"record": "entry", "who": "second"}])
+    first.flush()
+    second.flush()
+    got = _read_lines(reader, 4)
+    os.close(reader)
+    assert sorted(l.get("who", "meta") for l in got) == ["first", "meta", "meta", "second"]
+    # the reader is gone: writing warns once and drops, it never raises into training
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(3):
+            first.write([{"record": "entry", "step": step}])
+            first.flush()
+        first.close()
+        second.close()
+    messages = [str(w.message) for w in caught if "could not write" in str(w.message)]
+    assert len(messages) == 1 and fifo in messages[0]
+
+
+def test_a_terminal_gets_every_record(tmp_path):
+    if not hasattr(os, "openpty"):
+        pytest.skip("needs a pseudo-terminal")
+    master, slave = os.openpty()
+    name = os.ttyname(slave)
+    blocks = []
+
+    def read_terminal():
+        while True:
+            try:
+                block = os.read(master, 1 << 16)
+            except OSError:  # EIO: the terminal's last writer closed it
+                return
+            if not block:
+                return
+            blocks.append(block)
+            if b"".join(blocks).count(b"\n") >= 1 + 100:
+                return
+
+    drain = threading.Thread(target=read_terminal, daemon=True)
+    drain.start()
+    try:
+        with Recorder(name) as recorder:  # a terminal cannot seek
+            for step in range(100):
+                recorder.write([{"record": "entry", "step": step}])
+        drain.join(timeout=60)
+        assert not drain.is_alive()
+    finally:
+        os.close(slave)
+        os.close(master)
+    lines = [json.loads(line) for line in b"".join(blocks).decode().splitlines()]
+    assert lines[0]["record"] == "meta" and [l["step"] for l in lines[1:]] == list(range(100))
+
+
+def test_sigterm_kills_a_process_whose_fifo_reader_stopped_reading(tmp_path):
+    _needs_fifo()
+    fifo = str(tmp_path / "stalled.fifo")
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # open, never read: the pipe fills and stays full
+    script = textwrap.dedent("""
+    import sys, time
+    from overflow_fast import recorder as R
+    R.STALL_SECONDS = 0.5
+    rec = R.Recorder(sys.argv[1])
+    for step in range(200):
+        rec.write([{"record": "entry", "step": step, "i": i, "pad": "x" * 200} for i in range(50)])
+    print("ready", flush=True)
+    time.sleep(120)
+    """)
+    child = subprocess.Popen([sys.executable, "-c", script, fifo], env=child_env(), text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        _wait_until(lambda: _fionread(reader) > 0, "the first records in the pipe")
+        child.send_signal(signal.SIGTERM)
+        try:
+            _, err = child.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("SIGTERM did not end a process whose log is not being read") from None
+    finally:
+        child.kill()
+        child.communicate()
+        os.close(reader)
+    assert child.returncode == -signal.SIGTERM
+    assert "is not being read: records still queued are dropped" in err  # said, never silent
+
+
+_STDOUT_CHILD = """
+import os, sys, threading
+from overflow_fast.recorder import Recorder
+{setup}
+recorder = Recorder("/dev/stdout")
+twin = Recorder("/dev/stdout")  # a second writer of the same stream is no LogInUse
+for step in range({steps}):
+    recorder.write([{{"record": "entry", "step": step, "i": i, "pad": "x" * 60}} for i in range(20)])
+twin.write([{{"record": "entry", "step": -1}}])
+{after}
+recorder.close()
+twin.close()
+"""
+
+
+def _stdout_child(steps=50, setup="", after="", **kwargs):
+    script = textwrap.dedent(_STDOUT_CHILD.format(steps=steps, setup=setup, after=after))
+    return subprocess.Popen([sys.executable, "-c", script], env=child_env(), **kwargs)
+
+
+def _records_and_prints(data):
+    """The lines of a stream that mixes the child's own prints and records: every line one or the other."""
+    records, prints = [], []
+    for line in data.decode().splitlines():
+        if line.startswith("{"):
+            records.append(json.loads(line, parse_constant=_reject))
+        else:
+            prints.append(line)
+    return records, prints
+
+
+def _check_child_records(records, steps=50):
+    assert [r["record"] for r in records].count("meta") == 2
+    entries = [(r["step"], r["i"]) for r in records if r["record"] == "entry" and r["step"] >= 0]
+    assert entries == [(s, i) for s in range(steps) for i in range(20)]
+    assert [r for r in records if r.get("step") == -1]
+
+
+def test_dev_stdout_as_a_pipe_gets_every_record_and_lines_stay_whole():
+    # another thread prints small lines all the while: records must never be cut by them
+    setup = textwrap.dedent("""
+    def noise():
+        for n in range(2000):
+            os.write(1, b"noise %d\\n" % n)
+    thread = threading.Thread(target=noise)
+    thread.start()
+    """)
+    child = _stdout_child(setup=setup, after="thread.join()", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = child.communicate(timeout=120)
+    assert child.returncode == 0, err.decode()
+    records, prints = _records_and_prints(out)
+    _check_child_records(records)
+    assert sorted(prints, key=lambda p: int(p.split()[1])) == [f"noise {n}" for n in range(2000)]
+
+
+def test_dev_stdout_as_a_full_non_blocking_pipe_waits_and_drops_nothing():
+    # the child's stdout is non-blocking (its owner made it so) and nobody reads it for a while
+    setup = textwrap.dedent("""
+    import array, fcntl, termios, time
+    os.set_blocking(1, False)
+    fcntl.fcntl(1, getattr(fcntl, "F_SETPIPE_SZ", 1031), 4096)  # a page of pipe for a megabyte of records
+    """)
+    after = textwrap.dedent("""
+    count = array.array("i", [0])
+    for _ in range(6000):
+        fcntl.ioctl(1, termios.FIONREAD, count)
+        if count[0]:
+            break
+        time.sleep(0.01)
+    sys.stderr.write("full %d\\n" % count[0])
+    sys.stderr.flush()
+    """)
+    child = _stdout_child(steps=400, setup=setup, after=after,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert child.stderr.readline().startswith(b"full ")  # the pipe is full: the writer had to wait
+        out, err = child.communicate(timeout=120)
+    finally:
+        child.kill()
+    assert child.returncode == 0, err.decode()
+    records, prints = _records_and_prints(out)
+    assert prints == []
+    _check_child_records(records, steps=400)
+
+
+def test_dev_stdout_redirected_to_a_file_is_appended_to_not_truncated(tmp_path):
+    path = tmp_path / "stdout.txt"
+    with open(path, "wb") as out:
+        child = _stdout_child(setup="print('before', flush=True)", after="print('after', flush=True)",
+                              stdout=out, stderr=subprocess.PIPE)
+        _, err = child.communicate(timeout=120)
+    assert child.returncode == 0, err.decode()
+    data = path.read_bytes()
+    records, prints = _records_and_prints(data)
+    assert prints == ["before", "after"]
+    assert data.startswith(b"before\n") and data.endswith(b"\n")  # nothing cut, nothing overwritten
+    _check_child_records(records)
+
+
+def test_dev_stdout_as_a_socket_gets_every_record():
+    import socket
+
+    ours, theirs = socket.socketpair()
+    ours.settimeout(120)  # a child that hangs fails the test instead of hanging it
+    try:
+        child = _stdout_child(stdout=theirs.fileno(), stderr=subprocess.PIPE)
+        theirs.close()
+        blocks = []
+        while True:
+            block = ours.recv(1 << 16)
+            if not block:
+                break
+            blocks.append(block)
+        _, err = child.communicate(timeout=120)
+    finally:
+        ours.close()
+    assert child.returncode == 0, err.decode()
+    records, prints = _records_and_prints(b"".join(blocks))
+    assert prints == []
+    _check_child_records(records)
+
+
+def _closed_descriptor():
+    """A descriptor number not open in this process (far above the ones in use, so that no other
+    thread opens it meanwhile)."""
+    for fd in range(900, 1000):
+        try:
+            os.fstat(fd)
+        except OSError:
+            return fd
+    pytest.skip("no free descriptor number")
+
+
+def test_a_closed_descriptor_by_name_is_a_clear_error():
+    fd = _closed_descriptor()
+    with pytest.raises(OSError, match=f"/dev/fd/{fd} names file descriptor {fd} of this process, which is not open"):
+        Recorder(f"/dev/fd/{fd}")
+
+
+def test_the_detectors_records_reach_a_piped_dev_stdout():
+    script = textwrap.dedent("""
+    import torch
+    from overflow_fast import DebugUnderflowOverflow
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.ReLU())
+    detector = DebugUnderflowOverflow(model, log="/dev/stdout")
+    for step in range(3):
+        model(torch.ones(2, 3))
+        print("step", step, flush=True)
+    detector.remove()
+    """)
+    child = subprocess.run([sys.executable, "-c", script], env=child_env(), capture_output=True, timeout=120)
+    assert child.returncode == 0, child.stderr.decode()
+    records, prints = _records_and_prints(child.stdout)
+    assert prints == ["step 0", "step 1", "step 2"]
+    assert records[0]["record"] == "meta"
+    entries = [r for r in records if r["record"] == "entry"]
+    assert sorted({r["step"] for r in entries}) == [0, 1, 2] and all(r["module"] in ("", "0", "1") for r in entries)
+
+
+def test_the_detectors_records_reach_a_fifo_read_by_another_process(tmp_path):
+    _needs_fifo()
+    from overflow_fast import DebugUnderflowOverflow
+
+    fifo, copy = str(tmp_path / "run.fifo"), tmp_path / "copy.jsonl"
+    os.mkfifo(fifo)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.ReLU())
+    with open(copy, "wb") as out:
+        reader = subprocess.Popen(["cat", fifo], stdout=out)
+    try:
+        for attempt in range(6000):  # until cat is inside its open of the FIFO (a bounded wait)
+            try:
+                detector = DebugUnderflowOverflow(model, log=fifo)
+                break
+            except OSError as error:
+                assert "no process is reading" in str(error)
+                time.sleep(0.01)
+        else:
+            raise AssertionError("cat never opened the FIFO")
+        for _ in range(3):
+            model(torch.ones(2, 3))
+        detector.remove()  # closes its log
+        reader.wait(timeout=60)  # the recorder closed its end: cat sees the end of the stream
+    finally:
+        reader.kill()
+        reader.wait()
+    lines = strict_lines(copy)
+    assert lines[0]["record"] == "meta"
+    assert sorted({l["step"] for l in lines[1:]}) == [0, 1, 2]
+
+
+def test_streams_keep_their_name_under_ranks(tmp_path):
+    assert rank_path("/dev/stdout", 1, 4) == "/dev/stdout"
+    assert rank_path("/dev/fd/2", 3, 4) == "/dev/fd/2"
+    assert rank_path(os.devnull, 1, 2) == os.devnull
+    assert rank_path("/dev/stdout-{rank}", 1, 2) == "/dev/stdout-1"  # asked for by name
+    assert rank_path(tmp_path / "run.jsonl", 1, 2) == str(tmp_path / "run.rank1.jsonl")  # not there yet: a file
+
+
+def test_a_descriptor_of_a_regular_file_is_shared_appended_to_and_guarded(tmp_path):
+    path = tmp_path / "out.txt"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    link = tmp_path / "link"
+    os.symlink(f"/proc/self/fd/{fd}", link)
+    try:
+        os.write(fd, b"before\n")
+        first, twin = Recorder(f"/dev/fd/{fd}"), Recorder(link)  # both the process's own stream
+        with pytest.raises(rec_mod.LogInUse, match=str(path)):  # by name, it would be truncated
+            Recorder(path)
+        first.write([{"record": "entry", "step": s} for s in range(100)])
+        first.flush()
+        os.write(fd, b"between\n")  # the process's own writes go on where the records end
+        twin.write([{"record": "entry", "step": 100}])
+        first.close()
+        twin.close()
+        os.write(fd, b"after\n")
+    finally:
+        os.close(fd)
+    data = path.read_bytes()
+    assert data.startswith(b"before\n") and data.endswith(b"\nafter\n")
+    lines = data.decode().splitlines()
+    records = [json.loads(line, parse_constant=_reject) for line in lines if line.startswith("{")]
+    assert [line for line in lines if not line.startswith("{")] == ["before", "between", "after"]
+    assert [r["record"] for r in records].count("meta") == 2
+    assert [r["step"] for r in records if r["record"] == "entry"] == list(range(101))
+    # the other way round: a file a recorder writes by name is not shared through a descriptor
+    with Recorder(path) as by_name:
+        other = os.open(path, os.O_WRONLY)
+        try:
+            with pytest.raises(rec_mod.LogInUse):
+                Recorder(f"/dev/fd/{other}")
+        finally:
+            os.close(other)
+        by_name.write([{"record": "entry", "step": 0}])
+    assert [r["record"] for r in strict_lines(path)] == ["meta", "entry"]
+
+
+def test_a_descriptor_open_for_reading_only_is_refused(tmp_path):
+    path = tmp_path / "in.txt"
+    path.write_bytes(b"data\n")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(OSError, match=f"/dev/fd/{fd} names file descriptor {fd} of this process, "
+                                          f"which is open for reading only"):
+            Recorder(f"/dev/fd/{fd}")
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == b"data\n"
+
+
+def test_a_unix_socket_by_path_is_a_clear_error(tmp_path):
+    import socket
+
+    path = str(tmp_path / "log.sock")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        server.bind(path)
+        server.listen(1)
+        with pytest.raises(OSError, match=f"{path} is a Unix socket, which cannot be opened as a file"):
+            Recorder(path)
+    finally:
+        server.close()
+
+
+def test_a_stream_is_written_in_whole_lines_of_at_most_pipe_buf():
+    data = b"".join(b"x" * n + b"\n" for n in
+                    [0, 5, rec_mod.PIPE_BUF - 1, 10, rec_mod.PIPE_BUF, 3 * rec_mod.PIPE_BUF, 7] + [100] * 200)
+    pieces = list(rec_mod.whole_line_pieces(data, rec_mod.PIPE_BUF))
+    assert b"".join(data[a:b] for a, b in pieces) == data
+    for a, b in pieces:
+        assert data[b - 1:b] == b"\n"
+        assert b - a <= rec_mod.PIPE_BUF or data[a:b - 1].count(b"\n") == 0  # longer: one line of its own
+    for (a, b), (c, d) in zip(pieces, pieces[1:]):  # as few writes as may be: the next line did not fit
+        assert (b - a) + data.index(b"\n", c) + 1 - c > rec_mod.PIPE_BUF

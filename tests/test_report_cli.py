@@ -213,3 +213,53 @@ def test_python_dash_m_and_the_console_script(tmp_path):
     assert "module h.1 (Block), entry output" in result.stdout
     result = subprocess.run([script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "usage:" in result.stderr
+
+
+@pytest.mark.parametrize("unbuffered", [True, False])
+def test_a_reader_that_leaves_early_gets_no_traceback(tmp_path, unbuffered):
+    import os
+    import subprocess
+    import sys
+
+    path = write_run(tmp_path / "run.jsonl", steps=3)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root)
+    env.pop("PYTHONUNBUFFERED", None)
+    if unbuffered:
+        env["PYTHONUNBUFFERED"] = "1"
+    read, write = os.pipe()
+    os.close(read)  # `overflow-fast report run.jsonl | head -0`: nobody reads
+    try:
+        child = subprocess.run([sys.executable, "-m", "overflow_fast", "report", str(path), "--engine", "python"],
+                               stdout=write, stderr=subprocess.PIPE, text=True, env=env, timeout=300)
+    finally:
+        os.close(write)
+    assert child.returncode == 1 and child.stderr == ""
+
+
+def test_progress_of_a_compressed_log_counts_its_bytes_as_stored(tmp_path):
+    import bz2
+    import gzip
+
+    class Counted:
+        done = 0
+
+        def update(self, n):
+            self.done += n
+
+    run = write_run(tmp_path / "run.jsonl", steps=40)
+    readers = [logsummary.read_files]
+    try:
+        from overflow_fast import logsummary_duckdb
+
+        readers.append(logsummary_duckdb.read_files)
+    except ImportError:
+        pass
+    for name, data in (("run.jsonl", run.read_bytes()), ("run.jsonl.gz", gzip.compress(run.read_bytes())),
+                       ("run.jsonl.bz2", bz2.compress(run.read_bytes()))):
+        path = tmp_path / name
+        path.write_bytes(data)
+        for read_files in readers:
+            progress = Counted()
+            read_files([str(path)], logsummary.Summary(bins=False), progress=progress)
+            assert progress.done == len(data) == logsummary.check_readable([str(path)]), (name, read_files)

@@ -2,9 +2,13 @@
 counted and named (never a traceback), memory bounded whatever the input, and the two readers
 (plain Python, DuckDB) giving the same summary on the same files."""
 
+import bz2
+import gzip
 import json
+import lzma
 import os
 import random
+from pathlib import Path
 
 import pytest
 
@@ -288,19 +292,91 @@ def damaged_files(tmp_path):
         entry(global_step="3"), entry(mode="training"), entry(mode=1), entry(mode=["eval"]),
         detection_record(6, "forward", "h.0", "Block", ["output"], None, 4, "eval"),
         dict(detection_record(6, "forward", "h.0", "Block", ["output"]), mode="test")))
+    # compressed logs, told by their first bytes (not their names), intact, cut and damaged
+    # (the meta line made constant, and gzip's time stamp: the same bytes, the same damage, every run)
+    meta = json.dumps({"record": "meta", "version": 1, "rank": None, "world_size": None,
+                       "started": "2024-01-01T00:00:00+00:00", "pid": 1, "torch": "2"}).encode()
+    good = meta + good[good.index(b"\n"):]
+    packed = {"gz": gzip.compress(good, mtime=0), "bz2": bz2.compress(good), "xz": lzma.compress(good)}
+    for suffix, data in packed.items():
+        put(f"run.jsonl.{suffix}", data)
+        put(f"cut.jsonl.{suffix}", data[: len(data) * 2 // 3])
+    put("gzip-without-suffix.log", packed["gz"])
+    put("plain-named.jsonl.gz", good)
+    put("multi-member.jsonl.gz", gzip.compress(good[:3001], mtime=0) + gzip.compress(good[3001:], mtime=0))
+    put("padded.jsonl.gz", packed["gz"] + b"\0" * 64)  # as tape and some tools leave them
+    put("trailing-garbage.jsonl.gz", packed["gz"] + b"garbage\n")
+    put("cut-header.jsonl.gz", packed["gz"][:6])
+    put("empty.jsonl.gz", gzip.compress(b"", mtime=0))
+    bad_crc = bytearray(packed["gz"])
+    bad_crc[-8] ^= 0xFF  # the trailer's CRC32: the data inflates, its checksum does not match
+    put("bad-crc.jsonl.gz", bytes(bad_crc))
+    flipped = bytearray(packed["gz"])
+    flipped[len(flipped) // 2] ^= 0x55  # mid-stream: DuckDB alone inflates this to wrong lines, silently
+    put("flipped.jsonl.gz", bytes(flipped))
+    put("nonfinite.jsonl.gz", gzip.compress(files["nonfinite.jsonl"].read_bytes(), mtime=0))
+    put("run.jsonl.zst", b"\x28\xb5\x2f\xfd" + bytes(rng.randrange(256) for _ in range(100)))
     return files
 
 
-@pytest.mark.parametrize("name", ["truncated.jsonl", "empty.jsonl", "blank.jsonl", "crlf.jsonl", "garbage.bin",
-                                  "mixed.jsonl", "nonfinite.jsonl", "unicode.jsonl", "shapes.jsonl", "fields.jsonl"])
+DAMAGED = (  # every file of damaged_files, each a case of the test below
+    "truncated.jsonl", "empty.jsonl", "blank.jsonl", "crlf.jsonl", "garbage.bin", "mixed.jsonl", "nonfinite.jsonl",
+    "unicode.jsonl", "shapes.jsonl", "fields.jsonl", "run.jsonl.gz", "cut.jsonl.gz", "run.jsonl.bz2",
+    "cut.jsonl.bz2", "run.jsonl.xz", "cut.jsonl.xz", "gzip-without-suffix.log", "plain-named.jsonl.gz",
+    "multi-member.jsonl.gz", "padded.jsonl.gz", "trailing-garbage.jsonl.gz", "cut-header.jsonl.gz",
+    "empty.jsonl.gz", "bad-crc.jsonl.gz", "flipped.jsonl.gz", "nonfinite.jsonl.gz", "run.jsonl.zst")
+INTACT = ("run.jsonl.gz", "run.jsonl.bz2", "run.jsonl.xz", "gzip-without-suffix.log", "plain-named.jsonl.gz",
+          "multi-member.jsonl.gz", "padded.jsonl.gz")  # read as the plain run.jsonl is
+REFUSED = ("run.jsonl.zst",)
+# damaged before the first line could be decompressed: a gzip header, a bzip2 block (900 kB: all
+# of a small log), gzip's first 8 KiB
+NOTHING_LEFT = ("cut-header.jsonl.gz", "cut.jsonl.bz2")
+
+
+def test_every_damaged_file_is_a_case():
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as directory:
+        assert sorted(damaged_files(Path(directory))) == sorted(DAMAGED)
+
+
+@pytest.mark.parametrize("name", DAMAGED)
 def test_damaged_files_never_crash_and_both_readers_agree(tmp_path, capsys, name):
+    """Every engine, the same exit code, summary and error on every damaged file."""
     files = damaged_files(tmp_path)
     code, out, err = both(capsys, files[name])
     assert "Traceback" not in err
-    if name in ("empty.jsonl", "garbage.bin"):
+    if name in ("empty.jsonl", "garbage.bin", "empty.jsonl.gz"):
         assert code == 1 and "no flight-recorder records" in err
         return
+    if name in REFUSED:
+        assert code == 1 and out == ""
+        assert err == (f"overflow-fast: cannot read {files[name]}: it is zstd-compressed, which the report cannot "
+                       f"decompress (plain, gzip, bzip2 and xz logs it can): decompress it first (zstd -d)\n")
+        return
+    if name in NOTHING_LEFT:  # nothing before the damage decompresses: the damage is all there is, and said
+        why = {"cut-header.jsonl.gz": "the gzip stream ends early: the file is cut",
+               "cut.jsonl.bz2": "the bzip2 stream ends early: the file is cut"}[name]
+        assert code == 1 and err.startswith(f"overflow-fast: no flight-recorder records in {files[name]} "
+                                            f"(1 malformed lines; first: {name}:1 ({why}")
+        return
+    if name == "flipped.jsonl.gz":  # zlib stops at the flipped byte, or the checksum finds it: said either way
+        assert (code, "flipped.jsonl.gz:1 (gzip data damaged (" in err) == (1, True) or (
+            code == 0 and "malformed lines: 1" in out and "(gzip data damaged (" in out), (code, out, err)
+        return
     assert code == 0, err
+    if name in INTACT:
+        plain = report(capsys, "python", tmp_path / "run.jsonl")
+        assert (code, out.replace(str(files[name]), "LOG"), err) == (
+            plain[0], plain[1].replace(str(tmp_path / "run.jsonl"), "LOG"), plain[2])
+        assert "first non-finite value: step 8, forward, module h.1 (Block)" in out
+    if name.startswith("cut.jsonl."):
+        kind = {"gz": "gzip", "bz2": "bzip2", "xz": "xz"}[name.rsplit(".", 1)[1]]
+        assert "malformed lines: 1" in out and f"(the {kind} stream ends early: the file is cut)" in out
+    if name in ("bad-crc.jsonl.gz", "trailing-garbage.jsonl.gz"):
+        assert "malformed lines: 1" in out and "(gzip data damaged (" in out
+    if name == "bad-crc.jsonl.gz":  # every line is there, and so is the damage
+        assert "records: 98 (96 tensor entries), malformed lines: 1" in out
     if name == "truncated.jsonl":
         assert "malformed lines: 1" in out and "truncated.jsonl:" in out
     if name in ("blank.jsonl", "crlf.jsonl"):
@@ -309,7 +385,7 @@ def test_damaged_files_never_crash_and_both_readers_agree(tmp_path, capsys, name
         assert "блок.0" in out or "h.\u00e9\U0001F600" in out
         assert "\x1b" not in out and "\x07" not in out and "\x00" not in out  # escaped, not sent to the terminal
         assert "records: 6 (6 tensor entries), malformed lines: 4" in out
-    if name == "nonfinite.jsonl":
+    if name.startswith("nonfinite.jsonl"):
         assert "first non-finite value: step 1, forward, module h.0 (Block), entry output [float16]: abs max -inf" in out
     if name == "shapes.jsonl":
         assert "records: 4 (2 tensor entries), malformed lines: 11" in out and "detection record: step 8" in out
@@ -323,10 +399,55 @@ def test_damaged_files_never_crash_and_both_readers_agree(tmp_path, capsys, name
 
 def test_all_damaged_files_at_once_agree(tmp_path, capsys):
     files = damaged_files(tmp_path)
-    paths = [files[name] for name in sorted(files)] + [tmp_path / "run.jsonl"]
+    paths = [files[name] for name in sorted(files) if name not in REFUSED] + [tmp_path / "run.jsonl"]
     code, out, err = both(capsys, *paths)
     assert code == 0, err
-    assert "malformed lines skipped (first): fields.jsonl:6 (" in out  # files count in the order given
+    assert "malformed lines skipped (first): bad-crc.jsonl.gz:99 (gzip data damaged (CRC check failed" in out
+    # one file that cannot be read among them: the same refusal, before anything is read
+    code, out, err = both(capsys, *paths, files["run.jsonl.zst"])
+    assert code == 1 and out == "" and "it is zstd-compressed" in err
+
+
+def test_a_run_read_partly_by_each_reader_counts_each_name_once(tmp_path, capsys):
+    # under DuckDB, the .bz2 file is the plain reader's: the names both sides saw count once
+    run = write_run(tmp_path / "run.jsonl", steps=6)
+    (tmp_path / "more.jsonl.bz2").write_bytes(bz2.compress(run.read_bytes()))
+    code, out, err = both(capsys, run, tmp_path / "more.jsonl.bz2")
+    assert code == 0, err
+    assert "\nmodules: 4\n" in out and "entries that are all zeros (latest first):\n  last at step" in out
+    assert "more\n" not in out.split("entries that are all zeros")[1]  # one all-zero pair, not two
+
+
+@pytest.mark.skipif("duckdb" not in ENGINES, reason="DuckDB not installed (pip install overflow_fast[fast-report])")
+def test_duckdb_reads_an_intact_gzip_log_itself_and_a_damaged_one_never(tmp_path, monkeypatch):
+    from overflow_fast import logsummary_duckdb
+
+    run = write_run(tmp_path / "run.jsonl", steps=12)
+    data = gzip.compress(run.read_bytes())
+    (tmp_path / "run.jsonl.gz").write_bytes(data)
+    damaged = bytearray(data)
+    damaged[-8] ^= 0xFF
+    (tmp_path / "crc.jsonl.gz").write_bytes(bytes(damaged))
+    walked, sought = [], []  # files read whole, files looked into by byte offset
+    real_read_file, real_line_starts = logsummary_duckdb.read_file, logsummary_duckdb.line_starts
+
+    def read_file(path, *args, wanted=None, **kwargs):
+        if wanted is None:
+            walked.append(os.path.basename(path))
+        return real_read_file(path, *args, wanted=wanted, **kwargs)
+
+    monkeypatch.setattr(logsummary_duckdb, "read_file", read_file)
+    monkeypatch.setattr(logsummary_duckdb, "line_starts",
+                        lambda path, numbers: (sought.append(os.path.basename(path)), real_line_starts(path, numbers))[1])
+    summaries = []
+    for path in (tmp_path / "run.jsonl.gz", tmp_path / "crc.jsonl.gz"):
+        summary = Summary(bins=True)
+        logsummary_duckdb.read_files([str(path)], summary)
+        summaries.append(summary)
+    assert walked == ["crc.jsonl.gz"] and sought == []  # the intact one: DuckDB's, its rows re-read by walking
+    intact, crc = summaries
+    assert intact.entries == crc.entries == 96 and intact.malformed == 0 and crc.malformed == 1
+    assert intact.first_nonfinite["step"] == 8
 
 
 @pytest.mark.skipif("duckdb" not in ENGINES, reason="DuckDB not installed (pip install overflow_fast[fast-report])")

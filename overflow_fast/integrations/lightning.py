@@ -16,8 +16,13 @@ from ..options import Options
 
 try:
     import lightning.pytorch as pl
-except ImportError:  # the older package name
-    import pytorch_lightning as pl
+except ImportError as missing:
+    try:
+        import pytorch_lightning as pl  # the older package name
+    except ImportError:
+        raise ImportError(
+            f"overflow_fast.integrations.lightning needs PyTorch Lightning 2.x: pip install lightning "
+            f"(import lightning.pytorch failed: {missing}; nor is the older pytorch_lightning installed)") from missing
 
 __all__ = ["DetectorCallback"]
 

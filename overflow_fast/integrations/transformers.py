@@ -22,8 +22,12 @@ import functools
 import sys
 import threading
 
-import transformers
-from transformers import Trainer, TrainerCallback
+try:
+    import transformers
+    from transformers import Trainer, TrainerCallback
+except ImportError as missing:
+    raise ImportError(f"overflow_fast.integrations.transformers needs Hugging Face transformers: pip install "
+                      f"transformers (import transformers failed: {missing})") from missing
 
 from ..detector import WATCH_DEFAULTS, DebugUnderflowOverflow
 from ..options import Options, validated_flag
