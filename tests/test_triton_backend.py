@@ -415,8 +415,9 @@ def test_gpu_check_dry_run_and_mismatch_exit():
     ok = _run_gpu_check("import sys, gpu_check; sys.exit(gpu_check.main(gpu_check.parse_args(['--dry-run'])))")
     assert ok.returncode == 0, ok.stdout + ok.stderr
     rows = _summary_rows(ok.stdout)
-    assert list(rows)[:2] == ["exactness", "copy bandwidth"], ok.stdout
+    assert list(rows)[:3] == ["exactness", "self-check", "copy bandwidth"], ok.stdout
     assert "0 mismatches" in rows["exactness"][0]
+    assert rows["self-check"][0] == "passed", ok.stdout
     assert any(name.startswith("bandwidth mixed x") for name in rows), ok.stdout
     for variant in ("module", "batch", "watch"):
         assert rows[f"host us/hook {variant}"][0].endswith(" us"), ok.stdout
