@@ -15,7 +15,7 @@ DEV := $(VENV)/.overflow_fast-dev
 # the compatibility and detector tests, run again with CPU tensors on the accelerators' path
 # (tests/test_reads.py runs each of its tests on both paths itself)
 DEVICE_PATH_TESTS := tests/test_compat_rules.py tests/test_compat_transformers.py tests/test_compat_random.py \
-	tests/test_detector.py tests/test_watch.py tests/test_options.py tests/test_skip.py tests/test_training_setups.py
+	tests/test_detector.py tests/test_watch.py tests/test_options.py tests/test_skip.py tests/test_training_setups.py tests/test_find_op.py
 # the inner loop: unit, exactness and compatibility core (the kernel's exactness on this CPU's build)
 FAST_TESTS := tests/test_compat_rules.py tests/test_compat_transformers.py tests/test_detector.py \
 	tests/test_reads.py tests/test_watch.py tests/test_options.py tests/test_skip.py tests/test_training_setups.py tests/test_stats_torch.py \

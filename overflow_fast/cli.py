@@ -94,6 +94,15 @@ def build_parser():
     progress.add_argument("--no-progress", dest="progress", action="store_false",
                           help="never show progress")
     commands.add_parser("info", help="what runs here: versions, the C++ kernel, backends, devices")
+    replay = commands.add_parser(
+        "replay", help="replay a reproducer file (repro=DIR) and print its Op: line",
+        description="Replay the one module call a reproducer file holds (written with repro=DIR at a "
+                    "detection), every op checked, and print the Op: line naming the op and the line of "
+                    "code that made the first nan/inf. WARNING: the file is a pickle (torch.save of the "
+                    "module and its inputs) and loading a pickle runs code: replay only files you trust.")
+    replay.add_argument("file", metavar="FILE.pt", help="overflow-rank<r>-step<s>.pt, from repro=DIR")
+    replay.add_argument("--map-location", metavar="DEVICE", default=None,
+                        help="load the file's tensors onto DEVICE (e.g. cpu, for a file written on a GPU)")
     return parser
 
 
@@ -178,6 +187,36 @@ def run_report(args):
     return 0
 
 
+def run_replay(args):
+    from . import find_op
+
+    try:
+        payload = find_op.load_repro(args.file, map_location=args.map_location)
+    except find_op.ReproError as error:
+        print(f"overflow-fast: {error}", file=sys.stderr)
+        return 1
+    detection = payload.get("detection") or {}
+    print(f"{args.file}: {payload['phase']} of {detection.get('module') or '(model)'} "
+          f"({detection.get('class', type(payload['module']).__name__)}), rank {payload.get('rank') or 0}, "
+          f"step {payload.get('step') or 0}; written by torch {payload.get('torch_version')}, "
+          f"overflow_fast {payload.get('overflow_fast_version')}")
+    if payload.get("torch_version") != torch_version():
+        print(f"note: this is torch {torch_version()}: the replay may differ", file=sys.stderr)
+    result = find_op.replay_repro(payload)
+    recorded = detection.get("op") or {}
+    if result.get("op") is not None and result.get("file") is None and result["op"] == recorded.get("op"):
+        # the module alone runs only torch's code: the line is where the run called it
+        result = {**result, "file": recorded.get("file"), "line": recorded.get("line")}
+    print(find_op.op_line(result))
+    return 0
+
+
+def torch_version():
+    import torch
+
+    return torch.__version__
+
+
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)  # usage errors exit with 2
@@ -192,6 +231,8 @@ def main(argv=None):
     if args.command == "info":
         from .info import main as info_main
         return info_main()
+    if args.command == "replay":
+        return run_replay(args)
     parser.error(f"unknown command {args.command!r}")
 
 

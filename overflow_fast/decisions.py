@@ -15,18 +15,25 @@ from .flight import timeline_step
 from .frames import BACKWARD, Frame, class_name
 from .policy import source_line
 
+
+def op_line(op):
+    from .find_op import op_line as line  # torch's dispatch machinery: only once a detection needs it
+
+    return line(op if op.get("op") is not None else {**op, "why": op["what"]})
+
 NO_ROWS = (None, [], None)  # the sources of a call without tensors
 
 # A hook call waiting for its rows: what the reference's counters said (``call``), its module,
-# entries and dtypes, where its rows are (``sources``), its phase, and for an output gradient the
-# modules whose backward produced it.
-Pending = collections.namedtuple("Pending", ("call", "module", "entries", "dtypes", "sources", "phase", "consumers"))
+# entries and dtypes, where its rows are (``sources``), its phase, for an output gradient the
+# modules whose backward produced it, and with find_op its inputs (``culprit.CallInputs``).
+Pending = collections.namedtuple("Pending", ("call", "module", "entries", "dtypes", "sources", "phase", "consumers",
+                                             "inputs"), defaults=(None,))
 
 # A detection found by the replay, for the strategy to act on.
 # ``frame``: where it was found; ``first_frame`` and ``bad``: the first frame that counted and its
 # entries; ``frames``: the ring as data; ``report_due``: whether the policy wants it reported.
 Found = collections.namedtuple("Found", ("detection", "frames", "frame", "first_frame", "bad", "batch",
-                                         "shown_batch", "report_due"))
+                                         "shown_batch", "report_due", "inputs"))
 
 
 class Decisions:
@@ -40,6 +47,10 @@ class Decisions:
         self.global_step = None  # the trainer's optimizer step, where known (set_step)
         self.mode = None  # "train" or "eval", where known
         self.detections = []  # what was detected: batch_number, phase, module, class, entries
+
+    def modules_by_name(self):
+        """Each module by its qualified name (the first name wins, as in frames)."""
+        return {name: module for module, name in self.module_names.items()}
 
     def frame(self, reads, pending):
         frame = Frame(self.module_names.get(pending.module, "?"), class_name(pending.module), pending.entries,
@@ -61,7 +72,7 @@ class Decisions:
         state = self.state
         state.open(call)
         batch = call.batch_before  # a backward frame's call was counted with its forward's batch
-        self.save(frame, batch, pass_key(batch))
+        self.save(frame, batch, pass_key(batch), pending.inputs)
         if self.log is not None:
             self.log.frame(frame, batch, self.global_step, self.mode)
         if call.trace_mode:
@@ -90,13 +101,15 @@ class Decisions:
                 state.drop(pending.phase)
             state.close(pending.call)
 
-    def save(self, frame, batch=None, pass_key=None):
-        """Print the frame's nan/inf lines, keep it in the ring (with the waiting lines as its lead)."""
+    def save(self, frame, batch=None, pass_key=None, inputs=None):
+        """Print the frame's nan/inf lines, keep it in the ring (with the waiting lines as its lead).
+        ``inputs``: with find_op, the call's, kept on a frame that counts until its detection."""
         lines, detected = self.policy.check(frame, batch, self.step_of(batch), pass_key)
         for line in lines:
             say(line)
         if detected:
             self.state.detected_overflow = True
+            frame.inputs = inputs
         self.state.save(frame)
 
     def step_of(self, batch):
@@ -111,10 +124,15 @@ class Decisions:
         if self.mode is not None:
             detection["mode"] = self.mode
         self.detections.append(detection)
-        if self.log is not None:
-            self.log.detection(detection)
         frames = [report.frame_data(f) for f in self.state.frames if not isinstance(f, str)]
-        return Found(detection, frames, frame, first_frame, bad, batch, shown_batch, report_due)
+        inputs = first_frame.inputs
+        first_frame.inputs = frame.inputs = None  # the ring keeps no tensors
+        return Found(detection, frames, frame, first_frame, bad, batch, shown_batch, report_due, inputs)
+
+    def log_detection(self, found):
+        """The detection into the flight recorder (after what the passes add to it: its op)."""
+        if self.log is not None:
+            self.log.detection(found.detection)
 
     def dump(self, found):
         """The reference's report (its batch number is the one its state had at that call), then
@@ -130,3 +148,5 @@ class Decisions:
             say(f"Step: optimizer step {self.global_step}{mode}, batch_number {found.batch}")
         if self.explain and found.bad:
             say(source_line(found.first_frame, found.bad))
+        if "op" in found.detection:
+            say(op_line(found.detection["op"]))

@@ -21,6 +21,7 @@ from torch.compiler import is_compiling
 from . import report
 from .decisions import NO_ROWS, Decisions
 from .errors import OverflowDetected, OverflowDetectedOnRanks, say  # noqa: F401 - the package's names
+from .culprit import CallInputs, autocast_state
 from .flight import StepLog
 from .frames import BACKWARD, FORWARD, entries_of, forward_items, graph_task_id, transform_level
 from .gradients import GradientHooks
@@ -49,7 +50,7 @@ class DebugUnderflowOverflow:
                  kwargs=False, containers=False, backward=False, on_detect="raise", ignore=(),
                  warn_above=None, sync=True, sync_timeout=None, log=None, log_every=1,
                  defer=False, stage_bytes=DEFAULT_DEFER_BYTES, max_skips=DEFAULT_MAX_SKIPS,
-                 warn_gradients=False):
+                 warn_gradients=False, find_op=False, repro=None):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         options = Options.of(
@@ -58,7 +59,7 @@ class DebugUnderflowOverflow:
             reuse_stats=reuse_stats, kwargs=kwargs, containers=containers, backward=backward,
             on_detect=on_detect, ignore=ignore, warn_above=warn_above, sync=sync, sync_timeout=sync_timeout,
             log=log, log_every=log_every, defer=defer, stage_bytes=stage_bytes, max_skips=max_skips,
-            warn_gradients=warn_gradients)
+            warn_gradients=warn_gradients, find_op=find_op, repro=repro)
         self.options = options
         self.model = model
         # the reference's attributes
@@ -167,7 +168,8 @@ class DebugUnderflowOverflow:
     def register_forward_hook(self):
         self.model.apply(self._register_forward_hook)
         if self.backward:
-            self._gradients = GradientHooks(self.model, self.module_names, self._gradient_hook)
+            self._gradients = GradientHooks(self.model, self.module_names, self._gradient_hook,
+                                            self._kept_gradient if self.options.keeps_calls else None)
 
     def _register_forward_hook(self, module):
         # A module shared by two parents is visited twice and so hooked twice, like the reference.
@@ -178,7 +180,7 @@ class DebugUnderflowOverflow:
             after = self._after_model_with_kwargs if self.kwargs else self._after_model
         else:
             after = self._after_with_kwargs if self.kwargs else self._after
-        self._handles.append(module.register_forward_pre_hook(self._before))
+        self._handles.append(module.register_forward_pre_hook(self._before, with_kwargs=self.options.keeps_calls))
         self._handles.append(module.register_forward_hook(after, with_kwargs=self.kwargs, always_call=True))
 
     def forward_hook(self, module, input, output):
@@ -250,7 +252,7 @@ class DebugUnderflowOverflow:
 
     # -- the hooks ----------------------------------------------------------------------------
 
-    def _before(self, module, args):
+    def _before(self, module, args, kwargs=None):
         if is_compiling():
             return
         run = self._run
@@ -258,9 +260,14 @@ class DebugUnderflowOverflow:
         if not calls and graph_task_id() == -1:
             with run.lock:
                 run.spent = None
+                run.kept_forward = []  # what an earlier forward kept for its backward's replay
+                if self.options.keeps_calls:
+                    run.autocast = autocast_state()
                 if module is self.model and self._gradients is not None:
                     self._gradients.new_forward()
-        calls.append((module, sys.exc_info()[1]))
+        inputs = (CallInputs(module, args, kwargs, calls[-1][2] if calls else None, run.autocast)
+                  if self.options.keeps_calls else None)
+        calls.append((module, sys.exc_info()[1], inputs))
 
     def _after(self, module, input, output):
         self._after_with_kwargs(module, input, None, output)
@@ -280,20 +287,21 @@ class DebugUnderflowOverflow:
         calls = run.thread.calls
         # no entry of its own: its pre hook did not run (another one before it raised, or the
         # detector was attached during the call)
-        ambient = calls.pop()[1] if calls and calls[-1][0] is module else None
+        _, ambient, inputs = calls.pop() if calls and calls[-1][0] is module else (None, None, None)
         error = sys.exc_info()[1]
         raised = error is not None and error is not ambient  # run by torch because the call raised
         if graph_task_id() != -1:
             # recomputed in backward (activation checkpointing): the backward pass decides it
             if not raised:
                 with run.lock, _FunctorchOff() as transformed:
-                    self._forward_call(run.backward_pass(), module, input, output, kwargs, True, transformed)
+                    self._forward_call(run.backward_pass(), module, input, output, kwargs, True, transformed,
+                                       inputs)
             return
         with run.lock, _FunctorchOff() as transformed:
             current = run.forward_pass()
             try:
                 if not raised:
-                    self._forward_call(current, module, input, output, kwargs, False, transformed)
+                    self._forward_call(current, module, input, output, kwargs, False, transformed, inputs)
             except BaseException as failure:
                 if not calls:
                     run.end(current, FORWARD, failure)
@@ -301,7 +309,7 @@ class DebugUnderflowOverflow:
             if not calls:
                 run.end(current, FORWARD, error if raised else None)
 
-    def _forward_call(self, current, module, input, output, kwargs, recomputed, transformed):
+    def _forward_call(self, current, module, input, output, kwargs, recomputed, transformed, inputs=None):
         run = self._run
         if run.traced:
             run.traced.absorb(run, current, self.model)  # a compiled region ran before this call
@@ -312,12 +320,20 @@ class DebugUnderflowOverflow:
         call = self.decisions.state.count(module is self.model, recomputed)
         if self._gradients is not None and not transformed:  # torch.func takes gradients functionally
             self._gradients.watch_outputs(module, entries, tensors)
-        run.add(current, call, module, entries, dtypes, tensors, FORWARD)
+        if inputs is not None:  # find_op: what a replay of this call needs
+            inputs.output = output
+            if not recomputed and torch.is_grad_enabled():
+                run.kept_forward.append(inputs)
+        run.add(current, call, module, entries, dtypes, tensors, FORWARD, inputs=inputs)
         if recomputed:
             run.decide_when_backward_ends()
         if self._abort_after is not None and self.batch_number > self._abort_after:
             run.flush(current)
             raise ValueError(report.abort_error(self.batch_number, self.abort_after_batch_num))
+
+    def _kept_gradient(self, tensor_id, grad):
+        """find_op: the gradient arriving at a forward output (its id), kept for the backward's replay."""
+        self._run.kept_gradients[tensor_id] = grad
 
     def _gradient_hook(self, module, items, consumers):
         run = self._run
@@ -419,14 +435,14 @@ def detect_overflow(var, ctx):
     return bool(lines)
 
 
-WATCH_DEFAULTS = dict(check="batch", kwargs=True, containers=True, backward=True)
+WATCH_DEFAULTS = dict(check="batch", kwargs=True, containers=True, backward=True, find_op=True)
 
 
 def watch(model, *, max_frames_to_save=21, trace_batch_nums=None, abort_after_batch_num=None, check="batch",
           backend=None, buffer_rows=DEFAULT_BUFFER_ROWS, reuse_stats=True, kwargs=True, containers=True,
           backward=True, on_detect="raise", ignore=(), warn_above=None, sync=True, sync_timeout=None, log=None,
           log_every=1, defer=False, stage_bytes=DEFAULT_DEFER_BYTES, max_skips=DEFAULT_MAX_SKIPS,
-          warn_gradients=False):
+          warn_gradients=False, find_op=True, repro=None):
     """The detector with the recommended modern defaults: no host sync in any hook
     (``check="batch"``), keyword inputs, tensors inside model outputs and containers, and
     gradient checks in backward (a nan/inf there raises before ``backward()`` returns, so the
@@ -437,4 +453,5 @@ def watch(model, *, max_frames_to_save=21, trace_batch_nums=None, abort_after_ba
         abort_after_batch_num=abort_after_batch_num, check=check, backend=backend, buffer_rows=buffer_rows,
         reuse_stats=reuse_stats, kwargs=kwargs, containers=containers, backward=backward, on_detect=on_detect,
         ignore=ignore, warn_above=warn_above, sync=sync, sync_timeout=sync_timeout, log=log, log_every=log_every,
-        defer=defer, stage_bytes=stage_bytes, max_skips=max_skips, warn_gradients=warn_gradients)
+        defer=defer, stage_bytes=stage_bytes, max_skips=max_skips, warn_gradients=warn_gradients,
+        find_op=find_op, repro=repro)

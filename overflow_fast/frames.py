@@ -19,7 +19,7 @@ class Frame:
     """One hook call: the module, its entries, and their statistics rows (raw, not text)."""
 
     __slots__ = ("lead", "module_name", "class_name", "entries", "dtypes", "rows", "phase", "consumers",
-                 "bad_shards")
+                 "bad_shards", "inputs")
 
     def __init__(self, module_name, class_name, entries, dtypes, phase=FORWARD, consumers=None):
         self.lead = ()  # lines the reference had waiting in `self.frame` (batch markers)
@@ -31,6 +31,7 @@ class Frame:
         self.phase = phase
         self.consumers = consumers  # an output gradient's frame: the modules whose backward produced it
         self.bad_shards = None  # row index -> ranks whose DTensor shard of it holds a nan/inf
+        self.inputs = None  # find_op: the call's inputs (culprit.CallInputs), for its replay
 
     def tensor_entries(self):
         """``(ctx, row, dtype)`` of every tensor entry."""

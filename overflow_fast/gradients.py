@@ -21,9 +21,10 @@ class GradientHooks:
     each gradient frame's ``(tensor, ctx)`` items (called inside the backward pass); ``consumers``:
     for an output gradient, the names of the modules whose backward produced it."""
 
-    def __init__(self, model, module_names, on_frame):
+    def __init__(self, model, module_names, on_frame, on_output_gradient=None):
         self._module_names = module_names
         self._on_frame = on_frame
+        self._on_output_gradient = on_output_gradient  # (id of the output tensor, its gradient)
         self.active = True
         self._handles = []
         # id(output tensor) -> (weakref, [module, ctx]): a tensor several modules return (a
@@ -76,7 +77,7 @@ class GradientHooks:
                 if known is not None:
                     known[1][:2] = [module, f"{ctx}.grad"]  # hooks run inner first: the outer one wins
                     continue
-                owner = [module, f"{ctx}.grad", []]
+                owner = [module, f"{ctx}.grad", [], id(tensor)]
                 tensor.register_hook(functools.partial(self._output_hook, owner))
                 try:
                     self._owners[id(tensor)] = (weakref.ref(tensor), owner)
@@ -89,6 +90,8 @@ class GradientHooks:
 
     def _output_hook(self, owner, grad):
         if self.active:
-            module, ctx, consumers = owner
+            module, ctx, consumers, tensor_id = owner
+            if self._on_output_gradient is not None:
+                self._on_output_gradient(tensor_id, grad)
             self._on_frame(module, [(grad, ctx)], [self._module_names.get(m, "?") for m in consumers])
         # returns None: the gradient flows on unchanged

@@ -44,6 +44,9 @@ class Options:
     warn_above: Optional[float] = None
     warn_gradients: bool = False
     max_skips: int = DEFAULT_MAX_SKIPS
+    # beyond the module: the op and the line that made the first nan/inf
+    find_op: bool = False
+    repro: Any = None
     # torch.distributed
     sync: bool = True
     sync_timeout: Optional[datetime.timedelta] = None
@@ -65,6 +68,11 @@ class Options:
     def changed(self, **options):
         """These options with some replaced (validated again)."""
         return Options.of(**{**dataclasses.asdict(self), **options})
+
+    @property
+    def keeps_calls(self):
+        """Whether each call's inputs are kept for a detection's replay (``find_op``, ``repro``)."""
+        return self.find_op or self.repro is not None
 
     @property
     def explain(self):
@@ -192,6 +200,16 @@ def _timeout(name, value):
     return datetime.timedelta(seconds=seconds)
 
 
+def _directory(name, value):
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"{name} takes a folder (a non-empty path) or None, got {type(value).__name__}")
+    if os.fspath(value) in ("", b""):
+        raise ValueError(f"{name} takes a folder (a non-empty path) or None, got {value!r}")
+    return value
+
+
 def _log(name, value):
     """A non-empty path, a TensorBoard SummaryWriter, a W&B run, or a non-empty list of them."""
     from .dashboards import is_dashboard  # imports no dashboard package
@@ -229,6 +247,8 @@ _CHECKS = {
     "warn_above": _fraction,
     "warn_gradients": validated_flag,
     "max_skips": _at_least(0),
+    "find_op": validated_flag,
+    "repro": _directory,
     "sync": validated_flag,
     "sync_timeout": _timeout,
     "log": _log,

@@ -16,10 +16,11 @@ device buffers, waiting calls and the strategy's state, none of which a copy may
 
 import itertools
 import threading
+import warnings
 
 import torch
 
-from . import distributed
+from . import culprit, distributed
 from .compiled import Traced
 from .decisions import NO_ROWS, Pending
 from .errors import OverflowDetected, OverflowDetectedOnRanks, overflow_error
@@ -81,6 +82,11 @@ class Passes:
         self.flush_task = None  # the backward (graph task) whose end will decide the backward pass
         self.agreement = None  # with the other ranks (made when first needed, if not at construction)
         self.agreements = 0  # agreement points reached: their sequence numbers
+        # find_op: the last forward's calls (autograd on) and the gradients arriving at their
+        # outputs (by the output tensor's id), kept until its backward pass ends
+        self.kept_forward = []
+        self.kept_gradients = {}
+        self.autocast = {}  # find_op: the autocast the current forward runs under
         if self.sync_wanted():
             # collective: every rank builds its detector here; a rank alone fails here, in time
             self.agreement = distributed.Agreement(timeout=self.sync_timeout)
@@ -125,7 +131,7 @@ class Passes:
         """Whether a call is decided at once: with check="module", in a traced batch, after a detection."""
         return self.options.check == "module" or call.trace_mode or self.decisions.state.detected_overflow
 
-    def add(self, current, call, module, entries, dtypes, tensors, phase, consumers=None):
+    def add(self, current, call, module, entries, dtypes, tensors, phase, consumers=None, inputs=None):
         """Read a call's tensors (or let them wait, see ``reads``) and queue the call; decide now
         with check="module", in a traced batch and after a detection."""
         now = self.decides_now(call)
@@ -140,7 +146,7 @@ class Passes:
                 self.flush(current)
                 reads.reset()
                 sources = reads.add(tensors, site)
-        self.queue(current, Pending(call, module, entries, dtypes, sources, phase, consumers), now)
+        self.queue(current, Pending(call, module, entries, dtypes, sources, phase, consumers, inputs), now)
 
     def queue(self, current, pending, now=False):
         current.queue.append(pending)
@@ -173,6 +179,9 @@ class Passes:
     def _act(self, current, found):
         """What the strategy does with a detection the replay found."""
         decisions = self.decisions
+        if self.options.keeps_calls:
+            self._explain(found)
+        decisions.log_detection(found)
         if self.strategy.stops():
             decisions.dump(found)
             if self.sync_wanted() and (self.thread.calls or current.deciding or graph_task_id() != -1):
@@ -186,6 +195,31 @@ class Passes:
             decisions.dump(found)
         self.strategy.went_on(found.detection, found.frames, found.first_frame, found.bad, found.report_due)
         decisions.state.frames.clear()
+
+    def _explain(self, found):
+        """find_op: the op and the line that made the detection's first nan/inf (its replay), into
+        the detection; repro: the reproducer file of that call. Never fails the run it explains."""
+        try:
+            result, call, grads = culprit.find_op(found, self.kept_forward, self.kept_gradients,
+                                                  self.decisions.modules_by_name())
+        except Exception as error:  # noqa: BLE001 - a replay must never break training
+            result, call, grads = {"op": None, "phase": found.first_frame.phase,
+                                   "why": f"not replayed ({type(error).__name__}: {error})"}, None, None
+        if result is None:
+            return
+        if self.options.find_op:
+            found.detection["op"] = {"op": result.get("op"), "file": result.get("file"), "line": result.get("line"),
+                                     "phase": result.get("phase"), "what": result.get("what") or result.get("why")}
+        if self.options.repro is not None and call is not None:
+            from . import find_op
+
+            step = self.decisions.step_of(found.batch)
+            try:
+                path = find_op.write_repro(self.options.repro, distributed.rank(), step, call.module, call.args,
+                                           call.kwargs, grads, found.detection, call=call.call_state())
+                found.detection["repro"] = path
+            except find_op.ReproError as error:
+                warnings.warn(f"overflow_fast: {error}", RuntimeWarning, stacklevel=2)
 
     # -- the end of a pass -------------------------------------------------------------------------
 
@@ -215,7 +249,7 @@ class Passes:
     def decide_when_backward_ends(self):
         """Decide the backward pass when this backward ends, before ``backward()`` returns and so
         before the optimizer step."""
-        if not (self.options.check == "batch" or self.sync_wanted()):
+        if not (self.options.check == "batch" or self.options.keeps_calls or self.sync_wanted()):
             return
         task = graph_task_id()
         if self.flush_task == task:
@@ -226,7 +260,11 @@ class Passes:
     def _backward_ended(self):
         with self.lock:
             self.flush_task = None
-            self.end(self.backward_pass(), BACKWARD)
+            try:
+                self.end(self.backward_pass(), BACKWARD)
+            finally:
+                self.kept_forward = []
+                self.kept_gradients = {}
 
     def sync_wanted(self):
         """Whether this detector's decisions are agreed between ranks (see overflow_fast.distributed)."""

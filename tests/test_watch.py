@@ -4,6 +4,7 @@ transformers models trained in fp16 under watch()."""
 
 import contextlib
 import io
+import os
 import warnings
 
 import pytest
@@ -40,6 +41,9 @@ def train_step(model, x, optimizer):
     optimizer.step()
 
 
+STEP_LINE = train_step.__code__.co_firstlineno + 2  # model(x): the call whose backward overflows
+
+
 @pytest.mark.parametrize("check", CHECKS)
 def test_gradient_overflow_raises_inside_backward_and_names_its_source(check):
     model = two_layers()
@@ -55,9 +59,14 @@ def test_gradient_overflow_raises_inside_backward_and_names_its_source(check):
     assert lines[0] == "weight.grad has infs"
     assert "Detected inf/nan during the backward of batch_number=0" in lines
     assert "                  0 Linear\n     inf      inf weight.grad" in out
-    assert lines[-1] == "Source: born in backward of 0 (Linear): weight.grad from a finite incoming gradient"
+    assert lines[-2] == "Source: born in backward of 0 (Linear): weight.grad from a finite incoming gradient"
+    # find_op replays that call's backward: the matmul that summed the 8 rows of 40 * 300
+    assert lines[-1] == f"Op: AddmmBackward0 at {__file__}:{STEP_LINE}: inf from finite inputs (input abs max 3.0e+02)"
+    op = error.detection.pop("op")
     assert error.detection == {"batch_number": 0, "phase": "backward", "module": "0", "class": "Linear",
                                "entries": ["weight.grad"]}
+    assert op == {"op": "AddmmBackward0", "file": __file__, "line": STEP_LINE, "phase": "backward",
+                  "what": "inf from finite inputs (input abs max 3.0e+02)"}
 
 
 @pytest.mark.parametrize("check", CHECKS)
@@ -85,6 +94,9 @@ class Culprit(nn.Module):
         return DivideByZeroInBackward.apply(x)
 
 
+CULPRIT_LINE = Culprit.forward.__code__.co_firstlineno + 1
+
+
 @pytest.mark.parametrize("check", CHECKS)
 def test_a_module_that_breaks_only_in_backward_is_named(check):
     torch.manual_seed(0)
@@ -94,14 +106,19 @@ def test_a_module_that_breaks_only_in_backward_is_named(check):
     assert isinstance(error, OverflowDetected)
     # the forward is finite; the first non-finite gradient arrives at layer 0's output, and the
     # module whose backward made it is the one that consumed that output
-    assert out.splitlines()[-1] == ("Source: born in backward, in the gradient arriving at 0 (Linear) "
+    assert out.splitlines()[-2] == ("Source: born in backward, in the gradient arriving at 0 (Linear) "
                                     "output.grad: made by the backward of 1")
+    assert out.splitlines()[-1] == (f"Op: DivideByZeroInBackwardBackward at {__file__}:{CULPRIT_LINE}: "
+                                    "inf from finite inputs (input abs max 5.5e-01)")
     assert "Detected inf/nan during the backward of batch_number=0" in out
 
 
 class Amplify(nn.Module):
     def forward(self, x):
         return (x.abs() + 1) * 1e5  # overflows fp16 from any finite input (at least 1e5); no weights
+
+
+AMPLIFY_LINE = Amplify.forward.__code__.co_firstlineno + 1
 
 
 @pytest.mark.parametrize("check", CHECKS)
@@ -111,7 +128,9 @@ def test_forward_source_is_the_module_that_produced_the_inf(check):
     watch(model, check=check)
     out, error = capture(lambda: model(torch.full((2, 4), 3.0, dtype=torch.float16)))
     assert isinstance(error, OverflowDetected)
-    assert out.splitlines()[-1] == "Source: born in forward of 1.1 (Amplify): output from finite inputs and weights"
+    assert out.splitlines()[-2] == "Source: born in forward of 1.1 (Amplify): output from finite inputs and weights"
+    assert out.splitlines()[-1] == (f"Op: aten.mul at {__file__}:{AMPLIFY_LINE}: inf from finite inputs "
+                                    "(input abs max 1.0e+05)")
 
 
 @pytest.mark.parametrize("check", CHECKS)
@@ -387,8 +406,14 @@ def test_real_models_train_in_fp16_under_watch(name, check):
     assert errors[:2] == [None, None], out[:2000]
     assert isinstance(errors[2], OverflowDetected), out[-3000:]
     assert errors[2].detection["phase"] == "forward"
-    assert out.splitlines()[-1] == f"Source: born in forward of {culprit} ({errors[2].detection['class']}): " \
+    assert out.splitlines()[-2] == f"Source: born in forward of {culprit} ({errors[2].detection['class']}): " \
                                    f"output from finite inputs and weights", out[-3000:]
+    # the product of the scaled weight: a matmul, on the line of the model's code that calls it
+    op = errors[2].detection["op"]
+    assert op["op"] in ("aten.addmm", "aten.mm") and op["phase"] == "forward", op
+    assert op["what"].startswith("inf from finite inputs (input abs max "), op
+    assert os.path.basename(os.path.dirname(op["file"])) in ("transformers", name), op
+    assert out.splitlines()[-1] == f"Op: {op['op']} at {op['file']}:{op['line']}: {op['what']}"
 
 
 @pytest.mark.parametrize("check", CHECKS)
