@@ -82,7 +82,13 @@ def find_op(found, kept_forward, kept_gradients, modules_by_name):
     if kind == "forward":
         return _forward(found.inputs, replay)
     if kind == "before":  # made in the enclosing call's own code, before this module ran
-        return _forward(found.inputs.parent if found.inputs is not None else None, replay)
+        parent = found.inputs.parent if found.inputs is not None else None
+        if parent is None:
+            return None, None, None
+        result, call, grads = _forward(parent, replay)
+        if result.get("op") is None and result["why"].startswith(replay.ALREADY_IN):
+            return None, None, None  # it came into the parent from outside: the Source line says so
+        return result, call, grads
     if kind == "backward":
         return _backward(_calls_of(kept_forward, found.first_frame.module_name, modules_by_name), kept_gradients,
                          replay)

@@ -45,6 +45,7 @@ REPRO_FORMAT = "overflow_fast reproducer"
 REPRO_VERSION = 1
 
 NOT_REPRODUCED = "not reproduced on replay (no op made a nan/inf from finite inputs)"
+ALREADY_IN = "not reproduced on replay (the nan/inf was already in"
 
 _TORCH_DIR = os.path.dirname(os.path.realpath(torch.__file__)) + os.sep
 _PACKAGE_DIR = os.path.dirname(os.path.realpath(__file__)) + os.sep
@@ -531,7 +532,7 @@ class _Births(TorchDispatchMode):
         if origin["kind"] == "outside":
             made_from = ("its inputs, parameters, buffers or incoming gradients" if phase == "backward"
                          else "its inputs, parameters or buffers")
-            return _why(phase, f"not reproduced on replay (the nan/inf was already in {made_from})")
+            return _why(phase, f"{ALREADY_IN} {made_from})")
         earlier = list(dict.fromkeys(name for seq, name in self.random_ops if seq < origin["seq"]))
         if earlier and not exact_random:
             return _why(origin["phase"], f"not reproduced on replay (random ops: {', '.join(earlier)})")
