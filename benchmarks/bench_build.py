@@ -1,4 +1,4 @@
-"""How long the C++ kernel's build takes, and what the compiler says (issue 21).
+"""How long the C++ kernel's build takes, and what the compiler says.
 
 Builds the kernel from the checkout's csrc/ exactly as the first use does (cpu_build.build:
 torch.utils.cpp_extension.load, ninja, every unit with this instruction set's flags), into an

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from overflow_fast import distributed, tensor_stats
+from overflow_fast.distributed import shards
 
 
 def _free_port():
@@ -47,7 +48,7 @@ def _worker(rank, port, calls, rounds):
     variants = {
         "no-op call": lambda: _noop(False),
         "bare dist.all_reduce (2 int32)": lambda: dist.all_reduce(flags),
-        "bare all_gather (8x8 int64 per rank)": lambda: distributed._all_gather_single(dist)(rows, local),
+        "bare all_gather (8x8 int64 per rank)": lambda: shards._all_gather_single(dist)(rows, local),
         "Agreement.agree() (own gloo group, 2x4 int64)": lambda: agreement.agree(False),
         "agree() (its Agreement)": lambda: distributed.agree(False),
         "global_rows() of 8 DTensors (all_gather 8x8 int64)": lambda: distributed.global_rows(local, params),

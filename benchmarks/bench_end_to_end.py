@@ -28,6 +28,9 @@ from transformers.debug_utils import DebugUnderflowOverflow as ReferenceDetector
 
 from overflow_fast import DebugUnderflowOverflow, watch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _results  # noqa: E402
+
 VARIANTS = ("none", "reference", "module", "batch", "watch", "watch-module")
 BREAKDOWN = ("module-noreuse",)  # --breakdown: what reading each tensor once per forward saves
 
@@ -163,18 +166,8 @@ def main(argv=None):
     for name, mode, base, overheads in rows:
         csv_rows.append((f"{name} {mode}: none", base * 1e3, "ms"))
         csv_rows += [(f"{name} {mode}: {v} overhead", overheads[v] * 100, "%") for v in variants[1:]]
-    _write_csv(args.csv, "end_to_end" + ("_quick" if args.quick else ""), csv_rows)
+    _results.write_rows(args.csv, "end_to_end" + ("_quick" if args.quick else ""), csv_rows)
     return 0
-
-
-def _write_csv(path, benchmark, rows):
-    """``--csv``: append ``(metric, value, unit)`` rows with the machine (benchmarks/_results.py)."""
-    if not path:
-        return
-    import os
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import _results
-    _results.write_rows(path, benchmark, rows)
 
 
 if __name__ == "__main__":

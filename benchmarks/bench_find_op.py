@@ -72,7 +72,7 @@ def step_times(args):
 
 def kept_bytes(model, optimizer, ids):
     """Bytes of the distinct storages the kept references reach when a backward pass ends."""
-    from overflow_fast import passes
+    from overflow_fast.hooks import passes
 
     seen = {}
     real = passes.Passes._backward_ended

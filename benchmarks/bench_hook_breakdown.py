@@ -30,9 +30,9 @@ import _results  # noqa: E402
 import bench_host_path as host  # noqa: E402
 
 from overflow_fast import DebugUnderflowOverflow  # noqa: E402
-from overflow_fast import detector as detector_module  # noqa: E402
-from overflow_fast import reads as reads_module  # noqa: E402
-from overflow_fast.passes import Passes  # noqa: E402
+from overflow_fast.hooks import detector as detector_module  # noqa: E402
+from overflow_fast.hooks import reads as reads_module  # noqa: E402
+from overflow_fast.hooks.passes import Passes  # noqa: E402
 
 
 def hook_sequence(layers, batch, seq):

@@ -7,6 +7,7 @@ Prints, per detector, the median forward time and the cost per hook against no d
 """
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -16,6 +17,9 @@ from torch import nn
 from transformers.debug_utils import DebugUnderflowOverflow as ReferenceDetector
 
 from overflow_fast import DebugUnderflowOverflow
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _results  # noqa: E402
 
 DEPTH = 200
 
@@ -62,18 +66,8 @@ def main(argv=None):
     for variant in variants:
         csv_rows.append((f"{variant}: forward", medians[variant] * 1e3, "ms"))
         csv_rows.append((f"{variant}: per hook", (medians[variant] - medians["none"]) / hooks * 1e6, "us"))
-    _write_csv(args.csv, "hook_overhead", csv_rows)
+    _results.write_rows(args.csv, "hook_overhead", csv_rows)
     return 0
-
-
-def _write_csv(path, benchmark, rows):
-    """``--csv``: append ``(metric, value, unit)`` rows with the machine (benchmarks/_results.py)."""
-    if not path:
-        return
-    import os
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import _results
-    _results.write_rows(path, benchmark, rows)
 
 
 if __name__ == "__main__":

@@ -73,10 +73,10 @@ import torch
 import transformers
 
 import overflow_fast
-import overflow_fast.reads
+import overflow_fast.hooks.reads
 from overflow_fast import DebugUnderflowOverflow
-from overflow_fast.passes import Passes
-from overflow_fast.frames import forward_items
+from overflow_fast.hooks.passes import Passes
+from overflow_fast.hooks.frames import forward_items
 from overflow_fast.stats import cpu_backend, dispatch, triton_backend
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -263,7 +263,7 @@ def triton_on_cpu():
             (triton_backend, "_flat_source", _flat_source),
             (triton_backend, "_table", _counting_table(triton_backend._table)),
             (triton_backend, "scan", _counting_scan(triton_backend.scan)),
-            (overflow_fast.reads, "CPU_AS_DEVICE", True),  # these CPU tensors stand for GPU ones
+            (overflow_fast.hooks.reads, "CPU_AS_DEVICE", True),  # these CPU tensors stand for GPU ones
         ):
             stack.enter_context(patched(obj, name, value))
         preferred = dict(dispatch._PREFERRED)

@@ -49,10 +49,10 @@ def child(options, mode, batch, seq):
     import torch
     import transformers
 
-    import overflow_fast.reads
+    import overflow_fast.hooks.reads
     from overflow_fast import DebugUnderflowOverflow
 
-    overflow_fast.reads.CPU_AS_DEVICE = True  # these CPU tensors stand for a GPU's
+    overflow_fast.hooks.reads.CPU_AS_DEVICE = True  # these CPU tensors stand for a GPU's
     libc = ctypes.CDLL("libc.so.6")
 
     torch.manual_seed(0)

@@ -11,8 +11,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from overflow_fast.frames import Frame, class_name, entries_of, forward_items  # noqa: E402
-from overflow_fast.recorder import encode_line, frame_records  # noqa: E402
+from overflow_fast.hooks.frames import Frame, class_name, entries_of, forward_items  # noqa: E402
+from overflow_fast.recording.recorder import encode_line, frame_records  # noqa: E402
 from overflow_fast.stats import tensor_stats  # noqa: E402
 from tests import models  # noqa: E402
 

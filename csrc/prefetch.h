@@ -1,5 +1,4 @@
-// Software prefetching for the loops that walk a list of tensors once per forward (staging.cpp
-// all_unchanged, table.cpp triton_table).
+// Software prefetching for the loops that walk a list of tensors (table.cpp triton_table).
 //
 // At the end of a forward the staged tensors' Python objects, TensorImpls, version counters and
 // storages have left the cache: each is a dependent load (object -> impl -> counter/storage), so

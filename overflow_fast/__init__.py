@@ -15,12 +15,12 @@ import importlib
 from .info import info
 
 _EXPORTS = {
-    "DebugOption": ".debug_option",
-    "DebugUnderflowOverflow": ".detector",
-    "OverflowDetected": ".detector",
-    "detect_overflow": ".detector",
-    "get_abs_min_max": ".detector",
-    "watch": ".detector",
+    "DebugOption": ".hooks.debug_option",
+    "DebugUnderflowOverflow": ".hooks.detector",
+    "OverflowDetected": ".hooks.detector",
+    "detect_overflow": ".hooks.detector",
+    "get_abs_min_max": ".hooks.detector",
+    "watch": ".hooks.detector",
     "StatsBatch": ".stats",
     "tensor_stats": ".stats",
 }

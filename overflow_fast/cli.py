@@ -19,7 +19,15 @@ import os
 import sys
 import time
 
-from .logsummary import BadFile, Summary, check_readable, malformed_names, read_files, summary_text, unique_paths
+from .report.summary import (
+    BadFile,
+    Summary,
+    check_readable,
+    malformed_names,
+    read_files,
+    summary_text,
+    unique_paths,
+)
 
 PROGRESS_BYTES = 32 << 20  # files above this show progress (on a terminal)
 
@@ -122,7 +130,7 @@ def _reader(choice):
     if choice == "python":
         return None
     try:
-        from . import logsummary_duckdb
+        from .report import duckdb_summary as logsummary_duckdb
     except ImportError:
         if choice == "duckdb":
             raise
@@ -134,7 +142,7 @@ def run_report(args):
     plot = None
     if args.png:  # fail before reading a big file
         try:
-            from . import plot
+            from .report import plot
         except ImportError as error:
             print(f"overflow-fast: --png needs matplotlib ({error}); install it with: "
                   f"pip install overflow_fast[plot]", file=sys.stderr)
@@ -188,7 +196,7 @@ def run_report(args):
 
 
 def run_replay(args):
-    from . import find_op
+    from .hooks import find_op
 
     try:
         payload = find_op.load_repro(args.file, map_location=args.map_location)

@@ -17,7 +17,7 @@ import torch
 
 from . import cli
 from .demo import TinyTransformer
-from .detector import DebugUnderflowOverflow
+from .hooks.detector import DebugUnderflowOverflow
 
 
 def record_run(path, steps=400, grow=1.04, shrink=0.96, seed=0, dashboard=None):

@@ -108,7 +108,7 @@ def read_back(path):
     """Every record of a JSONL log, each checked against the project's own schema (the report's)."""
     import json
 
-    from overflow_fast import schema
+    from overflow_fast.recording import schema
 
     records = []
     with open(path, encoding="utf-8") as f:

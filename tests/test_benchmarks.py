@@ -84,7 +84,7 @@ def test_bench_triton_host_smoke():
     rows = [line.split(" | ") for line in result.stdout.splitlines() if re.match(r"^\| \d+ \|", line)]
     assert [row[0] for row in rows] == ["| 1", "| 8"]
     for row in rows:
-        assert row[5] == "2"  # new launches per call
+        assert row[3] == "2"  # launches per call: partials and combine
 
 
 def test_bench_report_quick(tmp_path):

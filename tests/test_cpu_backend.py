@@ -747,7 +747,7 @@ def test_out_overlapping_an_input_is_refused_and_the_input_kept():
 
 
 # ---------------------------------------------------------------------------------------------
-# Complex (issue 8 item 4): nan/inf by parts, magnitudes in float64 without overflow; cpu and
+# Complex: nan/inf by parts, magnitudes in float64 without overflow; cpu and
 # torch backends against the oracle (the triton backend takes no complex).
 
 COMPLEX = [torch.complex32, torch.complex64, torch.complex128]

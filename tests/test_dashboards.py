@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from overflow_fast import DebugUnderflowOverflow, watch
-from overflow_fast.dashboards import HEADROOM, SUBNORMAL_FRACTION
+from overflow_fast.recording.dashboards import HEADROOM, SUBNORMAL_FRACTION
 
 NAN = float("nan")
 

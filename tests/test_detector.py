@@ -10,7 +10,7 @@ from torch import nn
 
 from compat import HostReads, ReferenceDetector, run
 from compat import capture as compat_capture
-import overflow_fast.reads
+import overflow_fast.hooks.reads
 from overflow_fast import DebugUnderflowOverflow
 from test_compat_rules import Scaled, batches, make, with_value
 
@@ -55,7 +55,7 @@ def test_unreadable_tensor_gets_a_clear_line():
 
 
 def test_engine_failure_does_not_crash_training(monkeypatch):
-    import overflow_fast.reads as reads
+    import overflow_fast.hooks.reads as reads
 
     def broken(tensors, backend=None, out=None):
         raise RuntimeError("backend exploded")
@@ -130,7 +130,7 @@ def test_helpers_reject_non_tensors():
 
 def test_batch_mode_hooks_never_read_the_device(monkeypatch):
     # an accelerator's rows are read to the host; CPU rows are written in host memory already
-    monkeypatch.setattr(overflow_fast.reads, "CPU_AS_DEVICE", True)
+    monkeypatch.setattr(overflow_fast.hooks.reads, "CPU_AS_DEVICE", True)
     reads = HostReads()
 
     def forwards(check, count):

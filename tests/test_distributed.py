@@ -362,7 +362,7 @@ def _ddp_worker(rank, steps_file):
     from torch.nn.parallel import DistributedDataParallel
 
     from overflow_fast import DebugUnderflowOverflow
-    from overflow_fast.detector import OverflowDetected
+    from overflow_fast.hooks.detector import OverflowDetected
 
     model = _tiny_model()
     detector = DebugUnderflowOverflow(model, check="batch", sync=False)  # each rank decides alone

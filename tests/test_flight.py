@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from overflow_fast import DebugUnderflowOverflow, OverflowDetected, watch
-from overflow_fast.recorder import decode_float
+from overflow_fast.recording.recorder import decode_float
 from test_recorder import child_env, strict_lines
 
 CHECKS = ("module", "batch")

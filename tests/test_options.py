@@ -11,7 +11,7 @@ from torch import nn
 import models
 from compat import ReferenceDetector, capture, run
 from overflow_fast import DebugUnderflowOverflow, watch
-from overflow_fast.detector import WATCH_DEFAULTS
+from overflow_fast.hooks.detector import WATCH_DEFAULTS
 
 CHECKS = ("module", "batch")
 NAN = float("nan")
@@ -250,7 +250,7 @@ def test_a_bad_option_fails_when_it_is_given_with_a_message_naming_it(build, opt
 def test_watch_lists_every_option_in_its_signature():
     import inspect
 
-    from overflow_fast.options import Options
+    from overflow_fast.hooks.options import Options
 
     detector = inspect.signature(DebugUnderflowOverflow).parameters
     options = {field.name for field in dataclasses.fields(Options)}

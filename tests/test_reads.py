@@ -14,10 +14,10 @@ import pytest
 import torch
 from torch import nn
 
-import overflow_fast.reads as reads_module
+import overflow_fast.hooks.reads as reads_module
 from compat import assert_identical, capture, forward, run
 from overflow_fast import DebugUnderflowOverflow, watch
-from overflow_fast.reads import CHANGED_AFTER_HOOK
+from overflow_fast.hooks.reads import CHANGED_AFTER_HOOK
 from test_compat_rules import Scaled, batches, make, with_value
 
 INF, NAN = float("inf"), float("nan")

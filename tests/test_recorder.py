@@ -15,9 +15,9 @@ import warnings
 import pytest
 import torch
 
-from overflow_fast import recorder as rec_mod
-from overflow_fast.frames import Frame, entries_of, forward_items
-from overflow_fast.recorder import Recorder, decode_float, entry_record, frame_records, rank_path
+from overflow_fast.recording import recorder as rec_mod
+from overflow_fast.hooks.frames import Frame, entries_of, forward_items
+from overflow_fast.recording.recorder import Recorder, decode_float, entry_record, frame_records, rank_path
 from overflow_fast.stats import tensor_stats
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -112,8 +112,8 @@ def test_frame_records_cover_the_tensor_entries_of_a_frame():
 
 
 def test_global_step_and_mode_are_written_when_known_and_left_out_when_not():
-    from overflow_fast import schema
-    from overflow_fast.recorder import detection_record, encode_line
+    from overflow_fast.recording import schema
+    from overflow_fast.recording.recorder import detection_record, encode_line
 
     linear = torch.nn.Linear(3, 2)
     x = torch.ones(1, 3)
@@ -231,7 +231,7 @@ def test_closed_file_descriptor_warns_and_drops(tmp_path):
 
 _CHILD = """
 import os, sys, time, signal
-from overflow_fast import recorder as R
+from overflow_fast.recording import recorder as R
 {setup}
 rec = R.Recorder(sys.argv[1])
 for step in range({steps}):
@@ -401,7 +401,7 @@ def test_two_detectors_with_one_log_path(tmp_path):
 
 _HOLDER = """
 import sys, time
-from overflow_fast.recorder import Recorder
+from overflow_fast.recording.recorder import Recorder
 recorder = Recorder(sys.argv[1])
 recorder.write([{"record": "entry", "step": 0}])
 recorder.flush()
@@ -658,7 +658,7 @@ def test_sigterm_kills_a_process_whose_fifo_reader_stopped_reading(tmp_path):
     reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # open, never read: the pipe fills and stays full
     script = textwrap.dedent("""
     import sys, time
-    from overflow_fast import recorder as R
+    from overflow_fast.recording import recorder as R
     R.STALL_SECONDS = 0.5
     rec = R.Recorder(sys.argv[1])
     for step in range(200):
@@ -686,7 +686,7 @@ def test_sigterm_kills_a_process_whose_fifo_reader_stopped_reading(tmp_path):
 
 _STDOUT_CHILD = """
 import os, sys, threading
-from overflow_fast.recorder import Recorder
+from overflow_fast.recording.recorder import Recorder
 {setup}
 recorder = Recorder("/dev/stdout")
 twin = Recorder("/dev/stdout")  # a second writer of the same stream is no LogInUse

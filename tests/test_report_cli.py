@@ -10,9 +10,10 @@ import sys
 
 import pytest
 
-from overflow_fast import cli, logsummary
-from overflow_fast.logsummary import headroom
-from overflow_fast.recorder import Recorder, detection_record, entry_record
+from overflow_fast import cli
+from overflow_fast.report import summary as logsummary
+from overflow_fast.report.summary import headroom
+from overflow_fast.recording.recorder import Recorder, detection_record, entry_record
 from test_recorder import child_env
 
 F16_MAX = 65504.0
@@ -250,7 +251,7 @@ def test_progress_of_a_compressed_log_counts_its_bytes_as_stored(tmp_path):
     run = write_run(tmp_path / "run.jsonl", steps=40)
     readers = [logsummary.read_files]
     try:
-        from overflow_fast import logsummary_duckdb
+        from overflow_fast.report import duckdb_summary as logsummary_duckdb
 
         readers.append(logsummary_duckdb.read_files)
     except ImportError:

@@ -12,9 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from overflow_fast import cli, logsummary, schema
-from overflow_fast.logsummary import Summary, read_chunks
-from overflow_fast.recorder import Recorder, detection_record, encode_line, entry_record
+from overflow_fast import cli
+from overflow_fast.report import summary as logsummary
+from overflow_fast.recording import schema
+from overflow_fast.report.summary import Summary, read_chunks
+from overflow_fast.recording.recorder import Recorder, detection_record, encode_line, entry_record
 from test_report_cli import F16_MAX, row, write_run
 
 try:
@@ -420,7 +422,7 @@ def test_a_run_read_partly_by_each_reader_counts_each_name_once(tmp_path, capsys
 
 @pytest.mark.skipif("duckdb" not in ENGINES, reason="DuckDB not installed (pip install overflow_fast[fast-report])")
 def test_duckdb_reads_an_intact_gzip_log_itself_and_a_damaged_one_never(tmp_path, monkeypatch):
-    from overflow_fast import logsummary_duckdb
+    from overflow_fast.report import duckdb_summary as logsummary_duckdb
 
     run = write_run(tmp_path / "run.jsonl", steps=12)
     data = gzip.compress(run.read_bytes())
@@ -456,7 +458,7 @@ def test_the_readers_fill_the_same_picture(tmp_path):
     paths = [os.path.join(tmp_path, f"run.rank{r}.jsonl") for r in (0, 1)]
     with open(paths[1], "ab") as f:
         f.write(b"garbage\n" + lines_of(entry(step=900, module="late", abs_max=60000.0)))
-    from overflow_fast import logsummary_duckdb
+    from overflow_fast.report import duckdb_summary as logsummary_duckdb
 
     summaries = []
     for reader in (logsummary.read_files, logsummary_duckdb.read_files):
@@ -475,7 +477,7 @@ def test_the_readers_fill_the_same_picture(tmp_path):
 
 @pytest.mark.skipif("duckdb" not in ENGINES, reason="DuckDB not installed (pip install overflow_fast[fast-report])")
 def test_duckdb_reads_several_ranks_at_once_and_hands_back_only_what_it_cannot_take(tmp_path, monkeypatch):
-    from overflow_fast import logsummary_duckdb
+    from overflow_fast.report import duckdb_summary as logsummary_duckdb
 
     paths = []
     for rank in range(3):
@@ -507,7 +509,7 @@ def test_duckdb_reads_several_ranks_at_once_and_hands_back_only_what_it_cannot_t
 
 @pytest.mark.skipif("duckdb" not in ENGINES, reason="DuckDB not installed (pip install overflow_fast[fast-report])")
 def test_a_duckdb_failure_falls_back_to_the_plain_reader(tmp_path, capsys, monkeypatch):
-    from overflow_fast import logsummary_duckdb
+    from overflow_fast.report import duckdb_summary as logsummary_duckdb
 
     path = write_run(tmp_path / "run.jsonl", steps=3)
     expected = report(capsys, "python", path)[1]
@@ -524,7 +526,7 @@ def test_a_duckdb_failure_falls_back_to_the_plain_reader(tmp_path, capsys, monke
 
 @pytest.mark.skipif("duckdb" not in ENGINES, reason="DuckDB not installed (pip install overflow_fast[fast-report])")
 def test_duckdb_out_of_memory_scans_again_on_one_thread(tmp_path, capsys, monkeypatch):
-    from overflow_fast import logsummary_duckdb
+    from overflow_fast.report import duckdb_summary as logsummary_duckdb
 
     path = write_run(tmp_path / "run.jsonl", steps=3)
     expected = report(capsys, "python", path)[1]

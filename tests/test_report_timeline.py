@@ -8,12 +8,21 @@ import random
 
 import pytest
 
-from overflow_fast import logsummary
-from overflow_fast.logsummary import (
-    ALL_ZERO, HEADROOM, INTEGER, INTEGER_ONLY, NONFINITE, NOT_RECORDED, OPTIMIZER, ZERO, Picture, Summary,
+from overflow_fast.report import summary as logsummary
+from overflow_fast.report.summary import (
+    ALL_ZERO,
+    HEADROOM,
+    INTEGER,
+    INTEGER_ONLY,
+    NONFINITE,
+    NOT_RECORDED,
+    OPTIMIZER,
+    ZERO,
+    Picture,
+    Summary,
     headroom,
 )
-from overflow_fast.recorder import Recorder, detection_record, entry_record
+from overflow_fast.recording.recorder import Recorder, detection_record, entry_record
 from test_report_cli import F16_MAX, int_row, row
 from test_report_robust import ENGINES, both
 
@@ -55,7 +64,7 @@ def summaries(paths, **options):
     """The summary of each reader (with the picture's bins)."""
     readers = [logsummary.read_files]
     if "duckdb" in ENGINES:
-        from overflow_fast import logsummary_duckdb
+        from overflow_fast.report import duckdb_summary as logsummary_duckdb
 
         readers.append(logsummary_duckdb.read_files)
     result = []
@@ -330,7 +339,7 @@ def test_underflow_tracking_stays_bounded():
 
 def _place_labels():
     pytest.importorskip("matplotlib")
-    from overflow_fast.plot import place_labels
+    from overflow_fast.report.plot import place_labels
 
     return place_labels
 

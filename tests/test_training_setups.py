@@ -303,7 +303,7 @@ def test_under_functionalize_the_values_after_in_place_updates_are_read():
 
 
 def test_a_transformed_tensor_that_cannot_be_opened_gets_a_line(monkeypatch):
-    import overflow_fast.frames as frames
+    import overflow_fast.hooks.frames as frames
 
     class Closed:
         """functorch's own functions, except that no wrapper opens."""

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import models
-import overflow_fast.reads
+import overflow_fast.hooks.reads
 from compat import capture
 from overflow_fast import DebugUnderflowOverflow, OverflowDetected, watch
 
@@ -201,7 +201,7 @@ def test_ignore_keeps_a_mask_of_minus_inf_in_the_frame_but_out_of_detection(chec
 
 
 def test_ignore_patterns_treat_brackets_literally():
-    from overflow_fast.policy import Policy
+    from overflow_fast.hooks.policy import Policy
     policy = Policy(ignore=["*.attn:input[attention_mask]", "decoder.*"])
     assert policy.ignored("h.0.attn", "input[attention_mask]")
     assert not policy.ignored("h.0.attn", "input[a]")
@@ -314,7 +314,7 @@ def test_batch_mode_reads_the_host_once_per_forward_and_once_per_backward(check,
     # host reads counted on torch.Tensor.cpu, the detector's one way to the host (a
     # TorchFunctionMode does not see what hooks do inside backward); on an accelerator's path:
     # CPU rows are written in host memory already
-    monkeypatch.setattr(overflow_fast.reads, "CPU_AS_DEVICE", True)
+    monkeypatch.setattr(overflow_fast.hooks.reads, "CPU_AS_DEVICE", True)
     reads = []
     real_cpu = torch.Tensor.cpu
     monkeypatch.setattr(torch.Tensor, "cpu", lambda self, *a, **k: reads.append(1) or real_cpu(self, *a, **k))

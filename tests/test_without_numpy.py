@@ -12,7 +12,8 @@ SCRIPT = textwrap.dedent("""
     import torch
     import torch.distributed as dist
     from torch import nn
-    from overflow_fast import DebugUnderflowOverflow, distributed, reads
+    from overflow_fast import DebugUnderflowOverflow, distributed
+    from overflow_fast.hooks import reads
     from overflow_fast.stats import triton_backend
 
     # the detector on the accelerators' path (per-device buffers read to the host)

@@ -11,8 +11,8 @@ checks, each backward pass), so a nan is reported at the step that made it. Dete
 records carry the trainer's ``global_step`` and ``"train"`` or ``"eval"``.
 """
 
-from ..detector import WATCH_DEFAULTS, DebugUnderflowOverflow
-from ..options import Options
+from ..hooks.detector import WATCH_DEFAULTS, DebugUnderflowOverflow
+from ..hooks.options import Options
 
 try:
     import lightning.pytorch as pl

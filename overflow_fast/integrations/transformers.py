@@ -29,8 +29,8 @@ except ImportError as missing:
     raise ImportError(f"overflow_fast.integrations.transformers needs Hugging Face transformers: pip install "
                       f"transformers (import transformers failed: {missing})") from missing
 
-from ..detector import WATCH_DEFAULTS, DebugUnderflowOverflow
-from ..options import Options, validated_flag
+from ..hooks.detector import WATCH_DEFAULTS, DebugUnderflowOverflow
+from ..hooks.options import Options, validated_flag
 
 __all__ = ["DetectorCallback", "TrainerPatch", "use_in_trainer"]
 

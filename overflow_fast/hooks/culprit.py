@@ -18,7 +18,7 @@ import os
 import torch
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # overflow_fast/
 
 
 _AUTOCAST_DEVICES = ("cpu", "cuda")

@@ -8,11 +8,11 @@ import re
 
 import torch
 
-from . import report
+from . import text
 from .frames import BACKWARD
 from .options import validated
-from .report import TENSOR
-from .stats.layout import ABS_MAX, NUMEL, SUBNORMAL, ZERO, decode_row, holds_nonfinite
+from .text import TENSOR
+from ..stats.layout import ABS_MAX, NUMEL, SUBNORMAL, ZERO, decode_row, holds_nonfinite
 
 # Subnormals above this fraction of an entry's elements get an underflow line (with warn_above).
 SUBNORMAL_FRACTION = 0.5
@@ -88,9 +88,9 @@ class Policy:
             else:
                 report_it = self.on_detect != "record"
             if report_it:
-                lines.extend(report.overflow_lines(frame.rows[payload], ctx))
+                lines.extend(text.overflow_lines(frame.rows[payload], ctx))
                 if frame.bad_shards and payload in frame.bad_shards:  # a DTensor: whose shard holds them
-                    lines.append(report.bad_shards_line(ctx, frame.bad_shards[payload]))
+                    lines.append(text.bad_shards_line(ctx, frame.bad_shards[payload]))
                 self._report_due = True
             detected = True
         if self.warn_above is not None:

@@ -9,9 +9,9 @@ the ring, the counters, the policy's memory, the detections so far.
 
 import collections
 
-from . import report
+from . import text
 from .errors import say
-from .flight import timeline_step
+from ..recording.flight import timeline_step
 from .frames import BACKWARD, Frame, class_name
 from .policy import source_line
 
@@ -124,7 +124,7 @@ class Decisions:
         if self.mode is not None:
             detection["mode"] = self.mode
         self.detections.append(detection)
-        frames = [report.frame_data(f) for f in self.state.frames if not isinstance(f, str)]
+        frames = [text.frame_data(f) for f in self.state.frames if not isinstance(f, str)]
         inputs = first_frame.inputs
         first_frame.inputs = frame.inputs = None  # the ring keeps no tensors
         return Found(detection, frames, frame, first_frame, bad, batch, shown_batch, report_due, inputs)
@@ -141,7 +141,7 @@ class Decisions:
             during = f"the backward of batch_number={found.batch}"
         else:
             during = f"batch_number={found.shown_batch}"
-        say(report.dump_text(self.state.batch_number, self.state.frames, during))
+        say(text.dump_text(self.state.batch_number, self.state.frames, during))
         self.state.frames.clear()
         if self.global_step is not None:
             mode = f" ({self.mode})" if self.mode is not None else ""

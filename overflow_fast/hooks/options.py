@@ -12,7 +12,7 @@ import operator
 import os
 from typing import Any, Callable, Optional, Union
 
-from .stats import BACKEND_NAMES
+from ..stats import BACKEND_NAMES
 
 CHECK_MODES = ("module", "batch")
 ON_DETECT = ("raise", "warn", "record", "skip")
@@ -212,7 +212,7 @@ def _directory(name, value):
 
 def _log(name, value):
     """A non-empty path, a TensorBoard SummaryWriter, a W&B run, or a non-empty list of them."""
-    from .dashboards import is_dashboard  # imports no dashboard package
+    from ..recording.dashboards import is_dashboard  # imports no dashboard package
 
     if value is None:
         return None

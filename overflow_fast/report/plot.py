@@ -17,7 +17,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402  (a matplotlib dependency)
 from matplotlib import colors, patches, transforms  # noqa: E402
 
-from .logsummary import ALL_ZERO, INTEGER_ONLY, NONFINITE, Picture, printable  # noqa: E402
+from .summary import ALL_ZERO, INTEGER_ONLY, NONFINITE, Picture, printable  # noqa: E402
 
 DPI = 100
 MAX_LABELS = 60

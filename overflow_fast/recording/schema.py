@@ -27,6 +27,10 @@ wrong type or out of range, a line longer than ``MAX_LINE_BYTES``) are malformed
 import math
 from collections import namedtuple
 
+# What a frame entry holds: a tensor's statistics row, None, another object, or a tensor the
+# engine cannot read (the reference would crash on it).
+TENSOR, NONE, NOT_A_TENSOR, UNREADABLE = range(4)
+
 VERSION = 1
 PHASES = ("forward", "backward")
 MODES = ("train", "eval")

@@ -41,8 +41,8 @@ import os
 import stat
 import zlib
 
-from . import schema
-from .schema import Malformed
+from ..recording import schema
+from ..recording.schema import Malformed
 
 MAX_COLUMNS = 200  # step bins: fewer than 2 * MAX_COLUMNS (400) columns, each a power-of-two run of steps
 TOP = 10

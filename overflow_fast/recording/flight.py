@@ -7,7 +7,7 @@ frames of other steps wait until the step ends, and are written only if the step
 is the trainer's optimizer step where the detector knows it (``set_step``), else its batch number.
 The rows are the ones the detector already read: no extra host sync."""
 
-from . import distributed
+from .. import distributed
 from .dashboards import Dashboard, is_dashboard
 from .recorder import Recorder, detection_record, frame_records
 

@@ -1,15 +1,15 @@
 """What one hook call records: its entries (parameters, inputs, outputs) in the reference's order and
 naming, and, once read, a frame of raw statistics rows. Text is built only when printed
-(``report.frame_text``)."""
+(``text.frame_text``)."""
 
 import dataclasses
 
 import torch
 
-from . import report
-from .report import NONE, NOT_A_TENSOR, TENSOR, UNREADABLE
-from .stats import unreadable_reason
-from .stats.kinds import PLAIN_TYPES, SUPPORTED_DTYPES
+from . import text
+from .text import NONE, NOT_A_TENSOR, TENSOR, UNREADABLE
+from ..stats import unreadable_reason
+from ..stats.kinds import PLAIN_TYPES, SUPPORTED_DTYPES
 
 FORWARD, BACKWARD = "forward", "backward"
 graph_task_id = torch._C._current_graph_task_id  # the backward pass running on this thread; -1 outside one
@@ -39,7 +39,7 @@ class Frame:
                 for kind, ctx, payload in self.entries if kind == TENSOR]
 
     def __str__(self):
-        return report.frame_text(self)
+        return text.frame_text(self)
 
     def mark_bad_shards(self, index, ranks):
         """The DTensor at row ``index`` holds a nan/inf in the shards of these ranks."""

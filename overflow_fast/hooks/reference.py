@@ -9,7 +9,7 @@ frame's rows are on the host, in hook order.
 
 import collections
 
-from . import report
+from . import text
 from .frames import FORWARD
 
 
@@ -64,7 +64,7 @@ class ReferenceState:
         if call.trace_mode:
             self.frames.clear()
         if call.first_call:
-            self.frame.extend(report.batch_start_lines(call.batch_before))
+            self.frame.extend(text.batch_start_lines(call.batch_before))
 
     def save(self, frame):
         """Keep ``frame`` in the ring; a forward frame takes the waiting lines as its lead."""
@@ -75,7 +75,7 @@ class ReferenceState:
     def close(self, call):
         """After a call's frame is saved: the model's own frame opens the next batch."""
         if call.last_frame_of_batch:
-            self.frame.extend(report.batch_start_lines(call.batch_after))
+            self.frame.extend(text.batch_start_lines(call.batch_after))
 
     def drop(self, phase):
         """``save`` of a frame the ring would push out before anyone reads it: only its lead goes."""

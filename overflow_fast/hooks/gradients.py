@@ -13,7 +13,7 @@ import weakref
 import torch
 
 from .frames import own_parameters
-from .report import TENSOR
+from .text import TENSOR
 
 
 class GradientHooks:

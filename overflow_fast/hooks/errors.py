@@ -1,7 +1,7 @@
 """The errors a detection raises: the reference's ValueError, carrying what was detected as data."""
 
-from . import distributed
-from .report import OVERFLOW_ERROR
+from .. import distributed
+from .text import OVERFLOW_ERROR
 
 
 def say(text):

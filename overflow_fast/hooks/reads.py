@@ -25,13 +25,13 @@ import warnings
 
 import torch
 
-from . import distributed
+from .. import distributed
 from .frames import FORWARD
-from .stats import tensor_stats
-from .stats.dispatch import per_hook_reader
-from .stats.cpu_backend import extension
-from .stats.kinds import PLAIN_TYPES, is_zero3_released, short_reason
-from .stats.layout import NAN, NEGINF, NUM_COLUMNS, POSINF, host_bytes
+from ..stats import tensor_stats
+from ..stats.dispatch import per_hook_reader
+from ..stats.cpu_backend import extension
+from ..stats.kinds import PLAIN_TYPES, is_zero3_released, short_reason
+from ..stats.layout import NAN, NEGINF, NUM_COLUMNS, POSINF, host_bytes
 
 # CPU tensors count as an accelerator's for every decision that depends on the device (deferral):
 # the accelerators' path, testable without one.

@@ -3,14 +3,11 @@
 Nothing here runs a torch kernel: it formats host rows (see ``stats.layout``) and frame records.
 """
 
-from .stats.layout import NAN, NEGINF, NUMEL, POSINF, decode_row
+from ..recording.schema import NONE, NOT_A_TENSOR, TENSOR, UNREADABLE  # noqa: F401 - the entry kinds
+from ..stats.layout import NAN, NEGINF, NUMEL, POSINF, decode_row
 
 PREFIX = " " * 17
 COLUMN_HEADER = f"{'abs min':8} {'abs max':8} metadata"
-
-# What a frame entry holds: a tensor's statistics row, None, another object, or a tensor the
-# engine cannot read (the reference would crash on it).
-TENSOR, NONE, NOT_A_TENSOR, UNREADABLE = range(4)
 
 
 def tensor_line(row, dtype, ctx: str) -> str:

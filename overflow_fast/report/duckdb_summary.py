@@ -36,9 +36,20 @@ import duckdb
 if tuple(int(part) for part in duckdb.__version__.split(".")[:2] if part.isdigit()) < (1, 3):
     raise ImportError(f"DuckDB {duckdb.__version__} is too old for the report (1.3 or newer)")
 
-from . import schema
-from .logsummary import (INTEGER, OPTIMIZER, POSITION_BITS, ZERO, BadFile, LogFile, intact, line_starts,
-                         parse_line, read_file, read_lines_at)
+from ..recording import schema
+from .summary import (
+    INTEGER,
+    OPTIMIZER,
+    POSITION_BITS,
+    ZERO,
+    BadFile,
+    LogFile,
+    intact,
+    line_starts,
+    parse_line,
+    read_file,
+    read_lines_at,
+)
 
 MAX_RECHECK = 10_000  # rows of one file handed back to the plain reader
 # what a file DuckDB cannot read raises (a line over its limit, bytes it cannot decode, memory);

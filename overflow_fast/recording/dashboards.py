@@ -12,8 +12,8 @@ import math
 
 import torch
 
-from .report import TENSOR
-from .stats.layout import NUMEL, SUBNORMAL, decode_row, holds_nonfinite
+from .schema import TENSOR
+from ..stats.layout import NUMEL, SUBNORMAL, decode_row, holds_nonfinite
 
 HEADROOM = "overflow_fast/headroom_bits/"
 SUBNORMAL_FRACTION = "overflow_fast/subnormal_frac/"

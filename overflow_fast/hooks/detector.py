@@ -18,21 +18,21 @@ import warnings
 import torch
 from torch.compiler import is_compiling
 
-from . import report
+from . import text
 from .decisions import NO_ROWS, Decisions
 from .errors import OverflowDetected, OverflowDetectedOnRanks, say  # noqa: F401 - the package's names
 from .culprit import CallInputs, autocast_state
-from .flight import StepLog
+from ..recording.flight import StepLog
 from .frames import BACKWARD, FORWARD, entries_of, forward_items, graph_task_id, transform_level
 from .gradients import GradientHooks
 from .options import DEFAULT_BUFFER_ROWS, DEFAULT_DEFER_BYTES, DEFAULT_MAX_SKIPS, Options
 from .passes import Passes
 from .policy import Policy
 from .reference import ReferenceState
-from .report import NONE, NOT_A_TENSOR, UNREADABLE
-from .stats import tensor_stats, unreadable_reason
-from .stats.dispatch import backend_status, requested_backend
-from .stats.layout import holds_nonfinite
+from .text import NONE, NOT_A_TENSOR, UNREADABLE
+from ..stats import tensor_stats, unreadable_reason
+from ..stats.dispatch import backend_status, requested_backend
+from ..stats.layout import holds_nonfinite
 
 
 
@@ -65,7 +65,7 @@ class DebugUnderflowOverflow:
         # the reference's attributes
         self.trace_batch_nums = options.trace_batch_nums
         self.abort_after_batch_num = options.abort_after_batch_num
-        self.prefix = report.PREFIX
+        self.prefix = text.PREFIX
         # the options' as attributes, as they always were
         self.check = options.check
         self.backend = _usable_backend(options.backend)
@@ -124,7 +124,7 @@ class DebugUnderflowOverflow:
         self.frames.clear()
 
     def dump_saved_frames(self, during=None):
-        say(report.dump_text(self.batch_number, self.frames, during))
+        say(text.dump_text(self.batch_number, self.frames, during))
         self.frames.clear()
 
     def analyse_model(self):
@@ -136,23 +136,23 @@ class DebugUnderflowOverflow:
         if isinstance(var, torch.Tensor):
             row = _row_of(var, "analyse_variable")  # one read serves the line and the check
             if isinstance(row, str):
-                self.expand_frame(report.entry_line(UNREADABLE, ctx, row))
+                self.expand_frame(text.entry_line(UNREADABLE, ctx, row))
                 return
-            self.expand_frame(report.tensor_line(row, var.dtype, ctx))
-            for line in report.overflow_lines(row, ctx):
+            self.expand_frame(text.tensor_line(row, var.dtype, ctx))
+            for line in text.overflow_lines(row, ctx):
                 say(line)
             if holds_nonfinite(row):
                 self.detected_overflow = True
         elif var is None:
-            self.expand_frame(report.entry_line(NONE, ctx, None))
+            self.expand_frame(text.entry_line(NONE, ctx, None))
         else:
-            self.expand_frame(report.entry_line(NOT_A_TENSOR, ctx, None))
+            self.expand_frame(text.entry_line(NOT_A_TENSOR, ctx, None))
 
     def batch_start_frame(self):
-        self.frame.extend(report.batch_start_lines(self.batch_number))
+        self.frame.extend(text.batch_start_lines(self.batch_number))
 
     def batch_end_frame(self):
-        self.expand_frame(report.batch_end_line(self.batch_number - 1))
+        self.expand_frame(text.batch_end_line(self.batch_number - 1))
 
     def create_frame(self, module, input, output):
         """Build, check and save the frame of one hook call right away (one host read)."""
@@ -329,7 +329,7 @@ class DebugUnderflowOverflow:
             run.decide_when_backward_ends()
         if self._abort_after is not None and self.batch_number > self._abort_after:
             run.flush(current)
-            raise ValueError(report.abort_error(self.batch_number, self.abort_after_batch_num))
+            raise ValueError(text.abort_error(self.batch_number, self.abort_after_batch_num))
 
     def _kept_gradient(self, tensor_id, grad):
         """find_op: the gradient arriving at a forward output (its id), kept for the backward's replay."""
@@ -414,8 +414,8 @@ def get_abs_min_max(var, ctx):
             abs_var = var.abs()
             return f"{abs_var.min():8.2e} {abs_var.max():8.2e} {ctx}"
         except Exception:
-            return report.entry_line(UNREADABLE, ctx, row)
-    return report.tensor_line(row, var.dtype, ctx)
+            return text.entry_line(UNREADABLE, ctx, row)
+    return text.tensor_line(row, var.dtype, ctx)
 
 
 def detect_overflow(var, ctx):
@@ -429,7 +429,7 @@ def detect_overflow(var, ctx):
             return False
         lines = ([f"{ctx} has nans"] if has_nans else []) + ([f"{ctx} has infs"] if has_infs else [])
     else:
-        lines = report.overflow_lines(row, ctx)
+        lines = text.overflow_lines(row, ctx)
     for line in lines:
         say(line)
     return bool(lines)

@@ -20,7 +20,8 @@ import warnings
 
 import torch
 
-from . import culprit, distributed
+from . import culprit
+from .. import distributed
 from .compiled import Traced
 from .decisions import NO_ROWS, Pending
 from .errors import OverflowDetected, OverflowDetectedOnRanks, overflow_error

@@ -48,7 +48,7 @@ NOT_REPRODUCED = "not reproduced on replay (no op made a nan/inf from finite inp
 ALREADY_IN = "not reproduced on replay (the nan/inf was already in"
 
 _TORCH_DIR = os.path.dirname(os.path.realpath(torch.__file__)) + os.sep
-_PACKAGE_DIR = os.path.dirname(os.path.realpath(__file__)) + os.sep
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.realpath(__file__))) + os.sep  # overflow_fast/
 _THIS_FILE = os.path.realpath(__file__)
 
 _MODULE_HOOKS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
@@ -650,7 +650,7 @@ def write_repro(directory, rank, step, module, args, kwargs, grad_outputs, detec
     (``call_state()`` at the call; None: now), the versions of torch and of this package, and the
     detection dict. Returns the path; raises ``ReproError`` naming it when it cannot be written
     (nothing half-written is left)."""
-    from . import __version__
+    from .. import __version__
 
     path = repro_path(directory, rank, step)
     partial = f"{path}.{os.getpid()}.partial"

@@ -11,7 +11,7 @@ import torch
 
 from .decisions import NO_ROWS, Pending
 from .frames import FORWARD, entries_of, forward_items
-from .stats import tensor_stats
+from ..stats import tensor_stats
 
 
 class Traced:

@@ -67,7 +67,8 @@ import weakref
 import torch
 
 from . import schema
-from .stats.layout import decode_row, is_integer_dtype
+from .schema import TENSOR
+from ..stats.layout import decode_row, is_integer_dtype
 
 try:
     import fcntl
@@ -154,8 +155,6 @@ def entry_record(step, phase, call, module, class_name, ctx, dtype, row, rank=No
 def frame_records(step, phase, call, frame, rank=None, global_step=None, mode=None):
     """The entry records of one ``frames.Frame`` whose ``rows`` are host rows: one per tensor
     entry (``None``, non-tensor and unreadable entries have no statistics and no record)."""
-    from .report import TENSOR  # no import cycle at module load
-
     return [
         entry_record(step, phase, call, frame.module_name, frame.class_name, ctx,
                      frame.dtypes[payload], frame.rows[payload], rank, global_step, mode)

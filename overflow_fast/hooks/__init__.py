@@ -1,0 +1,1 @@
+"""The hook layer: the detector's face, its hooks, and what they decide."""

@@ -1,0 +1,1 @@
+"""The flight recorder: its records, their one schema, the writer and the sinks."""

@@ -1,0 +1,1 @@
+"""The ``overflow-fast report`` command: reading logs, the summary, its text, the picture."""

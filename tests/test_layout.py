@@ -1,0 +1,51 @@
+"""The package's folders are its architecture: imports flow one way, and few modules sit at the top."""
+
+import ast
+import os
+
+import pytest
+
+PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "overflow_fast")
+
+# what each folder may import from the rest of the package
+ALLOWED = {
+    "stats": set(),
+    "distributed": {"stats"},
+    "recording": {"stats", "distributed"},
+    "hooks": {"stats", "distributed", "recording"},
+    "report": {"recording"},
+}
+
+
+def imported_folders(path, folder):
+    """The package's top-level folders or modules that the file at ``path`` imports (any depth)."""
+    tree = ast.parse(open(path).read())
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                if node.level == 1:
+                    continue  # its own folder
+                parts = (node.module or "").split(".")
+                names = [parts[0]] if parts[0] else [alias.name for alias in node.names]
+            elif (node.module or "").startswith("overflow_fast."):
+                names = [node.module.split(".")[1]]
+            else:
+                continue
+            found.update(names)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name.split(".")[1] for alias in node.names if alias.name.startswith("overflow_fast."))
+    return found - {folder}
+
+
+@pytest.mark.parametrize("folder", sorted(ALLOWED))
+def test_imports_flow_one_way(folder):
+    for name in sorted(os.listdir(os.path.join(PACKAGE, folder))):
+        if name.endswith(".py"):
+            used = imported_folders(os.path.join(PACKAGE, folder, name), folder) - {"__version__"}
+            assert used <= ALLOWED[folder], f"{folder}/{name} imports {sorted(used - ALLOWED[folder])}"
+
+
+def test_at_most_ten_modules_at_the_top():
+    modules = [name for name in os.listdir(PACKAGE) if name.endswith(".py")]
+    assert len(modules) <= 10, sorted(modules)
