@@ -9,7 +9,7 @@ import torch
 
 from oracle import ALL_DTYPES, random_bits, reference_stats, same_stats, special_values
 from overflow_fast import tensor_stats
-from overflow_fast.stats.layout import decode_row, host_bytes, is_integer_dtype, merge_rows, merge_rows_tensor
+from overflow_fast.stats.layout import decode_row, is_integer_dtype, merge_rows, merge_rows_tensor
 
 # -- merge_rows: exact, every dtype, special values, empty shards --------------------------------
 
@@ -192,37 +192,31 @@ class _Group:
         return _Work(self.timeouts)
 
 
-def _two_rank_agreement(group):
+def _two_rank_agreement(group, store):
     """Rank 0 of a 2-rank Agreement on an in-process store and a fake group (the races of a
     rank giving up while another completes, which real ranks cannot time reliably)."""
-    import torch.distributed as dist
-
-    agreement = distributed.Agreement(timeout=datetime.timedelta(seconds=10))
-    agreement.ranks, agreement.rank, agreement._index = [0, 1], 0, 0
-    agreement._wait = datetime.timedelta(seconds=10)
-    agreement._store = dist.HashStore()
-    agreement._process_group = group
-    rows = torch.zeros((2, 4), dtype=torch.int64)
-    agreement._rows = (rows, host_bytes(rows))
-    return agreement
+    return distributed.Agreement.over(group, store, [0, 1], 0, datetime.timedelta(seconds=10))
 
 
 def test_agreement_given_up_as_a_peer_completes_it():
+    import torch.distributed as dist
+
     now_ms = time.time_ns() // 1_000_000
     # rank 0's wait ran out, but rank 1 had completed the agreement and said so: rank 0 takes it
-    agreement = _two_rank_agreement(_Group([1, 1, now_ms, 10_000], timeouts=1))
-    agreement._store.set("verdict/1", "done")
+    store = dist.HashStore()
+    agreement = _two_rank_agreement(_Group([1, 1, now_ms, 10_000], timeouts=1), store)
+    store.set("verdict/1", "done")
     assert agreement.agree(False) == [1]
     # rank 1 started 8 s ago: rank 0, completing now, settles with it; rank 1 had given up
-    agreement = _two_rank_agreement(_Group([1, 1, now_ms - 8_000, 10_000]))
-    agreement._store.set("verdict/1", "abandoned: rank 1 gave up agreement 1 after waiting 10.00 s for rank(s) 0")
+    store = dist.HashStore()
+    agreement = _two_rank_agreement(_Group([1, 1, now_ms - 8_000, 10_000]), store)
+    store.set("verdict/1", "abandoned: rank 1 gave up agreement 1 after waiting 10.00 s for rank(s) 0")
     with pytest.raises(distributed.AgreementError, match="completed only after rank 1 gave up"):
         agreement.agree(True)
     with pytest.raises(distributed.AgreementError, match="unusable"):
         agreement.agree(True)
     # a timely peer: no store access at all
-    agreement = _two_rank_agreement(_Group([1, 0, now_ms, 10_000]))
-    agreement._store = None
+    agreement = _two_rank_agreement(_Group([1, 0, now_ms, 10_000]), None)
     assert agreement.agree(True) == [0]
     with pytest.raises(ValueError, match="not above"):
         agreement.agree(True, seq=1)

@@ -209,6 +209,24 @@ class Agreement:
         rows = torch.zeros((len(self.ranks), 4), dtype=torch.int64)
         self._rows = (rows, host_bytes(rows))
 
+    @classmethod
+    def over(cls, process_group, store, ranks, rank, timeout):
+        """This rank's Agreement among ``ranks`` over a process group and a store made by the
+        caller (anything with gloo's ``allreduce`` and a store's ``set``/``get``/``check``), without
+        the handshake: how a test runs the races of several ranks in one process."""
+        agreement = cls.__new__(cls)
+        agreement.timeout = agreement._wait = _as_timedelta(timeout)
+        agreement.seq = 0
+        agreement.broken = None
+        agreement._lock = threading.Lock()
+        agreement.ranks, agreement.rank = list(ranks), rank
+        agreement._index = agreement.ranks.index(rank)
+        agreement._name = f"the Agreement of ranks {_ranks_text(agreement.ranks)}"
+        agreement._store, agreement._process_group = store, process_group
+        rows = torch.zeros((len(agreement.ranks), 4), dtype=torch.int64)
+        agreement._rows = (rows, host_bytes(rows))
+        return agreement
+
     # -- creation ------------------------------------------------------------------------------
 
     def _handshake(self):

@@ -26,7 +26,7 @@ import warnings
 import torch
 
 from .. import distributed
-from .frames import FORWARD
+from .frames import FORWARD, graph_task_id
 from ..stats import tensor_stats
 from ..stats.dispatch import per_hook_reader
 from ..stats.cpu_backend import extension
@@ -43,14 +43,12 @@ DEFAULT_DEFER_BYTES = 256 << 20
 CHANGED_AFTER_HOOK = ("changed after this hook (in place, or its memory freed or swapped) before its deferred "
                       "read; read in its hook from now on")
 
-_graph_task_id = torch._C._current_graph_task_id  # -1 outside a backward pass
-
 
 def may_wait(defer, phase, trace_mode, tensors):
     """Whether a hook's tensors may be read later than in the hook: only with ``defer``, in a forward
     hook outside backward and inference mode (tensors without version counters can never be shown
     unchanged), on an accelerator. The core then lets wait only the call sites seen unchanged."""
-    return (defer and phase == FORWARD and not trace_mode and _graph_task_id() == -1
+    return (defer and phase == FORWARD and not trace_mode and graph_task_id() == -1
             and not torch.is_inference_mode_enabled() and (CPU_AS_DEVICE or not tensors[0].is_cpu))
 
 
