@@ -12,6 +12,8 @@ Every figure is the median of repeated runs; GB/s counts each tensor's bytes onc
     .venv/bin/python benchmarks/bench_cpu_kernel.py --complex    complex64/complex128 only
     .venv/bin/python benchmarks/bench_cpu_kernel.py --vs-sum     kernel / x.sum() per dtype, size, kernel build
     .venv/bin/python benchmarks/bench_cpu_kernel.py --vs-sum --only float8   the cases whose name holds "float8"
+    .venv/bin/python benchmarks/bench_cpu_kernel.py --public     tensor_stats([x]) and _C.compute([x]) / x.sum()
+    .venv/bin/python benchmarks/bench_cpu_kernel.py --torch-vs-ref   the torch backend / the reference's ops
 
 ``--vs-sum``: the kernel alone (``_C.compute([x])``, no host copy of the rows) against ``x.sum()``
 on the same tensor with the same threads, per dtype at 256 KB (in cache) and 64 MB (out of cache),
@@ -26,7 +28,10 @@ import time
 
 import torch
 
-from overflow_fast.stats import cpu_backend, torch_backend
+from overflow_fast.stats import cpu_backend, tensor_stats, torch_backend
+
+sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.abspath(__file__)))
+import _results  # noqa: E402
 
 
 def reference_sequence(tensors):
@@ -127,11 +132,19 @@ def main():
                         help="complex64 and complex128 tensors (the kernel's scalar path) instead")
     parser.add_argument("--vs-sum", action="store_true",
                         help="kernel / x.sum() per dtype and size (256 KB, 64 MB), per kernel build, instead")
+    parser.add_argument("--public", action="store_true",
+                        help="the public tensor_stats([x]) and the raw kernel against x.sum() on 16M fp32/bf16")
+    parser.add_argument("--torch-vs-ref", action="store_true",
+                        help="the torch backend against the reference's ops: 16M fp32, 300 mixed tensors")
     parser.add_argument("--only", default=None, help="--vs-sum: only the cases whose name holds this text")
     parser.add_argument("--csv", default=None, help="append machine-readable rows to this CSV")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    print(_results.machine_line(), flush=True)
+    if args.torch_vs_ref:
+        torch_vs_ref(3 if args.quick else args.repeats, args.csv)
+        return
     reason = cpu_backend.unavailable_reason()
     if reason is not None:
         raise SystemExit(f"the cpu backend is unavailable: {reason}")
@@ -139,6 +152,9 @@ def main():
     generator = torch.Generator().manual_seed(0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, kernel {cpu_backend._C.capability()}, "
           f"medians of {repeats} interleaved runs")
+    if args.public:
+        public_vs_sum(repeats, args.csv)
+        return
     if args.vs_sum:
         vs_sum(repeats, args.quick, args.csv, args.only)
         return
@@ -288,6 +304,69 @@ def vs_sum(repeats, quick, csv_path, only=None):
     finally:
         cpu_backend._C.set_capability(previous)
     _write_csv(csv_path, "cpu_kernel_vs_sum", out)
+
+
+def _public(x):
+    tensor_stats([x]).host_rows()
+
+
+def _raw(x):
+    cpu_backend._C.compute([x])
+
+
+def public_vs_sum(repeats, csv_path):
+    """The public path (``tensor_stats([x]).host_rows()``: dispatch, the output, the host copy)
+    and the raw kernel against the same ``x.sum()``, calls taking turns; 16M elements."""
+    generator = torch.Generator().manual_seed(0)
+    print(f"public = tensor_stats([x]).host_rows(); raw = _C.compute([x]); sum = x.sum(); ratio = / sum; "
+          f"medians of single calls taking turns, {repeats} rounds; 16M elements")
+    header = f"{'case':<22}{'public us':>11}{'ratio':>8}{'raw us':>11}{'ratio':>8}{'sum us':>11}"
+    print(header)
+    print("-" * len(header))
+    out = []
+    for label, make in (("float32", _randn(torch.float32)), ("float32 1/97 zero", _every97(torch.float32)),
+                        ("bfloat16", _randn(torch.bfloat16)), ("bfloat16 1/97 zero", _every97(torch.bfloat16))):
+        x = make(1 << 24, generator)
+        samples = {"public": [], "raw": [], "sum": []}
+        for _ in range(repeats):
+            for name, values in alternating_calls({"public": _public, "raw": _raw, "sum": _sum}, x, 0.3).items():
+                samples[name] += values
+        t = {name: statistics.median(values) for name, values in samples.items()}
+        print(f"{label:<22}{t['public'] * 1e6:>11.1f}{t['public'] / t['sum']:>7.2f}x{t['raw'] * 1e6:>11.1f}"
+              f"{t['raw'] / t['sum']:>7.2f}x{t['sum'] * 1e6:>11.1f}", flush=True)
+        out += [(f"{label} 16M: public / sum", t["public"] / t["sum"], "x"),
+                (f"{label} 16M: raw / sum", t["raw"] / t["sum"], "x"),
+                (f"{label} 16M: sum", t["sum"] * 1e6, "us")]
+    _write_csv(csv_path, "cpu_kernel_public_vs_sum", out)
+
+
+def _torch_rows(tensors):
+    torch_backend.compute(tensors).tolist()
+
+
+def torch_vs_ref(repeats, csv_path):
+    """The torch backend (its rows on the host) against the reference's op sequence, interleaved."""
+    generator = torch.Generator().manual_seed(0)
+    methods = {"ref": reference_sequence, "torch": _torch_rows}
+    print(f"ref = the reference's ops per tensor (abs, min, max, isnan().any(), isinf().any()); torch = "
+          f"torch_backend.compute(tensors).tolist(); medians of {repeats} interleaved runs")
+    header = f"{'case':<26}{'ref us':>12}{'torch us':>12}{'torch/ref':>11}"
+    print(header)
+    print("-" * len(header))
+    cases = [("float32 16M", [realistic(1 << 24, torch.float32, generator)]),
+             ("float32 16M relu", [torch.randn(1 << 24, generator=generator).relu_()]),
+             ("300 mixed (256..270K)", mixed_model(generator))]
+    out = []
+    for label, tensors in cases:
+        samples = {name: [] for name in methods}
+        for _ in range(repeats):
+            for name, fn in methods.items():
+                samples[name].append(median_seconds(fn, tensors, 1, min_time=0.1))
+        t = {name: statistics.median(values) for name, values in samples.items()}
+        print(f"{label:<26}{t['ref'] * 1e6:>12.1f}{t['torch'] * 1e6:>12.1f}{t['torch'] / t['ref']:>10.2f}x", flush=True)
+        out += [(f"{label}: ref", t["ref"] * 1e6, "us"), (f"{label}: torch", t["torch"] * 1e6, "us"),
+                (f"{label}: torch / ref", t["torch"] / t["ref"], "x")]
+    _write_csv(csv_path, "torch_backend_vs_ref", out)
 
 
 def csv_rows(rows):

@@ -180,3 +180,30 @@ def test_complex_by_parts_and_magnitude_without_overflow():
     (stats,) = tensor_stats([half], backend="torch").tolist()
     assert stats["posinf"] == 0 and stats["subnormal"] == 1 and stats["abs_max"] == math.hypot(65504.0, 65504.0)
     oracle.assert_stats_equal([stats], [half])
+
+
+@pytest.mark.parametrize("dtype", oracle.FLOAT_DTYPES, ids=str)
+def test_cpu_early_exit_matches_the_full_count(dtype):
+    # On the CPU the torch backend reads abs-min/abs-max first and skips the counts they decide:
+    # every combination of the branches (inf or not, zero or not, subnormal or not, NaN) against
+    # the oracle and, bit for bit, against the path that counts everything.
+    from overflow_fast.stats import torch_backend
+
+    values = oracle.special_values(dtype)
+    generator = torch.Generator().manual_seed(7)
+    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[values.element_size()]
+
+    def cat(parts):  # through same-width integers: float8 has no CPU cat or flip
+        return torch.cat([p.view(width) for p in parts]).view(dtype)
+
+    nan = torch.isnan(values.float())
+    others = values[~nan]  # every subset of the values but NaN: all the branches
+    tensors = [others[[i for i in range(others.numel()) if mask >> i & 1]] for mask in range(1, 1 << others.numel())]
+    tensors += [cat([values, values]).view(width).flip(0).view(dtype), torch.zeros(5, dtype=dtype),
+                oracle.random_bits(dtype, (4, 9), generator)[:, ::2]]
+    nonan = [t for t in tensors if not torch.isnan(t.float()).any()]
+    tensors += [cat([t, values[nan]]) for t in nonan[::37]]  # with NaN
+    got = torch_backend.compute(tensors)
+    full = torch.stack([torch_backend._row(t) for t in tensors])
+    assert torch.equal(got, full)
+    oracle.assert_stats_equal(tensor_stats(tensors, backend="torch").tolist(), tensors, str(dtype))

@@ -44,6 +44,17 @@ def _check(module):
     return None
 
 
+def _fallback_message(reason):
+    """The one warning: why, what it costs (benchmarks/bench_no_compiler.py against the same run
+    with the kernel), and the fix for how the package was installed, unless the reason has it."""
+    fix = cpu_build._fix_hint()
+    return (f"overflow_fast: the 'cpu' backend is unavailable ({reason}); falling back to the slower "
+            "'torch' backend: same numbers, but a watch() or DebugUnderflowOverflow training step "
+            "costs about twice its overhead with the kernel (watch() on a small GPT-2: about the "
+            "reference's overhead, against 0.45x with it)"
+            + ("" if fix in reason else f"; to have the kernel, {fix}"))
+
+
 def _ensure():
     global _state, _compute
     if _state is None:
@@ -57,8 +68,7 @@ def _ensure():
                 else:
                     # Warned here, once, whoever asked first: the detector's hooks and the Triton
                     # table lose their C++ loops too, not only dispatch's CPU tensors.
-                    warnings.warn(f"overflow_fast: the 'cpu' backend is unavailable ({reason}); falling "
-                                  "back to the slower 'torch' backend", RuntimeWarning, stacklevel=3)
+                    warnings.warn(_fallback_message(reason), RuntimeWarning, stacklevel=3)
                 _state = (module, reason, details)
     return _state
 

@@ -1,8 +1,13 @@
-"""The portable backend: statistics from stock PyTorch ops, no host sync, any device.
+"""The portable backend: statistics from stock PyTorch ops, no host sync on accelerators, any device.
 
 It takes several passes per tensor (PyTorch has no fused abs-min/abs-max/count reduction), so
-it is the fallback and the twin of the test oracle, not the fast path.
+it is the fallback and the twin of the test oracle, not the fast path. On the CPU, where reading
+a result waits for nothing, a floating tensor's abs-min and abs-max are read first and only the
+counts they leave open are computed: most tensors take abs() and one aminmax, no more passes
+than the reference's ``abs().min()``, ``abs().max()``, ``isnan().any()``, ``isinf().any()``.
 """
+
+import struct
 
 import torch
 
@@ -105,6 +110,42 @@ def _magnitude(re: torch.Tensor, im: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isinf(re) | torch.isinf(im), torch.inf, m)
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_INF = float("inf")
+_pack_double = struct.Struct("<d").pack
+_unpack_int64 = struct.Struct("<q").unpack
+
+
+def _bits(value: float) -> int:
+    return _unpack_int64(_pack_double(value))[0]
+
+
+def _cpu_float_row(x: torch.Tensor):
+    """The row of a plain, non-empty real floating CPU tensor as 8 Python ints, with the counts
+    that abs-min and abs-max already decide left out; None when abs-max is NaN (the general
+    path then counts everything: NaN hides both extremes)."""
+    dtype = x.dtype
+    if dtype in _FLOAT8:
+        x = x.to(torch.float32)  # exact widening; fp8 has few native reductions
+    a = x.abs()
+    abs_min, abs_max = (v.item() for v in torch.aminmax(a))
+    if abs_max != abs_max:
+        return None
+    numel = x.numel()
+    nans = 0
+    posinf = neginf = 0
+    if abs_max == _INF:  # no NaN (it would have made abs-max NaN), some infinities
+        posinf = int(torch.count_nonzero(x == _INF))
+        neginf = int(torch.count_nonzero(x == -_INF))
+    zeros = subnormal = 0
+    tiny = SMALLEST_NORMAL[dtype]
+    if abs_min < tiny:  # else every |x| is normal or inf: no zero, no subnormal
+        zeros = numel - int(torch.count_nonzero(a)) if abs_min == 0 else 0
+        if abs_max > 0:  # all zeros: no subnormal either
+            subnormal = int(torch.count_nonzero(a < tiny)) - zeros
+    return [_bits(abs_min), _bits(abs_max), nans, posinf, neginf, zeros, subnormal, numel]
+
+
 def _row(x: torch.Tensor) -> torch.Tensor:
     device = x.device
     zero_count = torch.zeros((), dtype=torch.int64, device=device)
@@ -177,6 +218,32 @@ def _row(x: torch.Tensor) -> torch.Tensor:
     return torch.stack([abs_min, abs_max, zero_count, zero_count, zero_count, zeros, zero_count, numel])
 
 
+def _host_row(x: torch.Tensor):
+    """A CPU tensor's row as Python ints where the early-exit path takes it, else None."""
+    if (x.device.type == "cpu" and type(x) in _PLAIN and x.dtype.is_floating_point and x.numel()
+            and x.layout is torch.strided):
+        return _cpu_float_row(x)
+    return None
+
+
 def compute(tensors, out=None) -> torch.Tensor:
-    """Statistics rows, ``[len(tensors), 8]`` int64 on the tensors' (common) device (into ``out``)."""
-    return torch.stack([_row(t.detach()) for t in tensors], out=out)
+    """Statistics rows, ``[len(tensors), 8]`` int64 on the tensors' (common) device (into ``out``).
+
+    On accelerators every row stays on the device (no sync); CPU floating rows come through
+    ``_cpu_float_row``, the others through ``_row``."""
+    rows = []
+    on_host = True
+    for t in tensors:
+        t = t.detach()
+        row = _host_row(t)
+        if row is None:
+            on_host = False
+            row = _row(t)
+        rows.append(row)
+    if on_host and rows:
+        values = torch.tensor(rows, dtype=torch.int64)
+        return values if out is None else out.copy_(values)
+    device = next((r.device for r in rows if isinstance(r, torch.Tensor)), None)
+    rows = [torch.tensor(r, dtype=torch.int64, device=device) if not isinstance(r, torch.Tensor) else r
+            for r in rows]
+    return torch.stack(rows, out=out)
