@@ -168,7 +168,7 @@ def main():
                     f"{str(dtype).replace('torch.', '')} {numel >> 20}M"
                 rows.append(row(label, [x], repeats))
         print_table(rows)
-        _write_csv(args.csv, "cpu_kernel_complex", csv_rows(rows))
+        _results.write_rows(args.csv, "cpu_kernel_complex", csv_rows(rows))
         return
     sizes = (4096, 65536, 1 << 20, 1 << 24) if not args.quick else (4096, 1 << 24)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
@@ -179,7 +179,7 @@ def main():
             rows.append(row(label, [x], repeats))
     rows.append(row("300 mixed (256..270K)", mixed_model(generator), repeats))
     print_table(rows)
-    _write_csv(args.csv, "cpu_kernel", csv_rows(rows))
+    _results.write_rows(args.csv, "cpu_kernel", csv_rows(rows))
 
 
 # name -> (dtype, maker(numel, generator)); the values the kernel meets in a model's tensors
@@ -303,7 +303,7 @@ def vs_sum(repeats, quick, csv_path, only=None):
                 del x
     finally:
         cpu_backend._C.set_capability(previous)
-    _write_csv(csv_path, "cpu_kernel_vs_sum", out)
+    _results.write_rows(csv_path, "cpu_kernel_vs_sum", out)
 
 
 def _public(x):
@@ -337,7 +337,7 @@ def public_vs_sum(repeats, csv_path):
         out += [(f"{label} 16M: public / sum", t["public"] / t["sum"], "x"),
                 (f"{label} 16M: raw / sum", t["raw"] / t["sum"], "x"),
                 (f"{label} 16M: sum", t["sum"] * 1e6, "us")]
-    _write_csv(csv_path, "cpu_kernel_public_vs_sum", out)
+    _results.write_rows(csv_path, "cpu_kernel_public_vs_sum", out)
 
 
 def _torch_rows(tensors):
@@ -366,7 +366,7 @@ def torch_vs_ref(repeats, csv_path):
         print(f"{label:<26}{t['ref'] * 1e6:>12.1f}{t['torch'] * 1e6:>12.1f}{t['torch'] / t['ref']:>10.2f}x", flush=True)
         out += [(f"{label}: ref", t["ref"] * 1e6, "us"), (f"{label}: torch", t["torch"] * 1e6, "us"),
                 (f"{label}: torch / ref", t["torch"] / t["ref"], "x")]
-    _write_csv(csv_path, "torch_backend_vs_ref", out)
+    _results.write_rows(csv_path, "torch_backend_vs_ref", out)
 
 
 def csv_rows(rows):
@@ -376,16 +376,6 @@ def csv_rows(rows):
                           ("cpu_GBs", "GB/s"), ("ref/cpu", "x"), ("cpu/sum", "x")):
             out.append((f"{r['case']}: {key.replace('_us', '').replace('_GBs', '')}", r[key], unit))
     return out
-
-
-def _write_csv(path, benchmark, rows):
-    """``--csv``: append ``(metric, value, unit)`` rows with the machine (benchmarks/_results.py)."""
-    if not path:
-        return
-    import os
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import _results
-    _results.write_rows(path, benchmark, rows)
 
 
 if __name__ == "__main__":
