@@ -140,9 +140,9 @@ def _keep_over(heat, label):
 
 
 def draw(summary, path, size=None, curves=5, title_source=""):
-    """Write the picture of ``summary`` (a ``logsummary.Summary``) to ``path``; returns (width, height) px."""
+    """Write the picture of ``summary`` (a ``summary.Summary``) to ``path``; returns (width, height) px."""
     picture = Picture(summary, curves)
-    modules, width = picture.modules, picture.width
+    modules = picture.modules
     rows = len(modules)
     grid = np.array([[np.nan if v is None else v for v in row] for row in picture.values], dtype=float)
     grid = grid.reshape(rows, len(picture.columns))
@@ -169,7 +169,28 @@ def draw(summary, path, size=None, curves=5, title_source=""):
     curve_ax = axes.pop(0) if hottest else None
     under_ax = axes.pop(0) if underflow else None
 
-    # -- the heatmap: layers from the back (not recorded) to the front (nan/inf) --
+    (x_lo, x_hi), bar, first_label = _draw_heatmap(fig, heat, picture, summary, grid, kinds)
+    _draw_key(bar, picture, fig_w)
+    _draw_title(fig, picture, title_source, fig_w)
+    ends = []  # (axes, [(x, y, text, colour)]): labelled once the layout is known
+    if curve_ax is not None:
+        ends.append((curve_ax, _draw_curves(curve_ax, picture, hottest, grid)))
+    if under_ax is not None:
+        ends.append((under_ax, _draw_underflow(under_ax, underflow)))
+    for ax in (curve_ax, under_ax):
+        if ax is not None:
+            _finish_panel(ax, picture, (x_lo, x_hi))
+    _place_end_labels(fig, heat, first_label, ends)
+    fig.savefig(path, dpi=DPI, format="png")
+    plt.close(fig)
+    return int(round(fig_w * DPI)), int(round(fig_h * DPI))
+
+
+def _draw_heatmap(fig, heat, picture, summary, grid, kinds):
+    """The heatmap: layers from the back (not recorded) to the front (nan/inf), its axes and the
+    colour bar under it. Returns the x range, the colour bar and the first nan/inf's label."""
+    modules, width = picture.modules, picture.width
+    rows = len(modules)
     x = _edges([c * width for c in picture.columns], width) if picture.columns else [0, 1]
     x_lo, x_hi = x[0], x[-1]
     if picture.eval_x:
@@ -210,6 +231,11 @@ def draw(summary, path, size=None, curves=5, title_source=""):
                   color=EVAL_COLOR, linestyle="none", clip_on=False)
     first_label = _first_label(fig, heat, picture, (x_lo, x_hi))
 
+    return (x_lo, x_hi), bar, first_label
+
+
+def _draw_key(bar, picture, fig_w):
+    """The legend, at the colour bar's right."""
     legend = [
         patches.Patch(label="not recorded", **NOT_RECORDED_HATCH),
         patches.Patch(facecolor=ALL_ZERO_COLOR, label="all zero (floating point)"),
@@ -225,6 +251,9 @@ def draw(summary, path, size=None, curves=5, title_source=""):
     columns = max(1, min(3, int((fig_w * 0.66 - 0.6) / 2.7)))  # a column of the legend: about 2.7 inches
     bar.ax.legend(handles=legend, loc="center left", bbox_to_anchor=(1.12, 0.0), ncol=columns, fontsize=9,
                   frameon=False, handlelength=2.2, handleheight=1.2)
+
+
+def _draw_title(fig, picture, title_source, fig_w):
     title = "Headroom before overflow, per module and " + (
         "optimizer step" if picture.unit == "optimizer" else "batch")
     if title_source:
@@ -234,57 +263,62 @@ def draw(summary, path, size=None, curves=5, title_source=""):
     chars = max(40, int(fig_w * DPI / 8))  # what fits on a line at 11 points
     fig.suptitle("\n".join(textwrap.wrap(title, chars) + textwrap.wrap(explained, chars)), fontsize=11)
 
-    ends = []  # (axes, [(x, y, text, colour)]): labelled once the layout is known
+
+def _draw_curves(ax, picture, hottest, grid):
+    """The headroom curves of the modules closest to overflow; returns their end labels."""
     centres = np.array(picture.centres, dtype=float)
-    if curve_ax is not None:
-        ax = curve_ax
-        index = {name: i for i, name in enumerate(modules)}
-        labelled = []
-        for k, (name, class_name) in enumerate(hottest):
-            values = grid[index[name]]
-            keep = np.isfinite(values)
-            if not keep.any():
-                continue
-            colour = f"C{k % 10}"
-            ax.plot(centres[keep], values[keep], marker="." if keep.sum() < 60 else None, linewidth=1.6,
-                    color=colour, linestyle=LINESTYLES[k % len(LINESTYLES)])
-            last = np.flatnonzero(keep)[-1]
-            labelled.append((centres[last], values[last],
-                             f"{printable(name) if name else '(model)'} ({printable(class_name)})", colour))
-        ends.append((ax, labelled))
-        ax.axhline(0, color="red", linewidth=1, linestyle="--")
-        ax.set_ylim(bottom=-0.5)
-        ax.set_ylabel("headroom (bits)\n0 = overflow (red line)")
-        ax.set_title(f"The {len(hottest)} modules that came closest to overflow (lowest headroom), "
-                     f"labelled at their ends", fontsize=10)
-    if under_ax is not None:
-        ax = under_ax
-        labelled = []
-        for k, ((module, entry), xs, subs, zeros) in enumerate(underflow):
-            colour = f"C{(k + 5) % 10}"  # not the headroom curves' colours: other things
-            name = f"{printable(module) if module else '(model)'} {printable(entry)}"
-            xs = np.array(xs, dtype=float)
-            subs = 100 * np.array(subs, dtype=float)
-            zeros = 100 * np.array(zeros, dtype=float)
-            ax.plot(xs, subs, color=colour, linewidth=1.6, marker="." if len(xs) < 60 else None)
-            labelled.append((xs[-1], subs[-1], f"{name}: subnormal", colour))
-            if zeros.any():
-                ax.plot(xs, zeros, color=colour, linewidth=1.4, linestyle="--")
-                labelled.append((xs[-1], zeros[-1], f"{name}: zero", colour))
-        ends.append((ax, labelled))
-        ax.set_ylim(bottom=0)
-        ax.set_ylabel("% of the entry's values")
-        ax.set_title(f"Underflow hot spots: the {len(underflow)} entries with the most subnormal values — "
-                     f"fraction subnormal (solid) and zero (dashed), the largest in each column", fontsize=10)
-    for ax in (curve_ax, under_ax):
-        if ax is None:
+    index = {name: i for i, name in enumerate(picture.modules)}
+    labelled = []
+    for k, (name, class_name) in enumerate(hottest):
+        values = grid[index[name]]
+        keep = np.isfinite(values)
+        if not keep.any():
             continue
-        ax.set_xlim(x_lo, x_hi)
-        ax.set_xlabel(picture.xlabel.split(";")[0])
-        ax.grid(True, alpha=0.3)
-        first = picture.first
-        if first is not None and first["x"] is not None:
-            ax.axvline(first["x"], color="red", linewidth=1, linestyle=":")
+        colour = f"C{k % 10}"
+        ax.plot(centres[keep], values[keep], marker="." if keep.sum() < 60 else None, linewidth=1.6,
+                color=colour, linestyle=LINESTYLES[k % len(LINESTYLES)])
+        last = np.flatnonzero(keep)[-1]
+        labelled.append((centres[last], values[last],
+                         f"{printable(name) if name else '(model)'} ({printable(class_name)})", colour))
+    ax.axhline(0, color="red", linewidth=1, linestyle="--")
+    ax.set_ylim(bottom=-0.5)
+    ax.set_ylabel("headroom (bits)\n0 = overflow (red line)")
+    ax.set_title(f"The {len(hottest)} modules that came closest to overflow (lowest headroom), "
+                 f"labelled at their ends", fontsize=10)
+    return labelled
+
+
+def _draw_underflow(ax, underflow):
+    """The underflow hot spots' subnormal and zero fractions; returns their end labels."""
+    labelled = []
+    for k, ((module, entry), xs, subs, zeros) in enumerate(underflow):
+        colour = f"C{(k + 5) % 10}"  # not the headroom curves' colours: other things
+        name = f"{printable(module) if module else '(model)'} {printable(entry)}"
+        xs = np.array(xs, dtype=float)
+        subs = 100 * np.array(subs, dtype=float)
+        zeros = 100 * np.array(zeros, dtype=float)
+        ax.plot(xs, subs, color=colour, linewidth=1.6, marker="." if len(xs) < 60 else None)
+        labelled.append((xs[-1], subs[-1], f"{name}: subnormal", colour))
+        if zeros.any():
+            ax.plot(xs, zeros, color=colour, linewidth=1.4, linestyle="--")
+            labelled.append((xs[-1], zeros[-1], f"{name}: zero", colour))
+    ax.set_ylim(bottom=0)
+    ax.set_ylabel("% of the entry's values")
+    ax.set_title(f"Underflow hot spots: the {len(underflow)} entries with the most subnormal values — "
+                 f"fraction subnormal (solid) and zero (dashed), the largest in each column", fontsize=10)
+    return labelled
+
+
+def _finish_panel(ax, picture, x_range):
+    ax.set_xlim(*x_range)
+    ax.set_xlabel(picture.xlabel.split(";")[0])
+    ax.grid(True, alpha=0.3)
+    first = picture.first
+    if first is not None and first["x"] is not None:
+        ax.axvline(first["x"], color="red", linewidth=1, linestyle=":")
+
+
+def _place_end_labels(fig, heat, first_label, ends):
     # the labels at the curves' ends: placed with their final widths so the layout makes room for
     # them, then moved apart once the axes' height (what a gap in points is in axes units) is known
     provisional = []
@@ -300,6 +334,3 @@ def draw(summary, path, size=None, curves=5, title_source=""):
     _keep_over(heat, first_label)
     for ax, labelled in ends:
         _label_ends(fig, ax, labelled)
-    fig.savefig(path, dpi=DPI, format="png")
-    plt.close(fig)
-    return int(round(fig_w * DPI)), int(round(fig_h * DPI))

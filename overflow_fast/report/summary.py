@@ -983,8 +983,17 @@ def _steps_list(steps, limit=8):
 
 
 def summary_text(summary, paths):
+    """The report's text: what was recorded, the first nan/inf, eval, the modules closest to their
+    dtype's limit, underflow hot spots."""
     out = []
-    unit = summary.unit
+    for section in (_recorded_lines(summary, paths), _nonfinite_lines(summary), _eval_lines(summary),
+                    _headroom_lines(summary), _underflow_lines(summary)):
+        out.extend(section)
+    return "\n".join(out)
+
+
+def _recorded_lines(summary, paths):
+    out = []
     if len(paths) == 1:
         out.append(f"flight recorder log: {paths[0]}")
     else:
@@ -1034,6 +1043,12 @@ def summary_text(summary, paths):
         out.append(f"ranks: {len(ranks)} ({ranks[0]} to {ranks[-1]})")
     out.append("")
 
+    return out
+
+
+def _nonfinite_lines(summary):
+    out = []
+    unit = summary.unit
     first = summary.first_nonfinite
     if first is None:
         out.append("first non-finite value: no nan/inf recorded")
@@ -1046,6 +1061,12 @@ def summary_text(summary, paths):
                    f"entries {entries}")
     out.append("")
 
+    return out
+
+
+def _eval_lines(summary):
+    out = []
+    unit = summary.unit
     if summary.modes["eval"]:
         evals = summary.optimizer_steps("eval") if summary.global_steps else None
         at = f" at {len(evals)} optimizer steps ({_steps_list(evals)})" if evals else ""
@@ -1061,6 +1082,12 @@ def summary_text(summary, paths):
                    + ("none" if nonfinite is None else _nonfinite_text(nonfinite, unit)))
         out.append("")
 
+    return out
+
+
+def _headroom_lines(summary):
+    out = []
+    unit = summary.unit
     hottest = summary.hottest()
     out.append("closest to the dtype's limit (headroom = log2(dtype max / abs max), in bits; lowest first):")
     if not hottest:
@@ -1076,6 +1103,12 @@ def summary_text(summary, paths):
                        f"{_module_label(name, class_name)} {printable(entry)} ({phase}{tag})")
     out.append("")
 
+    return out
+
+
+def _underflow_lines(summary):
+    out = []
+    unit = summary.unit
     out.append("underflow hot spots (largest fraction of subnormal values):")
     subnormal = summary.subnormal.best(TOP)
     if not subnormal:
@@ -1095,7 +1128,7 @@ def summary_text(summary, paths):
         out.append(f"  ... and more than {summary.zero_keys.cap - len(zeros)} more")
     elif total > len(zeros):
         out.append(f"  ... and {total - len(zeros)} more")
-    return "\n".join(out)
+    return out
 
 
 def malformed_names(summary):
