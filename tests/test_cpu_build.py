@@ -278,6 +278,10 @@ def test_a_failed_build_warns_once_naming_the_error_and_the_fallback(tmp_path):
     assert "KERNEL unavailable (the C++ kernel could not be built: Command '['false'" in proc.stdout
     assert "CPU torch (the C++ kernel is unavailable)" in proc.stdout
     assert len(list((tmp_path / "cache").glob("*/" + cpu_build.LOG))) == 1
+    # the line that said it was building is followed by one that says how it ended
+    building = [line for line in proc.stderr.splitlines() if "building the C++ kernel" in line]
+    ended = [line for line in proc.stderr.splitlines() if "could not build the C++ kernel" in line]
+    assert len(building) == 1 and len(ended) == 1 and "Command '['false', '--version']'" in ended[0], proc.stderr
 
 
 def test_no_build_when_told_not_to(tmp_path):

@@ -640,6 +640,7 @@ def obtain(root, key, build_fn, describe="", ident=None):
         except BuildError as error:
             record = json.dumps({"reason": str(error), "pid": os.getpid(), "token": os.urandom(8).hex()})
             _write_atomic(failed, record)
+            _say(f"could not build the C++ kernel{describe} ({time.monotonic() - start:.0f} s): {error}")
             return None, str(error), True
         failed.unlink(missing_ok=True)
         write_build_record(directory, library, info)
