@@ -253,3 +253,41 @@ def test_the_python_core_works_without_the_extension():
     assert (core.used(0), core.device(1)) == (3, torch.device("meta"))
     core.reset()
     assert core.used(0) == 0
+
+
+@pytest.mark.parametrize("defer", [False, True])
+def test_without_the_extension_an_accelerator_s_pass_is_one_host_read(monkeypatch, defer):
+    # Reads on the Python core: the rows stay on the device until the pass ends (no read per hook),
+    # and unchanged tensors keep their rows (a Linear's output is the next module's input)
+    import overflow_fast.reads as reads_module
+    from torch import nn
+    from overflow_fast import DebugUnderflowOverflow
+
+    monkeypatch.setattr(reads_module, "extension", lambda: None)
+    monkeypatch.setattr(reads_module, "CPU_AS_DEVICE", True)
+    calls, reads = [], []
+    real_stats, real_cpu = reads_module.tensor_stats, torch.Tensor.cpu
+
+    def stats(tensors, backend=None, *, out=None):
+        calls.append(len(tensors))
+        return real_stats(tensors, backend, out=out)
+
+    def cpu(self, *args, **kwargs):
+        reads.append(self.shape)
+        return real_cpu(self, *args, **kwargs)
+
+    monkeypatch.setattr(reads_module, "tensor_stats", stats)
+    monkeypatch.setattr(torch.Tensor, "cpu", cpu)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    detector = DebugUnderflowOverflow(model, check="batch", defer=defer)
+    assert isinstance(detector._run.new_reads()._core, hook_core.HookCore)
+    per_forward = []
+    for _ in range(3):
+        calls.clear()
+        reads.clear()
+        with torch.no_grad():
+            model(torch.randn(2, 4))
+        per_forward.append((list(calls), len(reads)))
+    later = [([8], 1)] * 2 if defer else [([4, 1, 3], 1)] * 2
+    assert per_forward == [([4, 1, 3], 1)] + later
