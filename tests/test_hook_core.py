@@ -1,4 +1,4 @@
-"""The Python HookCore (overflow_fast/hook_core.py) and the C++ one (csrc/hooks.cpp) are one
+"""The Python HookCore (overflow_fast/hooks/hook_core.py) and the C++ one (csrc/hooks.cpp) are one
 specification: on the same random sequences of calls (tensors reused, changed in place, swapped
 through ``.data``, freed, dropped; views, inference, sparse, subclass and meta tensors; several
 devices; a full buffer, a small deferral budget, a small reuse table) they give the same answers.
@@ -11,7 +11,7 @@ import weakref
 import pytest
 import torch
 
-from overflow_fast import hook_core
+from overflow_fast.hooks import hook_core
 from overflow_fast.stats import cpu_backend
 
 C = cpu_backend.extension()
@@ -259,7 +259,7 @@ def test_the_python_core_works_without_the_extension():
 def test_without_the_extension_an_accelerator_s_pass_is_one_host_read(monkeypatch, defer):
     # Reads on the Python core: the rows stay on the device until the pass ends (no read per hook),
     # and unchanged tensors keep their rows (a Linear's output is the next module's input)
-    import overflow_fast.reads as reads_module
+    import overflow_fast.hooks.reads as reads_module
     from torch import nn
     from overflow_fast import DebugUnderflowOverflow
 
