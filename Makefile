@@ -16,6 +16,9 @@ DEV := $(VENV)/.overflow_fast-dev
 # (tests/test_reads.py runs each of its tests on both paths itself)
 DEVICE_PATH_TESTS := tests/test_compat_rules.py tests/test_compat_transformers.py tests/test_compat_random.py \
 	tests/test_detector.py tests/test_watch.py tests/test_options.py tests/test_skip.py tests/test_training_setups.py tests/test_find_op.py
+# and again as if the C++ extension could not be loaded (the torch backend reads, the Python twin of
+# HookCore keeps the rows): reports identical to the reference on that path too
+NO_EXTENSION_TESTS := tests/test_compat_rules.py tests/test_compat_transformers.py tests/test_detector.py tests/test_reads.py
 # the inner loop: unit, exactness and compatibility core (the kernel's exactness on this CPU's build)
 FAST_TESTS := tests/test_compat_rules.py tests/test_compat_transformers.py tests/test_detector.py \
 	tests/test_reads.py tests/test_watch.py tests/test_options.py tests/test_skip.py tests/test_training_setups.py tests/test_stats_torch.py \
@@ -42,6 +45,7 @@ setup: $(DEV)
 test: $(DEV)
 	$(PYTEST) tests
 	OVERFLOW_FAST_CPU_AS_DEVICE=1 $(PYTEST) $(DEVICE_PATH_TESTS)
+	OVERFLOW_FAST_WITHOUT_EXTENSION=1 $(PYTEST) $(NO_EXTENSION_TESTS)
 
 test-fast: $(DEV)
 	$(PYTEST) $(FAST_TESTS) tests/test_cpu_backend.py -k "not test_cpu_backend or ($(FAST_KERNEL))"

@@ -15,8 +15,9 @@ and is then changed in place (a fix-up that runs only on a bad step, a new in-pl
 the values its hook saw; its line says so (``CHANGED_AFTER_HOOK``), and a nan/inf it held then is
 missed. Writes that bypass the version counter (``.data``, custom kernels) are read after the write.
 
-The bookkeeping (rows, reuse, what waits) is the C++ ``HookCore`` (csrc/hooks.cpp). Without the
-extension every hook reads its tensors at once into host rows, and nothing is reused.
+The bookkeeping (rows, reuse, what waits) is the C++ ``HookCore`` (csrc/hooks.cpp), or without
+the extension its Python twin (hook_core.py), which gives the same answers: the rows, their reuse
+and what waits are the same on both paths, and on an accelerator no hook reads to the host.
 """
 
 import os
@@ -26,6 +27,7 @@ import warnings
 import torch
 
 from .. import distributed
+from . import hook_core
 from .frames import FORWARD, graph_task_id
 from ..stats import tensor_stats
 from ..stats.dispatch import per_hook_reader
@@ -61,9 +63,10 @@ class Reads:
         self.backend = backend
         self.capacity = capacity
         module = extension()
-        self._core = (module.HookCore(capacity, defer_bytes, MAX_REMEMBERED if reuse else 0)
-                      if module is not None else None)
-        self._full = module.HOOK_FULL if module is not None else None
+        if module is None:  # the Python twin: the same rows, reuse and deferral as the C++ core
+            module = hook_core
+        self._core = module.HookCore(capacity, defer_bytes, MAX_REMEMBERED if reuse else 0)
+        self._full = module.HOOK_FULL
         self._buffers = {}  # device key -> [capacity, 8] int64 rows on that device
         self._host = {}  # device key -> (host rows [capacity, 8], the same memory as a flat int64 memoryview)
         self._read_rows = {}  # device key -> rows brought to the host since the last reset
@@ -78,7 +81,7 @@ class Reads:
         call site's id, with ``may_wait``) allows. Returns the call's sources for ``resolve``, or
         None when the buffer has no room: read and replay what is pending, ``reset``, add again."""
         core = self._core
-        if core is None or len(tensors) > self.capacity:
+        if len(tensors) > self.capacity:
             return self.read_apart(tensors)
         added = core.add(tensors, site, site >= 0)
         if type(added) is int:
@@ -93,8 +96,6 @@ class Reads:
         for its work; CPU rows are written in host memory already); DTensor and ZeRO-3 rows are
         combined across ranks (one collective). True when a row counts a nan or an inf."""
         core = self._core
-        if core is None:
-            return self._apart_nonfinite
         for key, first, to_read, changed in core.pending():
             self._launch(key, first, to_read, changed)
         nonfinite = self._apart_nonfinite
@@ -142,8 +143,7 @@ class Reads:
 
     def reset(self):
         """Every row is free again; nothing is reused or held."""
-        if self._core is not None:
-            self._core.reset()
+        self._core.reset()
         self._read_rows.clear()
         self._marks.clear()
         self._shards.clear()
@@ -186,8 +186,8 @@ class Reads:
             shards.update((first + index, info) for index, info in enumerate(infos) if info is not None)
 
     def read_apart(self, tensors):
-        """Host rows now (one host read): the sources of a call read without the buffer (no
-        extension, tensors on several devices, more tensors than the buffer holds)."""
+        """Host rows now (one host read): the sources of a call read without the buffer (tensors
+        on several devices, more tensors than the buffer holds, a call read on its own)."""
         try:
             rows = tensor_stats(tensors, self.backend).host_rows()
             reasons = {}

@@ -48,6 +48,9 @@ ISAS = ("baseline", "avx2", "avx512")  # worst first
 MODULE_NAME = "overflow_fast._C"
 CACHE_ENV = "OVERFLOW_FAST_CACHE_DIR"
 JIT_ENV = "OVERFLOW_FAST_JIT"  # "0": never build at run time (a prebuilt module or nothing)
+# "1": behave as if the kernel could not be loaded (the torch backend reads, the Python HookCore
+# keeps the rows), so that the path without the extension is tested on a machine that has it
+WITHOUT_ENV = "OVERFLOW_FAST_WITHOUT_EXTENSION"
 DONE = "built.json"  # written last: a directory without it holds no finished build
 LOG = "build.log"
 
@@ -733,6 +736,8 @@ def load():
     cached or built now. Never raises for a build or load failure: the reason says what happened
     and what to do."""
     details = {"cache_root": str(cache_root())}
+    if os.environ.get(WITHOUT_ENV, "") not in ("", "0"):
+        return None, f"{WITHOUT_ENV}={os.environ[WITHOUT_ENV]} asks to run without it", details
     try:
         sources = sources_dir()
         if sources is None:

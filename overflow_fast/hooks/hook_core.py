@@ -1,0 +1,253 @@
+"""The Python twin of ``overflow_fast._C.HookCore`` (csrc/hooks.cpp): the detector's bookkeeping of
+when each hook's tensors are read, for where the extension cannot be loaded.
+
+One specification, two implementations: the same methods, arguments and results, call for call
+(tests/test_hook_core.py runs both on the same sequences of calls). csrc/hooks.cpp describes the
+rules; in short, a tensor seen again in a pass unchanged (the same tensor, version counter and data
+pointer) keeps its row, and with deferral a call site's tensors wait until the pass ends once a
+pass showed them unchanged at its end. What C++ reads off the TensorImpl is read here through
+Python with subclasses' ``__torch_function__`` off, as the C++ side never sees it.
+"""
+
+import weakref
+
+import torch
+
+from ..stats.kinds import PLAIN_TYPES
+
+HOOK_FULL = -1  # not enough free rows: read what is pending, then add again
+HOOK_MIXED_DEVICES = -2  # the tensors are on several devices: read them apart
+
+# per call site and tensor position, under deferral (as in csrc/hooks.cpp)
+_UNKNOWN, _DEFER, _AT_ONCE = 0, 1, 2
+
+_STRIDED = torch.strided
+_PYTHON_KEY = torch._C.DispatchKey.Python
+_dispatch_keys = torch._C._dispatch_keys
+_no_subclass = torch._C.DisableTorchFunctionSubclass
+
+
+def _version_of(tensor):
+    """The version counter, or -1 where there is none (inference tensors)."""
+    try:
+        return tensor._version
+    except RuntimeError:
+        return -1
+
+
+def _data_of(tensor):
+    """Where the storage starts, or None where the tensor has no storage of its own (wrapper
+    subclasses, sparse and functorch-wrapped tensors): those are told apart by version alone."""
+    if tensor.layout != _STRIDED or _dispatch_keys(tensor).has(_PYTHON_KEY):
+        return None
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def _facts(tensor):
+    """(version, data pointer, bytes, requires_grad) of a tensor, as the C++ core reads them."""
+    return _version_of(tensor), _data_of(tensor), tensor.numel() * tensor.element_size(), tensor.requires_grad
+
+
+def _plain(tensors):
+    for tensor in tensors:
+        if type(tensor) not in PLAIN_TYPES:
+            return False
+    return True
+
+
+class _Held:
+    """A tensor whose read waits, or a call site's tensor watched until the pass ends."""
+
+    __slots__ = ("tensor", "version", "data", "site", "position")
+
+    def __init__(self, tensor, version, data, site, position):
+        self.tensor = tensor
+        self.version = version
+        self.data = data
+        self.site = site
+        self.position = position
+
+    def changed(self):
+        tensor = self.tensor
+        if type(tensor) in PLAIN_TYPES:
+            return _version_of(tensor) != self.version or _data_of(tensor) != self.data
+        with _no_subclass():
+            return _version_of(tensor) != self.version or _data_of(tensor) != self.data
+
+
+class _DeviceRows:
+    __slots__ = ("device", "used", "launched", "deferred", "deferred_bytes")
+
+    def __init__(self, device):
+        self.device = device
+        self.used = 0  # rows given out since the last reset
+        self.launched = 0  # rows [0, launched) were handed to the caller to read
+        self.deferred = []  # the _Held of rows [launched, used)
+        self.deferred_bytes = 0  # of those, the ones only deferral keeps alive
+
+
+class HookCore:
+    """The detector's bookkeeping of when each hook's tensors are read (csrc/hooks.cpp's twin)."""
+
+    def __init__(self, capacity, defer_bytes, max_remembered):
+        if capacity <= 0:
+            raise RuntimeError(f"HookCore: capacity must be positive, got {capacity}")
+        if defer_bytes < 0:
+            raise RuntimeError(f"HookCore: defer_bytes must be >= 0, got {defer_bytes}")
+        self._capacity = int(capacity)
+        self._defer_bytes = int(defer_bytes)
+        self._max_remembered = int(max_remembered)
+        self._devices = []
+        # id(tensor) -> (weak reference, version, data, device key, row); the weak reference tells
+        # a dead tensor from a new one at the same address, as the C++ side's weak pointer does
+        self._seen = {}
+        self._modes = {}  # call site -> [mode per tensor position]
+        self._watched = []
+        self._watched_bytes = 0
+
+    def add(self, tensors, site, defer):
+        """``(device key, rows, first, to_read, changed)``, or HOOK_FULL / HOOK_MIXED_DEVICES; see
+        csrc/hooks.cpp."""
+        tensors = list(tensors)
+        if not tensors:
+            raise RuntimeError("HookCore.add: no tensors")
+        for tensor in tensors:
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(f"HookCore.add: expected tensors, got {type(tensor).__name__}")
+        if _plain(tensors):
+            return self._add(tensors, site, defer)
+        with _no_subclass():
+            return self._add(tensors, site, defer)
+
+    def _add(self, tensors, site, defer):
+        device = tensors[0].device
+        for tensor in tensors:
+            if tensor.device != device:
+                return HOOK_MIXED_DEVICES
+        key = self._device_key(device)
+        rows = self._devices[key]
+        count = len(tensors)
+        if rows.used + count > self._capacity:
+            return HOOK_FULL
+        seen = self._seen
+        if len(seen) + count > self._max_remembered:
+            seen.clear()
+        may_defer = defer and site >= 0
+        modes = None
+        if may_defer:
+            modes = self._modes.setdefault(site, [])
+            if len(modes) < count:
+                modes.extend([_UNKNOWN] * (count - len(modes)))
+        read_now = not may_defer
+        held_site = site if may_defer else -1
+        remember = self._max_remembered > 0
+        row_of = []
+        for position, tensor in enumerate(tensors):
+            version, data, size, requires_grad = _facts(tensor)
+            mode = modes[position] if modes is not None and version >= 0 else _AT_ONCE
+            if version >= 0:
+                found = seen.get(id(tensor))
+                if (found is not None and found[1] == version and found[2] == data and found[3] == key
+                        and found[0]() is tensor):
+                    row = found[4]
+                    row_of.append(row)
+                    # a row still waiting is read now where this position may not wait
+                    read_now = read_now or (row >= rows.launched and mode != _DEFER)
+                    if mode == _UNKNOWN and modes is not None:
+                        self._watch(tensor, version, data, size, requires_grad, site, position)
+                    continue
+            row = rows.used
+            rows.used += 1
+            row_of.append(row)
+            rows.deferred.append(_Held(tensor, version, data, held_site, position))
+            if not requires_grad:  # autograd keeps the others until backward anyway
+                rows.deferred_bytes += size
+            if version >= 0 and remember:
+                try:
+                    seen[id(tensor)] = (weakref.ref(tensor), version, data, key, row)
+                except TypeError:  # a type without weak references: never reused
+                    seen.pop(id(tensor), None)
+            if mode != _DEFER:
+                read_now = True
+                if mode == _UNKNOWN and modes is not None:
+                    self._watch(tensor, version, data, size, requires_grad, site, position)
+        if rows.deferred_bytes + self._watched_bytes > self._defer_bytes:
+            read_now = True
+        if self._watched_bytes > self._defer_bytes:
+            self._learn()
+        first, to_read, changed = self._take(rows) if read_now else (rows.launched, [], [])
+        return key, tuple(row_of), first, to_read, changed
+
+    def pending(self):
+        """Every row still waiting: ``[(device key, first, to_read, changed)]``, as ``add`` gives them."""
+        out = []
+        for key, rows in enumerate(self._devices):
+            if rows.launched < rows.used:
+                out.append((key, *self._take(rows)))
+        return out
+
+    def reset(self):
+        """Every row is free again and no tensor is reused or held; what the watched call sites
+        did decides whether they may wait from now on."""
+        self._learn()
+        for rows in self._devices:
+            rows.used = rows.launched = rows.deferred_bytes = 0
+            rows.deferred = []
+        self._seen.clear()
+
+    def used(self, key):
+        """Rows in use on a device (by key)."""
+        return self._devices[key].used
+
+    def device(self, key):
+        """The device of a key."""
+        return self._devices[key].device
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _device_key(self, device):
+        for key, rows in enumerate(self._devices):
+            if rows.device == device:
+                return key
+        self._devices.append(_DeviceRows(device))
+        return len(self._devices) - 1
+
+    def _take(self, rows):
+        """(first, tensors, changed rows) of a device's waiting rows, which count as launched from
+        now. A deferred tensor changed since its hook is never handed out (its memory may be gone):
+        an empty tensor stands in, and its call site is read at once from now on."""
+        tensors = []
+        changed = []
+        row = rows.launched
+        for held in rows.deferred:
+            if held.site >= 0 and held.changed():
+                changed.append(row)
+                self._modes[held.site][held.position] = _AT_ONCE
+                tensors.append(torch.empty(0, dtype=torch.uint8, device=held.tensor.device))
+            else:
+                tensors.append(held.tensor)
+            row += 1
+        first = rows.launched
+        rows.launched = rows.used
+        rows.deferred = []
+        rows.deferred_bytes = 0
+        return first, tensors, changed
+
+    def _watch(self, tensor, version, data, size, requires_grad, site, position):
+        """A call site's tensor read at once on its first sight: whether it changes before the pass
+        ends decides whether that site may wait from then on."""
+        self._watched.append(_Held(tensor, version, data, site, position))
+        self._watched_bytes += 0 if requires_grad else size
+
+    def _learn(self):
+        for held in self._watched:
+            modes = self._modes[held.site]
+            if held.changed():
+                modes[held.position] = _AT_ONCE
+            elif modes[held.position] == _UNKNOWN:
+                modes[held.position] = _DEFER
+        self._watched = []
+        self._watched_bytes = 0

@@ -1,0 +1,293 @@
+"""The Python HookCore (overflow_fast/hooks/hook_core.py) and the C++ one (csrc/hooks.cpp) are one
+specification: on the same random sequences of calls (tensors reused, changed in place, swapped
+through ``.data``, freed, dropped; views, inference, sparse, subclass and meta tensors; several
+devices; a full buffer, a small deferral budget, a small reuse table) they give the same answers.
+The detector's behaviour on the Python one is tested by the compatibility, detector and reads tests
+under OVERFLOW_FAST_WITHOUT_EXTENSION=1 (`make test` runs them so)."""
+
+import random
+import weakref
+
+import pytest
+import torch
+
+from overflow_fast.hooks import hook_core
+from overflow_fast.stats import cpu_backend
+
+C = cpu_backend.extension()
+needs_extension = pytest.mark.skipif(C is None, reason=f"the C++ extension is unavailable "
+                                                        f"({cpu_backend.unavailable_reason()})")
+
+
+class Sub(torch.Tensor):
+    """A subclass with ``__torch_function__`` (not a wrapper): the twin reads it with that off."""
+
+
+def make(rng):
+    """A new tensor of a random kind and device, and how it may be changed."""
+    kind = rng.choice(["plain", "plain", "plain", "grad", "parameter", "meta", "inference", "sparse", "sub",
+                       "empty", "half"])
+    if kind == "meta":
+        return torch.ones(rng.randint(1, 6), device="meta"), kind
+    if kind == "inference":
+        with torch.inference_mode():
+            return torch.ones(rng.randint(1, 6)), kind
+    if kind == "sparse":
+        return torch.ones(rng.randint(1, 6)).to_sparse(), kind
+    if kind == "grad":
+        return torch.ones(rng.randint(1, 6), requires_grad=True), kind
+    if kind == "parameter":
+        return torch.nn.Parameter(torch.ones(rng.randint(1, 6))), kind
+    if kind == "sub":
+        return torch.ones(rng.randint(1, 6)).as_subclass(Sub), kind
+    if kind == "empty":
+        return torch.ones(0), kind
+    if kind == "half":
+        return torch.ones(rng.randint(1, 6), dtype=torch.float16), kind
+    return torch.ones(rng.randint(1, 6)), kind
+
+
+def freed(tensor):
+    """Whether a tensor's memory was freed (``resize_(0)`` of its storage)."""
+    return tensor.layout == torch.strided and tensor.untyped_storage().nbytes() < \
+        (tensor.storage_offset() + tensor.numel()) * tensor.element_size()
+
+
+def change(tensor, how):
+    """Change a tensor the way a model might between hooks (the same object for both cores)."""
+    if freed(tensor):
+        return  # touching it would crash
+    try:
+        with torch.no_grad(), torch.inference_mode(tensor.is_inference()):
+            if how == "in place":
+                tensor.add_(1)
+            elif how == "data":
+                tensor.data = tensor.data.clone()
+            elif how == "free":
+                tensor.untyped_storage().resize_(0)
+    except (RuntimeError, NotImplementedError):
+        pass  # not every kind can be changed every way: a no-op for both
+
+
+class Labels:
+    """Tensors by the label of their creation, to compare answers that hold tensors."""
+
+    def __init__(self):
+        self.of = {}
+
+    def name(self, tensor, label):
+        self.of[id(tensor)] = (weakref.ref(tensor), label)  # a dropped tensor may die
+
+    def __call__(self, tensor):
+        known = self.of.get(id(tensor))
+        if known is not None and known[0]() is tensor:
+            return known[1]
+        # a stand-in for a deferred tensor changed since its hook
+        return ("stand-in", tuple(tensor.shape), tensor.dtype, tensor.device.type)
+
+
+def normal(answer, label):
+    """An answer with its tensors replaced by labels, types kept (the detector tells an int from a
+    tuple by its type)."""
+    if type(answer) is int:
+        return answer
+    if isinstance(answer, list):  # pending()
+        return ("pending", [(key, first, [label(t) for t in to_read], list(changed))
+                            for key, first, to_read, changed in answer])
+    key, rows, first, to_read, changed = answer
+    assert type(rows) is tuple and type(to_read) is list and type(changed) is list, answer
+    return (key, rows, first, [label(t) for t in to_read], changed)
+
+
+def both(capacity, defer_bytes, max_remembered):
+    return C.HookCore(capacity, defer_bytes, max_remembered), hook_core.HookCore(capacity, defer_bytes, max_remembered)
+
+
+def run_sequence(seed, steps=40):
+    rng = random.Random(seed)
+    capacity = rng.choice([3, 6, 16, 64])
+    defer_bytes = rng.choice([0, 16, 64, 1 << 20])
+    max_remembered = rng.choice([0, 2, 5, 1 << 16])
+    cores = both(capacity, defer_bytes, max_remembered)
+    labels = Labels()
+    pool = []  # (tensor, kind)
+    count = 0
+    sites = [-1, 0, 1, 2, id(pool)]
+    log = []
+    for _ in range(steps):
+        op = rng.choices(["add", "new", "view", "change", "drop", "pending", "reset"], [8, 3, 1, 3, 1, 1, 1])[0]
+        if op == "new" or not pool:
+            tensor, kind = make(rng)
+            labels.name(tensor, count)
+            pool.append((tensor, kind))
+            count += 1
+        elif op == "view":
+            base, kind = rng.choice(pool)
+            if kind in ("plain", "grad", "meta", "half") and base.numel() > 1 and not freed(base):
+                view = base[1:]
+                labels.name(view, count)
+                pool.append((view, kind))
+                count += 1
+        elif op == "change":
+            tensor, _ = rng.choice(pool)
+            change(tensor, rng.choice(["in place", "in place", "data", "free"]))
+        elif op == "drop":
+            pool.pop(rng.randrange(len(pool)))  # dies unless a core holds it: its address may be reused
+        elif op == "pending":
+            answers = [normal(core.pending(), labels) for core in cores]
+            assert answers[0] == answers[1], (seed, log, answers)
+            log.append(("pending", answers[0]))
+        elif op == "reset":
+            for core in cores:
+                core.reset()
+            log.append("reset")
+        if op == "add":
+            tensors = [rng.choice(pool)[0] for _ in range(rng.randint(1, 4))]
+            site = rng.choice(sites)
+            defer = rng.random() < 0.7
+            answers = [normal(core.add(tensors, site, defer), labels) for core in cores]
+            assert answers[0] == answers[1], (seed, log, [labels(t) for t in tensors], site, defer, answers)
+            log.append(("add", [labels(t) for t in tensors], site, defer, answers[0]))
+            if answers[0] == hook_core.HOOK_FULL:  # as the detector does: read what waits, start over
+                assert normal(cores[0].pending(), labels) == normal(cores[1].pending(), labels)
+                for core in cores:
+                    core.reset()
+                log.append("full: reset")
+            elif type(answers[0]) is not int:
+                key = answers[0][0]
+                assert cores[0].used(key) == cores[1].used(key)
+                assert cores[0].device(key) == cores[1].device(key)
+    final = [normal(core.pending(), labels) for core in cores]
+    assert final[0] == final[1], (seed, log, final)
+    return log
+
+
+@needs_extension
+@pytest.mark.parametrize("block", range(8))
+def test_random_sequences_give_the_same_answers(block):
+    for seed in range(block * 40, (block + 1) * 40):
+        run_sequence(seed)
+
+
+@needs_extension
+def test_the_sequences_reach_every_answer():
+    # the random sequences are worth something only if they reach each kind of answer
+    seen = set()
+    for seed in range(120):
+        for entry in run_sequence(seed):
+            if entry == "full: reset":
+                seen.add("full")
+            elif entry[0] == "add":
+                answer = entry[-1]
+                if answer == hook_core.HOOK_MIXED_DEVICES:
+                    seen.add("mixed")
+                elif type(answer) is not int:
+                    key, rows, first, to_read, changed = answer
+                    seen.add("read now" if to_read else "waits")
+                    if len(set(rows)) < len(rows) or (to_read and len(rows) > len(to_read)):
+                        seen.add("reused")
+                    if changed:
+                        seen.add("changed")
+                    if key > 0:
+                        seen.add("second device")
+            elif entry[0] == "pending" and entry[1][1]:
+                seen.add("pending")
+    assert seen >= {"full", "mixed", "read now", "waits", "reused", "changed", "second device", "pending"}, seen
+
+
+@needs_extension
+def test_a_pass_of_a_model_s_shape():
+    # the detector's pattern: each call's output is the next one's input; first pass read in the
+    # hooks, from the second on every site waits and the pass is one read
+    for core in both(64, 1 << 20, 1 << 16):
+        torch.manual_seed(0)
+        weights = [torch.randn(4, 4, requires_grad=True) for _ in range(3)]
+        answers = []
+        for step in range(3):
+            x = torch.randn(2, 4)
+            per_pass = []
+            for site, w in enumerate(weights):
+                y = (x @ w).detach()
+                key, rows, first, to_read, changed = core.add([w, x, y], site, True)
+                per_pass.append((rows, first, len(to_read), changed))
+                x = y
+            per_pass.append([(key, first, len(to_read), changed) for key, first, to_read, changed in core.pending()])
+            core.reset()
+            answers.append(per_pass)
+        if core.__class__.__module__ == hook_core.__name__:
+            assert answers == expected
+        expected = answers
+    # rows: x of one call is y of the one before; 3 + 2 + 2 rows; waits from the second pass on
+    assert expected[0][:3] == [((0, 1, 2), 0, 3, []), ((3, 2, 4), 3, 2, []), ((5, 4, 6), 5, 2, [])]
+    assert expected[1][:3] == [((0, 1, 2), 0, 0, []), ((3, 2, 4), 0, 0, []), ((5, 4, 6), 0, 0, [])]
+    assert expected[1][3] == [(0, 0, 7, [])]
+
+
+def test_bad_arguments_raise_as_the_extension_does():
+    cores = [hook_core.HookCore] + ([C.HookCore] if C is not None else [])
+    for HookCore in cores:
+        with pytest.raises(RuntimeError, match="capacity must be positive"):
+            HookCore(0, 0, 0)
+        with pytest.raises(RuntimeError, match="defer_bytes must be >= 0"):
+            HookCore(1, -1, 0)
+        with pytest.raises(RuntimeError, match="no tensors"):
+            HookCore(1, 0, 0).add([], -1, False)
+        with pytest.raises(TypeError):
+            HookCore(1, 0, 0).add([torch.ones(1), 3], -1, False)
+    if C is not None:
+        assert (C.HOOK_FULL, C.HOOK_MIXED_DEVICES) == (hook_core.HOOK_FULL, hook_core.HOOK_MIXED_DEVICES)
+
+
+def test_the_python_core_works_without_the_extension():
+    # the parts that need no C++ core to compare with: reuse, full, several devices, deferral
+    core = hook_core.HookCore(4, 1 << 20, 1 << 16)
+    x, y = torch.ones(2), torch.ones(3)
+    assert core.add([x, y], -1, False) == (0, (0, 1), 0, [x, y], [])
+    key, rows, first, to_read, changed = core.add([y, x], -1, False)
+    assert (rows, to_read) == ((1, 0), [])
+    x.add_(1)
+    assert core.add([x], -1, False)[1:4] == ((2,), 2, [x])
+    assert core.add([torch.ones(1), torch.ones(1)], -1, False) == hook_core.HOOK_FULL
+    assert core.add([x, torch.ones(1, device="meta")], -1, False) == hook_core.HOOK_MIXED_DEVICES
+    assert core.add([torch.ones(1, device="meta")], -1, False)[0] == 1
+    assert (core.used(0), core.device(1)) == (3, torch.device("meta"))
+    core.reset()
+    assert core.used(0) == 0
+
+
+@pytest.mark.parametrize("defer", [False, True])
+def test_without_the_extension_an_accelerator_s_pass_is_one_host_read(monkeypatch, defer):
+    # Reads on the Python core: the rows stay on the device until the pass ends (no read per hook),
+    # and unchanged tensors keep their rows (a Linear's output is the next module's input)
+    import overflow_fast.hooks.reads as reads_module
+    from torch import nn
+    from overflow_fast import DebugUnderflowOverflow
+
+    monkeypatch.setattr(reads_module, "extension", lambda: None)
+    monkeypatch.setattr(reads_module, "CPU_AS_DEVICE", True)
+    calls, reads = [], []
+    real_stats, real_cpu = reads_module.tensor_stats, torch.Tensor.cpu
+
+    def stats(tensors, backend=None, *, out=None):
+        calls.append(len(tensors))
+        return real_stats(tensors, backend, out=out)
+
+    def cpu(self, *args, **kwargs):
+        reads.append(self.shape)
+        return real_cpu(self, *args, **kwargs)
+
+    monkeypatch.setattr(reads_module, "tensor_stats", stats)
+    monkeypatch.setattr(torch.Tensor, "cpu", cpu)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    detector = DebugUnderflowOverflow(model, check="batch", defer=defer)
+    assert isinstance(detector._run.new_reads()._core, hook_core.HookCore)
+    per_forward = []
+    for _ in range(3):
+        calls.clear()
+        reads.clear()
+        with torch.no_grad():
+            model(torch.randn(2, 4))
+        per_forward.append((list(calls), len(reads)))
+    later = [([8], 1)] * 2 if defer else [([4, 1, 3], 1)] * 2
+    assert per_forward == [([4, 1, 3], 1)] + later
