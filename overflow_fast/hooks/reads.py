@@ -20,7 +20,6 @@ the extension its Python twin (hook_core.py), which gives the same answers: the 
 and what waits are the same on both paths, and on an accelerator no hook reads to the host.
 """
 
-import os
 import sys
 import warnings
 
@@ -32,12 +31,9 @@ from .frames import FORWARD, graph_task_id
 from ..stats import tensor_stats
 from ..stats.dispatch import per_hook_reader
 from ..stats.cpu_backend import extension
-from ..stats.kinds import PLAIN_TYPES, is_zero3_released, short_reason
+from ..stats.kinds import CPU_AS_DEVICE, PLAIN_TYPES, is_zero3_released, short_reason
 from ..stats.layout import NAN, NEGINF, NUM_COLUMNS, POSINF, host_bytes
 
-# CPU tensors count as an accelerator's for every decision that depends on the device (deferral):
-# the accelerators' path, testable without one.
-CPU_AS_DEVICE = os.environ.get("OVERFLOW_FAST_CPU_AS_DEVICE", "") not in ("", "0")
 
 MAX_REMEMBERED = 1 << 16  # tensors whose rows a pass remembers for reuse; past it the table starts over
 DEFAULT_DEFER_BYTES = 256 << 20

@@ -14,6 +14,7 @@ Everything else is decided here, by what the tensor is rather than by what it cl
 - fake, meta and functorch-transformed tensors hold no data the engine can read.
 """
 
+import os
 import sys
 
 import torch
@@ -24,6 +25,10 @@ SUPPORTED_DTYPES = frozenset(SMALLEST_NORMAL) | INTEGER_DTYPES | {torch.bool}
 
 # Exact types read without further questions (the hot path of the detector's hooks).
 PLAIN_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
+
+# OVERFLOW_FAST_CPU_AS_DEVICE=1: CPU tensors count as an accelerator's wherever the path depends on
+# the device (no host read inside the engine, deferral): the accelerators' path, testable without one.
+CPU_AS_DEVICE = os.environ.get("OVERFLOW_FAST_CPU_AS_DEVICE", "") not in ("", "0")
 
 _PYTHON_KEY = torch._C.DispatchKey.Python
 _SPARSE_LAYOUTS = frozenset({torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr,

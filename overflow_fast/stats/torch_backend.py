@@ -11,6 +11,7 @@ import struct
 
 import torch
 
+from . import kinds
 from .layout import NUM_COLUMNS, SMALLEST_NORMAL
 
 NAME = "torch"
@@ -219,9 +220,10 @@ def _row(x: torch.Tensor) -> torch.Tensor:
 
 
 def _host_row(x: torch.Tensor):
-    """A CPU tensor's row as Python ints where the early-exit path takes it, else None."""
-    if (x.device.type == "cpu" and type(x) in _PLAIN and x.dtype.is_floating_point and x.numel()
-            and x.layout is torch.strided):
+    """A CPU tensor's row as Python ints where the early-exit path takes it, else None (an
+    accelerator's tensor, or a CPU tensor on the accelerators' path: no host read there)."""
+    if (x.device.type == "cpu" and not kinds.CPU_AS_DEVICE and type(x) in _PLAIN and x.dtype.is_floating_point
+            and x.numel() and x.layout is torch.strided):
         return _cpu_float_row(x)
     return None
 
