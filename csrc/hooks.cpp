@@ -87,20 +87,21 @@ class HookCore {
   // The rows of one hook call's tensors: (device key, rows, first, to_read, changed), where the
   // caller reads `to_read` into rows [first, first + len(to_read)) of the device's buffer now;
   // `changed`: rows whose deferred tensor changed before this read (given as empty tensors in
-  // `to_read`). Or kFull / kMixedDevices. `site` >= 0 with `defer`: the call may wait.
-  py::object add(const std::vector<at::Tensor>& tensors, int64_t site, bool defer) {
+  // `to_read`). Not added: (kFull or kMixedDevices, None, None, None, None), one result type
+  // either way. `site` >= 0 with `defer`: the call may wait.
+  py::tuple add(const std::vector<at::Tensor>& tensors, int64_t site, bool defer) {
     TORCH_CHECK(!tensors.empty(), "HookCore.add: no tensors");
     const c10::Device device = tensors[0].device();
     for (const auto& tensor : tensors) {
       if (tensor.device() != device) {
-        return py::int_(kMixedDevices);
+        return not_added(kMixedDevices);
       }
     }
     const int64_t key = device_key(device);
     DeviceRows& rows = devices_[key];
     const auto count = static_cast<int64_t>(tensors.size());
     if (rows.used + count > capacity_) {
-      return py::int_(kFull);
+      return not_added(kFull);
     }
     if (static_cast<int64_t>(seen_.size()) + count > max_remembered_) {
       seen_.clear();
@@ -204,6 +205,10 @@ class HookCore {
 
   static int64_t bytes_of(const at::Tensor& tensor) {
     return static_cast<int64_t>(tensor.numel()) * static_cast<int64_t>(tensor.element_size());
+  }
+
+  static py::tuple not_added(int64_t why) {
+    return py::make_tuple(why, py::none(), py::none(), py::none(), py::none());
   }
 
   // (first, tensors, changed rows) of a device's waiting rows, which count as launched from now.

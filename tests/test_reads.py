@@ -18,6 +18,7 @@ import overflow_fast.hooks.reads as reads_module
 from compat import assert_identical, capture, forward, run
 from overflow_fast import DebugUnderflowOverflow, watch
 from overflow_fast.hooks.reads import CHANGED_AFTER_HOOK
+from overflow_fast.stats import cpu_backend
 from test_compat_rules import Scaled, batches, make, with_value
 
 INF, NAN = float("inf"), float("nan")
@@ -487,7 +488,7 @@ _ENTRY_POINTS = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(reads_module.extension() is None, reason="the C++ extension is unavailable")
+@pytest.mark.skipif(cpu_backend.extension() is None, reason="the C++ extension is unavailable")
 def test_native_entry_points_raise_python_errors_on_hostile_inputs():
     # in a child process: an abort must fail this test, not kill pytest
     child = subprocess.run([sys.executable, "-c", _ENTRY_POINTS], capture_output=True, text=True, timeout=300,

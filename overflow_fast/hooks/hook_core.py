@@ -18,6 +18,15 @@ from ..stats.kinds import PLAIN_TYPES
 HOOK_FULL = -1  # not enough free rows: read what is pending, then add again
 HOOK_MIXED_DEVICES = -2  # the tensors are on several devices: read them apart
 
+
+def new_core(capacity, defer_bytes, max_remembered):
+    """The hook layer's bookkeeping: the C++ ``HookCore`` where the extension loads, else this
+    module's twin (the same answers). The one way the hook layer reaches either."""
+    from ..stats.cpu_backend import extension  # the extension holds the kernels and the core
+
+    module = extension()
+    return (module.HookCore if module is not None else HookCore)(capacity, defer_bytes, max_remembered)
+
 # per call site and tensor position, under deferral (as in csrc/hooks.cpp)
 _UNKNOWN, _DEFER, _AT_ONCE = 0, 1, 2
 
@@ -109,8 +118,8 @@ class HookCore:
         self._watched_bytes = 0
 
     def add(self, tensors, site, defer):
-        """``(device key, rows, first, to_read, changed)``, or HOOK_FULL / HOOK_MIXED_DEVICES; see
-        csrc/hooks.cpp."""
+        """``(device key, rows, first, to_read, changed)``; not added: ``(HOOK_FULL or
+        HOOK_MIXED_DEVICES, None, None, None, None)``. See csrc/hooks.cpp."""
         tensors = list(tensors)
         if not tensors:
             raise RuntimeError("HookCore.add: no tensors")
@@ -126,12 +135,12 @@ class HookCore:
         device = tensors[0].device
         for tensor in tensors:
             if tensor.device != device:
-                return HOOK_MIXED_DEVICES
+                return (HOOK_MIXED_DEVICES, None, None, None, None)
         key = self._device_key(device)
         rows = self._devices[key]
         count = len(tensors)
         if rows.used + count > self._capacity:
-            return HOOK_FULL
+            return (HOOK_FULL, None, None, None, None)
         seen = self._seen
         if len(seen) + count > self._max_remembered:
             seen.clear()

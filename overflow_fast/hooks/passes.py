@@ -141,7 +141,7 @@ class Passes:
         else:
             reads = current.reads
             defer = self.options.defer and self.options.check == "batch" and not now
-            site = id(module) if defer and may_wait(True, phase, call.trace_mode, tensors) else -1
+            site = id(module) if may_wait(defer, phase, call.trace_mode, tensors) else -1
             sources = reads.add(tensors, site)
             if sources is None:  # the buffer is full: what waits is decided now
                 self.flush(current)

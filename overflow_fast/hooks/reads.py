@@ -26,11 +26,10 @@ import warnings
 import torch
 
 from .. import distributed
-from . import hook_core
+from .hook_core import HOOK_FULL, new_core
 from .frames import FORWARD, graph_task_id
 from ..stats import tensor_stats
 from ..stats.dispatch import per_hook_reader
-from ..stats.cpu_backend import extension
 from ..stats.kinds import CPU_AS_DEVICE, PLAIN_TYPES, is_zero3_released, short_reason
 from ..stats.layout import NAN, NEGINF, NUM_COLUMNS, POSINF, host_bytes
 
@@ -58,11 +57,7 @@ class Reads:
     def __init__(self, backend, capacity, reuse=True, defer_bytes=DEFAULT_DEFER_BYTES):
         self.backend = backend
         self.capacity = capacity
-        module = extension()
-        if module is None:  # the Python twin: the same rows, reuse and deferral as the C++ core
-            module = hook_core
-        self._core = module.HookCore(capacity, defer_bytes, MAX_REMEMBERED if reuse else 0)
-        self._full = module.HOOK_FULL
+        self._core = new_core(capacity, defer_bytes, MAX_REMEMBERED if reuse else 0)
         self._buffers = {}  # device key -> [capacity, 8] int64 rows on that device
         self._host = {}  # device key -> (host rows [capacity, 8], the same memory as a flat int64 memoryview)
         self._read_rows = {}  # device key -> rows brought to the host since the last reset
@@ -79,10 +74,9 @@ class Reads:
         core = self._core
         if len(tensors) > self.capacity:
             return self.read_apart(tensors)
-        added = core.add(tensors, site, site >= 0)
-        if type(added) is int:
-            return None if added == self._full else self.read_apart(tensors)  # else: several devices
-        key, rows, first, to_read, changed = added
+        key, rows, first, to_read, changed = core.add(tensors, site, site >= 0)
+        if key < 0:
+            return None if key == HOOK_FULL else self.read_apart(tensors)  # else: several devices
         if to_read:
             self._launch(key, first, to_read, changed)
         return key, rows, None
