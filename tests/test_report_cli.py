@@ -149,11 +149,11 @@ def test_step_bins_stay_bounded():
     for ordinal, step in enumerate(steps, 1):
         summary.add_line(json.dumps(dict(line, step=step, abs_max=float(step))).encode(), 0, "x", ordinal, ordinal)
     assert summary.step_count == 5001 and (summary.first_step, summary.last_step) == (10, 5999)
-    cells = summary.cells["m"]
-    assert len(cells) <= 100 and summary.width == 64  # bins aligned to multiples of the width
+    cells = summary.timeline.cells["m"]
+    assert len(cells) <= 100 and summary.timeline.width == 64  # bins aligned to multiples of the width
     # the lowest headroom of a bin is its largest value: the last bin holds step 5999
     last = max(cells)
-    first, end = summary.bin_steps(last)
+    first, end = summary.timeline.bin_steps(last)
     assert first <= 5999 <= end
     assert headroom(cells[last]) == pytest.approx(math.log2(F16_MAX / 5999))
     assert headroom(cells[0]) == pytest.approx(math.log2(F16_MAX / 10))  # bin 0 (steps 0-63) holds step 10

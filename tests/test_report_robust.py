@@ -101,8 +101,8 @@ def test_far_apart_steps_keep_few_bins():
     summary = Summary(max_columns=50)
     for step in (0, 2 ** 31, 2 ** 36, 2 ** 40, 17):
         summary.add_entry(entry(step=step), logsummary.position(0, step % 1000 + 1), "x")
-    assert summary.step_count == 5 and summary.width >= 2 ** 40 // 100
-    assert all(len(cells) <= 100 for cells in summary.cells.values())
+    assert summary.step_count == 5 and summary.timeline.width >= 2 ** 40 // 100
+    assert all(len(cells) <= 100 for cells in summary.timeline.cells.values())
 
 
 def test_300k_modules_keep_a_bounded_summary():
@@ -123,7 +123,7 @@ def test_300k_modules_keep_a_bounded_summary():
         if frac:
             subnormal[(name, "output")] = (-frac, i + 1)
     assert len(summary.modules) <= logsummary.MAX_MODULES
-    assert len(summary.cells) <= logsummary.MAX_MODULES
+    assert len(summary.timeline.cells) <= logsummary.MAX_MODULES
     assert len(summary.subnormal.items) <= logsummary.MAX_KEYS and len(summary.all_zero.items) <= logsummary.MAX_KEYS
     assert summary.module_count == 300_000 and summary.modules_dropped > 0
     assert summary.zero_keys.count == 60_000
@@ -466,10 +466,11 @@ def test_the_readers_fill_the_same_picture(tmp_path):
         reader(paths, summary)
         summaries.append(summary)
     plain, duck = summaries
-    assert plain.width == duck.width > 1
+    mine, theirs = plain.timeline, duck.timeline
+    assert mine.width == theirs.width > 1
     assert plain.plot_modules() == duck.plot_modules()
-    assert plain.cells == duck.cells and plain.bad_cells == duck.bad_cells and plain.quiet == duck.quiet
-    assert plain.eval_bins == duck.eval_bins == set() and plain.unit == duck.unit == "batch"
+    assert mine.cells == theirs.cells and mine.bad_cells == theirs.bad_cells and mine.quiet == theirs.quiet
+    assert mine.eval_bins == theirs.eval_bins == set() and plain.unit == duck.unit == "batch"
     assert plain.underflow_curves() == duck.underflow_curves() and plain.underflow_curves()
     assert plain.first_nonfinite == duck.first_nonfinite
     assert plain.steps_per_column() == duck.steps_per_column()

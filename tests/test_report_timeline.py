@@ -77,11 +77,12 @@ def summaries(paths, **options):
 
 def same_picture(plain, other):
     """Everything the picture is drawn from, equal between two readers' summaries."""
-    assert (plain.unit, plain.width, plain.first_x, plain.last_x) == (other.unit, other.width, other.first_x,
-                                                                      other.last_x)
+    mine, theirs = plain.timeline, other.timeline
+    assert (plain.unit, mine.width, mine.first_x, mine.last_x) == (other.unit, theirs.width, theirs.first_x,
+                                                                   theirs.last_x)
     assert plain.plot_modules() == other.plot_modules()
-    assert plain.cells == other.cells and plain.bad_cells == other.bad_cells and plain.quiet == other.quiet
-    assert plain.eval_bins == other.eval_bins
+    assert mine.cells == theirs.cells and mine.bad_cells == theirs.bad_cells and mine.quiet == theirs.quiet
+    assert mine.eval_bins == theirs.eval_bins
     assert plain.underflow_curves() == other.underflow_curves()
     assert plain.first_nonfinite == other.first_nonfinite and plain.eval_nonfinite == other.eval_nonfinite
     assert plain.eval_best == other.eval_best
@@ -210,7 +211,7 @@ def test_wide_runs_bin_optimizer_steps_and_both_readers_agree(tmp_path):
                                  row(1e-7, 1.0, subnormal=step % 10, zero=step // 60), global_step=step, mode=mode)])
                 batch += 1
     plain, *others = summaries([path], max_columns=20)
-    assert plain.width == 8 and plain.unit == OPTIMIZER
+    assert plain.timeline.width == 8 and plain.unit == OPTIMIZER
     picture = Picture(plain)
     assert "a column covers 8 steps, up to 8 of them recorded" in picture.xlabel
     assert picture.eval_x == [(s // 8) * 8 + 3.5 for s in range(49, 300, 50)]
@@ -253,8 +254,8 @@ def test_not_recorded_all_zero_and_integer_cells_are_told_apart(tmp_path):
         assert kinds["mix"] == [HEADROOM] * 8
         assert kinds["aux"] == [HEADROOM, NOT_RECORDED] * 4
         assert kinds["late"] == [ALL_ZERO] * 4 + [INTEGER_ONLY] * 4
-        assert summary.quiet["ids"] == dict.fromkeys(range(8), INTEGER)
-        assert "mix" not in summary.quiet and "aux" not in summary.quiet  # only bins without headroom
+        assert summary.timeline.quiet["ids"] == dict.fromkeys(range(8), INTEGER)
+        assert "mix" not in summary.timeline.quiet and "aux" not in summary.timeline.quiet  # only bins without headroom
         values = dict(zip(picture.modules, picture.values))
         assert values["gate"] == [None] * 8 and values["aux"][1] is None
     if "duckdb" in ENGINES:
@@ -267,13 +268,13 @@ def test_merged_columns_keep_what_decides_a_cell(tmp_path):
     with open(path, "a") as f:  # a far step widens the columns
         f.write(json.dumps(entry_record(40, "forward", 0, "ids", "Positions", "output", "int64", int_row(0, 1))) + "\n")
     for summary in summaries([path], max_columns=3):
-        assert summary.width == 8
+        assert summary.timeline.width == 8
         picture = Picture(summary)
         kinds = dict(zip(picture.modules, picture.kinds))
         assert picture.columns == [0, 5]
         assert kinds["aux"] == [HEADROOM, NOT_RECORDED]
         assert kinds["late"] == [ALL_ZERO, NOT_RECORDED]  # zero (steps 0-3) and integer (4-7) in one column
-        assert summary.quiet["late"] == {0: ZERO | INTEGER}
+        assert summary.timeline.quiet["late"] == {0: ZERO | INTEGER}
         assert kinds["ids"] == [INTEGER_ONLY, INTEGER_ONLY]
     if "duckdb" in ENGINES:
         same_picture(*summaries([path], max_columns=3))
@@ -287,8 +288,8 @@ def test_plain_reader_merging_bins_as_it_reads_matches_one_pass_at_the_final_wid
     for pos, (step, dtype, amax) in enumerate([(0, "int64", 1), (1, "float16", 8.0), (2, "float16", 0.0),
                                                (9, "int64", 3)], 1):
         summary.add_entry(dict(base, step=step, dtype=dtype, abs_max=amax), logsummary.position(0, pos), "x")
-    assert summary.width == 4
-    assert summary.cells["m"] == {0: F16_MAX / 8.0} and summary.quiet["m"] == {2: INTEGER}
+    assert summary.timeline.width == 4
+    assert summary.timeline.cells["m"] == {0: F16_MAX / 8.0} and summary.timeline.quiet["m"] == {2: INTEGER}
 
 
 # -- the underflow panel -------------------------------------------------------------------------------------------
@@ -330,7 +331,7 @@ def test_underflow_tracking_stays_bounded():
     for pos in range(1, 20_000):
         summary.add_entry(dict(base, module=f"m{pos % 5000}", step=pos // 5000, subnormal_frac=rng.random()),
                           logsummary.position(0, pos), "x")
-    assert len(summary.sub_bins) <= logsummary.UNDERFLOW_TRACK
+    assert len(summary.timeline.sub_bins) <= logsummary.UNDERFLOW_TRACK
     assert len(summary.sub_track.items) <= logsummary.UNDERFLOW_TRACK
     assert [key for key, _ in summary.underflow_curves()] == [key for key, _, _ in summary.subnormal.best(4)]
 

@@ -321,7 +321,7 @@ def read_files(paths, summary, progress=None):
                 progress.update(_size(path))
         if tables:
             _merge(summary, tables, details)
-        if summary.keep_bins and files:
+        if summary.timeline.keep_bins and files:
             firsts = {(module, entry): first for module, entry, _, first in tables["sub"]} if tables else {}
             _cells(con, summary, paths, {row["index"]: scannable[row["index"]] for row in files}, firsts)
     finally:
@@ -445,9 +445,9 @@ def _merge(summary, tables, details):
             summary.opt_steps.add_count(tables["osteps"])
     if summary.unit == OPTIMIZER:
         if with_global_step:
-            summary.add_x(first_global, last_global)
+            summary.timeline.add_x(first_global, last_global)
     else:
-        summary.add_x(first_step, last_step)
+        summary.timeline.add_x(first_step, last_step)
 
     for what in ("nonfinite", "eval_nonfinite"):
         if tables[what] is not None:
@@ -504,7 +504,7 @@ def _best_of(r):
 def _cells(con, summary, paths, compressions, firsts):
     """The picture's bins (a second scan: only ``--png`` needs it), on the timeline of
     ``summary.unit``: per drawn module, its lowest headroom ratio per train bin of
-    ``summary.width`` steps, whether a nan/inf was there, and what entries without headroom were
+    ``summary.timeline.width`` steps, whether a nan/inf was there, and what entries without headroom were
     (all-zero floating point, integer); the bins where evaluation ran; and per (module, entry) of
     the top underflow hot spots, from its first subnormal value (``firsts``: its position), the
     largest subnormal and zero fractions per train bin. One scan, its rows taken up to three times
@@ -520,7 +520,7 @@ def _cells(con, summary, paths, compressions, firsts):
         tracked AS (SELECT unnest($pair_modules::VARCHAR[]) AS tracked_module,
                            unnest($pair_entries::VARCHAR[]) AS tracked_entry, unnest($pair_firsts::BIGINT[]) AS since),
         r AS (
-            SELECT e.*, {x} // {summary.width} AS b, coalesce(mode = 'eval', false) AS is_eval,
+            SELECT e.*, {x} // {summary.timeline.width} AS b, coalesce(mode = 'eval', false) AS is_eval,
                 drawn_module IS NOT NULL AS is_drawn, since
             FROM e LEFT JOIN drawn ON module = drawn_module  -- hash joins, not a list scanned per row
                 LEFT JOIN tracked ON module = tracked_module AND entry = tracked_entry
@@ -539,8 +539,8 @@ def _cells(con, summary, paths, compressions, firsts):
                   pair_firsts=[firsts[key] for key in tracked])
     for k, module, entry, index, ratio, bad, zero, integer, sub, zeros in con.execute(query, params).fetchall():
         if k == 1:
-            summary.add_cell(module, index, ratio, bad, (ZERO if zero else 0) | (INTEGER if integer else 0))
+            summary.timeline.add_cell(module, index, ratio, bad, (ZERO if zero else 0) | (INTEGER if integer else 0))
         elif k == 2:
-            summary.add_eval_bin(index)
+            summary.timeline.add_eval_bin(index)
         else:
-            summary.add_underflow((module, entry), index, sub, zeros)
+            summary.timeline.add_underflow((module, entry), index, sub, zeros)

@@ -43,6 +43,7 @@ import zlib
 
 from ..recording import schema
 from ..recording.schema import Malformed
+from .timeline import INTEGER, OPTIMIZER, ZERO, Timeline  # noqa: F401 - the report's names
 
 MAX_COLUMNS = 200  # step bins: fewer than 2 * MAX_COLUMNS (400) columns, each a power-of-two run of steps
 TOP = 10
@@ -53,10 +54,6 @@ DISTINCT_CAP = 1 << 20
 MAX_NAMED = 5  # malformed lines named in the summary
 UNDERFLOW_ROWS = 4  # (module, entry) pairs of the picture's underflow panel
 UNDERFLOW_TRACK = 64  # pairs whose fractions the plain reader keeps per bin; the top 48 are exact
-BATCH, OPTIMIZER = "batch", "optimizer"  # the timeline's unit
-# why a module's bin has no headroom to show (bits of Summary.quiet)
-INTEGER = 1  # entries of a dtype without a largest finite value (integer, bool)
-ZERO = 2  # floating-point entries whose largest |value| is 0 (all zeros, or empty)
 BLOCK = 1 << 20
 
 _INF = float("inf")
@@ -233,10 +230,8 @@ class Summary:
 
     def __init__(self, max_columns=MAX_COLUMNS, max_modules=MAX_MODULES, max_keys=MAX_KEYS,
                  distinct_cap=DISTINCT_CAP, bins=True, plot_rows=PLOT_ROWS, underflow_rows=UNDERFLOW_ROWS):
-        self.max_columns = max_columns
         self.max_modules = max_modules
         self.plot_rows = min(plot_rows, max_modules * 3 // 4)
-        self.keep_bins = bins
         self.records = 0
         self.entries = 0
         self.metas = 0
@@ -268,21 +263,11 @@ class Summary:
         # (module, entry) -> key (-step, pos): (step, dtype, numel, global_step, mode)
         self.all_zero = _Best(max_keys)
         self.zero_keys = _Distinct(distinct_cap)
-        # the picture, on the train timeline: per kept module {bin index: lowest headroom ratio},
-        # the bins with a nan/inf, and for bins with no headroom what was there (INTEGER | ZERO);
-        # the bins where evaluation ran; the subnormal and zero fractions of the (module, entry)
-        # pairs with the most subnormals, per bin, from their first subnormal value on
-        self.unit = BATCH
-        self.first_x = None
-        self.last_x = None
-        self.width = 1
-        self.cells = {}
-        self.bad_cells = {}
-        self.quiet = {}
-        self.eval_bins = set()
+        # the picture's train timeline; the (module, entry) pairs with the most subnormals, whose
+        # fractions it keeps per bin
+        self.timeline = Timeline(max_columns, bins)
         self.underflow_rows = underflow_rows
-        self.sub_track = _Best(max(UNDERFLOW_TRACK, underflow_rows * 2), on_drop=self._forget_underflow)
-        self.sub_bins = {}  # (module, entry) -> {bin index: [largest subnormal fraction, largest zero fraction]}
+        self.sub_track = _Best(max(UNDERFLOW_TRACK, underflow_rows * 2), on_drop=self.timeline.forget_underflow)
 
     # -- one line (the plain reader) --
 
@@ -333,9 +318,10 @@ class Summary:
             self.global_steps += 1
             self.opt_steps.add(2 * global_step + is_eval)
             self.add_global_steps(global_step, global_step)
-        x = global_step if self.unit == OPTIMIZER else step
+        timeline = self.timeline
+        x = global_step if timeline.unit == OPTIMIZER else step
         if x is not None:
-            self.add_x(x, x)
+            timeline.add_x(x, x)
         nonfinite = bool(r["nan"] or r["posinf"] or r["neginf"] or type(abs_max) is str)
         ratio = None
         if not nonfinite:
@@ -351,29 +337,29 @@ class Summary:
             self.add_nonfinite(key, r, source)
             if is_eval:
                 self.add_nonfinite(key, r, source, in_eval=True)
-        if self.keep_bins and x is not None:
-            index = x // self.width
+        if timeline.keep_bins and x is not None:
+            index = x // timeline.width
             if is_eval:
-                self.eval_bins.add(index)
+                timeline.add_eval_bin(index)
             elif module in self.modules:
                 flags = 0
                 if ratio is None and not nonfinite:
                     flags = INTEGER if schema.dtype_max(dtype) is None else ZERO
-                self.add_cell(module, index, 1.0 if nonfinite else ratio, nonfinite, flags)
+                timeline.add_cell(module, index, 1.0 if nonfinite else ratio, nonfinite, flags)
         if numel:
             key = (module, entry)
             frac = r["subnormal_frac"]
             if frac > 0:
                 self.subnormal.offer(key, (-frac, pos), (frac, step, dtype, numel, global_step, mode))
-                if self.keep_bins:
+                if timeline.keep_bins:
                     self.sub_track.offer(key, (-frac, pos), None)
-                    if key not in self.sub_bins and key in self.sub_track.items:
-                        self.sub_bins[key] = {}
+                    if key not in timeline.sub_bins and key in self.sub_track.items:
+                        timeline.track_underflow(key)
             if r["zero_frac"] >= 1:
                 self.zero_keys.add(hash(key))
                 self.all_zero.offer(key, (-step, pos), (step, dtype, numel, global_step, mode))
-            if self.keep_bins and x is not None and not is_eval and key in self.sub_bins:
-                self.add_underflow(key, x // self.width, frac, r["zero_frac"])
+            if timeline.keep_bins and x is not None and not is_eval and key in timeline.sub_bins:
+                timeline.add_underflow(key, x // timeline.width, frac, r["zero_frac"])
 
     # -- aggregates (the DuckDB reader hands these over directly) --
 
@@ -388,30 +374,12 @@ class Summary:
         self.set_unit(OPTIMIZER)
 
     def set_unit(self, unit):
-        """The timeline's x from now on. The bins so far were of the other unit: they go (the
-        records before the first optimizer step have none, and are off its timeline)."""
-        if unit == self.unit:
-            return
-        self.unit = unit
-        self.first_x = self.last_x = None
-        self.width = 1
-        self.cells, self.bad_cells, self.quiet, self.eval_bins = {}, {}, {}, set()
-        for bins in self.sub_bins.values():
-            bins.clear()
+        """The timeline's x from now on (``Timeline.set_unit``)."""
+        self.timeline.set_unit(unit)
 
-    def add_x(self, first, last):
-        """Positions on the timeline (train and eval): the bins widen to keep them few."""
-        if self.first_x is None:
-            self.first_x, self.last_x = first, last
-        elif first < self.first_x or last > self.last_x:
-            self.first_x = min(self.first_x, first)
-            self.last_x = max(self.last_x, last)
-        else:
-            return
-        if self.keep_bins:
-            width = bin_width(self.first_x, self.last_x, self.max_columns)
-            if width > self.width:
-                self._coarsen(width)
+    @property
+    def unit(self):
+        return self.timeline.unit
 
     def add_module(self, name, class_name, first_pos, best, new_name=None):
         """``best``: ((ratio, pos), (entry, dtype, step, phase, abs_max, global_step, mode)) of its
@@ -435,10 +403,7 @@ class Summary:
     def _drop_modules(self):
         ranked = sorted(self.modules.items(), key=lambda item: self.module_key(item[1]))
         keep = self.max_modules * 3 // 4
-        for name, _ in ranked[keep:]:
-            self.cells.pop(name, None)
-            self.bad_cells.pop(name, None)
-            self.quiet.pop(name, None)
+        self.timeline.forget_modules(name for name, _ in ranked[keep:])
         self.modules_dropped += len(ranked) - keep
         self.modules = dict(ranked[:keep])
 
@@ -459,77 +424,6 @@ class Summary:
         """The lowest headroom in eval (``best`` as ``add_module`` takes it)."""
         if self.eval_best is None or best[0] < self.eval_best[0]:
             self.eval_best = (best[0], (module, class_name) + best[1])
-
-    def add_cell(self, module, index, ratio, bad, flags=0):
-        """The lowest headroom ratio in bin ``index`` (at ``self.width``) of the train timeline;
-        ``bad``: a nan/inf; ``flags``: what entries without headroom were there (INTEGER, ZERO),
-        kept only for a bin that ends with no headroom at all."""
-        cells = self.cells.setdefault(module, {})
-        if ratio is not None:
-            current = cells.get(index)
-            if current is None or ratio < current:
-                cells[index] = ratio
-            quiet = self.quiet.get(module)
-            if quiet is not None and quiet.pop(index, None) is not None and not quiet:
-                del self.quiet[module]
-        elif flags and index not in cells:
-            quiet = self.quiet.setdefault(module, {})
-            quiet[index] = quiet.get(index, 0) | flags
-        if bad:
-            self.bad_cells.setdefault(module, set()).add(index)
-
-    def add_eval_bin(self, index):
-        self.eval_bins.add(index)
-
-    def add_underflow(self, key, index, subnormal_frac, zero_frac):
-        """The largest subnormal and zero fractions of (module, entry) ``key`` in bin ``index``."""
-        bins = self.sub_bins.setdefault(key, {})
-        current = bins.get(index)
-        if current is None:
-            bins[index] = [subnormal_frac, zero_frac]
-        else:
-            current[0] = max(current[0], subnormal_frac)
-            current[1] = max(current[1], zero_frac)
-
-    def _forget_underflow(self, keys):
-        for key in keys:
-            self.sub_bins.pop(key, None)
-
-    def _coarsen(self, width):
-        factor = width // self.width
-        self.width = width
-        for module, cells in self.cells.items():
-            merged = {}
-            for index, ratio in cells.items():
-                index //= factor
-                current = merged.get(index)
-                if current is None or ratio < current:
-                    merged[index] = ratio
-            self.cells[module] = merged
-        for module, bad in self.bad_cells.items():
-            self.bad_cells[module] = {index // factor for index in bad}
-        for module in list(self.quiet):
-            cells = self.cells.get(module, {})
-            merged = {}
-            for index, flags in self.quiet[module].items():
-                index //= factor
-                if index not in cells:
-                    merged[index] = merged.get(index, 0) | flags
-            if merged:
-                self.quiet[module] = merged
-            else:
-                del self.quiet[module]
-        self.eval_bins = {index // factor for index in self.eval_bins}
-        for key, bins in self.sub_bins.items():
-            merged = {}
-            for index, (sub, zero) in bins.items():
-                index //= factor
-                current = merged.get(index)
-                if current is None:
-                    merged[index] = [sub, zero]
-                else:
-                    current[0], current[1] = max(current[0], sub), max(current[1], zero)
-            self.sub_bins[key] = merged
 
     # -- results --
 
@@ -571,22 +465,10 @@ class Summary:
         ranked.sort(key=lambda item: item[1][1])
         return [name for name, _ in ranked]
 
-    def columns(self):
-        """Indices of the train timeline's bins that hold any record, in order."""
-        used = set()
-        for table in (self.cells, self.bad_cells, self.quiet):
-            for bins in table.values():
-                used.update(bins)
-        return sorted(used)
-
-    def bin_steps(self, index):
-        """The steps [first, last] that bin ``index`` covers."""
-        return index * self.width, index * self.width + self.width - 1
-
     def steps_per_column(self):
         """The most recorded train steps (of the timeline's unit) in any one bin (None when the
         steps were too many to keep)."""
-        if self.unit == OPTIMIZER:
+        if self.timeline.unit == OPTIMIZER:
             steps = self.optimizer_steps("train")
         else:
             steps = None if self.steps.over else self.steps.seen
@@ -594,7 +476,8 @@ class Summary:
             return None
         counts = {}
         for step in steps:
-            counts[step // self.width] = counts.get(step // self.width, 0) + 1
+            width = self.timeline.width
+            counts[step // width] = counts.get(step // width, 0) + 1
         return max(counts.values(), default=0)
 
     def underflow_curves(self):
@@ -602,7 +485,7 @@ class Summary:
         ``underflow_rows`` pairs with the largest subnormal fractions (the hot spots table's
         first rows), on the train timeline from each pair's first subnormal value: in each bin
         the largest of each fraction."""
-        return [(key, {index: tuple(value) for index, value in sorted(self.sub_bins.get(key, {}).items())})
+        return [(key, {index: tuple(value) for index, value in sorted(self.timeline.sub_bins.get(key, {}).items())})
                 for key, _, _ in self.subnormal.best(self.underflow_rows)]
 
 
@@ -623,12 +506,13 @@ class Picture:
     modules closest to overflow; ``underflow`` the top underflow hot spots' fractions."""
 
     def __init__(self, summary, curves=5):
-        unit = self.unit = summary.unit
-        self.width = width = summary.width
+        timeline = summary.timeline
+        unit = self.unit = timeline.unit
+        self.width = width = timeline.width
         self.modules = modules = summary.plot_modules()
         self.classes = [summary.modules[name][0] for name in modules]
         used = set()
-        for table in (summary.cells, summary.bad_cells, summary.quiet):
+        for table in (timeline.cells, timeline.bad_cells, timeline.quiet):
             for name in modules:
                 used.update(table.get(name, ()))
         self.columns = columns = sorted(used)
@@ -638,13 +522,13 @@ class Picture:
         self.kinds = [[NOT_RECORDED] * len(columns) for _ in modules]
         for i, name in enumerate(modules):
             values, kinds = self.values[i], self.kinds[i]
-            for c, ratio in summary.cells.get(name, {}).items():
+            for c, ratio in timeline.cells.get(name, {}).items():
                 values[position[c]], kinds[position[c]] = headroom(ratio), HEADROOM
-            for c, flags in summary.quiet.get(name, {}).items():
+            for c, flags in timeline.quiet.get(name, {}).items():
                 kinds[position[c]] = ALL_ZERO if flags & ZERO else INTEGER_ONLY
-            for c in summary.bad_cells.get(name, ()):
+            for c in timeline.bad_cells.get(name, ()):
                 values[position[c]], kinds[position[c]] = 0.0, NONFINITE
-        self.eval_x = [c * width + (width - 1) / 2 for c in sorted(summary.eval_bins)]
+        self.eval_x = [c * width + (width - 1) / 2 for c in sorted(timeline.eval_bins)]
         self.eval_entries = summary.modes["eval"]
         what = "steps" if unit == OPTIMIZER else "batches"
         self.xlabel = ("optimizer step" if unit == OPTIMIZER else
@@ -676,15 +560,6 @@ class Picture:
                 xs = [index * width + (width - 1) / 2 for index in bins]
                 self.underflow.append(((module, entry), xs, [v[0] for v in bins.values()],
                                        [v[1] for v in bins.values()]))
-
-
-def bin_width(first, last, max_columns=MAX_COLUMNS):
-    """The smallest power of two such that bins of that many steps, aligned to multiples of it,
-    cover [first, last] in fewer than 2 * max_columns columns."""
-    width = 1
-    while last // width - first // width >= 2 * max_columns:
-        width *= 2
-    return width
 
 
 def headroom_ratio(dtype, abs_max):
