@@ -18,7 +18,10 @@ import os
 import torch
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # overflow_fast/
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# this package's machinery, never the user's code (its demos are: they stand for a user's model)
+_MACHINERY_DIRS = tuple(os.path.join(_PACKAGE, folder) + os.sep for folder in
+                     ("hooks", "stats", "recording", "report", "distributed", "integrations"))
 
 
 _AUTOCAST_DEVICES = ("cpu", "cuda")
@@ -66,7 +69,7 @@ def user_code(module):
     """Whether ``module``'s forward is someone else's code (not torch's, not this package's)."""
     forward = getattr(type(module).forward, "__code__", None)
     filename = getattr(forward, "co_filename", "")
-    return bool(filename) and not filename.startswith((_TORCH_DIR, _PACKAGE_DIR))
+    return bool(filename) and not filename.startswith((_TORCH_DIR, *_MACHINERY_DIRS))
 
 
 def find_op(found, kept_forward, kept_gradients, modules_by_name):
@@ -182,7 +185,7 @@ def _innermost_user_frame():
     frame = sys._getframe(1)
     while frame is not None:
         filename = frame.f_code.co_filename
-        if not filename.startswith((_TORCH_DIR, _PACKAGE_DIR, "<")):
+        if not filename.startswith((_TORCH_DIR, *_MACHINERY_DIRS, "<")):
             return filename, frame.f_lineno
         frame = frame.f_back
     return None

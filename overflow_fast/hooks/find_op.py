@@ -48,7 +48,10 @@ NOT_REPRODUCED = "not reproduced on replay (no op made a nan/inf from finite inp
 ALREADY_IN = "not reproduced on replay (the nan/inf was already in"
 
 _TORCH_DIR = os.path.dirname(os.path.realpath(torch.__file__)) + os.sep
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.realpath(__file__))) + os.sep  # overflow_fast/
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+# this package's machinery, never the user's code (its demos are: they stand for a user's model)
+_MACHINERY_DIRS = tuple(os.path.join(_PACKAGE, folder) + os.sep for folder in
+                     ("hooks", "stats", "recording", "report", "distributed", "integrations"))
 _THIS_FILE = os.path.realpath(__file__)
 
 _MODULE_HOOKS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
@@ -391,7 +394,7 @@ def _in_user_code(filename):
     if known is None:
         path = os.path.realpath(filename)
         known = not (filename.startswith("<") or path.startswith(_TORCH_DIR)
-                     or path.startswith(_PACKAGE_DIR))
+                     or path.startswith(_MACHINERY_DIRS))
         _user_files[filename] = known
     return known
 
