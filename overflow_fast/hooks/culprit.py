@@ -21,7 +21,7 @@ _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # this package's machinery, never the user's code (its demos are: they stand for a user's model)
 _MACHINERY_DIRS = tuple(os.path.join(_PACKAGE, folder) + os.sep for folder in
-                     ("hooks", "stats", "recording", "report", "distributed", "integrations"))
+                        ("hooks", "stats", "recording", "report", "distributed", "integrations"))
 
 
 _AUTOCAST_DEVICES = ("cpu", "cuda")

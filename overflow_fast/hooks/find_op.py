@@ -51,7 +51,7 @@ _TORCH_DIR = os.path.dirname(os.path.realpath(torch.__file__)) + os.sep
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
 # this package's machinery, never the user's code (its demos are: they stand for a user's model)
 _MACHINERY_DIRS = tuple(os.path.join(_PACKAGE, folder) + os.sep for folder in
-                     ("hooks", "stats", "recording", "report", "distributed", "integrations"))
+                        ("hooks", "stats", "recording", "report", "distributed", "integrations"))
 _THIS_FILE = os.path.realpath(__file__)
 
 _MODULE_HOOKS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
