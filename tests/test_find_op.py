@@ -457,3 +457,23 @@ def test_replay_help_warns_that_a_pickle_runs_code_and_a_bad_file_is_a_clear_err
         replayed = subprocess.run([sys.executable, "-m", "overflow_fast", "replay", str(path)], capture_output=True,
                                   text=True, env=env, timeout=120)
         assert replayed.returncode == 1 and str(path) in replayed.stderr and "Traceback" not in replayed.stderr
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_a_bert_whose_intermediate_product_overflows_in_fp16(check):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=64, max_position_embeddings=32)
+    model = transformers.BertForMaskedLM(config).half()
+    with torch.no_grad():
+        model.bert.encoder.layer[1].intermediate.dense.weight.normal_(0, 8000.0).clamp_(-60000, 60000)
+    watch(model, check=check)
+    ids = torch.randint(0, 64, (2, 8))
+    out, error = capture(lambda: model(input_ids=ids, labels=ids).loss.backward())
+    line, op = op_of(out, error)
+    assert out.splitlines()[-2] == ("Source: born in forward of bert.encoder.layer.1.intermediate.dense (Linear): "
+                                    "output from finite inputs and weights")
+    # the Linear is torch's: the line is BertIntermediate's, the model's code that calls it
+    assert op["op"] == "aten.addmm" and os.path.basename(op["file"]) == "modeling_bert.py", op
+    assert op["what"].startswith("inf from finite inputs"), op
