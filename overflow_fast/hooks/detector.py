@@ -51,15 +51,10 @@ class DebugUnderflowOverflow:
                  warn_above=None, sync=True, sync_timeout=None, log=None, log_every=1,
                  defer=False, stage_bytes=DEFAULT_DEFER_BYTES, max_skips=DEFAULT_MAX_SKIPS,
                  warn_gradients=False, find_op=False, repro=None):
+        # every argument but the model is an option, validated once
+        options = Options.of(**{name: value for name, value in locals().items() if name not in ("self", "model")})
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        options = Options.of(
-            max_frames_to_save=max_frames_to_save, trace_batch_nums=trace_batch_nums,
-            abort_after_batch_num=abort_after_batch_num, check=check, backend=backend, buffer_rows=buffer_rows,
-            reuse_stats=reuse_stats, kwargs=kwargs, containers=containers, backward=backward,
-            on_detect=on_detect, ignore=ignore, warn_above=warn_above, sync=sync, sync_timeout=sync_timeout,
-            log=log, log_every=log_every, defer=defer, stage_bytes=stage_bytes, max_skips=max_skips,
-            warn_gradients=warn_gradients, find_op=find_op, repro=repro)
         self.options = options
         self.model = model
         # the reference's attributes
@@ -67,16 +62,10 @@ class DebugUnderflowOverflow:
         self.abort_after_batch_num = options.abort_after_batch_num
         self.prefix = text.PREFIX
         # the options' as attributes, as they always were
-        self.check = options.check
+        for name in ("check", "reuse_stats", "kwargs", "containers", "backward", "max_skips", "sync", "sync_timeout"):
+            setattr(self, name, getattr(options, name))
         self.backend = _usable_backend(options.backend)
-        self.reuse_stats = options.reuse_stats
         self.defer = options.defer and options.check == "batch"
-        self.kwargs = options.kwargs
-        self.containers = options.containers
-        self.backward = options.backward
-        self.max_skips = options.max_skips
-        self.sync = options.sync
-        self.sync_timeout = options.sync_timeout
         self._abort_after = None if abort_after_batch_num is None else int(abort_after_batch_num)
         self._handles = []
         self._gradients = None
