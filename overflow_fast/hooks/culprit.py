@@ -13,15 +13,7 @@ op's frame is then the line that calls the module. Without such an ancestor the 
 model was called (the stack at the detection, or at the outermost call).
 """
 
-import os
-
 import torch
-
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# this package's machinery, never the user's code (its demos are: they stand for a user's model)
-_MACHINERY_DIRS = tuple(os.path.join(_PACKAGE, folder) + os.sep for folder in
-                        ("hooks", "stats", "recording", "report", "distributed", "integrations"))
 
 
 _AUTOCAST_DEVICES = ("cpu", "cuda")
@@ -65,11 +57,11 @@ def versions_of(args, kwargs):
     return tuple(v._version for v in values if isinstance(v, torch.Tensor) and not v.is_inference())
 
 
-def user_code(module):
+def user_code(module, replay):
     """Whether ``module``'s forward is someone else's code (not torch's, not this package's)."""
     forward = getattr(type(module).forward, "__code__", None)
     filename = getattr(forward, "co_filename", "")
-    return bool(filename) and not filename.startswith((_TORCH_DIR, *_MACHINERY_DIRS))
+    return bool(filename) and replay.in_user_code(filename)
 
 
 def find_op(found, kept_forward, kept_gradients, modules_by_name):
@@ -109,12 +101,12 @@ def _calls_of(kept_forward, name, modules_by_name):
     return [inputs for inputs in kept_forward if inputs.module is module and module is not None]
 
 
-def _user_ancestors(inputs):
+def _user_ancestors(inputs, replay):
     """The calls whose replay may show the line: the nearest enclosing call whose forward is user
     code (its replay runs the op from the line that called the module), then the call itself."""
     chain = []
     outer = inputs
-    while outer is not None and not user_code(outer.module):
+    while outer is not None and not user_code(outer.module, replay):
         outer = outer.parent
     if outer is not None and outer is not inputs:
         chain.append(outer)
@@ -129,12 +121,12 @@ def _forward(inputs, replay):
     if inputs is None:
         return {"op": None, "phase": "forward", "why": "no inputs kept"}, None, None
     result = None
-    for call in _user_ancestors(inputs):
+    for call in _user_ancestors(inputs, replay):
         if call.changed():
             continue
         result = replay.replay_forward(call.module, call.args, call.kwargs, call=call.call_state())
         if result.get("op") is not None:
-            return _located(result), call, None
+            return _located(result, replay), call, None
     if result is None:
         return {"op": None, "phase": "forward",
                 "why": "not reproduced on replay (the module's inputs changed in place after its hook)"}, None, None
@@ -150,7 +142,7 @@ def _backward(calls, kept_gradients, replay):
     result = tried = None
     changed = False
     for inputs in reversed(calls):
-        for call in _user_ancestors(inputs):
+        for call in _user_ancestors(inputs, replay):
             grads = [kept_gradients.get(id(t)) for t in replay.floating_outputs(call.output)]
             if not any(g is not None for g in grads):
                 continue
@@ -159,7 +151,7 @@ def _backward(calls, kept_gradients, replay):
                 continue
             result = replay.replay_backward(call.module, call.args, call.kwargs, grads, call=call.call_state())
             if result.get("op") is not None:
-                return _located(result), call, grads
+                return _located(result, replay), call, grads
             if tried is None or call is inputs:
                 tried = call, grads
     if result is None:
@@ -169,23 +161,11 @@ def _backward(calls, kept_gradients, replay):
     return result, tried[0], tried[1]
 
 
-def _located(result):
+def _located(result, replay):
     """A result without a line (torch's own code alone ran it): the innermost user frame of the
     stack now, where the model was called."""
     if result.get("file") is None:
-        frame = _innermost_user_frame()
-        if frame is not None:
-            result = {**result, "file": frame[0], "line": frame[1]}
+        filename, line = replay.location(replay.live_frames())
+        if filename is not None:
+            result = {**result, "file": filename, "line": line}
     return result
-
-
-def _innermost_user_frame():
-    import sys
-
-    frame = sys._getframe(1)
-    while frame is not None:
-        filename = frame.f_code.co_filename
-        if not filename.startswith((_TORCH_DIR, *_MACHINERY_DIRS, "<")):
-            return filename, frame.f_lineno
-        frame = frame.f_back
-    return None

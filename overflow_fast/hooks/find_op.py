@@ -213,20 +213,6 @@ def _autocast_as(stack, autocast):
             stack.enter_context(torch.autocast(device, enabled=False))
 
 
-def versions_of(args, kwargs=None):
-    """Each input tensor's version counter, in a flat tuple (None for an inference tensor, which
-    has none): compare the tuples taken at the call and before the replay to know that an input
-    was changed in place in between."""
-    versions = []
-    for leaf in pytree.tree_leaves((args, kwargs or {})):
-        if isinstance(leaf, torch.Tensor):
-            try:
-                versions.append(leaf._version)
-            except RuntimeError:
-                versions.append(None)
-    return tuple(versions)
-
-
 def floating_outputs(output):
     """The floating tensors of a module's output, depth first: a tensor, the items of a tuple or a
     list, the values of a dict (a transformers ``ModelOutput``) in order. ``replay_backward``'s
@@ -389,7 +375,8 @@ def _draws_random(func, short, args, kwargs):
 _user_files = {}
 
 
-def _in_user_code(filename):
+def in_user_code(filename):
+    """Whether ``filename`` is the user's code: outside torch and this package's machinery."""
     known = _user_files.get(filename)
     if known is None:
         path = os.path.realpath(filename)
@@ -404,18 +391,19 @@ def _call_module(module, args, kwargs):
     return module(*args, **kwargs)
 
 
-def _location(frames):
+def location(frames):
     """The innermost of ``frames`` (filename, line, function; innermost first) inside the replayed
     call and outside torch and this package: (file, line), or (None, None)."""
     for filename, line, function in frames:
         if function == _call_module.__name__ and os.path.realpath(filename) == _THIS_FILE:
             break
-        if _in_user_code(filename):
+        if in_user_code(filename):
             return filename, line
     return None, None
 
 
-def _live_frames():
+def live_frames():
+    """(filename, line, function) of the caller's stack, innermost first."""
     frame = sys._getframe(1)
     while frame is not None:
         yield frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name
@@ -515,11 +503,11 @@ class _Births(TorchDispatchMode):
             node = torch._C._current_autograd_node()
             if node is not None:
                 origin["op"] = node.name()
-                origin["file"], origin["line"] = _location(_node_frames(node))
+                origin["file"], origin["line"] = location(_node_frames(node))
             else:  # the engine's own op (summing the gradients of a tensor used twice)
                 origin["file"] = origin["line"] = None
         else:
-            origin["file"], origin["line"] = _location(_live_frames())
+            origin["file"], origin["line"] = location(live_frames())
         return origin
 
     def verdict(self, results, phase, exact_random):
