@@ -254,6 +254,7 @@ def test_watch_lists_every_option_in_its_signature():
 
     detector = inspect.signature(DebugUnderflowOverflow).parameters
     options = {field.name for field in dataclasses.fields(Options)}
-    assert set(inspect.signature(watch).parameters) - {"model"} == options == set(detector) - {"model"}
+    # and **unknown, which names the nearest option of a misspelled one
+    assert set(inspect.signature(watch).parameters) - {"model", "unknown"} == options == set(detector) - {"model", "unknown"}
     for name in options - set(WATCH_DEFAULTS):  # watch's own defaults aside, the drop-in's
         assert inspect.signature(watch).parameters[name].default == detector[name].default, name

@@ -141,7 +141,7 @@ class Decisions:
             during = f"the backward of batch_number={found.batch}"
         else:
             during = f"batch_number={found.shown_batch}"
-        say(text.dump_text(self.state.batch_number, self.state.frames, during))
+        say(text.dump_text(self.state.batch_number, self.state.frames, during, found.frame.phase == BACKWARD))
         self.state.frames.clear()
         if self.global_step is not None:
             mode = f" ({self.mode})" if self.mode is not None else ""

@@ -30,7 +30,7 @@ except ImportError as missing:
                       f"transformers (import transformers failed: {missing})") from missing
 
 from ..hooks.detector import WATCH_DEFAULTS, DebugUnderflowOverflow
-from ..hooks.options import Options, validated_flag
+from ..hooks.options import Options, check_names, validated_flag
 
 __all__ = ["DetectorCallback", "TrainerPatch", "use_in_trainer"]
 
@@ -139,6 +139,7 @@ class DetectorCallback(TrainerCallback):
     any ``log=`` given. ``self.detector`` is the detector while training runs (None otherwise)."""
 
     def __init__(self, report_to=False, **detector_kwargs):
+        check_names(detector_kwargs, also=("report_to",))  # a misspelled one names the nearest
         self.detector_kwargs = {**WATCH_DEFAULTS, **detector_kwargs}
         Options.of(**self.detector_kwargs)  # a bad option fails here, not when train() starts
         self.report_to = validated_flag("report_to", report_to)
