@@ -246,6 +246,23 @@ class DebugUnderflowOverflow:
         with self._run.lock:
             self._run.flush_all()
 
+    def set_batch(self, ids=None):
+        """The rows of the batch that runs next are these samples: ``ids`` holds one dataset index
+        per row (dim 0) of the batch, e.g. the indices a sampler gave; None: unknown. A detection's
+        ``Where:`` line and record then name the samples of the rows that hold the nan/inf. Call it
+        before each batch's forward (the trainer integrations do, where the data loader can tell)."""
+        if ids is not None:
+            if isinstance(ids, torch.Tensor):
+                if ids.dim() != 1 or ids.is_floating_point() or ids.is_complex():
+                    raise TypeError(f"set_batch takes one integer index per row, got a {ids.dtype} tensor of "
+                                    f"shape {tuple(ids.shape)}")
+                ids = ids.detach().cpu().tolist()  # a host copy: later writes to the user's tensor do not count
+            elif isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+                raise TypeError(f"set_batch takes a sequence of integer indices or None, got {type(ids).__name__}")
+            ids = tuple(_integer(i, "each id", "an int") for i in ids)
+        with self._run.lock:
+            self.decisions.samples = ids
+
     def set_step(self, global_step=None, mode=None):
         """What runs next belongs to the trainer's optimizer step ``global_step`` (an int) and to
         ``mode`` ("train" or "eval"); detections, errors and records carry them. None: unknown."""
