@@ -34,7 +34,8 @@ def test_a_misspelled_option_names_the_nearest_one(make, wrong, right):
 
 
 def test_the_trainer_callbacks_name_the_nearest_option_too():
-    from overflow_fast.integrations import lightning, transformers
+    pytest.importorskip("transformers")
+    from overflow_fast.integrations import transformers
 
     with pytest.raises(TypeError, match=re.escape("'reportto' (did you mean 'report_to'?)")):
         transformers.DetectorCallback(reportto=True)
@@ -42,6 +43,12 @@ def test_the_trainer_callbacks_name_the_nearest_option_too():
         transformers.DetectorCallback(bakward=False)
     with pytest.raises(TypeError, match=re.escape("'find_ops' (did you mean 'find_op'?)")):
         transformers.use_in_trainer(find_ops=False)
+
+
+def test_the_lightning_callback_names_the_nearest_option_too():
+    pytest.importorskip("lightning")
+    from overflow_fast.integrations import lightning
+
     with pytest.raises(TypeError, match=re.escape("'sync_timout' (did you mean 'sync_timeout'?)")):
         lightning.DetectorCallback(sync_timout=5)
 
