@@ -78,7 +78,7 @@ def test_nan_in_a_keyword_input_is_detected_where_the_reference_sees_nothing(che
     assert error is not None
     # found one module earlier than the reference, in the frame of the module that received it
     assert out.splitlines()[0] == "input[hidden_states] has nans"
-    where = ("Where: row 0 of 1; first at [0, 1]; 1 of 4 elements are nan" if check == "module" else
+    where = ("Where: row 0 of 1; first at [0, 1]; 1 of 4 elements is nan" if check == "module" else
              "Where: not shown for input[hidden_states] (the call's tensors are not kept: find_op=True keeps them "
              "until the pass is decided)")
     assert out.endswith("                  layer Gate\n     nan      nan input[hidden_states]\n"
