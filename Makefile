@@ -53,7 +53,7 @@ test-fast: $(DEV)
 demo: $(RUNTIME)
 	$(PY) -m overflow_fast.demo
 
-# a recorded run that drifts into an fp16 overflow -> build/report-demo.jsonl and docs/report-demo.png
+# a recorded run that drifts into an fp16 overflow -> build/report-demo.jsonl and build/report-demo.png
 report-demo: $(DEV)
 	$(PY) -m overflow_fast.report_demo
 

@@ -1,4 +1,6 @@
-"""``overflow-fast`` / ``python -m overflow_fast``: commands over flight-recorder logs.
+"""``overflow-fast`` / ``python -m overflow_fast``: the package's commands. ``report`` summarises
+flight-recorder logs, ``info`` says what runs here, ``replay`` replays a reproducer file; each has
+its own ``--help``.
 
 ``report RUN.jsonl [RUN.rank1.jsonl ...] [--png OUT.png]`` reads the records (every line checked
 against ``schema.py``; bounded memory: aggregates per module and per step bin, never the records
@@ -76,7 +78,10 @@ def _progress(total, forced):
 
 def build_parser():
     parser = argparse.ArgumentParser(
-        prog="overflow-fast", description="Commands over overflow_fast flight-recorder logs (JSONL).")
+        prog="overflow-fast", description="overflow_fast's commands, one per line below; "
+                                          "`overflow-fast COMMAND --help` says more of each.",
+        epilog="The detector itself is a library: overflow_fast.watch(model) or "
+               "overflow_fast.DebugUnderflowOverflow(model) in your training script (README.md).")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands.required = True
     report = commands.add_parser(
@@ -101,7 +106,13 @@ def build_parser():
                           help="always show progress on stderr")
     progress.add_argument("--no-progress", dest="progress", action="store_false",
                           help="never show progress")
-    commands.add_parser("info", help="what runs here: versions, the C++ kernel, backends, devices")
+    commands.add_parser(
+        "info", help="what runs here: versions, the C++ kernel, backends, devices",
+        description="What runs here, one fact a line: the versions of overflow_fast, Python, torch and "
+                    "Triton; the C++ CPU kernel (its instruction set, its file and cache, or why it is "
+                    "unavailable); the default backend of each device type; the CUDA devices and how "
+                    "the per-hook read runs on each; the environment variables that change any of it. "
+                    "Builds the C++ kernel first if this environment has none yet (about a minute).")
     replay = commands.add_parser(
         "replay", help="replay a reproducer file (repro=DIR) and print its Op: line",
         description="Replay the one module call a reproducer file holds (written with repro=DIR at a "

@@ -63,7 +63,8 @@ def _per_hook_paths():
     from .stats import triton_backend
 
     if triton_backend.unavailable_reason() is not None:
-        return {"all": f"none (the triton backend is unavailable: {triton_backend.unavailable_reason()})"}
+        return {"gpu": "none here (the triton backend, which reads each hook's GPU tensors, is unavailable: "
+                       f"{triton_backend.unavailable_reason()})"}
     if torch.cuda.is_available():
         for index in range(torch.cuda.device_count()):
             try:

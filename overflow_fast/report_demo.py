@@ -7,6 +7,10 @@ with ``log=PATH`` (``on_detect="record"``: the run is not interrupted, it stops 
 nan/inf) and, where TensorBoard is installed, to a ``SummaryWriter`` too (the dashboard scalars;
 ``tensorboard --logdir build/report-demo-tensorboard``).
 
+Everything it writes goes under build/ (ignored by git): a demo never changes a tracked file. The
+picture in the README is ``docs/report-demo.png``; to refresh it, run it with
+``--png docs/report-demo.png`` and commit the result.
+
 Run: python -m overflow_fast.report_demo [--log PATH] [--png PATH] [--steps N] [--tensorboard DIR]
 """
 
@@ -48,7 +52,7 @@ def record_run(path, steps=400, grow=1.04, shrink=0.96, seed=0, dashboard=None):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--log", default=os.path.join("build", "report-demo.jsonl"))
-    parser.add_argument("--png", default=os.path.join("docs", "report-demo.png"))
+    parser.add_argument("--png", default=os.path.join("build", "report-demo.png"))
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--tensorboard", default=os.path.join("build", "report-demo-tensorboard"),
                         help="where the dashboard scalars go (needs tensorboard); '' for none")

@@ -219,6 +219,24 @@ def test_a_broken_source_fails_with_the_compilers_first_error(tmp_path):
     assert "deliberately broken source" in (tmp_path / "build" / cpu_build.LOG).read_text()
 
 
+def test_a_build_shows_the_units_it_compiled_and_the_time_so_far(tmp_path, monkeypatch, capfd):
+    if shutil.which(cpu_build.compiler()) is None:
+        pytest.skip("no C++ compiler")
+    sources = tmp_path / "csrc"
+    sources.mkdir()
+    (sources / "binding.cpp").write_text("int one() { return 1; }\n")
+    (sources / "kernel_default.cpp").write_text("int two() { return 2; }\n")
+    monkeypatch.setattr(cpu_build, "PROGRESS_EVERY", 0.0)  # a line at every look, not only when a unit ends
+    monkeypatch.setattr(cpu_build, "PROGRESS_LOOK", 0.01)
+    cpu_build.build("baseline", tmp_path / "build", sources)
+    lines = [line for line in capfd.readouterr().err.splitlines() if "units compiled" in line]
+    counts = [re.match(r"overflow_fast: building the C\+\+ kernel: (\d) of 2 units compiled(, linking)? \(\d+ s\)$",
+                       line) for line in lines]
+    assert lines and all(counts), lines
+    done = [int(match.group(1)) for match in counts]
+    assert done == sorted(done)  # units done only grow
+
+
 def test_no_compiler_is_said_plainly(tmp_path, monkeypatch):
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     with pytest.raises(cpu_build.BuildError, match="no C\\+\\+ compiler: .*no-such-compiler.* is not on PATH"):

@@ -21,3 +21,6 @@ def test_demo_reports_the_overflow_in_the_last_block(args):
                                   "traceback to see the activation values prior to this event.")
     source = "Source: born in forward of blocks.3.fc_out (Linear): output from finite inputs and weights"
     assert (source in text) == ("--drop-in" not in args)
+    # the rows of the batch that hold the inf, just before the Source line
+    where = "Where: rows 0, 1 of 2; first at [0, 0, 21]; 4 of 1,024 elements are inf\n" + source
+    assert (where in text) == ("--drop-in" not in args)

@@ -58,8 +58,20 @@ def test_records_equal_the_printed_frames_across_a_detection(check, tmp_path):
     entries = [r for r in records if r["record"] == "entry"]
     assert sorted({r["step"] for r in entries}) == [0, 1, 2]
     detection = records[-1]
+    where = detection.pop("where")
     assert detection == {"record": "detection", "step": 2, "phase": "forward", "module": "1", "class": "Amplify",
                          "entries": ["output"], "rank": None}
+    # the detection's Where facts (the output is at hand when its hook decides it, not at the
+    # forward's end without find_op)
+    if check == "module":
+        output = next(r for r in entries if (r["step"], r["module"], r["entry"]) == (2, "1", "output"))
+        assert (where["entry"], where["shape"], where["rows"], where["rows_total"], where["batch"]) == (
+            "output", [2, 4], [0, 1], 2, False)
+        assert [where[k] for k in ("nan", "posinf", "neginf", "numel")] == [output[k] for k in
+                                                                           ("nan", "posinf", "neginf", "numel")]
+    else:
+        assert where == {"entry": "output", "why": "the call's tensors are not kept: find_op=True keeps them until "
+                                                   "the pass is decided"}
     # every line of the printed report's frames has its record with the same numbers
     report = out.split("Last ")[1]
     module = step = None

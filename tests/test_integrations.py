@@ -396,3 +396,58 @@ def test_a_broken_transformers_is_named_with_its_own_error(tmp_path):
                                "transformers: pip install transformers")
     assert "No module named 'a_dependency_that_is_not_there'" in lines[0]
     assert lines[1] == "cause: ModuleNotFoundError: No module named 'a_dependency_that_is_not_there'"
+
+
+class _Embeds(torch.utils.data.Dataset):
+    """GPT-2 inputs as embeddings; sample ``POISONED_SAMPLE`` holds a nan at position 5."""
+
+    def __init__(self, size=32, length=8):
+        generator = torch.Generator().manual_seed(0)
+        self.embeds = torch.randn(size, length, 16, generator=generator)
+        self.embeds[POISONED_SAMPLE, 5, 3] = math.nan
+        self.labels = torch.randint(0, 64, (size, length), generator=generator)
+
+    def __len__(self):
+        return len(self.embeds)
+
+    def __getitem__(self, index):
+        return {"inputs_embeds": self.embeds[index], "labels": self.labels[index]}
+
+
+POISONED_SAMPLE = 13
+
+
+@pytest.mark.parametrize("route, batch, accumulate, workers", [
+    ("callback", 8, 1, 0), ("use_in_trainer", 8, 1, 0), ("callback", 4, 2, 2)])
+def test_the_trainer_names_the_dataset_index_of_the_poisoned_sample(tmp_path, capsys, route, batch, accumulate,
+                                                                     workers):
+    """Shuffled batches from 32 samples: whichever batch and row sample 13 lands in, the Where line
+    and the detection record name that sample (with gradient accumulation and worker processes
+    loading ahead too)."""
+    log = tmp_path / "run.jsonl"
+    handle = integration.use_in_trainer(log=str(log)) if route == "use_in_trainer" else None
+    callbacks = [integration.DetectorCallback(log=str(log))] if handle is None else []
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=batch, gradient_accumulation_steps=accumulate,
+        learning_rate=1e-3, report_to=[], use_cpu=True, save_strategy="no", logging_strategy="no", disable_tqdm=True,
+        dataloader_num_workers=workers, debug="underflow_overflow" if handle is not None else "")
+    trainer = transformers.Trainer(model=models.gpt2().train(), args=args, train_dataset=_Embeds(),
+                                   callbacks=callbacks)
+    try:
+        with pytest.raises(ValueError, match=ERROR) as caught:
+            trainer.train()
+    finally:
+        if handle is not None:
+            handle.undo()
+    where = caught.value.detection["where"]
+    row = where["rows"][0]
+    assert where["samples"] == [POISONED_SAMPLE] and where["rows"] == [row] and where["first"] == [row, 5, 3]
+    line = f"Where: batch row {row} of {batch} (sample {POISONED_SAMPLE}); first at [{row}, 5, 3] (token 5); " \
+           f"1 of {batch * 8 * 16:,} elements is nan"
+    assert line in capsys.readouterr().out.splitlines()
+    [record] = [r for r in read_back(log) if r["record"] == "detection"]
+    assert record["where"] == where
+    assert no_hooks(trainer.model)
+    # the training loader's sampler has its own class back
+    assert type(trainer.callback_handler.train_dataloader.base_dataloader.batch_sampler) is \
+        torch.utils.data.BatchSampler

@@ -195,6 +195,7 @@ def _wrong_values():
         "abs": ["big", True, [1.0], -1.0, {"a": 1}, 1e400],
         "frac": ["0.5", None, 1.5, -0.1, "nan", True],
         "strlist": ["output", [1], None, [["a"]], {"a": 1}],
+        "object": ["rows 3", [1], 3, True],
     }
     base = {
         "meta": {"record": "meta", "version": 1, "rank": 0, "world_size": 2, "started": "x", "pid": 1, "torch": "2"},

@@ -62,9 +62,13 @@ def test_gradient_overflow_raises_inside_backward_and_names_its_source(check):
     assert lines[-2] == "Source: born in backward of 0 (Linear): weight.grad from a finite incoming gradient"
     # find_op replays that call's backward: the matmul that summed the 8 rows of 40 * 300
     assert lines[-1] == f"Op: AddmmBackward0 at {__file__}:{STEP_LINE}: inf from finite inputs (input abs max 3.0e+02)"
-    op = error.detection.pop("op")
+    assert lines[-3] == "Where: rows 0, 1, 2, 3 of 4; first at [0, 0]; 16 of 16 elements are inf"
+    op, where = error.detection.pop("op"), error.detection.pop("where")
     assert error.detection == {"batch_number": 0, "phase": "backward", "module": "0", "class": "Linear",
                                "entries": ["weight.grad"]}
+    assert where == {"entry": "weight.grad", "shape": [4, 4], "rows": [0, 1, 2, 3], "rows_total": 4, "batch": False,
+                     "first": [0, 0], "token": None, "samples": None, "nan": 0, "posinf": 16, "neginf": 0,
+                     "numel": 16}
     assert op == {"op": "AddmmBackward0", "file": __file__, "line": STEP_LINE, "phase": "backward",
                   "what": "inf from finite inputs (input abs max 3.0e+02)"}
 
@@ -236,9 +240,15 @@ def test_on_detect_record_only_records(check):
     detector = DebugUnderflowOverflow(model, check=check, on_detect="record")
     out, error = capture(lambda: [model(torch.full((1, 2), 3.0, dtype=torch.float16)) for _ in range(2)])
     assert error is None and out == ""
+    where = detector.detections[0].pop("where")
     assert detector.detections[0] == {"batch_number": 0, "phase": "forward", "module": "1", "class": "Amplify",
                                       "entries": ["output"]}
     assert len(detector.detections) == 2
+    if check == "module":  # decided in its hook: the output is at hand
+        assert (where["rows"], where["first"], where["posinf"], where["numel"]) == ([0], [0, 0], 2, 2)
+    else:  # decided when the forward ended: without find_op, the output was not kept
+        assert where == {"entry": "output", "why": "the call's tensors are not kept: find_op=True keeps them "
+                                                   "until the pass is decided"}
 
 
 class Scale(nn.Module):

@@ -14,6 +14,7 @@ from .errors import say
 from ..recording.flight import timeline_step
 from .frames import BACKWARD, Frame, class_name
 from .policy import source_line
+from .where import line as where_line
 
 
 def op_line(op):
@@ -25,15 +26,17 @@ NO_ROWS = (None, [], None)  # the sources of a call without tensors
 
 # A hook call waiting for its rows: what the reference's counters said (``call``), its module,
 # entries and dtypes, where its rows are (``sources``), its phase, for an output gradient the
-# modules whose backward produced it, and with find_op its inputs (``culprit.CallInputs``).
+# modules whose backward produced it, with find_op its inputs (``culprit.CallInputs``), and for a
+# call decided in its own hook its tensors (for a detection's Where line; like the inputs, kept
+# with the last clean pass's calls until the next pass begins).
 Pending = collections.namedtuple("Pending", ("call", "module", "entries", "dtypes", "sources", "phase", "consumers",
-                                             "inputs"), defaults=(None,))
+                                             "inputs", "tensors"), defaults=(None, None))
 
 # A detection found by the replay, for the strategy to act on.
 # ``frame``: where it was found; ``first_frame`` and ``bad``: the first frame that counted and its
 # entries; ``frames``: the ring as data; ``report_due``: whether the policy wants it reported.
 Found = collections.namedtuple("Found", ("detection", "frames", "frame", "first_frame", "bad", "batch",
-                                         "shown_batch", "report_due", "inputs"))
+                                         "shown_batch", "report_due", "inputs", "tensors"))
 
 
 class Decisions:
@@ -47,6 +50,7 @@ class Decisions:
         self.global_step = None  # the trainer's optimizer step, where known (set_step)
         self.mode = None  # "train" or "eval", where known
         self.detections = []  # what was detected: batch_number, phase, module, class, entries
+        self.samples = None  # the dataset indices of the batch's rows, where known (set_batch)
 
     def modules_by_name(self):
         """Each module by its qualified name (the first name wins, as in frames)."""
@@ -72,7 +76,7 @@ class Decisions:
         state = self.state
         state.open(call)
         batch = call.batch_before  # a backward frame's call was counted with its forward's batch
-        self.save(frame, batch, pass_key(batch), pending.inputs)
+        self.save(frame, batch, pass_key(batch), pending.inputs, pending.tensors)
         if self.log is not None:
             self.log.frame(frame, batch, self.global_step, self.mode)
         if call.trace_mode:
@@ -101,15 +105,16 @@ class Decisions:
                 state.drop(pending.phase)
             state.close(pending.call)
 
-    def save(self, frame, batch=None, pass_key=None, inputs=None):
+    def save(self, frame, batch=None, pass_key=None, inputs=None, tensors=None):
         """Print the frame's nan/inf lines, keep it in the ring (with the waiting lines as its lead).
-        ``inputs``: with find_op, the call's, kept on a frame that counts until its detection."""
+        ``inputs`` (with find_op, the call's) and ``tensors`` (a call decided in its hook) are kept
+        on a frame that counts until its detection."""
         lines, detected = self.policy.check(frame, batch, self.step_of(batch), pass_key)
         for line in lines:
             say(line)
         if detected:
             self.state.detected_overflow = True
-            frame.inputs = inputs
+            frame.inputs, frame.tensors = inputs, tensors
         self.state.save(frame)
 
     def step_of(self, batch):
@@ -125,9 +130,9 @@ class Decisions:
             detection["mode"] = self.mode
         self.detections.append(detection)
         frames = [text.frame_data(f) for f in self.state.frames if not isinstance(f, str)]
-        inputs = first_frame.inputs
-        first_frame.inputs = frame.inputs = None  # the ring keeps no tensors
-        return Found(detection, frames, frame, first_frame, bad, batch, shown_batch, report_due, inputs)
+        inputs, tensors = first_frame.inputs, first_frame.tensors
+        first_frame.inputs = frame.inputs = first_frame.tensors = frame.tensors = None  # the ring keeps no tensors
+        return Found(detection, frames, frame, first_frame, bad, batch, shown_batch, report_due, inputs, tensors)
 
     def log_detection(self, found):
         """The detection into the flight recorder (after what the passes add to it: its op)."""
@@ -141,11 +146,13 @@ class Decisions:
             during = f"the backward of batch_number={found.batch}"
         else:
             during = f"batch_number={found.shown_batch}"
-        say(text.dump_text(self.state.batch_number, self.state.frames, during))
+        say(text.dump_text(self.state.batch_number, self.state.frames, during, found.frame.phase == BACKWARD))
         self.state.frames.clear()
         if self.global_step is not None:
             mode = f" ({self.mode})" if self.mode is not None else ""
             say(f"Step: optimizer step {self.global_step}{mode}, batch_number {found.batch}")
+        if self.explain and "where" in found.detection:
+            say(where_line(found.detection["where"]))
         if self.explain and found.bad:
             say(source_line(found.first_frame, found.bad))
         if "op" in found.detection:

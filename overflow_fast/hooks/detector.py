@@ -12,8 +12,10 @@ the ``on_detect`` strategy's (``on_detect``).
 
 import copy
 import operator
+import os
 import sys
 import warnings
+import weakref
 
 import torch
 from torch.compiler import is_compiling
@@ -30,7 +32,7 @@ from .passes import Passes
 from .policy import Policy
 from .reference import ReferenceState
 from .text import NONE, NOT_A_TENSOR, UNREADABLE
-from ..stats import tensor_stats, unreadable_reason
+from ..stats import cpu_backend, tensor_stats, unreadable_reason
 from ..stats.dispatch import backend_status, requested_backend
 from ..stats.layout import holds_nonfinite
 
@@ -50,11 +52,17 @@ class DebugUnderflowOverflow:
                  kwargs=False, containers=False, backward=False, on_detect="raise", ignore=(),
                  warn_above=None, sync=True, sync_timeout=None, log=None, log_every=1,
                  defer=False, stage_bytes=DEFAULT_DEFER_BYTES, max_skips=DEFAULT_MAX_SKIPS,
-                 warn_gradients=False, find_op=False, repro=None):
-        # every argument but the model is an option, validated once
-        options = Options.of(**{name: value for name, value in locals().items() if name not in ("self", "model")})
+                 warn_gradients=False, find_op=False, repro=None, **unknown):
+        # every argument but the model is an option, validated once (a misspelled one is named
+        # with the nearest option)
+        options = Options.of(**{name: value for name, value in locals().items()
+                                if name not in ("self", "model", "unknown")}, **unknown)
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        # The C++ extension (the CPU kernel, and the hooks' bookkeeping on every device) is loaded
+        # now, or built once for this torch and CPU (about a minute, its progress on stderr), rather
+        # than inside the first forward.
+        cpu_backend.extension()
         self.options = options
         self.model = model
         # the reference's attributes
@@ -76,7 +84,11 @@ class DebugUnderflowOverflow:
             Policy(options.on_detect, options.ignore, options.warn_above, options.warn_gradients),
             log, self.module_names, options.explain, rewinds=options.on_detect == "raise")
         self._run = Passes(self)
+        self._made_at = _caller()
+        self._removed = False
+        _warn_if_hooked(self)
         self.register_forward_hook()
+        _ATTACHED.add(self)
 
     detections = property(lambda self: self.decisions.detections)
     global_step = property(lambda self: self.decisions.global_step)
@@ -181,7 +193,10 @@ class DebugUnderflowOverflow:
     # -- additions --------------------------------------------------------------------------
 
     def remove(self):
-        """Take every hook off the model, after deciding on any call still pending."""
+        """Take every hook off the model, after deciding on any call still pending. The detector
+        is done then: to watch the model again, make a new one."""
+        _ATTACHED.discard(self)
+        self._removed = True
         with self._run.lock:
             handles, self._handles = self._handles, []
             for handle in handles:
@@ -195,6 +210,10 @@ class DebugUnderflowOverflow:
                     self.decisions.log.close()
 
     def __enter__(self):
+        if self._removed:
+            raise RuntimeError(f"overflow_fast: this detector (made at {self._made_at}) was removed (remove(), or "
+                               "the end of its with block) and has no hooks: make a new one, e.g. "
+                               "`with overflow_fast.watch(model):`")
         return self
 
     def __exit__(self, exc_type, exc, tb):
@@ -218,12 +237,31 @@ class DebugUnderflowOverflow:
     def __setstate__(self, state):
         self.__dict__.update(state)
         self._run = Passes(self)
+        if not getattr(self, "_removed", False):
+            _ATTACHED.add(self)  # a copied model carries the copy's hooks
 
     def flush(self):
         """Read the pending statistics of every pass (one host read per device) and replay their
         calls in order. Raises the reference's ValueError if one of them holds a nan/inf."""
         with self._run.lock:
             self._run.flush_all()
+
+    def set_batch(self, ids=None):
+        """The rows of the batch that runs next are these samples: ``ids`` holds one dataset index
+        per row (dim 0) of the batch, e.g. the indices a sampler gave; None: unknown. A detection's
+        ``Where:`` line and record then name the samples of the rows that hold the nan/inf. Call it
+        before each batch's forward (the trainer integrations do, where the data loader can tell)."""
+        if ids is not None:
+            if isinstance(ids, torch.Tensor):
+                if ids.dim() != 1 or ids.is_floating_point() or ids.is_complex():
+                    raise TypeError(f"set_batch takes one integer index per row, got a {ids.dtype} tensor of "
+                                    f"shape {tuple(ids.shape)}")
+                ids = ids.detach().cpu().tolist()  # a host copy: later writes to the user's tensor do not count
+            elif isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+                raise TypeError(f"set_batch takes a sequence of integer indices or None, got {type(ids).__name__}")
+            ids = tuple(_integer(i, "each id", "an int") for i in ids)
+        with self._run.lock:
+            self.decisions.samples = ids
 
     def set_step(self, global_step=None, mode=None):
         """What runs next belongs to the trainer's optimizer step ``global_step`` (an int) and to
@@ -365,6 +403,44 @@ class _FunctorchOff:
         return False
 
 
+# Detectors whose hooks are on a model (not removed), to warn when a second one joins them.
+_ATTACHED = weakref.WeakSet()
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def _outside_frames():
+    """``(frame, depth)`` of the innermost frame outside this package (the user's code that made a
+    detector, or the trainer that did), ``depth`` counted from the caller of this function."""
+    frame, depth = sys._getframe(1), 0
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE):
+        frame, depth = frame.f_back, depth + 1
+    return frame, depth
+
+
+def _caller():
+    """``file:line`` of the code that made a detector."""
+    frame, _ = _outside_frames()
+    return f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else "?"
+
+
+def _warn_if_hooked(detector):
+    """A second detector on a model (or on some of its modules) doubles their hooks: say so, naming
+    the first."""
+    mine = {id(module) for module in detector.module_names}
+    for other in list(_ATTACHED):
+        shared = sum(1 for module in other.module_names if id(module) in mine)
+        if not shared or other is detector:
+            continue
+        what = "this model" if shared == len(mine) else f"{shared} of this model's {len(mine)} modules"
+        warnings.warn(f"overflow_fast: a detector is already attached to {what}: the one made at {other._made_at}, "
+                      "not removed. This one adds its own hooks, so each of those modules' calls is read, and a "
+                      "nan/inf reported, twice. remove() the first (or use one as a context manager: "
+                      "`with overflow_fast.watch(model):`)", RuntimeWarning, stacklevel=_outside_frames()[1] + 1)
+        return
+
+
 def _integer(value, name, expected):
     try:
         return operator.index(value)
@@ -431,7 +507,7 @@ def watch(model, *, max_frames_to_save=21, trace_batch_nums=None, abort_after_ba
           backend=None, buffer_rows=DEFAULT_BUFFER_ROWS, reuse_stats=True, kwargs=True, containers=True,
           backward=True, on_detect="raise", ignore=(), warn_above=None, sync=True, sync_timeout=None, log=None,
           log_every=1, defer=False, stage_bytes=DEFAULT_DEFER_BYTES, max_skips=DEFAULT_MAX_SKIPS,
-          warn_gradients=False, find_op=True, repro=None):
+          warn_gradients=False, find_op=True, repro=None, **unknown):
     """The detector with the recommended modern defaults: no host sync in any hook
     (``check="batch"``), keyword inputs, tensors inside model outputs and containers, and
     gradient checks in backward (a nan/inf there raises before ``backward()`` returns, so the
@@ -443,4 +519,4 @@ def watch(model, *, max_frames_to_save=21, trace_batch_nums=None, abort_after_ba
         reuse_stats=reuse_stats, kwargs=kwargs, containers=containers, backward=backward, on_detect=on_detect,
         ignore=ignore, warn_above=warn_above, sync=sync, sync_timeout=sync_timeout, log=log, log_every=log_every,
         defer=defer, stage_bytes=stage_bytes, max_skips=max_skips, warn_gradients=warn_gradients,
-        find_op=find_op, repro=repro)
+        find_op=find_op, repro=repro, **unknown)

@@ -16,7 +16,8 @@ class OverflowDetected(ValueError):
     ``batch_number``, ``phase``, ``module_name``, ``class_name``, ``entries`` (of the first frame
     holding a nan/inf), ``global_step`` and ``mode`` (the trainer's optimizer step and "train" or
     "eval", where known: ``set_step``), ``rank`` (None in a single process), ``detection`` (those
-    as a dict) and
+    as a dict, with ``where``: where the nan/inf sits in the tensor the Source line names, and with
+    find_op ``op``) and
     ``frames``: the reported frames, each ``{"module", "class", "phase", "entries": [{"entry",
     "dtype", "abs_min", "abs_max", "nan", "posinf", "neginf", "zero", "subnormal", "numel"}]}``.
     Other detectors on the same model tell by this class that the report is already printed."""

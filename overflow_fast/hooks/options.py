@@ -8,6 +8,7 @@ what each option does and costs.
 
 import dataclasses
 import datetime
+import difflib
 import operator
 import os
 from typing import Any, Callable, Optional, Union
@@ -56,10 +57,8 @@ class Options:
 
     @classmethod
     def of(cls, **options):
-        """The options, validated (unknown names are a TypeError, as for any function)."""
-        unknown = sorted(set(options) - {field.name for field in dataclasses.fields(cls)})
-        if unknown:
-            raise TypeError(f"unknown option{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)}")
+        """The options, validated (an unknown name is a TypeError naming the nearest option)."""
+        check_names(options)
         merged = {field.name: options.get(field.name, field.default) for field in dataclasses.fields(cls)}
         for name, check in _CHECKS.items():
             merged[name] = check(name, merged[name])
@@ -78,6 +77,21 @@ class Options:
     def explain(self):
         """Beyond the drop-in, a report ends with the lines saying where the values were born."""
         return self.kwargs or self.containers or self.backward
+
+
+def check_names(options, also=()):
+    """Raise a TypeError for any name in ``options`` that is neither an option nor in ``also``
+    (a caller's own arguments), suggesting the nearest known name of each."""
+    known = [field.name for field in dataclasses.fields(Options)] + list(also)
+    unknown = [name for name in options if name not in known]
+    if not unknown:
+        return
+    described = []
+    for name in unknown:
+        near = difflib.get_close_matches(str(name), known, n=1, cutoff=0.6)
+        described.append(f"{name!r} (did you mean {near[0]!r}?)" if near else repr(name))
+    raise TypeError(f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(described)}; every option is "
+                    "listed in docs/options.md")
 
 
 def validated_flag(name, value):

@@ -20,7 +20,7 @@ import warnings
 
 import torch
 
-from . import culprit
+from . import culprit, policy, where
 from .. import distributed
 from .compiled import Traced
 from .decisions import NO_ROWS, Pending
@@ -147,7 +147,9 @@ class Passes:
                 self.flush(current)
                 reads.reset()
                 sources = reads.add(tensors, site)
-        self.queue(current, Pending(call, module, entries, dtypes, sources, phase, consumers, inputs), now)
+        # decided now: its tensors stay referenced until then, for a detection's Where line
+        self.queue(current, Pending(call, module, entries, dtypes, sources, phase, consumers, inputs,
+                                    tensors if now else None), now)
 
     def queue(self, current, pending, now=False):
         current.queue.append(pending)
@@ -180,6 +182,12 @@ class Passes:
     def _act(self, current, found):
         """What the strategy does with a detection the replay found."""
         decisions = self.decisions
+        if found.bad:  # where in the tensor the Source line names
+            found.detection["where"] = where.facts(
+                found.first_frame, policy.source_entry(found.first_frame, found.bad),
+                where.Held(found.tensors, found.inputs, self.kept_forward, self.kept_gradients,
+                           decisions.modules_by_name(), self.options.kwargs, self.options.containers,
+                           decisions.samples))
         if self.options.keeps_calls:
             self._explain(found)
         decisions.log_detection(found)

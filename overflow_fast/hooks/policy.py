@@ -184,8 +184,21 @@ def origin(frame, bad):
     return "forward"
 
 
+def source_entry(frame, bad):
+    """The entry the Source line names: the first weight when a weight was already non-finite,
+    the first input when it came in from outside or was made before the module, else the first
+    entry that counted."""
+    kind = origin(frame, bad)
+    if kind == "weight":
+        return next(ctx for ctx in bad if not ctx.startswith(("input", "output")))
+    if kind in ("outside", "before"):
+        return next(ctx for ctx in bad if ctx.startswith("input"))
+    return bad[0]
+
+
 def source_line(frame, bad):
-    """The report's line saying where the first non-finite values were born (``origin``)."""
+    """The report's line saying where the first non-finite values were born (``origin``), naming
+    ``source_entry``."""
     where = f"{frame.module_name or '(model)'} ({frame.class_name})"
     kind = origin(frame, bad)
     if kind == "loss":

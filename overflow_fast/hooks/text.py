@@ -53,18 +53,31 @@ def batch_end_line(batch_number: int) -> str:
     return f"{PREFIX} *** Finished batch number={batch_number} ***\n\n"
 
 
-def dump_text(batch_number: int, frames, during=None) -> str:
-    """What the reference prints on detection (four print() calls, joined); ``during`` names a
-    backward pass instead of the batch (gradient checks, beyond the reference)."""
+def dump_text(batch_number: int, frames, during=None, backward=False) -> str:
+    """What the reference prints on detection (four print() calls, joined); ``during`` replaces
+    ``batch_number=N`` (e.g. the backward pass of a batch); ``backward``: a detection in a backward
+    pass (gradient checks, beyond the reference), whose count of frames says how many are
+    gradient frames."""
     return "\n".join(
         [
             f"\nDetected inf/nan during {during or f'batch_number={batch_number}'}",
-            f"Last {len(frames)} forward frames:",
+            _frames_count(frames) if backward else f"Last {len(frames)} forward frames:",
             COLUMN_HEADER,
             "\n".join(str(frame) for frame in frames),
             "\n\n",
         ]
     )
+
+
+def _frames_count(frames) -> str:
+    """A backward report's count of its frames: gradient frames and the forward frames among them
+    (the forward before it, or recomputed by activation checkpointing)."""
+    gradient = sum(1 for frame in frames if getattr(frame, "phase", None) == "backward")
+    if gradient == len(frames) and gradient:
+        return f"Last {gradient} gradient frames:"
+    if gradient == 0:
+        return f"Last {len(frames)} forward frames:"
+    return f"Last {len(frames)} frames ({gradient} gradient, {len(frames) - gradient} forward):"
 
 
 OVERFLOW_ERROR = (

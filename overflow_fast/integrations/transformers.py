@@ -8,7 +8,8 @@
 Both use ``watch()``'s options unless overridden (``check="batch"``, keyword inputs, containers,
 gradient checks), and tell the detector the trainer's optimizer step (``state.global_step``) and
 whether the model runs in training or evaluation, so that detections, errors and records carry
-them.
+them; and, where the training data loader can tell (``samples``), the dataset index of each row of
+the batch, which a detection's ``Where:`` line names.
 
 Either way no hook is left on the model once ``train()`` has returned *or raised*, and a detection
 raises the reference's ValueError out of ``train()``. A callback never learns that ``train()``
@@ -29,8 +30,9 @@ except ImportError as missing:
     raise ImportError(f"overflow_fast.integrations.transformers needs Hugging Face transformers: pip install "
                       f"transformers (import transformers failed: {missing})") from missing
 
+from . import samples
 from ..hooks.detector import WATCH_DEFAULTS, DebugUnderflowOverflow
-from ..hooks.options import Options, validated_flag
+from ..hooks.options import Options, check_names, validated_flag
 
 __all__ = ["DetectorCallback", "TrainerPatch", "use_in_trainer"]
 
@@ -39,8 +41,8 @@ _calls = threading.local()  # the stack of train() calls in progress on this thr
 
 
 class _Created(list):
-    """The detectors built during one ``train()`` call, its Trainer, and the hook that tells a
-    detector the Trainer's steps."""
+    """The detectors built during one ``train()`` call, its Trainer, and what tells a detector the
+    Trainer's steps and samples (a ``_Follower``)."""
 
     trainer = None
     steps = None
@@ -51,15 +53,62 @@ def _current_trainer():
     return stack[-1].trainer if stack else None
 
 
-def _follow_steps(detector, trainer):
-    """Before every forward of the detector's model, tell it the trainer's optimizer step and
-    whether it trains or evaluates. Returns the hook's handle."""
+class _Follower:
+    """Before every forward of the detector's model, tell it the trainer's optimizer step, whether it
+    trains or evaluates, and (once ``follow_samples`` was given the training data loader, where that
+    loader can tell) the dataset indices of the batch's rows. ``remove()`` undoes all of it."""
 
-    def before_forward(model, args):
-        state = getattr(trainer, "state", None)
-        detector.set_step(getattr(state, "global_step", None), "train" if model.training else "eval")
+    def __init__(self, detector, trainer):
+        self.detector, self.trainer = detector, trainer
+        self.loader = self.tape = None
+        self.batches = samples.Batches()
+        self.hook = detector.model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
+        self.pairing = None  # the get_batch_samples put on the trainer, while samples are followed
 
-    return detector.model.register_forward_pre_hook(before_forward)
+    def _before_forward(self, model, args, kwargs):
+        state = getattr(self.trainer, "state", None)
+        self.detector.set_step(getattr(state, "global_step", None), "train" if model.training else "eval")
+        self.detector.set_batch(self.batches.samples_of(args, kwargs) if self.tape is not None else None)
+
+    def follow_samples(self, loader, resumed):
+        """Pair the batches the Trainer takes from ``loader`` (its ``get_batch_samples``) with the
+        dataset indices its sampler gave. A resumed run skips the batches its first epoch already
+        trained: that epoch is not followed."""
+        original = getattr(self.trainer, "get_batch_samples", None)
+        if loader is None or original is None:
+            return
+        self.tape = samples.attach(loader, skip_first_pass=resumed)
+        if self.tape is None:
+            return
+        self.loader = loader
+
+        def get_batch_samples(epoch_iterator, num_batches, *args, **kwargs):
+            batch_samples, num_items = original(epoch_iterator, num_batches, *args, **kwargs)
+            self.batches.pair(self.tape, batch_samples)
+            return batch_samples, num_items
+
+        self.pairing = get_batch_samples
+        self.trainer.get_batch_samples = get_batch_samples
+
+    def remove(self):
+        self.hook.remove()
+        if self.pairing is not None and self.trainer.__dict__.get("get_batch_samples") is self.pairing:
+            del self.trainer.get_batch_samples  # the class's method again
+        self.pairing = None
+        if self.loader is not None:
+            samples.detach(self.loader)
+        self.loader = self.tape = None
+
+
+class _FollowSamples(TrainerCallback):
+    """Gives a ``_Follower`` the training data loader when training begins (for ``use_in_trainer``,
+    whose detector the Trainer builds before it makes its loader)."""
+
+    def __init__(self, follower):
+        self.follower = follower
+
+    def on_train_begin(self, args, state, control, train_dataloader=None, **kwargs):
+        self.follower.follow_samples(train_dataloader, state.global_step > 0)
 
 
 def _reporters(trainer):
@@ -110,13 +159,15 @@ def _detach(trainer, created, quiet):
     detectors = list(created)
     hooks = [created.steps] if created.steps is not None else []
     handler = getattr(trainer, "callback_handler", None)
-    for callback in getattr(handler, "callbacks", ()):
+    for callback in list(getattr(handler, "callbacks", ())):
         if isinstance(callback, DetectorCallback):
             detector, callback.detector = callback.detector, None
             hooks.append(callback._steps)
             callback._steps = None
             if detector is not None:
                 detectors.append(detector)
+        elif isinstance(callback, _FollowSamples):
+            handler.remove_callback(callback)
     for hook in hooks:
         if hook is not None:
             hook.remove()
@@ -139,6 +190,7 @@ class DetectorCallback(TrainerCallback):
     any ``log=`` given. ``self.detector`` is the detector while training runs (None otherwise)."""
 
     def __init__(self, report_to=False, **detector_kwargs):
+        check_names(detector_kwargs, also=("report_to",))  # a misspelled one names the nearest
         self.detector_kwargs = {**WATCH_DEFAULTS, **detector_kwargs}
         Options.of(**self.detector_kwargs)  # a bad option fails here, not when train() starts
         self.report_to = validated_flag("report_to", report_to)
@@ -146,7 +198,7 @@ class DetectorCallback(TrainerCallback):
         self._steps = None
         _ensure_train_wrapper()
 
-    def on_train_begin(self, args, state, control, model=None, **kwargs):
+    def on_train_begin(self, args, state, control, model=None, train_dataloader=None, **kwargs):
         self.detach()  # auto_find_batch_size runs the training loop again
         if model is None:
             raise ValueError("DetectorCallback: the Trainer passed no model to on_train_begin")
@@ -160,7 +212,8 @@ class DetectorCallback(TrainerCallback):
                 options["log"] = sinks
         self.detector = DebugUnderflowOverflow(model, **options)
         if trainer is not None:
-            self._steps = _follow_steps(self.detector, trainer)
+            self._steps = _Follower(self.detector, trainer)
+            self._steps.follow_samples(train_dataloader, state.global_step > 0)
 
     def on_train_end(self, args, state, control, **kwargs):
         self.detach()
@@ -203,7 +256,8 @@ class TrainerPatch:
             stack = getattr(_calls, "stack", None)
             if stack:
                 stack[-1].append(detector)  # removed when this train() call ends
-                stack[-1].steps = _follow_steps(detector, stack[-1].trainer)
+                stack[-1].steps = _Follower(detector, stack[-1].trainer)
+                stack[-1].trainer.add_callback(_FollowSamples(stack[-1].steps))
             return detector
 
         self._build = build

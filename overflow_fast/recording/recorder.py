@@ -81,7 +81,7 @@ PHASES = schema.PHASES
 _NONFINITE = set(schema.NONFINITE)
 _META_KEYS = schema.KEYS["meta"]
 _ENTRY_KEYS = tuple(k for k in schema.KEYS["entry"] if k not in schema.WHEN_KNOWN)
-_DETECTION_KEYS = tuple(k for k in schema.KEYS["detection"] if k not in schema.WHEN_KNOWN)
+_DETECTION_KEYS = tuple(k for k in schema.KEYS["detection"] if k not in schema.WHEN_KNOWN and k != "where")
 
 
 # -- records ------------------------------------------------------------------------------------

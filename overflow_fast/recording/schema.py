@@ -18,7 +18,18 @@ Field kinds:
 - ``abs``: a magnitude: ``null``, a finite number >= 0 (an exact integer for integer dtypes,
   up to 2**64 - 1), or one of the strings ``"nan"``, ``"inf"``, ``"-inf"``;
 - ``frac``: a number in [0, 1];
-- ``strlist``: a list of at most ``hi`` strings.
+- ``strlist``: a list of at most ``hi`` strings;
+- ``object``: a JSON object (its own keys are described with the field).
+
+A detection record's ``where`` (written when the detector could tell, a reader may ignore it) says
+where the nan/inf sits in the tensor the report's Source line names, as the report's ``Where:`` line
+does: ``entry`` (its name in the frame), then either ``why`` (a string: why it could not be told) or
+``shape`` (a list of ints), ``rows`` (the indices along dim 0 holding a nan/inf, ascending, at most
+1024 of them), ``rows_total`` (how many rows hold one), ``batch`` (true when dim 0 is the batch:
+``set_batch`` named it, or a transformers model's input), ``first`` (the index of the first
+non-finite element, row-major), ``token`` (its position along the sequence, or null), ``samples``
+(the dataset indices of ``rows``, or null), and the counts ``nan``, ``posinf``, ``neginf``,
+``numel``.
 
 Lines that do not fit (not JSON, not an object, an unknown ``record``, a field missing or of the
 wrong type or out of range, a line longer than ``MAX_LINE_BYTES``) are malformed.
@@ -94,6 +105,7 @@ RECORDS = {
         _f("rank", "int", 0, RANK_MAX, nullable=True),
         _f("global_step", "int", 0, STEP_MAX, nullable=True),
         _f("mode", "str", nullable=True, choices=MODES),
+        _f("where", "object", nullable=True),
     ),
 }
 
@@ -178,6 +190,9 @@ def _check_field(field, record):
         for item in value:
             if type(item) is not str or not _valid_text(item):
                 raise Malformed(f"{field.name} is not a list of names")
+    elif kind == "object":
+        if type(value) is not dict:
+            raise Malformed(f"{field.name} is not an object")
 
 
 def _finite_at_least_zero(value):
@@ -264,6 +279,8 @@ def sql_field_check(field):
     elif kind == "strlist":
         test = (f"starts_with({text}, '[') AND json_array_length({c}) <= {field.hi} AND "
                 f"list_bool_and(list_transform(json_extract({c}, '$[*]'), x -> json_type(x) = 'VARCHAR'))")
+    elif kind == "object":
+        test = f"json_type({c}) = 'OBJECT'"
     else:  # pragma: no cover - the table above has no other kinds
         raise ValueError(kind)
     if field.nullable:

@@ -323,13 +323,14 @@ def build(isa, build_dir, sources=None, ident=None, verbose=False):
     old_path = os.environ.get("PATH", "")
     if ninja_dir is not None:
         os.environ["PATH"] = ninja_dir + os.pathsep + old_path
+    units = translation_units(isa, sources, build_dir)
     try:
-        with warnings.catch_warnings(record=True) as caught:
+        with warnings.catch_warnings(record=True) as caught, _Progress(build_dir, units, quiet=verbose):
             warnings.simplefilter("always")
             try:
                 library = cpp_extension.load(
                     name="_C",
-                    sources=translation_units(isa, sources, build_dir),
+                    sources=units,
                     extra_cflags=compile_flags(isa, ident),
                     extra_ldflags=["-fopenmp"],
                     extra_include_paths=[str(sources)],
@@ -346,6 +347,53 @@ def build(isa, build_dir, sources=None, ident=None, verbose=False):
         if ninja_dir is not None:
             os.environ["PATH"] = old_path
     return Path(library)
+
+
+PROGRESS_EVERY = 15.0  # seconds between two progress lines while no unit finishes
+PROGRESS_LOOK = 0.5  # seconds between two looks at the build folder
+
+
+class _Progress:
+    """While a build runs: a line on stderr each time a unit's object file appears in the build
+    folder (ninja writes it when the unit's compiler finishes), and every PROGRESS_EVERY seconds
+    otherwise, with the units done and the time so far; then that the module is being linked."""
+
+    def __init__(self, build_dir, units, quiet=False):
+        import threading
+
+        self.build_dir = Path(build_dir)
+        self.objects = {Path(unit).stem + ".o" for unit in units}
+        self.quiet = quiet
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="overflow_fast build progress", daemon=True)
+
+    def __enter__(self):
+        if not self.quiet:
+            self.start = time.monotonic()
+            self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        if not self.quiet:
+            self.stop.set()
+            self.thread.join()
+
+    def _done(self):
+        try:
+            return sum(1 for name in self.objects if (self.build_dir / name).is_file())
+        except OSError:
+            return 0
+
+    def _run(self):
+        said, said_at = 0, time.monotonic()
+        while not self.stop.wait(PROGRESS_LOOK):
+            done, now = self._done(), time.monotonic()
+            if done == said and now - said_at < PROGRESS_EVERY:
+                continue
+            said, said_at = done, now
+            linking = ", linking" if done == len(self.objects) else ""
+            _say(f"building the C++ kernel: {done} of {len(self.objects)} units compiled{linking} "
+                 f"({now - self.start:.0f} s)")
 
 
 # ---- trust: who could have written what is loaded ------------------------------------------------
