@@ -715,7 +715,7 @@ def _text_lines(diff, paths):
                        f"{det['phase']}, module {_name(det['module'])} ({printable(det['class'])})")
     stats = {"both": "abs min or abs max", "abs_max": "abs max", "abs_min": "abs min"}[diff.stat]
     out.append(f"aligned: {_number(diff.pairs)} entry pairs, by (rank, step, phase, module, entry); they part "
-               f"where {stats} differ by more than rtol {diff.rtol:g} of the larger"
+               f"where {stats} differs by more than rtol {diff.rtol:g} of the larger"
                + (f" (differences up to atol {diff.atol:g} count as none)" if diff.atol else "")
                + ", or where one run only has a nan/inf")
     for section in (_first_lines, _largest_lines, _one_sided_lines, _notes):

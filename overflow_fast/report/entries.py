@@ -118,15 +118,14 @@ def _abs_text(value):
 
 
 def _fast(groups, number):
-    rank = groups[_G_RANK]
-    abs_max = groups[_G_MAX]
-    global_step = groups[_G_GLOBAL]
-    return ((0 if rank is None else int(rank), int(groups[_G_STEP]), groups[_G_PHASE], groups[_G_MODULE],
-             groups[_G_ENTRY]),
+    """The Entry of a line the fast path matched: ``groups`` its groups, "" for those a null or
+    a missing field left unset (as ``findall`` gives them)."""
+    rank, abs_max, global_step = groups[_G_RANK], groups[_G_MAX], groups[_G_GLOBAL]
+    return ((int(rank) if rank else 0, int(groups[_G_STEP]), groups[_G_PHASE], groups[_G_MODULE], groups[_G_ENTRY]),
             groups[_G_MIN], abs_max,
             groups[_G_NAN] != "0" or groups[_G_POSINF] != "0" or groups[_G_NEGINF] != "0" or abs_max[0] == '"',
             groups[_G_DTYPE], groups[_G_NUMEL], groups[_G_CLASS], number,
-            None if global_step is None else int(global_step), groups[_G_MODE])
+            int(global_step) if global_step else None, groups[_G_MODE] or None)
 
 
 def _parsed(record, number):
@@ -233,6 +232,11 @@ class EntryReader:
                 self._slow(raw, number, out)
             self.lines = number
             return
+        rows = _ENTRY.findall(text)
+        if len(rows) == text.count("\n") + (not text.endswith("\n")):  # every line an entry the fast path takes
+            out.extend([_fast(groups, index) for index, groups in enumerate(rows, number + 1)])
+            self.lines = number + len(rows)
+            return
         slow = self._slow
         append = out.append
         at = 0
@@ -243,7 +247,7 @@ class EntryReader:
                     number += 1
                     slow(line.encode("utf-8"), number, out)
             number += 1
-            append(_fast(match.groups(), number))
+            append(_fast(match.groups(""), number))
             at = match.end() + 1
         if at < len(text):
             rest = text[at:]
@@ -312,7 +316,7 @@ def parse_entry(raw, number=0):
         return None
     match = _ENTRY.match(text)
     if match is not None:
-        return _fast(match.groups(), number)
+        return _fast(match.groups(""), number)
     try:
         kind, record = parse_line(raw)
     except Malformed:
