@@ -202,14 +202,22 @@ def test_the_window_bounds_what_waits_and_says_what_it_gave_up(tmp_path):
 
 
 def test_the_module_table_is_exact_when_modules_are_dropped(tmp_path):
+    """Kept: the 8 with the largest divergence (6 after a drop); every module's divergence comes
+    with its first record, the largest ones last."""
     modules = [f"m{i}" for i in range(40)]
-    grow = lambda step, module: 1.0 + int(module[1:]) / 100 * (step > 0)
+    grow = lambda step, module: 1.0 + int(module[1:]) / 100 * (1 + step)
     a = write(tmp_path / "a.jsonl", steps_of(range(3), modules=modules))
     b = write(tmp_path / "b.jsonl", steps_of(range(3), modules=modules, scale=grow))
     whole, bounded = run(a, b), run(a, b, max_modules=8)
-    assert bounded.modules_dropped > 0 and len(bounded.modules) <= 8
-    assert [name for name, _ in bounded.largest(5)] == [name for name, _ in whole.largest(5)] == \
-        ["m39", "m38", "m37", "m36", "m35"]
+    assert bounded.modules_dropped > 0 and len(bounded.modules) <= 8 and not whole.modules_dropped
+    assert [(name, info[1]) for name, info in bounded.largest(6)] == \
+        [(name, info[1]) for name, info in whole.largest(6)]
+    assert [name for name, _ in whole.largest(3)] == ["m39", "m38", "m37"]
+    assert "note: more than 8 modules" in bounded.text([a, b])
+    # the module that fills the bound, seen once, with the largest divergence: counted, then kept
+    a = write(tmp_path / "a5.jsonl", [rec(0, f"n{i}") for i in range(5)])
+    b = write(tmp_path / "b5.jsonl", [rec(0, f"n{i}", abs_max=1.0 + i) for i in range(5)])
+    assert [name for name, _ in run(a, b, max_modules=4).largest(2)] == ["n4", "n3"]
 
 
 # -- reading ---------------------------------------------------------------------------------------

@@ -39,7 +39,6 @@ DISTINCT_CAP = 1 << 20
 TOP = 10
 MAX_EXAMPLES = 5
 
-SIDES = ("A", "B")
 ABS_NAMES = {ABS_MIN: "abs min", ABS_MAX: "abs max", BAD: "nan/inf"}
 
 
@@ -223,7 +222,7 @@ class Diff:
         self.numel_differs = 0
         self.first_numel = None
         # module -> [order, largest divergence, (field, a, b) of it or None, first parting (a, b, divergence,
-        # field) or None, pairs parted, pairs]
+        # field) or None, pairs parted]
         self.modules = {}
         self.modules_dropped = 0
         self.dropped_parted = False  # a module that had parted was dropped: its first parting may be later
@@ -399,12 +398,33 @@ class Diff:
             value, field = 0.0, None
         else:
             value, field = divergence(a, b, self.atol, self.fields)
+        if a[DTYPE] != b[DTYPE] or a[NUMEL] != b[NUMEL]:
+            self._shapes(a, b)
         key = a[KEY]
         module = key[3]
+        if self.grid is not None:
+            self.grid.add(module, key[1], value)
         info = self.modules.get(module)
-        if info is None:
-            info = self._new_module(module)
-        info[5] += 1
+        new = info is None
+        if new:
+            self._name(module, 3)
+            info = self.modules[module] = [self._order, 0.0, None, None, 0]
+            self._order += 1
+        if value > 0.0:
+            if value > info[1]:
+                info[1], info[2] = value, (field, a, b)
+            if value > self.rtol:
+                self.parted += 1
+                info[4] += 1
+                if info[3] is None:
+                    info[3] = (a, b, value, field)
+                order = (key[1], key[0], a[LINE])
+                if self.first is None or order < self.first[0]:
+                    self.first = (order, a, b, value, field)
+        if new and len(self.modules) > self.max_modules:  # (after this pair counted: it may decide)
+            self._drop_modules()
+
+    def _shapes(self, a, b):
         if a[DTYPE] != b[DTYPE]:
             self.dtype_differs += 1
             if self.first_dtype is None:
@@ -413,28 +433,6 @@ class Diff:
             self.numel_differs += 1
             if self.first_numel is None:
                 self.first_numel = (a, b)
-        if self.grid is not None:
-            self.grid.add(module, key[1], value)
-        if value == 0.0:
-            return
-        if value > info[1]:
-            info[1], info[2] = value, (field, a, b)
-        if value > self.rtol:
-            self.parted += 1
-            info[4] += 1
-            if info[3] is None:
-                info[3] = (a, b, value, field)
-            order = (key[1], key[0], a[LINE])
-            if self.first is None or order < self.first[0]:
-                self.first = (order, a, b, value, field)
-
-    def _new_module(self, module):
-        self._name(module, 3)
-        info = self.modules[module] = [self._order, 0.0, None, None, 0, 0]
-        self._order += 1
-        if len(self.modules) > self.max_modules:
-            self._drop_modules()
-        return info  # (kept by the caller for this pair even when just dropped)
 
     def _drop_modules(self):
         ranked = sorted(self.modules.items(), key=lambda item: -item[1][1])
@@ -470,7 +468,6 @@ class Diff:
                 mine[1], mine[2] = info[1], info[2]
             mine[3] = mine[3] or info[3]
             mine[4] += info[4]
-            mine[5] += info[5]
         self.modules_dropped += later.modules_dropped
         self.dropped_parted = self.dropped_parted or later.dropped_parted
         if len(self.modules) > self.max_modules:
