@@ -271,6 +271,9 @@ def run_diff(args):
         return 1
     print(diff.text(paths))
     if plot is not None:
+        if not diff.modules:
+            print("overflow-fast: no aligned entries to draw", file=sys.stderr)
+            return 1
         try:
             size = plot.draw(diff, args.png, size=args.size, curves=args.curves,
                              title_source=" vs ".join(os.path.basename(p) for p in paths))

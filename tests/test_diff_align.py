@@ -5,6 +5,8 @@ fast line reader against the schema's parser, and a diff in parts against one in
 import gzip
 import json
 import random
+import subprocess
+import sys
 
 import pytest
 
@@ -360,6 +362,13 @@ def test_logs_not_in_step_order_where_cut_are_compared_in_one_pass(tmp_path):
     assert diff_parts.plan(a, b, 2, min_part_bytes=1) is not None  # cut in two, tried, and given up
     diff = diff_parts.diff_logs(a, b, dict(rtol=0.01), jobs=2, min_part_bytes=1)
     assert diff.parts == 1 and diff.first is None and diff.pairs == len(records)
+
+
+def test_a_part_that_dies_is_a_clear_error_and_the_diff_is_read_in_one_pass(tmp_path):
+    died = subprocess.Popen([sys.executable, "-c", "import os; os._exit(9)"], stdout=subprocess.PIPE)
+    with pytest.raises(diff_parts.PartFailed, match="exit code 9"):
+        diff_parts._result(died)
+    died.stdout.close()
 
 
 def test_the_command_line(tmp_path, capsys):

@@ -231,6 +231,8 @@ class Diff:
         self.names_over = False
         self.grid = Grid(MAX_COLUMNS) if grid else None
         self.sides = None
+        self.parts = 1  # processes that read it (``diff_parts``)
+        self.part_failed = None  # why a diff in parts was read again in one pass
 
     # -- reading ---------------------------------------------------------------------------------
 
@@ -816,6 +818,8 @@ def _one_sided_lines(diff):
 
 def _notes(diff):
     out = []
+    if diff.part_failed:
+        out.append(f"note: read in one pass: {diff.part_failed}")
     for side in diff.sides:
         if side.out_of_order:
             line, step, latest = side.first_out_of_order
@@ -823,8 +827,8 @@ def _notes(diff):
                        f"{line}: step {step} after step {latest}): where the logs differ there, an entry finds "
                        f"its partner only while it waits")
     if diff.modules_dropped:
-        out.append(f"note: more than {_number(diff.max_modules)} modules: those with the largest divergence are "
-                   f"kept" + ("; one dropped and taken back shows where it parted since" if diff.dropped_parted else ""))
+        out.append(f"note: more than {_number(diff.max_modules)} modules: those with the largest divergence are kept"
+                   + ("; one dropped and taken back shows where it parted since" if diff.dropped_parted else ""))
     if diff.names_over:
         out.append(f"note: more than {_number(DISTINCT_CAP)} module names: modules in one run only are not told apart")
     for side in diff.sides:

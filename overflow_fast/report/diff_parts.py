@@ -35,11 +35,14 @@ def diff_logs(path_a, path_b, options, jobs=None, min_part_bytes=MIN_PART_BYTES)
     enough for more than one (at most ``jobs`` parts: default one per CPU, at most 8)."""
     jobs = default_jobs() if jobs is None else jobs
     parts = plan(path_a, path_b, jobs, min_part_bytes) if jobs > 1 else None
+    failed = None
     if parts is not None:
         try:
             diff = _in_parts(path_a, path_b, options, parts)
         except OutOfRange:
             diff = None
+        except PartFailed as error:  # a child that died (out of memory, killed): one pass still can
+            diff, failed = None, str(error)
         if diff is not None:
             diff.finish()
             diff.parts = len(parts)
@@ -47,8 +50,12 @@ def diff_logs(path_a, path_b, options, jobs=None, min_part_bytes=MIN_PART_BYTES)
     diff = Diff(**options)
     diff.run(EntryReader(path_a), EntryReader(path_b))
     diff.finish()
-    diff.parts = 1
+    diff.part_failed = failed
     return diff
+
+
+class PartFailed(RuntimeError):
+    """A part's process ended without its diff."""
 
 
 def _in_parts(path_a, path_b, options, parts):
@@ -91,14 +98,14 @@ def _result(child):
     try:
         status, value = pickle.loads(data)  # this process's own child wrote it
     except Exception:
-        raise RuntimeError(f"a part of the diff ended without a result (exit code {child.returncode})") from None
+        raise PartFailed(f"a part ended without a result, exit code {child.returncode}") from None
     if status == "ok":
         return value
     if status == "out of range":
         raise OutOfRange(value)
     if status == "bad file":
         raise BadFile(value)
-    raise RuntimeError(f"a part of the diff failed: {value}")
+    raise PartFailed(f"a part failed: {value}")
 
 
 def child():
