@@ -364,7 +364,7 @@ def test_logs_not_in_step_order_where_cut_are_compared_in_one_pass(tmp_path):
     assert diff.parts == 1 and diff.first is None and diff.pairs == len(records)
 
 
-def test_a_part_that_dies_is_a_clear_error_and_the_diff_is_read_in_one_pass(tmp_path):
+def test_a_part_whose_process_dies_is_a_clear_failure(tmp_path):
     died = subprocess.Popen([sys.executable, "-c", "import os; os._exit(9)"], stdout=subprocess.PIPE)
     with pytest.raises(diff_parts.PartFailed, match="exit code 9"):
         diff_parts._result(died)
