@@ -222,6 +222,103 @@ def test_the_module_table_is_exact_when_modules_are_dropped(tmp_path):
     assert [name for name, _ in run(a, b, max_modules=4).largest(2)] == ["n4", "n3"]
 
 
+def _random_run(rng, steps, ranks, modules):
+    """A log in step order for each rank: per step, each rank's records (some left out, some extra,
+    a module called twice, neighbours swapped), ranks interleaved step by step."""
+    records = []
+    for step in steps:
+        for rank in rng.sample(ranks, len(ranks)):
+            chosen = [m for m in modules if rng.random() < 0.85] + [f"x{rng.randrange(3)}"] * (rng.random() < 0.2)
+            for _ in range(2):
+                if chosen and rng.random() < 0.3:
+                    chosen.insert(rng.randrange(len(chosen)), rng.choice(chosen))
+            for i in range(len(chosen) - 1):
+                if rng.random() < 0.1:
+                    chosen[i], chosen[i + 1] = chosen[i + 1], chosen[i]
+            for module in chosen:
+                nan = int(rng.random() < 0.03)
+                records.append(rec(step, module, "output", rank=rank, nan=nan,
+                                   abs_max="nan" if nan else rng.choice([1.0, 1.0, 1.0, 1.5, 4.0]),
+                                   phase="backward" if module.endswith("3") else "forward"))
+    return records
+
+
+def _by_brute_force(a_records, b_records, rtol):
+    """(pairs, parted, (step, rank, line in A) of the first parting, A only, B only): the k-th
+    record of each key in A with the k-th in B, over the whole logs."""
+    def keyed(records):
+        groups = {}
+        for line, r in enumerate(records, start=2):  # after the meta line
+            groups.setdefault((r["rank"] or 0, r["step"], r["phase"], r["module"], r["entry"]), []).append((line, r))
+        return groups
+    ga, gb = keyed(a_records), keyed(b_records)
+    pairs = set()
+    parted = 0
+    first = None
+    for key in set(ga) | set(gb):
+        for (line, x), (line_b, y) in zip(ga.get(key, []), gb.get(key, [])):
+            pairs.add((line, line_b))
+            if bool(x["nan"]) != bool(y["nan"]):
+                value = float("inf")
+            elif x["nan"]:
+                value = 0.0
+            else:
+                value = abs(x["abs_max"] - y["abs_max"]) / max(x["abs_max"], y["abs_max"])
+            if value > rtol:
+                parted += 1
+                order = (key[1], key[0], line)
+                first = order if first is None or order < first else first
+    return pairs, parted, first, len(a_records) - len(pairs), len(b_records) - len(pairs)
+
+
+def test_a_repeated_key_pairs_by_occurrence_where_the_logs_differ(tmp_path):
+    a = write(tmp_path / "a.jsonl", [rec(0, "k", abs_max=1.0), rec(0, "x"), rec(0, "k", abs_max=3.0)])
+    b = write(tmp_path / "b.jsonl", [rec(0, "x"), rec(0, "k", abs_max=1.0), rec(0, "k", abs_max=3.0)])
+    diff = run(a, b)
+    assert diff.pairs == 3 and diff.first is None and not diff.sides[0].only and not diff.sides[1].only
+
+
+class _Watched(Diff):
+    """A Diff that also lists the line numbers of every pair (to compare with the brute force)."""
+
+    def __init__(self, **options):
+        super().__init__(**options)
+        self.lines = set()
+
+    def _pair(self, a, b):
+        self.lines.add((a[entries.LINE], b[entries.LINE]))
+        super()._pair(a, b)
+
+
+def test_streaming_alignment_is_the_whole_logs_alignment(tmp_path):
+    """Random pairs of logs (steps and ranks in one run only, records left out, added, repeated
+    and swapped within a step): the streaming diff pairs exactly what aligning the whole logs
+    at once pairs."""
+    rng = random.Random(3)
+    for case in range(150):
+        pool = list(range(12))
+        modules = [f"m{i}" for i in range(rng.randrange(1, 6))]
+        runs = []
+        for _ in range(2):
+            steps = sorted(rng.sample(pool, rng.randrange(1, 9)))
+            ranks = rng.sample([None, 1, 2], rng.randrange(1, 3))
+            runs.append(_random_run(rng, steps, ranks, modules))
+        a = write(tmp_path / f"a{case}.jsonl", runs[0])
+        b = write(tmp_path / f"b{case}.jsonl", runs[1])
+        diff = _Watched(rtol=0.1, stat="abs_max")
+        diff.run(EntryReader(a), EntryReader(b))
+        diff.finish()
+        first = None if diff.first is None else diff.first[0]
+        assert diff.pairs == len(diff.lines)
+        got = (diff.lines, diff.parted, first, diff.sides[0].only, diff.sides[1].only)
+        assert got == _by_brute_force(runs[0], runs[1], 0.1), case
+        side_a, side_b = diff.sides
+        for side in (side_a, side_b):
+            assert side.only == (sum(side.only_ranks.values()) + sum(side.only_steps.values()) + side.only_other
+                                 + sum(n for n, _ in side.only_modules.values()))
+            assert not side.out_of_order and not side.window
+
+
 # -- reading ---------------------------------------------------------------------------------------
 
 def test_malformed_lines_are_named_and_compressed_logs_read(tmp_path):

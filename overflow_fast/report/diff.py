@@ -258,18 +258,27 @@ class Diff:
             if batch_a is not None and batch_b is not None:
                 a, b = batch_a[ia], batch_b[ib]
                 key = a[KEY]
-                if in_step and key == b[KEY]:
-                    if key[1] != last_step or key[0] != last_rank or not pairs_before:
-                        last_rank, last_step = key[0], key[1]
-                        if grid is not None:
-                            grid.add_x(last_step)
-                        a_side.seen(last_rank, last_step, a[LINE])
-                        b_side.seen(last_rank, last_step, b[LINE])
-                        pairs_before = True
-                    pair(a, b)
-                    ia += 1
-                    ib += 1
-                    continue
+                if key == b[KEY]:
+                    if in_step:
+                        if key[1] != last_step or key[0] != last_rank or not pairs_before:
+                            last_rank, last_step = key[0], key[1]
+                            if grid is not None:
+                                grid.add_x(last_step)
+                            a_side.seen(last_rank, last_step, a[LINE])
+                            b_side.seen(last_rank, last_step, b[LINE])
+                            pairs_before = True
+                        pair(a, b)
+                        ia += 1
+                        ib += 1
+                        continue
+                    if self._counted_alike(a_side, b_side, key):  # the same occurrence in both: a pair
+                        self._arrive(a_side, b_side, a)
+                        self._arrive(b_side, a_side, b)
+                        pair(a, b)
+                        ia += 1
+                        ib += 1
+                        in_step = self._in_step()
+                        continue
                 take_a = key[1] <= b[KEY][1]
             else:
                 take_a = batch_a is not None
@@ -280,10 +289,7 @@ class Diff:
             else:
                 self._take(b_side, a_side, batch_b[ib])
                 ib += 1
-            in_step = not (a_side.waiting or b_side.waiting)
-            if in_step:  # every key so far has as many records in both: count afresh
-                a_side.counts.clear()
-                b_side.counts.clear()
+            in_step = self._in_step()
         for side, other in ((a_side, b_side), (b_side, a_side)):
             for group in side.pending.values():
                 for entry in group.values():
@@ -293,13 +299,33 @@ class Diff:
             side.counts.clear()
             side.frontier.clear()
 
-    def _take(self, side, other, entry):
-        """One record read out of step: pair it with the one waiting for it, or wait."""
+    def _in_step(self):
+        """Whether nothing waits; then every key so far has had as many records in both logs, and
+        the counts start afresh."""
+        a_side, b_side = self.sides
+        if a_side.waiting or b_side.waiting:
+            return False
+        a_side.counts.clear()
+        b_side.counts.clear()
+        return True
+
+    @staticmethod
+    def _counted_alike(a_side, b_side, key):
+        """Whether the two logs have read as many records of ``key`` (out of step): their next
+        ones are the same occurrence."""
+        where, name = key[:2], key[2:]
+        counts_a, counts_b = a_side.counts.get(where), b_side.counts.get(where)
+        return (counts_a.get(name, 0) if counts_a else 0) == (counts_b.get(name, 0) if counts_b else 0)
+
+    def _arrive(self, side, other, entry):
+        """``side`` reads ``entry`` out of step: (its (rank, step), its (phase, module, entry,
+        occurrence)). At a new step of its rank, the other log's records of earlier steps of that
+        rank wait in vain."""
         key = entry[KEY]
         rank, step = key[0], key[1]
         if self.grid is not None:
             self.grid.add_x(step)
-        if side.seen(rank, step, entry[LINE]):  # a new step: the other log's earlier ones wait in vain
+        if side.seen(rank, step, entry[LINE]):
             for where in [w for w in other.pending if w[0] == rank and w[1] < step]:
                 for waiting in other.pending.pop(where).values():
                     other.waiting -= 1
@@ -313,7 +339,11 @@ class Diff:
         name = key[2:]
         occurrence = counts.get(name, 0)
         counts[name] = occurrence + 1
-        name += (occurrence,)
+        return where, name + (occurrence,)
+
+    def _take(self, side, other, entry):
+        """One record read out of step: pair it with the one waiting for it, or wait."""
+        where, name = self._arrive(side, other, entry)
         group = other.pending.get(where)
         if group is not None:
             partner = group.pop(name, None)
@@ -326,8 +356,8 @@ class Diff:
                 else:
                     self._pair(partner, entry)
                 return
-        latest = other.frontier.get(rank)
-        if other.done or (latest is not None and latest > step):
+        latest = other.frontier.get(where[0])
+        if other.done or (latest is not None and latest > where[1]):
             self._one_sided(side, other, entry)
             return
         group = side.pending.get(where)
