@@ -394,7 +394,7 @@ def test_the_fast_path_takes_only_lines_the_schema_takes_and_reads_them_alike():
     """Random records, and the same lines with a byte changed: wherever the fast expression
     matches, the schema's parser accepts the line and gives the same Entry."""
     rng = random.Random(7)
-    alphabet = b'0123456789.eE+-",:{}[]nulltrueabc \\\x00\x7f\xc3'
+    alphabet = b'0123456789.eE+-",:{}[]nulltrueabc \\\x00\x7f\xc3\r\x0c'
     fast = slow_only = 0
     for _ in range(4000):
         line = _line(rng).encode("utf-8", "surrogatepass")
@@ -426,10 +426,20 @@ def _mutated(line, rng, alphabet):
 def test_a_reader_gives_the_same_entries_whichever_path_reads_a_line(tmp_path):
     records = steps_of(range(3))
     spaced = [json.dumps(r).encode() + b"\n" for r in records]  # spaces: the schema's parser
-    a = write(tmp_path / "a.jsonl", records)
-    b = write(tmp_path / "b.jsonl", spaced)
-    read = [[e for batch in EntryReader(p).batches() for e in batch] for p in (a, b)]
-    assert len(read[0]) == 24 and all(_same_entry(x, y) for x, y in zip(*read))
+    mixed = [encode_line(r) for r in records]
+    mixed[3] = mixed[3].replace(b"\n", b"\r\n")
+    mixed[7:7] = [b"\n", b"   \n", b'{"record":"detection","step":1,"phase":"forward","module":"m","class":"C",'
+                  b'"entries":["output"],"rank":null}\n']
+    paths = [write(tmp_path / "a.jsonl", records), write(tmp_path / "b.jsonl", spaced),
+             write(tmp_path / "c.jsonl", mixed)]
+    readers = [EntryReader(p) for p in paths]
+    read = [[e for batch in reader.batches() for e in batch] for reader in readers]
+    assert all(len(r) == 24 for r in read)
+    assert all(_same_entry(x, y) for x, y in zip(read[0], read[1]))
+    assert [e[entries.LINE] for e in read[2]] == list(range(2, 9)) + list(range(12, 29))
+    assert readers[2].detections == 1 and readers[2].detection["line"] == 11 and readers[2].malformed == 0
+    assert all(_same_entry(x[:entries.LINE] + x[entries.LINE + 1:], y[:entries.LINE] + y[entries.LINE + 1:])
+               for x, y in zip(read[0], read[2]))
     assert parse_entry(spaced[0].rstrip()) is not None and parse_entry(b'{"record": "meta"}') is None
 
 
