@@ -5,7 +5,8 @@ Two logs written together under a temporary directory (never in the repository),
 present: the report benchmark's shape (one rank, 150 modules x 3 entries a step, lines as the
 recorder writes them), the same values in both until 60% of the steps, then one module and every
 module after it drifting apart in B, and B stopping 5% of the steps early. Default: 512 MB each,
-1 GB in all (`--mb` per log).
+1 GB in all (`--mb` per log). With `--extra`, also a B that records one module more than A every
+step.
 
 Each run is `python -m overflow_fast diff A B --jobs N` (or `report A B --engine E`) in a child
 process; its wall time gives MB/s (both files' bytes / seconds), its CPU seconds and peak RSS come
@@ -31,8 +32,10 @@ MODULES = 150
 ENTRIES = ("weight", "output", "weight.grad")
 
 
-def write_pair(path_a, path_b, size, seed=0):
-    """Write ``size`` bytes of records to A and about as many to B (see the module's docstring)."""
+def write_pair(path_a, path_b, size, seed=0, extra=False):
+    """Write ``size`` bytes of records to A and about as many to B (see the module's docstring);
+    ``extra``: B also records a module that A does not have, every step (the alignment then
+    leaves and takes up again its record-by-record pace each step)."""
     rng = random.Random(seed)
     names = [f"model.layers.{i // 8}.{('attn', 'mlp', 'norm', 'proj')[i % 4]}.{i % 8}" for i in range(MODULES)]
     classes = ("Linear", "LayerNorm", "Attention", "MLP")
@@ -48,6 +51,11 @@ def write_pair(path_a, path_b, size, seed=0):
         while written < size:
             lines_a, lines_b = [], []
             for m, name in enumerate(names):
+                if extra and m == 20 and step < b_ends:
+                    lines_b.extend(_LINE.format(step=step, phase="forward", call=m, module="model.extra",
+                                                cls="Linear", entry=entry, dtype="float32", numel=64,
+                                                amin="0.001", amax="1.0", nan=0, posinf=0, zf=0.0, sf=0.0,
+                                                rank="null") for entry in ENTRIES[:2])
                 for e, entry in enumerate(ENTRIES):
                     amax = rng.uniform(0.5, 8.0) * (1.0 + step / 50.0) * (1 + m % 7)
                     fields = dict(step=step, phase="forward" if e < 2 else "backward", call=m, module=name,
@@ -90,6 +98,7 @@ def main(argv=None):
     parser.add_argument("--runs", type=int, default=3, help="runs per case; the median is reported")
     parser.add_argument("--mb", type=int, default=512, help="MB per log (default 512: 1 GB in all)")
     parser.add_argument("--quick", action="store_true", help="2 MB logs, one run (a smoke test)")
+    parser.add_argument("--extra", action="store_true", help="also diff against a B with one module more")
     args = parser.parse_args(argv)
     if args.quick:
         args.runs, args.mb = 1, 2
@@ -97,7 +106,13 @@ def main(argv=None):
     a, b = (os.path.join(args.dir, f"diff-{args.mb}mb-{side}.jsonl") for side in "ab")
     if not (os.path.exists(a) and os.path.exists(b)):
         write_pair(a, b, args.mb << 20)
-    size = (os.path.getsize(a) + os.path.getsize(b)) / 1e6
+    pairs = [("same modules", a, b)]
+    if args.extra:
+        b_extra = os.path.join(args.dir, f"diff-{args.mb}mb-b-extra.jsonl")
+        if not os.path.exists(b_extra):
+            write_pair(b_extra + ".a", b_extra, args.mb << 20, extra=True)
+            os.remove(b_extra + ".a")  # the same A as above
+        pairs.append(("B: one module more", a, b_extra))
     name, level = cpu_name()
     try:
         import duckdb
@@ -109,22 +124,25 @@ def main(argv=None):
           f"medians of {args.runs} runs; load average {os.getloadavg()[0]:.2f}")
     print(f"logs: A {os.path.getsize(a) / 1e6:.0f} MB, B {os.path.getsize(b) / 1e6:.0f} MB ({MODULES} modules x "
           f"{len(ENTRIES)} entries a step; B parts at 60% of the steps and ends at 95%)")
-    print(f"{'command':<34} {'MB':>7} {'seconds':>8} {'MB/s':>7} {'CPU s':>7} {'MB/CPU s':>8} {'peak RSS MB':>12}")
-    cases = [(f"diff --jobs {jobs}", ["diff", a, b, "--jobs", str(jobs)]) for jobs in sorted({1, cpus})]
-    if duck:
-        cases.append(("report A B --engine duckdb", ["report", a, b, "--engine", "duckdb", "--no-progress"]))
-    outputs = []
-    for label, command in cases:
-        results = sorted(measured(command) for _ in range(args.runs))
-        seconds, _, out, cpu = results[len(results) // 2]
-        rss = max(r[1] for r in results)
-        if label.startswith("diff"):
-            outputs.append(out)
-        print(f"{label:<34} {size:7.0f} {seconds:8.2f} {size / seconds:7.1f} {cpu:7.2f} {size / cpu:8.1f} "
-              f"{rss:12.0f}", flush=True)
-    print(f"the diffs' texts are {'identical' if len(set(outputs)) == 1 else 'DIFFERENT'}")
-    first = next((line for line in outputs[0].splitlines() if line.startswith("first parting")), "?")
-    print(first)
+    print(f"{'logs':<20} {'command':<28} {'MB':>7} {'seconds':>8} {'MB/s':>7} {'CPU s':>7} {'MB/CPU s':>8} "
+          f"{'peak RSS MB':>12}")
+    for label, path_a, path_b in pairs:
+        size = (os.path.getsize(path_a) + os.path.getsize(path_b)) / 1e6
+        cases = [(f"diff --jobs {jobs}", ["diff", path_a, path_b, "--jobs", str(jobs)]) for jobs in sorted({1, cpus})]
+        if duck:
+            cases.append(("report A B --engine duckdb", ["report", path_a, path_b, "--engine", "duckdb",
+                                                          "--no-progress"]))
+        outputs = []
+        for case, command in cases:
+            results = sorted(measured(command) for _ in range(args.runs))
+            seconds, _, out, cpu = results[len(results) // 2]
+            rss = max(r[1] for r in results)
+            if case.startswith("diff"):
+                outputs.append(out)
+            print(f"{label:<20} {case:<28} {size:7.0f} {seconds:8.2f} {size / seconds:7.1f} {cpu:7.2f} "
+                  f"{size / cpu:8.1f} {rss:12.0f}", flush=True)
+        print(f"{label}: the diffs' texts are {'identical' if len(set(outputs)) == 1 else 'DIFFERENT'}; "
+              + next((line for line in outputs[0].splitlines() if line.startswith("first parting")), "?"))
 
 
 if __name__ == "__main__":

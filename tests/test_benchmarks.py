@@ -97,8 +97,8 @@ def test_bench_report_quick(tmp_path):
 
 
 def test_bench_diff_quick(tmp_path):
-    result = _run([os.path.join(BENCH, "bench_diff.py"), "--quick", "--dir", str(tmp_path)], timeout=300)
+    result = _run([os.path.join(BENCH, "bench_diff.py"), "--quick", "--extra", "--dir", str(tmp_path)], timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    rows = [line for line in result.stdout.splitlines() if re.match(r"(diff --jobs \d+|report A B)", line)]
-    assert len(rows) >= 2 and all(len(row.split()) >= 8 for row in rows)
-    assert "the diffs' texts are identical" in result.stdout and "first parting: step" in result.stdout
+    rows = [line for line in result.stdout.splitlines() if re.search(r"(diff --jobs \d+|report A B)", line)]
+    assert len(rows) >= 4 and all(len(row.split()) >= 10 for row in rows)
+    assert result.stdout.count("the diffs' texts are identical; first parting: step") == 2, result.stdout
