@@ -14,7 +14,7 @@ from overflow_fast import cli
 from overflow_fast.recording import schema
 from overflow_fast.recording.recorder import encode_line, meta_record
 from overflow_fast.report import diff_parts, entries
-from overflow_fast.report.diff import BAD, Diff, divergence
+from overflow_fast.report.diff import BAD, INF, Diff, Grid, divergence
 from overflow_fast.report.entries import KEY, EntryReader, magnitude, parse_entry
 from overflow_fast.report.summary import parse_line
 
@@ -317,6 +317,22 @@ def test_streaming_alignment_is_the_whole_logs_alignment(tmp_path):
             assert side.only == (sum(side.only_ranks.values()) + sum(side.only_steps.values()) + side.only_other
                                  + sum(n for n, _ in side.only_modules.values()))
             assert not side.out_of_order and not side.window
+
+
+def test_the_pictures_columns_stay_few_and_parts_merge_into_the_same_cells():
+    rng = random.Random(5)
+    cells = [(f"m{rng.randrange(6)}", rng.randrange(0, 5000), rng.choice([0.0, 0.2, 1e-5, INF])) for _ in range(3000)]
+    whole, early, late = Grid(200), Grid(200), Grid(200)
+    for module, step, value in cells:
+        whole.add_x(step)
+        whole.add(module, step, value)
+        part = early if step < 700 else late  # the early part's bins stay narrower
+        part.add_x(step)
+        part.add(module, step, value)
+    assert early.width < late.width == whole.width and whole.width & (whole.width - 1) == 0
+    assert len({index for bins in whole.cells.values() for index in bins}) < 400
+    early.merge(late)
+    assert early.width == whole.width and early.cells == whole.cells
 
 
 # -- reading ---------------------------------------------------------------------------------------

@@ -208,6 +208,8 @@ class Diff:
                  pending_cap=PENDING_CAP):
         if not (rtol >= 0 and math.isfinite(rtol)) or not (atol >= 0 and math.isfinite(atol)):
             raise ValueError("rtol and atol must be finite numbers >= 0")
+        if stat not in STATS:
+            raise ValueError(f"stat must be one of {', '.join(STATS)}, not {stat!r}")
         self.rtol = rtol
         self.atol = atol
         self.stat = stat
