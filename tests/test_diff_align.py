@@ -203,6 +203,14 @@ def test_the_window_bounds_what_waits_and_says_what_it_gave_up(tmp_path):
     assert "given up on" in diff.text([a, b])
 
 
+def test_what_waits_goes_step_by_step_so_a_module_in_one_run_only_never_fills_the_window(tmp_path):
+    a = write(tmp_path / "a.jsonl", steps_of(range(300), modules=("embed", "h.0", "extra", "h.1", "head")))
+    b = write(tmp_path / "b.jsonl", steps_of(range(300), modules=("embed", "h.0", "h.1", "head")))
+    diff = run(a, b, pending_cap=4)
+    assert diff.pairs == 300 * 8 and not diff.sides[0].window
+    assert diff.sides[0].only_modules == {"extra": [600, "Linear"]}
+
+
 def test_the_module_table_is_exact_when_modules_are_dropped(tmp_path):
     """Kept: the 8 with the largest divergence (6 after a drop); every module's divergence comes
     with its first record, the largest ones last."""

@@ -260,27 +260,22 @@ class Diff:
             if batch_a is not None and batch_b is not None:
                 a, b = batch_a[ia], batch_b[ib]
                 key = a[KEY]
-                if key == b[KEY]:
-                    if in_step:
-                        if key[1] != last_step or key[0] != last_rank or not pairs_before:
-                            last_rank, last_step = key[0], key[1]
-                            if grid is not None:
-                                grid.add_x(last_step)
-                            a_side.seen(last_rank, last_step, a[LINE])
-                            b_side.seen(last_rank, last_step, b[LINE])
-                            pairs_before = True
-                        pair(a, b)
-                        ia += 1
-                        ib += 1
-                        continue
-                    if self._counted_alike(a_side, b_side, key):  # the same occurrence in both: a pair
-                        self._arrive(a_side, b_side, a)
-                        self._arrive(b_side, a_side, b)
-                        pair(a, b)
-                        ia += 1
-                        ib += 1
-                        in_step = self._in_step()
-                        continue
+                # the same key, and as many of it read in both (always so when nothing waits): a pair.
+                # Nothing is counted: counts that both logs would add alike leave every pairing as it is
+                if key == b[KEY] and (in_step or self._counted_alike(a_side, b_side, key)):
+                    if key[1] != last_step or key[0] != last_rank or not pairs_before:
+                        last_rank, last_step = key[0], key[1]
+                        if grid is not None:
+                            grid.add_x(last_step)
+                        self._at(a_side, b_side, a)
+                        self._at(b_side, a_side, b)
+                        pairs_before = True
+                        if not in_step:
+                            in_step = self._in_step()
+                    pair(a, b)
+                    ia += 1
+                    ib += 1
+                    continue
                 take_a = key[1] <= b[KEY][1]
             else:
                 take_a = batch_a is not None
@@ -319,21 +314,27 @@ class Diff:
         counts_a, counts_b = a_side.counts.get(where), b_side.counts.get(where)
         return (counts_a.get(name, 0) if counts_a else 0) == (counts_b.get(name, 0) if counts_b else 0)
 
-    def _arrive(self, side, other, entry):
-        """``side`` reads ``entry`` out of step: (its (rank, step), its (phase, module, entry,
-        occurrence)). At a new step of its rank, the other log's records of earlier steps of that
-        rank wait in vain."""
+    def _at(self, side, other, entry):
+        """``side`` has read ``entry``: at a new step of its rank, the other log's records of
+        earlier steps of that rank wait in vain, and their counts go."""
         key = entry[KEY]
         rank, step = key[0], key[1]
-        if self.grid is not None:
-            self.grid.add_x(step)
         if side.seen(rank, step, entry[LINE]):
-            for where in [w for w in other.pending if w[0] == rank and w[1] < step]:
-                for waiting in other.pending.pop(where).values():
-                    other.waiting -= 1
-                    self._one_sided(other, side, waiting)
-            for where in [w for w in side.counts if w[0] == rank and w[1] < step]:
-                del side.counts[where]
+            if other.pending:
+                for where in [w for w in other.pending if w[0] == rank and w[1] < step]:
+                    for waiting in other.pending.pop(where).values():
+                        other.waiting -= 1
+                        self._one_sided(other, side, waiting)
+            if side.counts:
+                for where in [w for w in side.counts if w[0] == rank and w[1] < step]:
+                    del side.counts[where]
+
+    def _take(self, side, other, entry):
+        """One record read out of step: pair it with the one waiting for it, or wait."""
+        key = entry[KEY]
+        if self.grid is not None:
+            self.grid.add_x(key[1])
+        self._at(side, other, entry)
         where = key[:2]
         counts = side.counts.get(where)
         if counts is None:
@@ -341,11 +342,7 @@ class Diff:
         name = key[2:]
         occurrence = counts.get(name, 0)
         counts[name] = occurrence + 1
-        return where, name + (occurrence,)
-
-    def _take(self, side, other, entry):
-        """One record read out of step: pair it with the one waiting for it, or wait."""
-        where, name = self._arrive(side, other, entry)
+        name += (occurrence,)
         group = other.pending.get(where)
         if group is not None:
             partner = group.pop(name, None)
