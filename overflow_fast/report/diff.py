@@ -38,6 +38,7 @@ PENDING_CAP = 1 << 18
 DISTINCT_CAP = 1 << 20
 TOP = 10
 MAX_EXAMPLES = 5
+LOOK_AHEAD = 16  # records looked at ahead where two logs at the same step differ: a cost, never a result
 
 ABS_NAMES = {ABS_MIN: "abs min", ABS_MAX: "abs max", BAD: "nan/inf"}
 
@@ -276,7 +277,10 @@ class Diff:
                     ia += 1
                     ib += 1
                     continue
-                take_a = key[1] <= b[KEY][1]
+                # the log behind goes first; at the same step, the one whose head the other log
+                # does not hold just ahead (a record that only it has: the other catches up after)
+                step_b = b[KEY][1]
+                take_a = key[1] < step_b or (key[1] == step_b and not _ahead(batch_b, ib, key))
             else:
                 take_a = batch_a is not None
             pairs_before = False
@@ -557,6 +561,14 @@ class Diff:
 
     def text(self, paths):
         return "\n".join(_text_lines(self, paths))
+
+
+def _ahead(batch, index, key, look=LOOK_AHEAD):
+    """Whether ``key`` is among the next few records of ``batch`` after ``index``."""
+    for later in batch[index + 1:index + 1 + look]:
+        if later[KEY] == key:
+            return True
+    return False
 
 
 def _order_of(first):
