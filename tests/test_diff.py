@@ -14,7 +14,7 @@ from models import gpt2, token_batch
 from overflow_fast import cli
 from overflow_fast.report import diff_parts
 from overflow_fast.report.diff import IDENTICAL, Picture
-from overflow_fast.report.entries import KEY
+from overflow_fast.report.entries import DTYPE, FIELDS, key_of
 from test_recorder import child_env
 
 STEPS = 6
@@ -55,9 +55,13 @@ def diff_of(runs, a, b, jobs=1, **options):
     return diff_parts.diff_logs(runs[a], runs[b], dict(dict(rtol=0.01), **options), jobs=jobs)
 
 
+def key(entry):
+    return key_of(entry[FIELDS])
+
+
 def where(diff):
     _, a, b, _, _ = diff.first
-    return a[KEY][1], a[KEY][2], a[KEY][3], a[KEY][4]
+    return key(a)[1:]
 
 
 def test_a_perturbed_layer_is_named_first_at_its_step(runs, capsys):
@@ -66,7 +70,7 @@ def test_a_perturbed_layer_is_named_first_at_its_step(runs, capsys):
     assert diff.pairs == diff.sides[0].reader.entries == diff.sides[1].reader.entries
     assert not diff.sides[0].only and not diff.sides[1].only
     # every module parts at that step or later, none before it
-    assert all(info[3] is None or info[3][0][KEY][1] >= PERTURBED_STEP for info in diff.modules.values())
+    assert all(info[3] is None or key(info[3][0])[1] >= PERTURBED_STEP for info in diff.modules.values())
     assert cli.main(["diff", runs["fp32"], runs["perturbed"]]) == 0
     out = capsys.readouterr().out
     assert (f"first parting: step {PERTURBED_STEP}, forward, module {PERTURBED} (Conv1D), entry weight" in out)
@@ -79,10 +83,10 @@ def test_fp32_against_bf16_autocast_parts_at_the_first_op_autocast_runs_in_bf16(
     # attention's input projection is the first matmul, in bf16
     assert where(diff) == (0, "forward", "transformer.h.0.attn.c_attn", "output")
     a, b = diff.first_dtype
-    assert (a[KEY][3], a[KEY][4], a[4], b[4]) == ("transformer.h.0.attn.c_attn", "output", "float32", "bfloat16")
+    assert key(a)[3:] + (a[FIELDS][DTYPE], b[FIELDS][DTYPE]) == ("transformer.h.0.attn.c_attn", "output", "float32",
+                                                                 "bfloat16")
     for module in ("transformer.wte", "transformer.wpe", "transformer.h.0.ln_1"):  # later: their gradients
-        parted = diff.modules[module][3][0][KEY]
-        assert parted[1:3] != (0, "forward")
+        assert key(diff.modules[module][3][0])[1:3] != (0, "forward")
     assert diff.pairs == diff.sides[0].reader.entries and not diff.sides[0].only and not diff.sides[1].only
 
 

@@ -15,7 +15,7 @@ from overflow_fast.recording import schema
 from overflow_fast.recording.recorder import encode_line, meta_record
 from overflow_fast.report import diff_parts, entries
 from overflow_fast.report.diff import BAD, INF, Diff, Grid, divergence
-from overflow_fast.report.entries import KEY, EntryReader, magnitude, parse_entry
+from overflow_fast.report.entries import FIELDS, LINE, EntryReader, key_of, magnitude, parse_entry
 from overflow_fast.report.summary import parse_line
 
 
@@ -53,11 +53,16 @@ def run(path_a, path_b, **options):
     return diff
 
 
+def step_of(entry):
+    return key_of(entry[FIELDS])[1]
+
+
 def first_of(diff):
     if diff.first is None:
         return None
     _, a, _, value, field = diff.first
-    return a[KEY][1], a[KEY][3], a[KEY][4], field
+    key = key_of(a[FIELDS])
+    return key[1], key[3], key[4], field
 
 
 # -- alignment -----------------------------------------------------------------------------------
@@ -70,7 +75,7 @@ def test_the_first_parting_is_the_earliest_step_then_the_order_of_a(tmp_path):
     assert first_of(diff) == (4, "h.1", "weight", entries.ABS_MAX)
     assert diff.pairs == 80 and diff.parted == 6 * 2 + 4 * 2
     rows = dict(diff.largest())
-    assert set(rows) == {"h.1", "head"} and rows["h.1"][3][0][KEY][1] == 4 and rows["head"][3][0][KEY][1] == 6
+    assert set(rows) == {"h.1", "head"} and step_of(rows["h.1"][3][0]) == 4 and step_of(rows["head"][3][0]) == 6
     assert abs(rows["h.1"][1] - 1 / 3) < 1e-12  # |2 - 3| / 3
 
 
@@ -114,11 +119,11 @@ def test_a_module_called_twice_aligns_call_by_call(tmp_path):
     b = write(tmp_path / "b.jsonl", calls(twice=False))
     diff = run(a, b)
     assert diff.pairs == 8 and diff.first is None  # the first calls pair with the first calls
-    assert diff.sides[0].only_other == 4 and [e[KEY][1] for e in diff.sides[0].only_examples] == [0, 1, 2, 3]
+    assert diff.sides[0].only_other == 4 and [step_of(e) for e in diff.sides[0].only_examples] == [0, 1, 2, 3]
     c = write(tmp_path / "c.jsonl", calls(twice=True, grow=2.0))
     diff = run(a, c)
     assert diff.pairs == 12 and first_of(diff) == (0, "shared", "output", entries.ABS_MAX)
-    assert magnitude(diff.first[1][entries.ABS_MAX]) == 3.0  # the second call, not the first
+    assert magnitude(diff.first[1][FIELDS][entries.ABS_MAX]) == 3.0  # the second call, not the first
 
 
 def test_ranks_align_rank_by_rank_and_a_rank_in_one_run_only_is_named(tmp_path):
@@ -157,15 +162,15 @@ def test_a_nan_in_one_run_only_parts_whatever_the_tolerance(tmp_path):
 
 
 def test_the_tolerance_is_relative_to_the_larger_and_atol_a_floor():
-    def entry(abs_max, abs_min="0.5", bad=False):
-        return ((0, 0, "forward", "m", "output"), abs_min, abs_max, bad, "float32", "10", "Linear", 1, None, None)
+    def entry(abs_max, abs_min="0.5", posinf="0"):
+        return ("0", "forward", "m", "Linear", "output", "float32", "10", abs_min, abs_max, "0", posinf, "0", "", "", "")
     assert divergence(entry("1.0"), entry("1")) == (0.0, None)  # the same number, written two ways
     assert divergence(entry("2.0"), entry("1.0")) == (0.5, entries.ABS_MAX)
     assert divergence(entry("1.0", "1e-9"), entry("1.0", "0.0")) == (1.0, entries.ABS_MIN)
     assert divergence(entry("1.0", "1e-9"), entry("1.0", "0.0"), atol=1e-6) == (0.0, None)
     assert divergence(entry("1.0", "1e-9"), entry("2.0", "0.0"), fields=(entries.ABS_MAX,)) == (0.5, entries.ABS_MAX)
-    assert divergence(entry('"inf"', bad=True), entry("3.0"))[1] == BAD
-    assert divergence(entry('"inf"', bad=True), entry('"nan"', bad=True)) == (0.0, None)
+    assert divergence(entry('"inf"', posinf="1"), entry("3.0"))[1] == BAD
+    assert divergence(entry('"inf"', posinf="1"), entry('"nan"')) == (0.0, None)
     assert divergence(entry("null", "null"), entry("1.0")) == (0.0, None)  # an empty tensor: counted apart
 
 
@@ -294,7 +299,7 @@ class _Watched(Diff):
         self.lines = set()
 
     def _pair(self, a, b):
-        self.lines.add((a[entries.LINE], b[entries.LINE]))
+        self.lines.add((a[LINE], b[LINE]))
         super()._pair(a, b)
 
 
@@ -404,7 +409,8 @@ def _line(rng):
 
 
 def _same_entry(x, y):
-    for i, (u, v) in enumerate(zip(x, y)):
+    """The same fields (abs-min and abs-max by value: two texts may write one number)."""
+    for i, (u, v) in enumerate(zip(x[FIELDS], y[FIELDS])):
         if i in (entries.ABS_MIN, entries.ABS_MAX):
             u, v = magnitude(u), magnitude(v)
             if u != v and not (u != u and v != v):
@@ -438,7 +444,7 @@ def test_the_fast_path_takes_only_lines_the_schema_takes_and_reads_them_alike():
                 continue
             fast += 1
             assert kind == "entry"
-            assert _same_entry(entries._fast(match.groups(""), 1), entries._parsed(record, 1)), candidate
+            assert _same_entry((match.groups(""), 1), (entries._parsed(record), 1)), candidate
     assert fast > 1000 and slow_only > 500, (fast, slow_only)  # both paths were exercised
 
 
@@ -460,10 +466,9 @@ def test_a_reader_gives_the_same_entries_whichever_path_reads_a_line(tmp_path):
     read = [[e for batch in reader.batches() for e in batch] for reader in readers]
     assert all(len(r) == 24 for r in read)
     assert all(_same_entry(x, y) for x, y in zip(read[0], read[1]))
-    assert [e[entries.LINE] for e in read[2]] == list(range(2, 9)) + list(range(12, 29))
+    assert [e[LINE] for e in read[2]] == list(range(2, 9)) + list(range(12, 29))
     assert readers[2].detections == 1 and readers[2].detection["line"] == 11 and readers[2].malformed == 0
-    assert all(_same_entry(x[:entries.LINE] + x[entries.LINE + 1:], y[:entries.LINE] + y[entries.LINE + 1:])
-               for x, y in zip(read[0], read[2]))
+    assert all(_same_entry(x, y) for x, y in zip(read[0], read[2]))
     assert parse_entry(spaced[0].rstrip()) is not None and parse_entry(b'{"record": "meta"}') is None
 
 

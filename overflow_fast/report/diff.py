@@ -26,7 +26,8 @@ only has; per kept module and step bin, the picture's cells.
 
 import math
 
-from .entries import ABS_MAX, ABS_MIN, BAD, CLASS, DTYPE, GLOBAL_STEP, KEY, LINE, MODE, NUMEL, magnitude
+from .entries import (ABS_MAX, ABS_MIN, CLASS, DTYPE, FIELDS, LINE, MODE, MODULE, NAME, NEGINF, NAN, NUMEL, PHASE,
+                      POSINF, RANK, STEP, global_step_of, is_bad, key_of, magnitude)
 from .summary import printable, when
 from .timeline import BATCH, OPTIMIZER, _merged, bin_width
 
@@ -40,6 +41,7 @@ TOP = 10
 MAX_EXAMPLES = 5
 LOOK_AHEAD = 16  # records looked at ahead where two logs at the same step differ: a cost, never a result
 
+BAD = -1  # where a divergence comes from: a nan/inf in one run only (else ABS_MIN or ABS_MAX)
 ABS_NAMES = {ABS_MIN: "abs min", ABS_MAX: "abs max", BAD: "nan/inf"}
 
 
@@ -47,10 +49,11 @@ STATS = {"both": (ABS_MAX, ABS_MIN), "abs_max": (ABS_MAX,), "abs_min": (ABS_MIN,
 
 
 def divergence(a, b, atol=0.0, fields=STATS["both"]):
-    """(relative difference, the field that gives it: ABS_MIN, ABS_MAX, BAD, or None when 0) of
-    two aligned entries, over ``fields``: |x - y| / max(x, y), 0 where |x - y| <= ``atol``.
+    """(relative difference, where it comes from: ABS_MIN, ABS_MAX, BAD, or None when 0) of two
+    aligned entries' fields, over ``fields``: |x - y| / max(x, y), 0 where |x - y| <= ``atol``.
     ``INF`` when one recorded a nan/inf and the other did not."""
-    if a[BAD] != b[BAD]:
+    if ((a[NAN] != "0" or a[POSINF] != "0" or a[NEGINF] != "0" or a[ABS_MAX][0] == '"')
+            != (b[NAN] != "0" or b[POSINF] != "0" or b[NEGINF] != "0" or b[ABS_MAX][0] == '"')):  # is_bad, inline
         return INF, BAD
     largest, which = 0.0, None
     for field in fields:
@@ -246,7 +249,8 @@ class Diff:
         batch_a, batch_b = a_side.next_batch(), b_side.next_batch()
         ia = ib = 0
         in_step = True  # nothing waits: the two logs are at the same record
-        # (rank, step) of the last pair read in step, while the records read before it were pairs in step
+        # the texts of (rank, step) of the last pair read in step, while the records read before it were
+        # pairs in step
         last_rank = last_step = None
         pairs_before = False
         grid = self.grid
@@ -260,14 +264,15 @@ class Diff:
                 continue
             if batch_a is not None and batch_b is not None:
                 a, b = batch_a[ia], batch_b[ib]
-                key = a[KEY]
+                fa, fb = a[FIELDS], b[FIELDS]
                 # the same key, and as many of it read in both (always so when nothing waits): a pair.
                 # Nothing is counted: counts that both logs would add alike leave every pairing as it is
-                if key == b[KEY] and (in_step or self._counted_alike(a_side, b_side, key)):
-                    if key[1] != last_step or key[0] != last_rank or not pairs_before:
-                        last_rank, last_step = key[0], key[1]
+                if (fa[MODULE] == fb[MODULE] and fa[NAME] == fb[NAME] and fa[STEP] == fb[STEP] and fa[PHASE] == fb[PHASE]
+                        and fa[RANK] == fb[RANK] and (in_step or self._counted_alike(a_side, b_side, key_of(fa)))):
+                    if fa[STEP] != last_step or fa[RANK] != last_rank or not pairs_before:
+                        last_rank, last_step = fa[RANK], fa[STEP]
                         if grid is not None:
-                            grid.add_x(last_step)
+                            grid.add_x(int(last_step))
                         self._at(a_side, b_side, a)
                         self._at(b_side, a_side, b)
                         pairs_before = True
@@ -279,7 +284,8 @@ class Diff:
                     continue
                 # the log behind goes first; at the same step, the one whose head the other log
                 # does not hold just ahead (a record that only it has: the other catches up after)
-                step_b = b[KEY][1]
+                key = key_of(fa)
+                step_b = int(fb[STEP])
                 take_a = key[1] < step_b or (key[1] == step_b and not _ahead(batch_b, ib, key))
             else:
                 take_a = batch_a is not None
@@ -321,7 +327,7 @@ class Diff:
     def _at(self, side, other, entry):
         """``side`` has read ``entry``: at a new step of its rank, the other log's records of
         earlier steps of that rank wait in vain, and their counts go."""
-        key = entry[KEY]
+        key = key_of(entry[FIELDS])
         rank, step = key[0], key[1]
         if side.seen(rank, step, entry[LINE]):
             if other.pending:
@@ -335,7 +341,7 @@ class Diff:
 
     def _take(self, side, other, entry):
         """One record read out of step: pair it with the one waiting for it, or wait."""
-        key = entry[KEY]
+        key = key_of(entry[FIELDS])
         if self.grid is not None:
             self.grid.add_x(key[1])
         self._at(side, other, entry)
@@ -387,7 +393,7 @@ class Diff:
         (or that log is read): whether the other recorded that step is known; whether it recorded
         the module at all, only at the end (``finish``)."""
         side.only += 1
-        key = entry[KEY]
+        key = key_of(entry[FIELDS])
         rank, module = key[0], key[3]
         self._name(module, side.bit)
         if self.grid is not None:
@@ -399,7 +405,7 @@ class Diff:
             if info is not None:
                 info[0] += 1
             elif len(side.only_modules) < DISTINCT_CAP:
-                side.only_modules[module] = [1, entry[CLASS]]
+                side.only_modules[module] = [1, entry[FIELDS][CLASS]]
             else:
                 self._other(side, entry)
         else:
@@ -429,16 +435,17 @@ class Diff:
 
     def _pair(self, a, b):
         self.pairs += 1
-        if a[ABS_MAX] == b[ABS_MAX] and a[ABS_MIN] == b[ABS_MIN] and a[BAD] == b[BAD]:
+        fa, fb = a[FIELDS], b[FIELDS]
+        if (fa[ABS_MAX] == fb[ABS_MAX] and fa[ABS_MIN] == fb[ABS_MIN] and fa[NAN] == fb[NAN]
+                and fa[POSINF] == fb[POSINF] and fa[NEGINF] == fb[NEGINF]):
             value, field = 0.0, None
         else:
-            value, field = divergence(a, b, self.atol, self.fields)
-        if a[DTYPE] != b[DTYPE] or a[NUMEL] != b[NUMEL]:
+            value, field = divergence(fa, fb, self.atol, self.fields)
+        if fa[DTYPE] != fb[DTYPE] or fa[NUMEL] != fb[NUMEL]:
             self._shapes(a, b)
-        key = a[KEY]
-        module = key[3]
+        module = fa[MODULE]
         if self.grid is not None:
-            self.grid.add(module, key[1], value)
+            self.grid.add(module, int(fa[STEP]), value)
         info = self.modules.get(module)
         new = info is None
         if new:
@@ -453,18 +460,21 @@ class Diff:
                 info[4] += 1
                 if info[3] is None:
                     info[3] = (a, b, value, field)
-                order = (key[1], key[0], a[LINE])
-                if self.first is None or order < self.first[0]:
-                    self.first = (order, a, b, value, field)
+                first = self.first
+                if first is None or int(fa[STEP]) <= first[0][0]:  # (most pairs come later: no key read)
+                    order = _order_of(a)
+                    if first is None or order < first[0]:
+                        self.first = (order, a, b, value, field)
         if new and len(self.modules) > self.max_modules:  # (after this pair counted: it may decide)
             self._drop_modules()
 
     def _shapes(self, a, b):
-        if a[DTYPE] != b[DTYPE]:
+        fa, fb = a[FIELDS], b[FIELDS]
+        if fa[DTYPE] != fb[DTYPE]:
             self.dtype_differs += 1
             if self.first_dtype is None:
                 self.first_dtype = (a, b)
-        if a[NUMEL] != b[NUMEL]:
+        if fa[NUMEL] != fb[NUMEL]:
             self.numel_differs += 1
             if self.first_numel is None:
                 self.first_numel = (a, b)
@@ -537,7 +547,7 @@ class Diff:
         """[(module, info)] of the n modules with the largest divergence, largest first (ties:
         the one that parted first)."""
         rows = [(name, info) for name, info in self.modules.items() if info[1] > 0]
-        rows.sort(key=lambda row: (-row[1][1], _order_of(row[1][3]), row[1][0]))
+        rows.sort(key=lambda row: (-row[1][1], (INF,) if row[1][3] is None else _order_of(row[1][3][0]), row[1][0]))
         return rows[:n]
 
     def plot_modules(self):
@@ -566,16 +576,15 @@ class Diff:
 def _ahead(batch, index, key, look=LOOK_AHEAD):
     """Whether ``key`` is among the next few records of ``batch`` after ``index``."""
     for later in batch[index + 1:index + 1 + look]:
-        if later[KEY] == key:
+        if key_of(later[FIELDS]) == key:
             return True
     return False
 
 
-def _order_of(first):
-    if first is None:
-        return (INF,)
-    a = first[0]
-    return (a[KEY][1], a[KEY][0], a[LINE])
+def _order_of(entry):
+    """Where a pair sits among the pairs that part: by step, then rank, then A's order."""
+    key = key_of(entry[FIELDS])
+    return key[1], key[0], entry[LINE]
 
 
 class Grid:
@@ -687,11 +696,12 @@ class Picture:
         self.first = None
         if diff.first is not None:
             _, a, _, value, field = diff.first
-            module = a[KEY][3]
+            fields = a[FIELDS]
+            module = fields[MODULE]
             on_map = module in modules
             self.first = {
-                "x": a[KEY][1], "row": modules.index(module) if on_map else None,
-                "text": (f"first parting: {_when(a)}, {a[KEY][2]}\n{_name(module)} {printable(a[KEY][4])}: "
+                "x": int(fields[STEP]), "row": modules.index(module) if on_map else None,
+                "text": (f"first parting: {_when(a)}, {fields[PHASE]}\n{_name(module)} {printable(fields[NAME])}: "
                          + ("nan/inf in one run" if field == BAD else f"{ABS_NAMES[field]} {_percent(value)}")
                          + ("" if on_map else "\n(not among the modules drawn)")),
             }
@@ -702,8 +712,9 @@ class Picture:
 # -- the text ------------------------------------------------------------------------------------
 
 def _when(entry):
-    step, global_step, mode = entry[KEY][1], entry[GLOBAL_STEP], entry[MODE]
-    return when(step, global_step, mode, BATCH if global_step is None else OPTIMIZER)
+    fields = entry[FIELDS]
+    global_step = global_step_of(fields)
+    return when(int(fields[STEP]), global_step, fields[MODE] or None, BATCH if global_step is None else OPTIMIZER)
 
 
 def _name(module):
@@ -725,9 +736,16 @@ def _g(value):
 
 
 def _stat_text(entry):
-    low, high = (magnitude(entry[i]) for i in (ABS_MIN, ABS_MAX))
-    return (f"abs min {_g(low)}, abs max {_g(high)}" + (" (nan/inf)" if entry[BAD] else "")
-            + f" [{printable(entry[DTYPE])}, {entry[NUMEL]} elements]")
+    fields = entry[FIELDS]
+    low, high = magnitude(fields[ABS_MIN]), magnitude(fields[ABS_MAX])
+    return (f"abs min {_g(low)}, abs max {_g(high)}" + (" (nan/inf)" if is_bad(fields) else "")
+            + f" [{printable(fields[DTYPE])}, {fields[NUMEL]} elements]")
+
+
+def _what(entry):
+    """"module entry" of an Entry, printable."""
+    fields = entry[FIELDS]
+    return f"{_name(fields[MODULE])} {printable(fields[NAME])}"
 
 
 def _list(values, limit=8):
@@ -772,15 +790,15 @@ def _first_lines(diff):
         out.append("first parting: none (every aligned pair within the tolerance)")
     else:
         _, a, b, value, field = diff.first
-        key = a[KEY]
+        key, fields = key_of(a[FIELDS]), a[FIELDS]
         ranks = diff.sides[0].ranks | diff.sides[1].ranks
         rank = f", rank {key[0]}" if ranks != {0} else ""
-        out.append(f"first parting: {_when(a)}, {key[2]}{rank}, module {_name(key[3])} ({printable(a[CLASS])}), "
+        out.append(f"first parting: {_when(a)}, {key[2]}{rank}, module {_name(key[3])} ({printable(fields[CLASS])}), "
                    f"entry {printable(key[4])}")
         out.append(f"   A: {_stat_text(a)}  (line {a[LINE]})")
         out.append(f"   B: {_stat_text(b)}  (line {b[LINE]})")
         if field == BAD:
-            out.append(f"   a nan/inf in {'A' if a[BAD] else 'B'} only")
+            out.append(f"   a nan/inf in {'A' if is_bad(a[FIELDS]) else 'B'} only")
         else:
             out.append(f"   {ABS_NAMES[field]} differs by {_percent(value)}")
     out.append(f"pairs beyond the tolerance: {_number(diff.parted)} of {_number(diff.pairs)}"
@@ -789,12 +807,12 @@ def _first_lines(diff):
                   if diff.parted and not diff.modules_dropped else ""))
     if diff.dtype_differs:
         a, b = diff.first_dtype
-        out.append(f"dtype differs in {_number(diff.dtype_differs)} pairs (first: {_when(a)}, {_name(a[KEY][3])} "
-                   f"{printable(a[KEY][4])}: {printable(a[DTYPE])} in A, {printable(b[DTYPE])} in B)")
+        out.append(f"dtype differs in {_number(diff.dtype_differs)} pairs (first: {_when(a)}, {_what(a)}: "
+                   f"{printable(a[FIELDS][DTYPE])} in A, {printable(b[FIELDS][DTYPE])} in B)")
     if diff.numel_differs:
         a, b = diff.first_numel
-        out.append(f"element count differs in {_number(diff.numel_differs)} pairs (first: {_when(a)}, "
-                   f"{_name(a[KEY][3])} {printable(a[KEY][4])}: {a[NUMEL]} in A, {b[NUMEL]} in B)")
+        out.append(f"element count differs in {_number(diff.numel_differs)} pairs (first: {_when(a)}, {_what(a)}: "
+                   f"{a[FIELDS][NUMEL]} in A, {b[FIELDS][NUMEL]} in B)")
     return out
 
 
@@ -809,12 +827,12 @@ def _largest_lines(diff):
     for module, info in rows:
         field, a, b = info[2]
         if field == BAD:
-            value_a, value_b = ("nan/inf" if a[BAD] else "finite"), ("nan/inf" if b[BAD] else "finite")
+            value_a, value_b = (("nan/inf" if is_bad(e[FIELDS]) else "finite") for e in (a, b))
         else:
-            value_a, value_b = _g(magnitude(a[field])), _g(magnitude(b[field]))
+            value_a, value_b = _g(magnitude(a[FIELDS][field])), _g(magnitude(b[FIELDS][field]))
         parted = "-" if info[3] is None else _when(info[3][0])
         table.append((_percent(info[1]), ABS_NAMES[field], _when(a), parted, value_a, value_b,
-                      f"{_name(module)} {printable(a[KEY][4])} ({a[KEY][2]})"))
+                      f"{_what(a)} ({a[FIELDS][PHASE]})"))
     widths = [max(len(row[i]) for row in table) for i in range(6)]
     for row in table:
         cells = [row[0].rjust(widths[0]), row[1].ljust(widths[1]), row[2].ljust(widths[2]), row[3].ljust(widths[3]),
@@ -847,8 +865,7 @@ def _one_sided_lines(diff):
             more = f", and {len(names) - MAX_EXAMPLES} more" if len(names) > MAX_EXAMPLES else ""
             out.append(f"   modules {other.name} did not record: {len(names)}: {shown}{more}")
         if side.only_other:
-            shown = "; ".join(f"{_when(e)} {e[KEY][2]} {_name(e[KEY][3])} {printable(e[KEY][4])} (line {e[LINE]})"
-                              for e in side.only_examples)
+            shown = "; ".join(f"{_when(e)} {e[FIELDS][PHASE]} {_what(e)} (line {e[LINE]})" for e in side.only_examples)
             out.append(f"   other entries (an entry, or a repeated call, that {other.name} lacks): "
                        f"{_number(side.only_other)}; first: {shown}")
         if side.window:

@@ -9,8 +9,9 @@ accepts only lines that the schema accepts. Every other line (an escaped name, s
 schema does not know, a meta or detection record, damage) goes to ``summary.parse_line``, the
 report's parser. Both paths give the same ``Entry``.
 
-An ``Entry`` keeps ``abs_min`` and ``abs_max`` as their JSON text (``magnitude`` reads one): two
-runs that agree write the same text, which is compared without reading a number.
+An ``Entry`` is (its fields' JSON texts, its line number): two runs that agree write the same
+texts, which are compared without reading a number (``key_of``, ``is_bad``, ``magnitude`` read
+them where needed).
 """
 
 import re
@@ -19,20 +20,14 @@ from ..recording import schema
 from ..recording.schema import Malformed
 from .summary import BadFile, LogFile, is_blank, parse_line, read_chunks
 
-# an Entry is a tuple: these are its fields
-KEY = 0  # (rank, step, phase, module, entry): a missing rank counts as rank 0
-ABS_MIN = 1  # JSON text: "null", "\"nan\"", "\"inf\"", or a number
-ABS_MAX = 2
-BAD = 3  # a nan or inf recorded (counts, or abs_max not a number)
-DTYPE = 4
-NUMEL = 5  # its decimal text
-CLASS = 6
-LINE = 7  # line number in its file, from 1
-GLOBAL_STEP = 8  # None when not recorded
-MODE = 9
-
-# the key's fields
-RANK, STEP, PHASE, MODULE, NAME = range(5)
+# an Entry is (fields, line): ``fields`` the texts of these fields, ``line`` its line number (from 1)
+FIELDS, LINE = 0, 1
+STEP, PHASE, MODULE, CLASS, NAME, DTYPE, NUMEL, ABS_MIN, ABS_MAX, NAN, POSINF, NEGINF, RANK, GLOBAL_STEP, MODE = \
+    range(15)
+# integers in decimal without leading zeros; RANK, GLOBAL_STEP and MODE "" when null or missing;
+# ABS_MIN and ABS_MAX the JSON text: "null", a number, or "\"nan\"", "\"inf\"", "\"-inf\""
+_KEPT = ("step", "phase", "module", "class", "entry", "dtype", "numel", "abs_min", "abs_max", "nan", "posinf",
+         "neginf", "rank", "global_step", "mode")
 
 MAX_NAMED = 5  # malformed lines named
 
@@ -40,11 +35,6 @@ MAX_NAMED = 5  # malformed lines named
 _FLOAT = r"(?:0|[1-9][0-9]{0,19})(?:\.[0-9]+)?(?:[eE](?:-[0-9]{1,3}|\+?[0-9]{1,2}))?"
 # a number in [0, 1]: 0.x (times 10^-N), 1 with zero decimals, or x.y times 10^-N with N >= 1
 _FRACTION = r"(?:0(?:\.[0-9]+)?(?:[eE]-[0-9]{1,3})?|1(?:\.0+)?|[1-9](?:\.[0-9]+)?[eE]-0*[1-9][0-9]{0,2})"
-
-
-# the fields an Entry keeps: the fast path captures these (and checks the rest)
-_KEPT = ("step", "phase", "module", "class", "entry", "dtype", "numel", "abs_min", "abs_max", "nan", "posinf",
-         "neginf", "rank", "global_step", "mode")
 
 
 def _integer(field):
@@ -94,11 +84,24 @@ def entry_pattern():
 
 
 _ENTRY = entry_pattern()
-_GROUP = {name: index for index, name in enumerate(f.name for f in schema.RECORDS["entry"] if f.name in _KEPT)}
-_G_RANK, _G_STEP, _G_PHASE, _G_MODULE, _G_ENTRY = (_GROUP[n] for n in ("rank", "step", "phase", "module", "entry"))
-_G_MIN, _G_MAX, _G_DTYPE, _G_NUMEL, _G_CLASS = (_GROUP[n] for n in ("abs_min", "abs_max", "dtype", "numel", "class"))
-_G_NAN, _G_POSINF, _G_NEGINF = (_GROUP[n] for n in ("nan", "posinf", "neginf"))
-_G_GLOBAL, _G_MODE = _GROUP["global_step"], _GROUP["mode"]
+if [f.name for f in schema.RECORDS["entry"] if f.name in _KEPT] != list(_KEPT):  # the groups are the fields
+    raise ImportError("entries._KEPT is not in the schema's order")
+
+
+def key_of(fields):
+    """(rank, step, phase, module, entry) of an Entry's fields: what aligns two logs (a missing
+    rank is rank 0)."""
+    rank = fields[RANK]
+    return int(rank) if rank else 0, int(fields[STEP]), fields[PHASE], fields[MODULE], fields[NAME]
+
+
+def is_bad(fields):
+    """Whether the entry recorded a nan or inf."""
+    return fields[NAN] != "0" or fields[POSINF] != "0" or fields[NEGINF] != "0" or fields[ABS_MAX][0] == '"'
+
+
+def global_step_of(fields):
+    return int(fields[GLOBAL_STEP]) if fields[GLOBAL_STEP] else None
 
 
 def magnitude(text):
@@ -117,25 +120,14 @@ def _abs_text(value):
     return repr(value) if type(value) is float else str(value)
 
 
-def _fast(groups, number):
-    """The Entry of a line the fast path matched: ``groups`` its groups, "" for those a null or
-    a missing field left unset (as ``findall`` gives them)."""
-    rank, abs_max, global_step = groups[_G_RANK], groups[_G_MAX], groups[_G_GLOBAL]
-    return ((int(rank) if rank else 0, int(groups[_G_STEP]), groups[_G_PHASE], groups[_G_MODULE], groups[_G_ENTRY]),
-            groups[_G_MIN], abs_max,
-            groups[_G_NAN] != "0" or groups[_G_POSINF] != "0" or groups[_G_NEGINF] != "0" or abs_max[0] == '"',
-            groups[_G_DTYPE], groups[_G_NUMEL], groups[_G_CLASS], number,
-            int(global_step) if global_step else None, groups[_G_MODE] or None)
-
-
-def _parsed(record, number):
-    rank = record.get("rank")
-    abs_max = record.get("abs_max")
-    return ((0 if rank is None else rank, record["step"], record["phase"], record["module"], record["entry"]),
-            _abs_text(record.get("abs_min")), _abs_text(abs_max),
-            bool(record["nan"] or record["posinf"] or record["neginf"] or type(abs_max) is str),
-            record["dtype"], str(record["numel"]), record["class"], number, record.get("global_step"),
-            record.get("mode"))
+def _parsed(record):
+    """The fields of an entry record the schema's parser read, as the fast path's texts."""
+    def text(value):
+        return "" if value is None else str(value)
+    return (str(record["step"]), record["phase"], record["module"], record["class"], record["entry"], record["dtype"],
+            str(record["numel"]), _abs_text(record.get("abs_min")), _abs_text(record.get("abs_max")),
+            str(record["nan"]), str(record["posinf"]), str(record["neginf"]), text(record.get("rank")),
+            text(record.get("global_step")), text(record.get("mode")))
 
 
 class EntryReader:
@@ -175,7 +167,7 @@ class EntryReader:
             self._malformed(number, str(error))
             return
         if kind == "entry":
-            out.append(_parsed(record, number))
+            out.append((_parsed(record), number))
         elif kind == "meta":
             self.metas += 1
         else:
@@ -234,8 +226,8 @@ class EntryReader:
             return
         rows = _ENTRY.findall(text)
         if len(rows) == text.count("\n") + (not text.endswith("\n")):  # every line an entry the fast path takes
-            out.extend([_fast(groups, index) for index, groups in enumerate(rows, number + 1)])
             self.lines = number + len(rows)
+            out.extend(zip(rows, range(number + 1, self.lines + 1)))
             return
         slow = self._slow
         append = out.append
@@ -247,7 +239,7 @@ class EntryReader:
                     number += 1
                     slow(line.encode("utf-8"), number, out)
             number += 1
-            append(_fast(match.groups(""), number))
+            append((match.groups(""), number))
             at = match.end() + 1
         if at < len(text):
             rest = text[at:]
@@ -316,12 +308,12 @@ def parse_entry(raw, number=0):
         return None
     match = _ENTRY.match(text)
     if match is not None:
-        return _fast(match.groups(""), number)
+        return match.groups(""), number
     try:
         kind, record = parse_line(raw)
     except Malformed:
         return None
-    return _parsed(record, number) if kind == "entry" else None
+    return (_parsed(record), number) if kind == "entry" else None
 
 
 def entry_at(path, offset):
@@ -343,7 +335,7 @@ def entry_at(path, offset):
                     continue
             entry = parse_entry(line.rstrip(b"\n"))
             if entry is not None:
-                return start, entry[KEY][STEP], handle.tell()
+                return start, int(entry[FIELDS][STEP]), handle.tell()
 
 
 def _skip_line(handle, piece=1 << 20):
