@@ -14,6 +14,10 @@ as a malformed line; a zstd one is refused (exit 1).
 Exit codes: 0 ok, 1 a file that cannot be read or has no records (or matplotlib missing for
 ``--png``, or DuckDB for ``--engine duckdb``, or the output's reader gone: ``| head``), 2 a usage
 error.
+
+``diff A.jsonl B.jsonl [--rtol R] [--png OUT.png]`` aligns the entries of two logs and names where
+they first part (``report/diff.py``); the same exit codes (1: a log cannot be read or has no tensor
+entries).
 """
 
 import argparse
@@ -106,6 +110,30 @@ def build_parser():
                           help="always show progress on stderr")
     progress.add_argument("--no-progress", dest="progress", action="store_false",
                           help="never show progress")
+    diff = commands.add_parser(
+        "diff", help="where two recorded runs first part; --png draws the divergence per module over steps",
+        description="Align the tensor entries of two flight-recorder logs by (rank, step, phase, module, entry) "
+                    "and name the first pair whose statistics part: abs min or abs max differing by more than "
+                    "--rtol of the larger, or a nan/inf in one run only. Then the largest divergence of each "
+                    "module, and what only one run recorded (ranks, steps, modules, entries), named apart. "
+                    "Large plain logs are read in parts, one process each.")
+    diff.add_argument("log_a", metavar="A.jsonl", help="the run compared against (gzip, bzip2 or xz compressed too)")
+    diff.add_argument("log_b", metavar="B.jsonl", help="the other run")
+    diff.add_argument("--rtol", type=_tolerance, default=0.01, metavar="R",
+                      help="relative tolerance: a pair parts where |A - B| > R * max(A, B) (default 0.01)")
+    diff.add_argument("--atol", type=_tolerance, default=0.0, metavar="T",
+                      help="differences of at most T count as none (default 0)")
+    diff.add_argument("--stat", choices=("both", "abs_max", "abs_min"), default="both",
+                      help="the statistics compared (default both; abs_max leaves out abs min, which rounding "
+                           "moves by orders of magnitude in a large tensor)")
+    diff.add_argument("--png", metavar="OUT.png", help="write a picture of the divergence (needs matplotlib: "
+                                                         "pip install overflow_fast[plot])")
+    diff.add_argument("--size", metavar="WxH", type=_size, default=None,
+                      help="picture size in pixels (default: from the number of modules)")
+    diff.add_argument("--curves", type=int, default=5, metavar="N",
+                      help="under the heatmap: the divergence curves of the N modules that diverge most (default 5)")
+    diff.add_argument("--jobs", type=_jobs, default=None, metavar="N",
+                      help="processes for large plain logs (default: one per CPU, at most 8)")
     commands.add_parser(
         "info", help="what runs here: versions, the C++ kernel, backends, devices",
         description="What runs here, one fact a line: the versions of overflow_fast, Python, torch and "
@@ -133,6 +161,26 @@ def _size(text):
     if not (100 <= width <= 10000 and 100 <= height <= 10000):
         raise argparse.ArgumentTypeError("width and height must be between 100 and 10000 pixels")
     return width, height
+
+
+def _tolerance(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}")
+    if not (value >= 0 and value != float("inf")):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return value
+
+
+def _jobs(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected at least 1, got {text!r}")
+    return value
 
 
 def _reader(choice):
@@ -206,6 +254,47 @@ def run_report(args):
     return 0
 
 
+def run_diff(args):
+    from .report.diff_parts import diff_logs
+
+    plot = None
+    if args.png:  # fail before reading big files
+        try:
+            from .report import diff_plot as plot
+        except ImportError as error:
+            print(f"overflow-fast: --png needs matplotlib ({error}); install it with: "
+                  f"pip install overflow_fast[plot]", file=sys.stderr)
+            return 1
+    paths = [args.log_a, args.log_b]
+    options = dict(rtol=args.rtol, atol=args.atol, stat=args.stat, grid=plot is not None)
+    try:
+        check_readable(paths)
+        diff = diff_logs(*paths, options, jobs=args.jobs)
+    except BadFile as error:
+        print(f"overflow-fast: {error}", file=sys.stderr)
+        return 1
+    empty = [path for path, side in zip(paths, diff.sides) if not side.reader.entries]
+    if empty:
+        reader = diff.sides[paths.index(empty[0])].reader
+        print(f"overflow-fast: no tensor entries in {', '.join(empty)}"
+              + (f" ({reader.malformed} malformed lines; first: line {reader.malformed_lines[0][0]} "
+                 f"({reader.malformed_lines[0][1]}))" if reader.malformed else ""), file=sys.stderr)
+        return 1
+    print(diff.text(paths))
+    if plot is not None:
+        if not diff.modules:
+            print("overflow-fast: no aligned entries to draw", file=sys.stderr)
+            return 1
+        try:
+            size = plot.draw(diff, args.png, size=args.size, curves=args.curves,
+                             title_source=" vs ".join(os.path.basename(p) for p in paths))
+        except OSError as error:
+            print(f"overflow-fast: cannot write {args.png}: {error.strerror or error}", file=sys.stderr)
+            return 1
+        print(f"\npicture: {args.png} ({size[0]}x{size[1]} pixels)")
+    return 0
+
+
 def run_replay(args):
     from .hooks import find_op
 
@@ -239,9 +328,9 @@ def torch_version():
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)  # usage errors exit with 2
-    if args.command == "report":
+    if args.command in ("report", "diff"):
         try:
-            code = run_report(args)
+            code = run_report(args) if args.command == "report" else run_diff(args)
             sys.stdout.flush()
             return code
         except BrokenPipeError:  # its reader left (`| head`): what was cut off is said by the exit code alone

@@ -1,0 +1,149 @@
+"""`overflow-fast diff` on generated logs: MB/s and peak RSS, one process and in parts, beside
+`overflow-fast report` reading the same bytes.
+
+Two logs written together under a temporary directory (never in the repository), reused when
+present: the report benchmark's shape (one rank, 150 modules x 3 entries a step, lines as the
+recorder writes them), the same values in both until 60% of the steps, then one module and every
+module after it drifting apart in B, and B stopping 5% of the steps early. Default: 512 MB each,
+1 GB in all (`--mb` per log). With `--extra`, also a B that records one module more than A every
+step.
+
+Each run is `python -m overflow_fast diff A B --jobs N` (or `report A B --engine E`) in a child
+process; its wall time gives MB/s (both files' bytes / seconds), its CPU seconds and peak RSS come
+from wait4() (the parts' processes included: CPU summed, RSS the largest one).
+
+Run: python benchmarks/bench_diff.py [--dir /tmp/overflow_fast_bench] [--runs 3] [--mb 512] [--quick]
+"""
+
+import argparse
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_report import _LINE, cpu_name  # noqa: E402
+
+MODULES = 150
+ENTRIES = ("weight", "output", "weight.grad")
+
+
+def write_pair(path_a, path_b, size, seed=0, extra=False):
+    """Write ``size`` bytes of records to A and about as many to B (see the module's docstring);
+    ``extra``: B also records a module that A does not have, every step (the alignment then
+    leaves and takes up again its record-by-record pace each step)."""
+    rng = random.Random(seed)
+    names = [f"model.layers.{i // 8}.{('attn', 'mlp', 'norm', 'proj')[i % 4]}.{i % 8}" for i in range(MODULES)]
+    classes = ("Linear", "LayerNorm", "Attention", "MLP")
+    step_bytes = MODULES * len(ENTRIES) * 300  # about
+    steps = max(size // step_bytes, 10)
+    part_at, b_ends = int(steps * 0.6), int(steps * 0.95)
+    meta = '{"record":"meta","version":1,"rank":null,"world_size":null,"started":"bench","pid":1,"torch":"bench"}\n'
+    with open(path_a + ".part", "w") as fa, open(path_b + ".part", "w") as fb:
+        fa.write(meta)
+        fb.write(meta)
+        written = 0
+        step = 0
+        while written < size:
+            lines_a, lines_b = [], []
+            for m, name in enumerate(names):
+                if extra and m == 20 and step < b_ends:
+                    lines_b.extend(_LINE.format(step=step, phase="forward", call=m, module="model.extra",
+                                                cls="Linear", entry=entry, dtype="float32", numel=64,
+                                                amin="0.001", amax="1.0", nan=0, posinf=0, zf=0.0, sf=0.0,
+                                                rank="null") for entry in ENTRIES[:2])
+                for e, entry in enumerate(ENTRIES):
+                    amax = rng.uniform(0.5, 8.0) * (1.0 + step / 50.0) * (1 + m % 7)
+                    fields = dict(step=step, phase="forward" if e < 2 else "backward", call=m, module=name,
+                                  cls=classes[m % 4], entry=entry, dtype="float16" if m % 3 else "bfloat16",
+                                  numel=4096 * (1 + m % 5), amin=repr(rng.uniform(0, 1e-3)), nan=0, posinf=0,
+                                  zf=0.0, sf=repr(rng.uniform(0, 0.05)) if m % 11 == 0 else 0.0, rank="null")
+                    lines_a.append(_LINE.format(amax=repr(min(amax, 60000.0)), **fields))
+                    if step < b_ends:
+                        drift = 1.0 + 0.01 * (step - part_at + 1) if step >= part_at and m >= 40 else 1.0
+                        lines_b.append(_LINE.format(amax=repr(min(amax * drift, 60000.0)), **fields))
+            text = "".join(lines_a)
+            fa.write(text)
+            fb.write("".join(lines_b))
+            written += len(text)
+            step += 1
+    os.replace(path_a + ".part", path_a)
+    os.replace(path_b + ".part", path_b)
+
+
+def measured(args):
+    """(seconds, peak RSS in MB, stdout, CPU seconds) of one child run, from wait4()."""
+    command = [sys.executable, "-m", "overflow_fast", *args]
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        start = time.perf_counter()
+        child = subprocess.Popen(command, stdout=out, stderr=err, env=env)
+        _, status, usage = os.wait4(child.pid, 0)
+        seconds = time.perf_counter() - start
+        code = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        if code != 0:
+            raise RuntimeError(f"{' '.join(args)} failed ({code}): {err.read().decode()[-2000:]}")
+        return seconds, usage.ru_maxrss / 1024, out.read().decode(), usage.ru_utime + usage.ru_stime
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "overflow_fast_bench"))
+    parser.add_argument("--runs", type=int, default=3, help="runs per case; the median is reported")
+    parser.add_argument("--mb", type=int, default=512, help="MB per log (default 512: 1 GB in all)")
+    parser.add_argument("--quick", action="store_true", help="2 MB logs, one run (a smoke test)")
+    parser.add_argument("--extra", action="store_true", help="also diff against a B with one module more")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.runs, args.mb = 1, 2
+    os.makedirs(args.dir, exist_ok=True)
+    a, b = (os.path.join(args.dir, f"diff-{args.mb}mb-{side}.jsonl") for side in "ab")
+    if not (os.path.exists(a) and os.path.exists(b)):
+        write_pair(a, b, args.mb << 20)
+    pairs = [("same modules", a, b)]
+    if args.extra:
+        b_extra = os.path.join(args.dir, f"diff-{args.mb}mb-b-extra.jsonl")
+        if not os.path.exists(b_extra):
+            write_pair(b_extra + ".a", b_extra, args.mb << 20, extra=True)
+            os.remove(b_extra + ".a")  # the same A as above
+        pairs.append(("B: one module more", a, b_extra))
+    name, level = cpu_name()
+    try:
+        import duckdb
+        duck = duckdb.__version__
+    except ImportError:
+        duck = None
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    print(f"CPU: {name} ({level}), {cpus} cores; DuckDB {duck or 'not installed'}; Python {sys.version.split()[0]}; "
+          f"medians of {args.runs} runs; load average {os.getloadavg()[0]:.2f}")
+    print(f"logs: A {os.path.getsize(a) / 1e6:.0f} MB, B {os.path.getsize(b) / 1e6:.0f} MB ({MODULES} modules x "
+          f"{len(ENTRIES)} entries a step; B parts at 60% of the steps and ends at 95%)")
+    print(f"{'logs':<20} {'command':<28} {'MB':>7} {'seconds':>8} {'MB/s':>7} {'CPU s':>7} {'MB/CPU s':>8} "
+          f"{'peak RSS MB':>12}")
+    for label, path_a, path_b in pairs:
+        size = (os.path.getsize(path_a) + os.path.getsize(path_b)) / 1e6
+        cases = [(f"diff --jobs {jobs}", ["diff", path_a, path_b, "--jobs", str(jobs)]) for jobs in sorted({1, cpus})]
+        if duck:
+            cases.append(("report A B --engine duckdb", ["report", path_a, path_b, "--engine", "duckdb",
+                                                          "--no-progress"]))
+        outputs = []
+        for case, command in cases:
+            results = sorted(measured(command) for _ in range(args.runs))
+            seconds, _, out, cpu = results[len(results) // 2]
+            rss = max(r[1] for r in results)
+            if case.startswith("diff"):
+                outputs.append(out)
+            print(f"{label:<20} {case:<28} {size:7.0f} {seconds:8.2f} {size / seconds:7.1f} {cpu:7.2f} "
+                  f"{size / cpu:8.1f} {rss:12.0f}", flush=True)
+        print(f"{label}: the diffs' texts are {'identical' if len(set(outputs)) == 1 else 'DIFFERENT'}; "
+              + next((line for line in outputs[0].splitlines() if line.startswith("first parting")), "?"))
+
+
+if __name__ == "__main__":
+    main()
