@@ -29,3 +29,32 @@ def never_a_compiled_frame(*functions):
     skip = frames._FrameExecStrategy(frames._FrameAction.SKIP, frames._FrameAction.SKIP)
     for function in functions:
         frames.set_code_exec_strategy(function.__code__, skip)
+
+
+# ---- Triton's interpreter (TRITON_INTERPRET=1, the CPU run of the Triton kernels) ---------------
+
+
+def interpreter_indexes_one_element_arrays():
+    """Triton's interpreter holds every scalar as a one-element numpy array, and up to Triton 3.6
+    makes an index of it (a loop's run-time bound) with ``int()`` of that array, which numpy 2.4
+    refuses (only 0-d arrays convert): every kernel with such a loop fails. Make the index from the
+    array's one element, as later Tritons do. A GPU compiles the loop, so nothing changes there.
+    Call it only where the interpreter runs (it imports Triton's interpreter and numpy)."""
+    import numpy
+    from triton.runtime import interpreter
+
+    try:
+        int(numpy.ones(1, dtype=numpy.int64))
+        return  # this numpy still converts one-element arrays
+    except TypeError:
+        pass
+    patch = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch is None or getattr(patch, "indexes_one_element_arrays", False):
+        return
+
+    def patch_lang_tensor(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    patch_lang_tensor.indexes_one_element_arrays = True
+    interpreter._patch_lang_tensor = patch_lang_tensor
