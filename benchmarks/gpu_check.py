@@ -156,6 +156,10 @@ class Tee(io.TextIOBase):
     def fileno(self):
         return self.console.fileno()
 
+    @property
+    def encoding(self):
+        return getattr(self.console, "encoding", "utf-8")
+
     def isatty(self):
         return False
 
