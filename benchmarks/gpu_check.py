@@ -1,5 +1,6 @@
-"""One command for an NVIDIA machine: is the Triton backend exact there, and what does the detector
-cost in training? It always returns what it measured.
+"""One command for an NVIDIA machine: is the Triton backend exact there, and what does it cost?
+
+It measures the kernels and the detector's cost in training, and always returns what it measured.
 
     python3 benchmarks/gpu_check.py              # from the repository root, no install step; --budget 330 s
     python3 benchmarks/gpu_check.py --phases compiled-host-bound,compiled-large   # a second run
