@@ -1,99 +1,450 @@
 """One command for an NVIDIA machine: is the Triton backend exact there, and what does it cost?
 
-    python benchmarks/gpu_check.py            # under 8 minutes on one H200 (--budget 420 s)
-    python benchmarks/gpu_check.py --dry-run  # no GPU: the same code paths, tiny sizes, interpreter
+It measures the kernels and the detector's cost in training, and always returns what it measured.
 
-Phases, in order, each time-boxed (a share of ``--budget`` seconds; a phase that finds the budget
-spent prints a "skipped" line and its rows read "skipped (budget)"):
-1. Exactness on the device: the triton backend against the torch backend for every dtype
-   (random bit patterns, special values, tails, views, empty, 0-dim, mixed-dtype batches, one
-   tensor over 2**31 elements), against the CPU backend (the C++ kernel, on host copies; when
-   it is built) and against the float64 oracle of tests/oracle.py on the small ones. Any mismatch
-   prints it and exits with status 1 before anything is timed.
-2. Device-copy bandwidth (``dst.copy_(src)`` on 1 GiB; read + write bytes over time), then
-   timings (``triton.testing.do_bench`` medians, L2 flushed between runs) of the triton backend,
-   the torch backend and the reference's op sequence per tensor
-   (``x.abs()``; ``f"{a.min():8.2e} {a.max():8.2e}"``; ``torch.isnan(x).any().item()``;
-   ``torch.isinf(x).any().item()``) at 4K..1G elements, fp32 and bf16, and on 300 mixed
-   tensors of 256..270K elements.
-3. Host us per hook on the device: GPT-2 small's hook sequence (12 layers, n_embd 768, 12 heads,
-   bf16, batch 8 x 1024, no grad) recorded on the meta device and replayed on zero-filled device
-   tensors with benchmarks/bench_host_path.py's machinery (``record``, ``materialize``,
-   ``replay``, ``attach``, ``measure``), ``torch.cuda.synchronize()`` after each replayed forward:
-   (replay time - replay time without hooks) / hooks, for check="module", check="batch" and
-   ``watch()`` (forward hooks only). The kernels run for real, so this is the wall time a hook adds
-   when nothing overlaps it.
-4. Training-step overhead on GPT-2 small (random weights from a config, nothing downloaded), bf16,
-   batch 8 x 1024, AdamW: no detector, the reference (transformers' DebugUnderflowOverflow),
-   check="module", check="batch" and ``watch()``, each on its own copy of the model; medians of
-   round-robin steps after warm-up, ``torch.cuda.synchronize()`` around each step; peak memory
-   per variant.
-5. A small sweep of the launch shape at 256M elements (``--skip-sweep``), and with ``--e2e``
-   ``benchmarks/bench_end_to_end.py --device cuda --quick`` in a subprocess, if budget is left.
-6. The kernel table, then the summary table (markdown, for RESULTS.md), last.
+    python3 benchmarks/gpu_check.py              # from the repository root, no install step; --budget 330 s
+    python3 benchmarks/gpu_check.py --phases compiled-host-bound,compiled-large   # a second run
+    python3 benchmarks/gpu_check.py --dry-run    # no GPU: every phase on CPU tensors, TRITON_INTERPRET=1
 
-``--dry-run`` runs every phase on the CPU: the kernels through ``TRITON_INTERPRET=1``, the host
-phase with the Triton launches stubbed (bench_host_path.triton_on_cpu), a 1-layer tiny GPT-2,
-batch 2 x 16, 2 steps; every figure in its table is marked "dry-run" (not GPU figures).
+It puts this checkout (and its tests/ folder, for the float64 oracle) first on ``sys.path``: nothing
+is installed. The C++ kernel builds on first use, inside the budget.
+
+What comes back, whatever happens: ``gpu_check.md`` (the summary table, rewritten after every row),
+``gpu_check.csv`` (the same rows) and ``gpu_check.log`` (everything printed) in ``--out`` (default
+``$OUT``, the lent machine's folder of results). Every phase is guarded: an error becomes a
+``failed: <error>`` row and the next phase runs. An exactness mismatch or a failed self-check is a
+row too, and the measuring goes on (a device whose self-check failed reads with the table kernels).
+
+The budget's clock starts at this file's first line, before the imports and the C++ build. Each
+phase gets a time box, a share of what is left (a signal stops a phase that overruns it); a
+watchdog thread writes the table and ends the process when the budget is spent, whatever hangs
+(and faulthandler kills it 3 s later if the hang holds the interpreter). The default budget, 330 s,
+leaves room for a second run within 15 minutes of device time.
+
+Exit status: 0 every phase ran (or was skipped for the budget) and every check passed; 1 an
+exactness mismatch or a failed self-check; 2 nothing to measure (no CUDA device without
+``--dry-run``, no torch); 3 a phase failed; 4 the watchdog (or a SIGTERM) stopped the run. The first that applies
+in the order 1, 2, 4, 3.
+
+Phases, in order (``--phases`` picks some, ``--skip`` drops some):
+- ``exactness``: the triton backend bit for bit against the torch backend, the CPU backend (host
+  copies) and the float64 oracle (tests/oracle.py, the small tensors), every dtype: random bit
+  patterns, special values, tails, views, empty, 0-dim, mixed-dtype batches, and one tensor over
+  2**31 elements; the per-hook kernel against the table kernels on the same tensors.
+- ``self-check``: the per-hook kernel's self-check, at first use and again with its kernels compiled.
+- ``bandwidth``: ``dst.copy_(src)`` on 1 GiB, then the per-hook kernel, the torch backend and the
+  reference's per-tensor ops (``triton.testing.do_bench`` medians) at 4K..1G elements, fp32 and
+  bf16, and the table kernels on 300 mixed tensors of 256..270K elements.
+- ``step-gpu-bound``, ``step-host-bound``, ``step-large``: training steps (AdamW, bf16, random
+  weights from a transformers config, nothing downloaded), each variant on its own copy of the
+  model, medians of round-robin steps after warm-up, ``torch.cuda.synchronize()`` around each:
+  no detector, the reference (transformers' DebugUnderflowOverflow), ``check="batch"`` and
+  ``watch()`` (its gradient reads in backward included). GPU-bound: GPT-2 small, batch 8 x 1024;
+  host-bound: GPT-2 small, batch 1 x 512; large: 4 Llama-style layers, hidden 4096, batch 2 x 1024.
+- ``host-per-hook``: GPT-2 small's hook sequence (bf16, 8 x 1024, no grad) recorded on the meta
+  device and replayed on zero-filled device tensors with bench_host_path.py's machinery, synced
+  after each forward: (replay time - replay time without hooks) / hooks, and launches per forward.
+- ``compiled-gpu-bound``, ``compiled-host-bound``, ``compiled-large``: the same steps under
+  ``torch.compile`` (inductor) with ``check="batch"``, and without the detector when the budget
+  allows, timed against the eager step without one; the compile is in the warm-up.
+- ``sweep``: GB/s of a few (BLOCK_SIZE, NUM_WARPS) at 256M elements, if budget is left.
+- ``e2e`` (only when asked): ``benchmarks/bench_end_to_end.py --device cuda --quick``.
+
+``--dry-run`` runs the same code on CPU tensors: the kernels through Triton's interpreter, the
+host-per-hook phase with the launches stubbed, tiny models (1-2 layers, a few tokens), every row
+marked "dry-run" (not GPU figures).
 """
 
-import argparse
-import contextlib
-import math
-import os
-import random
-import statistics
-import subprocess
-import sys
 import time
+
+STARTED = time.perf_counter()  # the budget's clock
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import copy  # noqa: E402
+import csv  # noqa: E402
+import faulthandler  # noqa: E402
+import io  # noqa: E402
+import math  # noqa: E402
+import os  # noqa: E402
+import platform  # noqa: E402
+import random  # noqa: E402
+import signal  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import threading  # noqa: E402
+import traceback  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+for _path in (HERE, os.path.join(ROOT, "tests"), ROOT):  # this checkout's package first
+    if _path in sys.path:
+        sys.path.remove(_path)
+    sys.path.insert(0, _path)
+
+PHASES = (  # name, share of the budget, what it needs besides torch
+    ("exactness", 0.12, ("triton",)),
+    ("self-check", 0.05, ("triton",)),
+    ("bandwidth", 0.07, ("triton",)),
+    ("step-gpu-bound", 0.09, ("transformers",)),
+    ("step-host-bound", 0.05, ("transformers",)),
+    ("step-large", 0.09, ("transformers",)),
+    ("host-per-hook", 0.06, ("transformers",)),
+    ("compiled-gpu-bound", 0.15, ("transformers",)),
+    ("compiled-host-bound", 0.10, ("transformers",)),
+    ("compiled-large", 0.15, ("transformers",)),
+    ("sweep", 0.06, ("triton",)),
+    ("e2e", 0.10, ("transformers",)),
+)
+OPT_IN = ("e2e",)
+DEFAULT_BUDGET = 330.0
+RESERVE = 2.0  # seconds kept after the last phase's time box, for the table
+MIN_PHASE = 2.0  # a phase that would get less is skipped
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true",
-                        help="no GPU needed: tiny sizes on CPU through TRITON_INTERPRET=1")
-    parser.add_argument("--max-numel", type=float, default=2**30, help="largest benchmarked tensor")
-    parser.add_argument("--budget", type=float, default=420.0,
-                        help="seconds for the whole run; each phase gets a share, later ones what is left")
+                        help="no GPU needed: tiny sizes on CPU tensors through TRITON_INTERPRET=1")
+    parser.add_argument("--budget", type=float, default=DEFAULT_BUDGET,
+                        help="seconds for the whole run, imports and C++ build included")
+    parser.add_argument("--out", default=os.environ.get("OUT") or None,
+                        help="folder for gpu_check.md, .csv and .log (default $OUT; none: print only)")
+    parser.add_argument("--phases", default=None,
+                        help="comma-separated phases to run (default all but " + ", ".join(OPT_IN) + ")")
+    parser.add_argument("--skip", default="", help="comma-separated phases not to run")
+    parser.add_argument("--e2e", action="store_true", help="add the e2e phase")
+    parser.add_argument("--max-numel", type=float, default=2**30, help="largest tensor timed in bandwidth")
     parser.add_argument("--steps", type=int, default=None,
-                        help="timed round-robin training steps per variant (default 8; dry run 2)")
-    parser.add_argument("--skip-host", action="store_true", help="do not measure host us per hook")
-    parser.add_argument("--skip-train", action="store_true", help="do not measure the training step")
-    parser.add_argument("--skip-sweep", action="store_true", help="do not sweep the launch shape")
-    parser.add_argument("--e2e", action="store_true",
-                        help="also run bench_end_to_end.py --device cuda --quick if budget is left")
-    parser.add_argument("--skip-e2e", action="store_true", help=argparse.SUPPRESS)  # the default now
-    return parser.parse_args(argv)
+                        help="timed round-robin training steps per variant (default 6; dry run 2)")
+    args = parser.parse_args(argv)
+    names = [name for name, _, _ in PHASES]
+    chosen = [p for p in args.phases.split(",") if p] if args.phases else [n for n in names if n not in OPT_IN]
+    if args.e2e and "e2e" not in chosen:
+        chosen.append("e2e")
+    skipped = [p for p in args.skip.split(",") if p]
+    unknown = sorted(set(chosen + skipped) - set(names))
+    if unknown:
+        parser.error(f"unknown phase(s) {', '.join(unknown)}; the phases: {', '.join(names)}")
+    args.selected = [n for n in names if n in chosen and n not in skipped]
+    return args
 
 
-ARGS = parse_args() if __name__ == "__main__" else parse_args([])
-if ARGS.dry_run:
-    # the interpreter is chosen when the kernels are decorated, i.e. before the backend is imported
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+# --------------------------------------------------------------------------- what comes back
 
-import copy  # noqa: E402
+class Tee(io.TextIOBase):
+    """A stream that writes to the console and to the log, flushing both at once (a killed run
+    keeps everything printed before)."""
 
-import torch  # noqa: E402
+    def __init__(self, console, log):
+        self.console, self.log = console, log
 
-sys.path.insert(0, os.path.join(ROOT, "tests"))
-if ROOT not in sys.path:
-    sys.path.append(ROOT)  # overflow_fast from this checkout when it is not installed
-from oracle import random_bits, reference_stats, same_stats, special_values  # noqa: E402
+    def write(self, text):
+        for stream in (self.console, self.log):
+            try:
+                stream.write(text)
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        return len(text)
 
-from overflow_fast.stats import StatsBatch  # noqa: E402
-from overflow_fast.stats import cpu_backend as cpu_be  # noqa: E402
-from overflow_fast.stats import torch_backend as torch_be  # noqa: E402
-from overflow_fast.stats import triton_backend as triton_be  # noqa: E402
+    def flush(self):
+        for stream in (self.console, self.log):
+            with contextlib.suppress(OSError, ValueError):
+                stream.flush()
 
-DTYPES = [
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
-    torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool,
-    torch.float8_e4m3fnuz, torch.float8_e5m2fnuz, torch.float8_e8m0fnu,  # AMD's fp8 formats
-]
-WIDE_UNSIGNED = [getattr(torch, n) for n in ("uint16", "uint32", "uint64") if hasattr(torch, n)]
+    def fileno(self):
+        return self.console.fileno()
+
+    @property
+    def encoding(self):
+        return getattr(self.console, "encoding", "utf-8")
+
+    def isatty(self):
+        return False
+
+
+class Report:
+    """The rows measured so far, written to the out folder after each one."""
+
+    def __init__(self, out, budget_s, dry_run):
+        self.out = out
+        self.budget_s = budget_s
+        self.rows = []
+        self.source = "dry-run (CPU, not GPU figures)" if dry_run else "(device not known yet)"
+        self.dry_run = dry_run
+        self.checks_failed = []
+        self.phases_failed = []
+        self.nothing_to_measure = None
+        self.stopped = None  # the watchdog's line
+        self.notes = []  # blocks printed after the table (the kernel table, the sweep)
+        self.lock = threading.RLock()
+
+    def add(self, measure, value, detail=""):
+        clean = lambda text: " ".join(str(text).replace("|", "/").split())  # noqa: E731 - one table cell
+        with self.lock:
+            self.rows.append((clean(measure), clean(value), clean(detail)))
+            print(f"  -> | {self.rows[-1][0]} | {self.rows[-1][1]} | {self.rows[-1][2]} |", flush=True)
+            self.write()
+
+    def status(self):
+        if self.checks_failed:
+            return 1
+        if self.nothing_to_measure:
+            return 2
+        if self.stopped:
+            return 4
+        return 3 if self.phases_failed else 0
+
+    def headline(self):
+        elapsed = time.perf_counter() - STARTED
+        parts = [f"exit status {self.status()}", f"{elapsed:.0f} s of a {self.budget_s:.0f} s budget"]
+        if self.checks_failed:
+            parts.append("checks failed: " + ", ".join(self.checks_failed))
+        if self.phases_failed:
+            parts.append("phases failed: " + ", ".join(self.phases_failed))
+        if self.stopped:
+            parts.append(self.stopped)
+        return "gpu_check: " + "; ".join(parts)
+
+    def table(self):
+        lines = ["| measure | value | detail | run |", "|---|---|---|---|"]
+        lines += [f"| {m} | {v} | {d} | {self.source} |" for m, v, d in self.rows]
+        return "\n".join(lines)
+
+    def markdown(self):
+        text = self.headline() + "\n\n" + self.table() + "\n"
+        for title, block in self.notes:
+            text += f"\n{title}:\n\n" + "".join(f"    {line}\n" for line in block.splitlines())
+        return text
+
+    def write(self):
+        if not self.out:
+            return
+        with self.lock:
+            for name, content in (("gpu_check.md", self.markdown()), ("gpu_check.csv", self._csv())):
+                path = os.path.join(self.out, name)
+                try:
+                    with open(path + ".tmp", "w") as f:
+                        f.write(content)
+                    os.replace(path + ".tmp", path)  # never a half-written table
+                except OSError as error:
+                    sys.__stderr__.write(f"gpu_check: cannot write {path}: {error}\n")
+
+    def _csv(self):
+        buffer = io.StringIO()
+        writer = csv.writer(buffer)
+        writer.writerow(["measure", "value", "detail", "run"])
+        writer.writerows([(m, v, d, self.source) for m, v, d in self.rows])
+        return buffer.getvalue()
+
+    def finish(self):
+        with self.lock:
+            self.write()
+            print()
+            for title, block in self.notes:
+                print(f"{title}:\n{block}\n")
+            print(self.headline())
+            print()
+            print(self.table(), flush=True)
+
+
+class TimeBoxSpent(BaseException):
+    """Raised in the main thread when a phase overruns its time box (a BaseException, so that no
+    ``except Exception`` on the way swallows it)."""
+
+
+@contextlib.contextmanager
+def time_box(seconds, phase):
+    def expire(signum, frame):
+        raise TimeBoxSpent(f"{phase} ran past its time box of {seconds:.0f} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, max(seconds, 0.05))
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+class Watchdog:
+    """Ends the process when the budget is spent (or at SIGTERM), with the table written and the
+    phase that was running named, whatever the main thread is doing."""
+
+    def __init__(self, report, budget_s, log):
+        self.report = report
+        self.deadline = STARTED + budget_s
+        self.phase = "startup"
+        self.main = threading.main_thread().ident
+        self.done = threading.Event()
+        # the last resort, from C: a hang that holds the interpreter never lets the thread run
+        faulthandler.dump_traceback_later(max(self.deadline + 3.0 - time.perf_counter(), 1.0), exit=True,
+                                          file=log or sys.__stderr__)
+        self.previous_term = signal.signal(signal.SIGTERM, lambda signum, frame: self.stop_run("SIGTERM"))
+        threading.Thread(target=self._watch, name="gpu_check watchdog", daemon=True).start()
+
+    def _watch(self):
+        if not self.done.wait(max(self.deadline - time.perf_counter(), 0.0)):
+            self.stop_run(f"the watchdog at {self.deadline - STARTED:.0f} s (the budget was spent)")
+
+    def stop_run(self, why):
+        """Write the table with a row for the phase that was running, and end the process."""
+        frame = sys._current_frames().get(self.main)
+        where = "".join(traceback.format_stack(frame)[-2:]).strip().replace("\n", " ") if frame else "?"
+        acquired = self.report.lock.acquire(timeout=2.0)
+        try:
+            self.report.stopped = f"{why} stopped the run during {self.phase}"
+            self.report.add(self.phase, f"failed: stopped by {why}", f"the main thread was at {where[:400]}")
+            self.report.finish()
+        finally:
+            if acquired:
+                self.report.lock.release()
+        sys.stdout.flush()
+        os._exit(self.report.status())
+
+    def stop(self):
+        """The run ended by itself: no watchdog any more."""
+        self.done.set()
+        faulthandler.cancel_dump_traceback_later()
+        signal.signal(signal.SIGTERM, self.previous_term)
+
+
+# --------------------------------------------------------------------------- the run's state
+
+torch = None  # imported by startup(), inside the budget
+triton_be = torch_be = cpu_be = StatsBatch = None
+random_bits = reference_stats = same_stats = special_values = None
+
+
+class Context:
+    def __init__(self, args, report):
+        self.args = args
+        self.report = report
+        self.tiny = args.dry_run
+        self.device = None
+        self.missing = {}  # what a phase may need -> why it is missing (None: there)
+        self.regimes = {}  # regime -> what its step phase built, for its compiled phase
+        self.copy_gbps = None
+        self.kernel_rows = []
+
+
+def startup(ctx):
+    """Import torch, the package (which builds or loads the C++ kernel), Triton and transformers,
+    each timed; pick the device. False when nothing can be measured."""
+    global torch, triton_be, torch_be, cpu_be, StatsBatch, random_bits, reference_stats, same_stats, special_values
+    report, args = ctx.report, ctx.args
+    if args.dry_run:
+        # the interpreter is chosen when the kernels are decorated, i.e. when the backend is imported
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    timings = []
+    started = time.perf_counter()
+    try:
+        import torch as _torch
+    except Exception as error:  # noqa: BLE001
+        report.nothing_to_measure = f"no torch ({type(error).__name__}: {error})"
+        report.add("startup", f"failed: {report.nothing_to_measure}", "")
+        return False
+    torch = _torch
+    timings.append(f"torch {time.perf_counter() - started:.1f} s")
+
+    started = time.perf_counter()
+    from overflow_fast.stats import cpu_backend as _cpu_be  # builds or loads the C++ kernel
+
+    cpu_be = _cpu_be
+    cpu_be.unavailable_reason()
+    timings.append(f"overflow_fast and its C++ kernel {time.perf_counter() - started:.1f} s")
+
+    started = time.perf_counter()
+    from overflow_fast.stats import StatsBatch as _StatsBatch
+    from overflow_fast.stats import torch_backend as _torch_be
+    from overflow_fast.stats import triton_backend as _triton_be
+
+    StatsBatch, torch_be, triton_be = _StatsBatch, _torch_be, _triton_be
+    ctx.missing["triton"] = triton_be.unavailable_reason()
+    timings.append(f"the triton backend {time.perf_counter() - started:.1f} s")
+
+    import oracle
+
+    random_bits, reference_stats = oracle.random_bits, oracle.reference_stats
+    same_stats, special_values = oracle.same_stats, oracle.special_values
+
+    if any("transformers" in needs for name, _, needs in PHASES if name in args.selected):
+        started = time.perf_counter()
+        try:
+            import transformers  # noqa: F401
+            ctx.missing["transformers"] = None
+        except Exception as error:  # noqa: BLE001 - any failure to import is a missing package here
+            ctx.missing["transformers"] = f"{type(error).__name__}: {error}"
+        timings.append(f"transformers {time.perf_counter() - started:.1f} s")
+
+    if args.dry_run:
+        ctx.device = torch.device("cpu")
+    elif torch.cuda.is_available():
+        ctx.device = torch.device("cuda")
+        report.source = torch.cuda.get_device_name()
+    else:
+        report.nothing_to_measure = "no CUDA device (run with --dry-run to exercise this script without one)"
+    report.add("startup", f"{time.perf_counter() - STARTED:.1f} s", "; ".join(timings) + "; " + environment(ctx))
+    if report.nothing_to_measure:
+        report.add("device", f"failed: {report.nothing_to_measure}", "")
+        return False
+    return True
+
+
+def environment(ctx):
+    """Versions, the device, the CPU, the C++ kernel and the launch path, in one line."""
+    parts = [f"Python {platform.python_version()}", f"torch {torch.__version__}"]
+    for name in ("triton", "numpy", "transformers"):
+        module = sys.modules.get(name)
+        parts.append(f"{name} {getattr(module, '__version__', '?')}" if module is not None else f"{name} missing")
+    if ctx.device is not None and ctx.device.type == "cuda":
+        props = torch.cuda.get_device_properties(ctx.device)
+        parts.append(f"{props.name} (sm_{props.major}{props.minor}, {props.total_memory / 2**30:.0f} GiB, "
+                     f"CUDA {torch.version.cuda})")
+    parts.append(f"CPU {cpu_model()} x {os.cpu_count()}")
+    reason = cpu_be.unavailable_reason()
+    parts.append("C++ kernel loaded" if reason is None else f"no C++ kernel ({reason})")
+    if ctx.missing.get("triton"):
+        parts.append(f"no triton backend ({ctx.missing['triton']})")
+    if ctx.missing.get("transformers"):
+        parts.append(f"no transformers ({ctx.missing['transformers']})")
+    commit = git_commit()
+    if commit:
+        parts.append(f"commit {commit}")
+    return ", ".join(parts)
+
+
+def cpu_model():
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    return platform.processor() or "?"
+
+
+def git_commit():
+    try:
+        result = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return result.stdout.strip() if result.returncode == 0 else None
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _free(device):
+    import gc
+
+    gc.collect()
+    if device is not None and device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 # --------------------------------------------------------------------------- exactness
@@ -102,11 +453,17 @@ class Mismatch(AssertionError):
     pass
 
 
+def check_dtypes():
+    dtypes = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
+              torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool]
+    # AMD's fp8 formats, where this torch has them
+    dtypes += [getattr(torch, n) for n in ("float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu") if hasattr(torch, n)]
+    wide_unsigned = [getattr(torch, n) for n in ("uint16", "uint32", "uint64") if hasattr(torch, n)]
+    return dtypes, wide_unsigned
+
+
 def _dicts(rows, tensors):
     return StatsBatch([t.dtype for t in tensors], [(list(range(len(tensors))), rows)]).tolist()
-
-
-EXACT = {"cpu": 0}  # tensors also compared with the CPU backend
 
 
 def _cpu_backend_dicts(tensors):
@@ -118,9 +475,9 @@ def _cpu_backend_dicts(tensors):
     return dict(zip(index, _dicts(cpu_be.compute(host), host))) if host else {}
 
 
-def check_batch(tensors, label, oracle_max=5000):
-    """Triton equals the torch backend and the CPU backend on every tensor, and the oracle on the
-    small ones."""
+def check_batch(tensors, label, counts, oracle_dtypes, oracle_max=5000):
+    """Triton's table kernels equal its per-hook kernel, the torch backend, the CPU backend, and
+    the oracle on the small tensors."""
     table_rows = triton_be.compute(tensors)
     got = _dicts(table_rows, tensors)
     want = _dicts(torch_be.compute(tensors), tensors)
@@ -131,27 +488,24 @@ def check_batch(tensors, label, oracle_max=5000):
             raise Mismatch(f"{label}[{bad}] {tensors[bad].dtype} {tuple(tensors[bad].shape)}: per-hook kernel "
                            f"{read_rows[bad].tolist()} != table kernels {table_rows[bad].tolist()}")
     on_cpu = _cpu_backend_dicts(tensors)
-    EXACT["cpu"] += len(on_cpu)
+    counts["cpu"] += len(on_cpu)
     for i, (g, w, t) in enumerate(zip(got, want, tensors)):
         if not same_stats(g, w):
             raise Mismatch(f"{label}[{i}] {t.dtype} {tuple(t.shape)}: triton {g} != torch backend {w}")
         if i in on_cpu and not same_stats(g, on_cpu[i]):
             raise Mismatch(f"{label}[{i}] {t.dtype} {tuple(t.shape)}: triton {g} != cpu backend {on_cpu[i]}")
-        if t.numel() <= oracle_max and t.dtype in _ORACLE_DTYPES:
+        if t.numel() <= oracle_max and t.dtype in oracle_dtypes:
             r = reference_stats(t.cpu())
             if not same_stats(g, r):
                 raise Mismatch(f"{label}[{i}] {t.dtype} {tuple(t.shape)}: triton {g} != oracle {r}")
     return len(tensors)
 
 
-_ORACLE_DTYPES = set(DTYPES)
-
-
 def _read_rows(tensors):
-    """The per-hook kernel's rows (``read_into``, whatever the device's self-check said)."""
+    """The per-hook kernel's rows (whatever the device's self-check said)."""
     rows = torch.full((len(tensors), 8), -1, dtype=torch.int64, device=tensors[0].device)
     state = triton_be._DEVICES.get((rows.device.type, rows.device.index)) or triton_be.check_device(rows.device)
-    if not triton_be._read(tensors, rows, state):
+    if triton_be._read(tensors, rows, state) is False:
         raise Mismatch(f"the per-hook kernel did not take {len(tensors)} tensors")
     return rows
 
@@ -160,49 +514,65 @@ def _readable(dtype, device):
     """Whether the Triton backend takes ``dtype`` and the torch backend (the reference here) can
     read it on ``device``."""
     probe = torch.zeros(2, dtype=dtype, device=device)
-    if not triton_be.supports(probe):  # an overflow_fast older than this script
+    if not triton_be.supports(probe):
         return False
     try:
         torch_be.compute([probe])
         return True
-    except Exception:  # e.g. no float8 -> float32 copy kernel for this dtype on this device
+    except Exception:  # noqa: BLE001 - e.g. no float8 -> float32 copy kernel for this dtype here
         return False
 
 
-def check_exactness(device, tiny, deadline=math.inf):
-    """Tensors checked, and whether every case ran (False: the phase's time ran out; at least one
-    dtype is always checked)."""
+def exactness(ctx, deadline):
+    device, tiny, report = ctx.device, ctx.tiny, ctx.report
+    cpu_note = ("the cpu backend" if cpu_be.unavailable_reason() is None
+                else f"not the cpu backend ({cpu_be.unavailable_reason()})")
+    print(f"  against the torch backend, {cpu_note} and the float64 oracle", flush=True)
+    counts = {"checked": 0, "cpu": 0}
+    complete = True
+    try:
+        complete = _check_every_dtype(device, tiny, deadline, counts)
+    except Mismatch as error:
+        report.checks_failed.append("exactness")
+        report.add("exactness", f"MISMATCH: {error}",
+                   f"after {counts['checked']} tensors exact; the phases after this one still run")
+        return
+    report.add("exactness", f"{counts['checked']} tensors exact, 0 mismatches" + ("" if complete else " (time box: partial)"),
+               f"table kernels = per-hook kernel = torch backend = oracle (small ones); = cpu backend on {counts['cpu']}"
+               + ("" if cpu_be.unavailable_reason() is None else f" ({cpu_note})"))
+
+
+def _check_every_dtype(device, tiny, deadline, counts):
+    """Every case, or as many as the time box allows (False then; at least one dtype runs)."""
     gen = torch.Generator().manual_seed(0)
     chunk = triton_be.BLOCK_SIZE * triton_be.BLOCKS_PER_CHUNK
     sizes = [1, 7, 100, 4097] if tiny else [1, 7, 100, 4097, chunk - 1, chunk + 1, 2 * chunk + 77]
-    checked = 0
-    dtypes = [dtype for dtype in DTYPES if _readable(dtype, device)]
-    for dtype in sorted(set(DTYPES) - set(dtypes), key=str):
+    all_dtypes, wide_unsigned = check_dtypes()
+    dtypes = [dtype for dtype in all_dtypes if _readable(dtype, device)]
+    for dtype in sorted(set(all_dtypes) - set(dtypes), key=str):
         print(f"  {dtype}: skipped, not readable by the triton or the torch backend on {device}")
-    for dtype in dtypes + WIDE_UNSIGNED:
-        if checked and time.perf_counter() > deadline:
+    oracle_dtypes = set(all_dtypes)
+    if not tiny:  # first: the one case that only a GPU's memory can hold
+        counts["checked"] += check_huge(device)
+    for dtype in dtypes + wide_unsigned:
+        if counts["checked"] and time.perf_counter() > deadline:
             print(f"  time box spent: stopped before {dtype}")
-            return checked, False
-        if dtype in WIDE_UNSIGNED:
+            return False
+        if dtype in wide_unsigned:
             signed = {2: torch.int16, 4: torch.int32, 8: torch.int64}[dtype.itemsize]
-            make = lambda shape: random_bits(signed, shape, gen).view(dtype)  # noqa: E731
+            make = lambda shape, signed=signed, dtype=dtype: random_bits(signed, shape, gen).view(dtype)  # noqa: E731
             special = torch.tensor([0, -1, 1, torch.iinfo(signed).min], dtype=signed).view(dtype)
         else:
-            make = lambda shape: random_bits(dtype, shape, gen)  # noqa: E731
+            make = lambda shape, dtype=dtype: random_bits(dtype, shape, gen)  # noqa: E731
             special = special_values(dtype)
         tensors = [make((n,)) for n in sizes]
         tensors += [special, torch.cat([make((chunk + 3,) if not tiny else (45,)), special])]
         tensors += [torch.empty(0, dtype=dtype), make(()), make((40, 30)).t(), make((40, 30))[:, ::7],
                     make((1001,))[1:]]
-        checked += check_batch([t.to(device) for t in tensors], f"{dtype}")
+        counts["checked"] += check_batch([t.to(device) for t in tensors], f"{dtype}", counts, oracle_dtypes)
     mixed = [random_bits(d, (50 + 31 * i,), gen) for i, d in enumerate(dtypes * 2)]
-    checked += check_batch([t.to(device) for t in mixed], "mixed dtypes")
-    if not tiny:
-        if time.perf_counter() > deadline:
-            print("  time box spent: the tensor over 2**31 elements was not checked")
-            return checked, False
-        checked += check_huge(device)
-    return checked, True
+    counts["checked"] += check_batch([t.to(device) for t in mixed], "mixed dtypes", counts, oracle_dtypes)
+    return True
 
 
 def check_huge(device):
@@ -216,8 +586,9 @@ def check_huge(device):
     x[2**31 + 5] = float("nan")
     x[-1] = float("-inf")
     x[-2] = 2.0**-20
-    got = _dicts(triton_be.compute([x]), [x])[0]
-    if not torch.equal(_read_rows([x]), triton_be.compute([x])):
+    table = triton_be.compute([x])
+    got = _dicts(table, [x])[0]
+    if not torch.equal(_read_rows([x]), table):
         raise Mismatch(f"fp16 tensor of {n} elements: the per-hook kernel differs from the table kernels")
     want = {"abs_min": math.nan, "abs_max": math.nan, "nan": 1, "posinf": 0, "neginf": 1, "zero": 0,
             "subnormal": 1, "numel": n}
@@ -237,7 +608,27 @@ def check_huge(device):
     return 3
 
 
-# --------------------------------------------------------------------------- timing
+def self_check(ctx, deadline):
+    """The per-hook kernel's self-check as on a device's first use, then again with its kernels
+    compiled; a failure leaves the device on the table kernels for the phases after this one."""
+    device = ctx.device
+    state = None
+    # on a GPU the second check runs with its kernels compiled, the figure that counts
+    for attempt in ("first use",) if ctx.tiny else ("first use", "warm"):
+        triton_be.forget_devices()
+        state = triton_be.check_device(device, read=None if device.type == "cuda" else triton_be._read)
+        print(f"  self-check ({attempt}): {state.self_check}, {state.check_ms:.0f} ms; path {state.path}; "
+              f"launch {state.launch}", flush=True)
+    passed = state.path == triton_be.PER_HOOK
+    if not passed:
+        ctx.report.checks_failed.append("self-check")
+    ctx.report.add("self-check", state.self_check if passed else f"failed: {state.self_check}",
+                   f"{state.check_ms:.1f} ms" + ("" if ctx.tiny else " with its kernels compiled (target <= 50 ms)")
+                   + f"; path {state.path}; "
+                   f"launch {state.launch}")
+
+
+# --------------------------------------------------------------------------- kernel timings
 
 def make_timer(device):
     if device.type == "cuda":
@@ -280,8 +671,16 @@ def fits(numel, dtype, device):
     return 8 * numel * dtype.itemsize < 0.8 * free  # the reference and torch backend make temporaries
 
 
+def per_hook_path(device):
+    """Whether ``device`` reads with the per-hook kernel (its self-check passed, or has not run)."""
+    state = triton_be._DEVICES.get((device.type, device.index))
+    return state is None or state.path == triton_be.PER_HOOK
+
+
 def bench_sizes(device, timer, sizes, dtypes, copy_gbps, deadline=math.inf):
+    """One tensor at a time, with the kernel a hook's read uses on this device."""
     rows = []
+    per_hook = per_hook_path(device)
     for dtype in dtypes:
         for numel in sizes:
             if time.perf_counter() > deadline:
@@ -292,7 +691,10 @@ def bench_sizes(device, timer, sizes, dtypes, copy_gbps, deadline=math.inf):
                 continue
             x = torch.randn(numel, device=device).to(dtype)
             out = torch.empty(1, 8, dtype=torch.int64, device=device)
-            t_triton = timer(lambda x=x, out=out: triton_be.read_into([x], out))  # the per-hook kernel
+            if per_hook:
+                t_triton = timer(lambda x=x, out=out: triton_be.read_into([x], out))
+            else:
+                t_triton = timer(lambda x=x: triton_be.compute([x]))
             t_torch = timer(lambda x=x: torch_be.compute([x]))
             t_ref = timer(lambda x=x: reference_ops([x]))
             rows.append(result_row(f"{str(dtype)[6:]} x1", numel, numel * dtype.itemsize,
@@ -324,32 +726,6 @@ def bench_mixed(device, timer, tensors, copy_gbps):
     return row
 
 
-def sweep_launch_shape(device, timer, numel, copy_gbps, deadline=math.inf):
-    """GB/s of a few (BLOCK_SIZE, NUM_WARPS) at one size: evidence for the module defaults."""
-    lines = []
-    saved = triton_be.BLOCK_SIZE, triton_be.NUM_WARPS
-    try:
-        for dtype in (torch.float32, torch.bfloat16):
-            if not fits(numel, dtype, device):
-                continue
-            x = torch.randn(numel, device=device).to(dtype)
-            for block in (2048, 4096, 8192):
-                for warps in (4, 8):
-                    if time.perf_counter() > deadline:
-                        lines.append(f"{str(dtype)[6:]:>9} BLOCK_SIZE={block:<5} NUM_WARPS={warps}: skipped, time box spent")
-                        continue
-                    triton_be.BLOCK_SIZE, triton_be.NUM_WARPS = block, warps
-                    seconds = timer(lambda x=x: triton_be.compute([x]))
-                    gbps = numel * dtype.itemsize / seconds / 1e9
-                    lines.append(f"{str(dtype)[6:]:>9} BLOCK_SIZE={block:<5} NUM_WARPS={warps}: "
-                                 f"{gbps:7.0f} GB/s ({100 * gbps / copy_gbps:3.0f}% of copy)")
-                    print("  " + lines[-1], flush=True)
-            del x
-    finally:
-        triton_be.BLOCK_SIZE, triton_be.NUM_WARPS = saved
-    return lines
-
-
 def result_row(name, numel, nbytes, t_triton, t_torch, t_ref, copy_gbps):
     gbps = nbytes / t_triton / 1e9
     return {
@@ -374,22 +750,85 @@ def format_table(rows):
     return "\n".join([header] + [format_row(r) for r in rows])
 
 
-def run_end_to_end(device, timeout):
-    script = os.path.join(HERE, "bench_end_to_end.py")
-    if not os.path.exists(script):
-        return "bench_end_to_end.py not found: skipped"
+def bandwidth(ctx, deadline):
+    device, report = ctx.device, ctx.report
+    if ctx.tiny:
+        sizes, mixed_spec, copy_numel = [4096], (6, 256, 2000), 2**20
+    else:
+        sizes = [s for s in (2**12, 2**16, 2**20, 2**24, 2**26, 2**28, 2**30) if s <= ctx.args.max_numel]
+        mixed_spec, copy_numel = (300, 256, 270_000), 2**28
+    timer = make_timer(device)
+    ctx.copy_gbps, copy_bytes = copy_bandwidth(device, timer, copy_numel)
+    report.add("copy bandwidth", f"{ctx.copy_gbps:.0f} GB/s", f"dst.copy_(src), {copy_bytes / 2**20:.0f} MiB fp32, read + write")
+    rows = ctx.kernel_rows
+    rows += bench_sizes(device, timer, sizes, (torch.float32, torch.bfloat16), ctx.copy_gbps, deadline)
+    if time.perf_counter() < deadline:
+        rows.append(bench_mixed(device, timer, mixed_tensors(device, *mixed_spec), ctx.copy_gbps))
+    largest = {}
+    for row in rows:
+        largest[row["case"]] = row  # sizes ascend: the last one of a case is its largest
+    for case, row in largest.items():
+        kernel = "table kernels" if case.startswith("mixed") or not per_hook_path(device) else "per-hook kernel"
+        report.add(f"bandwidth {case.strip()} {row['numel']}", f"{row['GB/s']:.0f} GB/s ({row['%copy']:.0f}% of copy)",
+                   f"{kernel} {row['triton_us']:.1f} us; {row['x_torch']:.1f}x faster than the torch backend, "
+                   f"{row['x_ref']:.1f}x than the reference's ops (target >= 85% of copy at >= 256 MB)")
+    if rows:
+        one = "the per-hook kernel" if per_hook_path(device) else "the table kernels (the self-check failed)"
+        report.notes.append((f"kernel timings (medians; {one} for one tensor, the table kernels for the mixed "
+                             "batch)", format_table(rows)))
+
+
+def sweep(ctx, deadline):
+    """GB/s of a few (BLOCK_SIZE, NUM_WARPS) at one size: evidence for the module defaults."""
+    device = ctx.device
+    numel = 2**16 if ctx.tiny else 2**28
+    if ctx.copy_gbps is None:
+        ctx.copy_gbps, _ = copy_bandwidth(device, make_timer(device), 2**20 if ctx.tiny else 2**28)
+    timer = make_timer(device)
+    lines = []
+    saved = triton_be.BLOCK_SIZE, triton_be.NUM_WARPS
     try:
-        result = subprocess.run([sys.executable, script, "--device", device.type, "--quick"],
-                                capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-    except subprocess.TimeoutExpired:
-        return f"stopped after {timeout:.0f} s (time box)"
-    return f"exit status {result.returncode}\n{result.stdout}{result.stderr[-3000:]}"
+        for dtype in (torch.float32, torch.bfloat16):
+            if not fits(numel, dtype, device):
+                continue
+            x = torch.randn(numel, device=device).to(dtype)
+            for block in (2048, 4096, 8192):
+                for warps in (4, 8):
+                    if time.perf_counter() > deadline:
+                        lines.append(f"{str(dtype)[6:]:>9} BLOCK_SIZE={block:<5} NUM_WARPS={warps}: skipped, time box spent")
+                        continue
+                    triton_be.BLOCK_SIZE, triton_be.NUM_WARPS = block, warps
+                    seconds = timer(lambda x=x: triton_be.compute([x]))
+                    gbps = numel * dtype.itemsize / seconds / 1e9
+                    lines.append(f"{str(dtype)[6:]:>9} BLOCK_SIZE={block:<5} NUM_WARPS={warps}: "
+                                 f"{gbps:7.0f} GB/s ({100 * gbps / ctx.copy_gbps:3.0f}% of copy)")
+                    print("  " + lines[-1], flush=True)
+            del x
+    finally:
+        triton_be.BLOCK_SIZE, triton_be.NUM_WARPS = saved
+    best = max((line for line in lines if "GB/s" in line), key=lambda line: float(line.split(":")[1].split()[0]),
+               default=None)
+    ctx.report.add("launch-shape sweep", best.split(":")[0].strip() if best else "-",
+                   f"the fastest of {len(lines)} table-kernel shapes at {numel} elements: {best.split(':')[1].strip() if best else '-'}")
+    ctx.report.notes.append((f"launch-shape sweep at {numel} elements", "\n".join(lines)))
 
 
-# --------------------------------------------------------------------------- GPT-2: host and training step
+# --------------------------------------------------------------------------- training steps
 
-HOST_VARIANTS = ("none", "module", "batch", "watch", "defer")
-TRAIN_VARIANTS = ("none", "reference", "module", "batch", "watch", "defer", "compiled", "compiled reduce-overhead")
+REGIMES = {  # regime: (model, batch, sequence), dry-run (batch, sequence)
+    "gpu-bound": ("gpt2", (8, 1024), (2, 16)),
+    "host-bound": ("gpt2", (1, 512), (1, 8)),
+    "large": ("llama", (2, 1024), (1, 16)),
+}
+EAGER_VARIANTS = ("none", "reference", "batch", "watch")
+VARIANT_NOTES = {
+    "none": "no detector",
+    "reference": "transformers' DebugUnderflowOverflow",
+    "batch": "DebugUnderflowOverflow(check='batch')",
+    "watch": "watch(): check='batch', kwargs, containers, find_op, and the gradients read in backward",
+    "compiled": "torch.compile of the model with DebugUnderflowOverflow(check='batch')",
+    "compiled, no detector": "torch.compile of the model alone",
+}
 
 
 def gpt2_config(tiny):
@@ -401,9 +840,222 @@ def gpt2_config(tiny):
     return transformers.GPT2Config(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024)
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+def llama_config(tiny):
+    import transformers
+
+    if tiny:
+        return transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                                        max_position_embeddings=64)
+    # a few layers of a Llama-2-7B-sized model: the large-tensor regime
+    return transformers.LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=4,
+                                    num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
+                                    max_position_embeddings=2048)
+
+
+def regime_model(ctx, regime):
+    """The regime's model (bf16, training mode, random weights), its token batch and a description."""
+    import transformers
+
+    kind, shape, tiny_shape = REGIMES[regime]
+    batch, seq = tiny_shape if ctx.tiny else shape
+    config = gpt2_config(ctx.tiny) if kind == "gpt2" else llama_config(ctx.tiny)
+    torch.manual_seed(0)
+    with torch.device(ctx.device):
+        model = (transformers.GPT2LMHeadModel if kind == "gpt2" else transformers.LlamaForCausalLM)(config)
+    model = model.to(torch.bfloat16).train()
+    ids = torch.randint(0, config.vocab_size, (batch, seq), device=ctx.device)
+    params = sum(p.numel() for p in model.parameters())
+    layers, width = ((config.n_layer, config.n_embd) if kind == "gpt2"
+                     else (config.num_hidden_layers, config.hidden_size))
+    name = "GPT-2" if kind == "gpt2" else "Llama-style"
+    size = f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.1f}M"
+    what = f"{name} {size} ({layers} layers, hidden {width}), bf16, batch {batch} x {seq}, AdamW"
+    return model, ids, what
+
+
+def attach(variant, model, tiny=False):
+    """The model (or its compiled form) with ``variant``'s detector attached. The dry run compiles
+    with aot_eager: dynamo and AOT autograd around the detector's ops as on a GPU, without
+    inductor's CPU code generation (not what a GPU runs, and minutes on a small CPU)."""
+    import overflow_fast
+
+    backend = "aot_eager" if tiny else "inductor"
+    if variant == "reference":
+        from transformers.debug_utils import DebugUnderflowOverflow as ReferenceDetector
+
+        ReferenceDetector(model)  # its hooks cannot be removed: this copy keeps them
+    elif variant == "batch":
+        overflow_fast.DebugUnderflowOverflow(model, check="batch")
+    elif variant == "watch":
+        overflow_fast.watch(model)
+    elif variant == "compiled":
+        overflow_fast.DebugUnderflowOverflow(model, check="batch")
+        return torch.compile(model, backend=backend)
+    elif variant == "compiled, no detector":
+        return torch.compile(model, backend=backend)
+    elif variant != "none":
+        raise ValueError(variant)
+    return model
+
+
+def training_step(model, forward, ids):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        forward(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+
+    return step
+
+
+class Steps:
+    """Round-robin timing of training steps: {variant: step}, medians, peak memory above what was
+    resident before each step, and why a variant stopped (it raised)."""
+
+    def __init__(self, device):
+        self.device = device
+        self.steps = {}
+        self.times = {}
+        self.peaks = {}
+        self.notes = {}
+
+    def add(self, variant, step):
+        self.steps[variant] = step
+        self.times[variant] = []
+
+    def run(self, variant):
+        """One synced step; its seconds, or None when it raised (the variant is dropped)."""
+        step = self.steps.get(variant)
+        if step is None:
+            return None
+        cuda = self.device.type == "cuda"
+        _sync(self.device)
+        if cuda:
+            resident = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        try:
+            step()
+            _sync(self.device)
+        except Exception as error:  # noqa: BLE001 - a detection (ValueError) or anything else: a note
+            message = str(error).strip().splitlines()
+            self.notes[variant] = f"raised {type(error).__name__}: {message[0][:120] if message else ''}"
+            print(f"  {variant}: {self.notes[variant]}", flush=True)
+            del self.steps[variant]
+            return None
+        seconds = time.perf_counter() - start
+        if cuda:
+            self.peaks[variant] = max(self.peaks.get(variant, 0), torch.cuda.max_memory_allocated() - resident)
+        return seconds
+
+    def rounds(self, count, deadline):
+        for round_ in range(count):
+            if round_ and time.perf_counter() > deadline:
+                print(f"  time box spent after {round_} rounds", flush=True)
+                break
+            for variant in list(self.steps):
+                seconds = self.run(variant)
+                if seconds is not None:
+                    self.times[variant].append(seconds)
+
+    def median(self, variant):
+        times = self.times.get(variant)
+        return statistics.median(times) if times else None
+
+    def detail(self, variant, what):
+        parts = [VARIANT_NOTES.get(variant, variant), what]
+        times = self.times.get(variant) or []
+        parts.append(self.notes.get(variant, f"median of {len(times)} steps"))
+        if variant in self.peaks:
+            parts.append(f"step peak {self.peaks[variant] / 2**30:.2f} GiB above the resident")
+        return "; ".join(parts)
+
+
+def _relative(median, base):
+    if median is None:
+        return "-"
+    if base is None:
+        return f"{median * 1e3:.1f} ms"
+    return f"{median * 1e3:.1f} ms ({100 * (median / base - 1):+.1f}%)"
+
+
+def eager_steps(ctx, deadline, regime):
+    """no detector, the reference, check="batch", watch(), each on its own copy of the model."""
+    device, report = ctx.device, ctx.report
+    base, ids, what = regime_model(ctx, regime)
+    print(f"  {what}", flush=True)
+    steps = Steps(device)
+    for variant in EAGER_VARIANTS:
+        model = copy.deepcopy(base)
+        steps.add(variant, training_step(model, attach(variant, model), ids))
+    ctx.regimes[regime] = (base, ids, what, steps.steps["none"])  # the compiled phase times against it
+    warmup, count = (1, ctx.args.steps or 2) if ctx.tiny else (2, ctx.args.steps or 6)
+    for _ in range(warmup):  # the allocator, the kernels' compilation, lazy buffers
+        for variant in list(steps.steps):
+            steps.run(variant)
+    steps.rounds(count, deadline)
+    base_median = steps.median("none")
+    for variant in EAGER_VARIANTS:
+        median = steps.median(variant)
+        report.add(f"step {regime} {variant}", _relative(median, None if variant == "none" else base_median),
+                   steps.detail(variant, what))
+    steps.steps.clear()
+    _free(device)
+
+
+def compiled_steps(ctx, deadline, regime):
+    """check="batch" under torch.compile, and torch.compile alone when the budget allows, timed
+    against the eager step without a detector (the compile is in the warm-up)."""
+    device, report = ctx.device, ctx.report
+    if regime not in ctx.regimes:
+        base, ids, what = regime_model(ctx, regime)
+        model = copy.deepcopy(base)
+        ctx.regimes[regime] = (base, ids, what, training_step(model, model, ids))
+    base, ids, what, eager_none = ctx.regimes[regime]
+    print(f"  {what}", flush=True)
+    steps = Steps(device)
+    steps.add("none", eager_none)
+    compile_s = {}
+    for variant in ("compiled", "compiled, no detector"):
+        spent = max(compile_s.values(), default=0.0)
+        if variant != "compiled" and time.perf_counter() + spent > deadline:
+            steps.notes[variant] = f"skipped: its compile would not fit the time box (the first took {spent:.0f} s)"
+            continue
+        model = copy.deepcopy(base)
+        steps.add(variant, training_step(model, attach(variant, model, ctx.tiny), ids))
+        started = time.perf_counter()
+        steps.run(variant)  # the compile: forward, then backward
+        steps.run(variant)
+        compile_s[variant] = time.perf_counter() - started
+        print(f"  {variant}: warm-up (the compile) {compile_s[variant]:.1f} s", flush=True)
+    steps.run("none")
+    steps.rounds((ctx.args.steps or 2) if ctx.tiny else (ctx.args.steps or 6), deadline)
+    eager = steps.median("none")
+    alone = steps.median("compiled, no detector")
+    for variant in ("compiled", "compiled, no detector"):
+        median = steps.median(variant)
+        if median is None:
+            value = "-" if variant in steps.notes else "failed: no step ran"
+        elif variant == "compiled" and alone is not None:
+            value = f"{median * 1e3:.1f} ms ({100 * (median / alone - 1):+.1f}% vs compiled without the detector)"
+        else:
+            value = f"{median * 1e3:.1f} ms ({100 * (median / eager - 1):+.1f}% vs eager without a detector)" if eager else "-"
+        detail = steps.detail(variant, what) + ("; backend aot_eager" if ctx.tiny else "; backend inductor")
+        if variant in compile_s:
+            detail += f"; warm-up with the compile {compile_s[variant]:.0f} s"
+        if eager is not None:
+            detail += f"; eager without a detector {eager * 1e3:.1f} ms in the same rounds"
+        report.add(f"step {regime} {variant}", value, detail)
+    del ctx.regimes[regime]
+    steps.steps.clear()
+    _free(device)
+
+
+# --------------------------------------------------------------------------- host us per hook
+
+HOST_VARIANTS = ("none", "module", "batch", "watch", "defer")
 
 
 def _zero_storages(values, seen):
@@ -422,14 +1074,16 @@ def _zero_storages(values, seen):
             _zero_storages(value, seen)
 
 
-def host_per_hook(device, tiny, batch, seq, repeats, inner, deadline):
-    """Phase 3: {variant: (us per hook, compute() calls per forward, us per hook inside compute())},
-    the number of hooks and the no-hook replay time (s)."""
-    import bench_host_path as hp
-
-    config = gpt2_config(tiny)
+def host_per_hook(ctx, deadline):
+    """GPT-2 small's hook sequence replayed with bench_host_path.py's machinery: us per hook,
+    engine calls and launches per forward, for each variant."""
     import transformers
 
+    import bench_host_path as hp
+
+    device, tiny = ctx.device, ctx.tiny
+    (batch, seq), repeats, inner = ((2, 16), 3, 1) if tiny else ((8, 1024), 5, 3)
+    config = gpt2_config(tiny)
     with torch.device("meta"):
         meta_model = transformers.GPT2LMHeadModel(config).to(torch.bfloat16).eval()
     ids = torch.zeros((batch, seq), dtype=torch.long, device="meta")
@@ -449,320 +1103,178 @@ def host_per_hook(device, tiny, batch, seq, repeats, inner, deadline):
         _zero_storages(list(model.parameters()) + list(model.buffers()), seen)
     hooks = sum(1 for event in events if event[0] == "post")
     print(f"  {hooks} hooks, {ops} ATen ops per forward ({config.n_layer} layers, n_embd {config.n_embd}, "
-          f"batch {batch} x {seq}, bf16)", flush=True)
+          f"batch {batch} x {seq}, bf16)" + (" (triton launches stubbed)" if tiny else ""), flush=True)
 
     def run():
         hp.replay(model, events)
         _sync(device)
 
-    results = {}
     # the dry run: CPU tensors through the triton backend's host path, launches stubbed
     routing = hp.triton_on_cpu() if device.type != "cuda" else contextlib.nullcontext()
     with routing:
         times = {v: [] for v in HOST_VARIANTS}
         for round_ in range(repeats):  # round-robin rounds, stopped by the time box after the first
             if round_ and time.perf_counter() > deadline:
-                print(f"  time box spent after {round_} rounds")
+                print(f"  time box spent after {round_} rounds", flush=True)
                 break
             for variant, seconds in hp.measure(model, run, HOST_VARIANTS, 1, inner).items():
                 times[variant].append(seconds)
         medians = {v: statistics.median(t) for v, t in times.items()}
         for variant in HOST_VARIANTS[1:]:
-            launches = [0]
-            real_read, real_table = triton_be._launch_read, triton_be._launch
-
-            def read_launch(*a, **k):
-                launches[0] += 1
-                return real_read(*a, **k)
-
-            def table_launch(*a, **k):
-                launches[0] += 2
-                return real_table(*a, **k)
-
-            if device.type == "cuda":
-                triton_be._launch_read, triton_be._launch = read_launch, table_launch
-            try:
-                counts = hp.counted(model, run, variant, passes=1)
-            finally:
-                triton_be._launch_read, triton_be._launch = real_read, real_table
-            counts["launches"] = max(counts["launches"], launches[0])
+            counts, launches = _counted_launches(hp, model, run, variant, device)
             per_hook = (medians[variant] - medians["none"]) / hooks * 1e6
-            results[variant] = (per_hook, counts["compute_calls"], counts["compute_s"] / hooks * 1e6, counts["launches"])
-            print(f"  {variant}: {medians[variant] * 1e3:.2f} ms per replayed forward, {per_hook:.1f} us/hook, "
-                  f"{counts['compute_calls']} compute() calls, {results[variant][2]:.1f} us/hook inside compute()",
-                  flush=True)
-    return results, hooks, medians["none"]
+            ctx.report.add(f"host us/hook {variant}", f"{per_hook:.1f} us",
+                           f"{hooks} hooks, batch {batch} x {seq}, synced replay (no hooks: {medians['none'] * 1e3:.2f} ms); "
+                           f"{counts.get('compute_calls', '?')} engine calls and {launches} launches per forward, "
+                           f"{counts.get('compute_s', 0) / hooks * 1e6:.1f} us/hook inside the engine")
 
 
-def _attach_train(variant, model):
-    import overflow_fast
+def _counted_launches(hp, model, run, variant, device):
+    """bench_host_path's counters of one replayed forward, and its kernel launches (counted at the
+    backend's launch functions on a GPU, where they are real)."""
+    launches = [0]
+    wrapped = []
+    if device.type == "cuda":
+        for name, per_call in (("_launch_read", 1), ("_launch", 2)):  # the table path launches twice
+            real = getattr(triton_be, name, None)
+            if real is None:
+                continue
 
-    if variant == "reference":
-        from transformers.debug_utils import DebugUnderflowOverflow as ReferenceDetector
+            def counting(*a, real=real, per_call=per_call, **k):
+                launches[0] += per_call
+                return real(*a, **k)
 
-        ReferenceDetector(model)  # its hooks cannot be removed: this copy keeps them
-        return model
-    elif variant in ("module", "batch"):
-        overflow_fast.DebugUnderflowOverflow(model, check=variant)
-    elif variant == "watch":
-        overflow_fast.watch(model)
-    elif variant == "defer":
-        overflow_fast.DebugUnderflowOverflow(model, check="batch", defer=True)
-    elif variant == "compiled":
-        overflow_fast.DebugUnderflowOverflow(model, check="batch")
-        return torch.compile(model)
-    elif variant == "compiled reduce-overhead":
-        overflow_fast.DebugUnderflowOverflow(model, check="batch")
-        return torch.compile(model, mode="reduce-overhead")
-    elif variant != "none":
-        raise ValueError(variant)
-    return model
-
-
-def train_step_overhead(device, tiny, batch, seq, warmup, steps, deadline):
-    """Phase 4: {variant: (median seconds per step or None, peak bytes or None, note)}."""
-    import transformers
-
-    config = gpt2_config(tiny)
-    torch.manual_seed(0)
-    with torch.device(device):
-        base = transformers.GPT2LMHeadModel(config)
-    base = base.to(torch.bfloat16).train()
-    ids = torch.randint(0, config.vocab_size, (batch, seq), device=device)
-    print(f"  GPT-2 {sum(p.numel() for p in base.parameters()) / 1e6:.1f}M parameters "
-          f"({config.n_layer} layers, n_embd {config.n_embd}), bf16, batch {batch} x {seq}, AdamW", flush=True)
-    runs, notes, peaks = {}, {}, {}
-    for variant in TRAIN_VARIANTS:
-        model = copy.deepcopy(base)
-        forward = _attach_train(variant, model)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-
-        def step(forward=forward, optimizer=optimizer):
-            optimizer.zero_grad(set_to_none=True)
-            forward(input_ids=ids, labels=ids).loss.backward()
-            optimizer.step()
-
-        runs[variant] = step
-    del base
-    times = {v: [] for v in TRAIN_VARIANTS}
-
-    def timed(variant):
-        step = runs[variant]
-        _sync(device)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        start = time.perf_counter()
-        try:
-            step()
-            _sync(device)
-        except Exception as error:  # a detection (ValueError) or anything else: report, go on
-            notes[variant] = f"raised {type(error).__name__}: {str(error).splitlines()[0][:80]}"
-            del runs[variant]
-            return None
-        if device.type == "cuda":
-            peaks[variant] = max(peaks.get(variant, 0), torch.cuda.max_memory_allocated())
-        return time.perf_counter() - start
-
-    for _ in range(warmup):  # allocator, kernels' compilation, lazy buffers
-        for variant in list(runs):
-            timed(variant)
-    for round_ in range(steps):
-        if round_ and time.perf_counter() > deadline:
-            print(f"  time box spent after {round_} rounds")
-            break
-        for variant in list(runs):
-            seconds = timed(variant)
-            if seconds is not None:
-                times[variant].append(seconds)
-    results = {}
-    for variant in TRAIN_VARIANTS:
-        median = statistics.median(times[variant]) if times[variant] else None
-        results[variant] = (median, peaks.get(variant), notes.get(variant, f"median of {len(times[variant])} steps"))
-        shown = f"{median * 1e3:.1f} ms" if median is not None else "-"
-        print(f"  {variant}: {shown} ({results[variant][2]})", flush=True)
-    runs.clear()
-    return results
+            wrapped.append((name, real))
+            setattr(triton_be, name, counting)
+    try:
+        counts = hp.counted(model, run, variant, passes=1)
+    finally:
+        for name, real in wrapped:
+            setattr(triton_be, name, real)
+    return counts, max(counts.get("launches", 0), launches[0])
 
 
-# --------------------------------------------------------------------------- the budget and the table
+# --------------------------------------------------------------------------- bench_end_to_end
 
-class Budget:
-    """``--budget`` seconds from the start; a phase gets ``share`` of the total, at most what is left."""
-
-    def __init__(self, seconds):
-        self.total = seconds
-        self.start = time.perf_counter()
-
-    def left(self):
-        return self.total - (time.perf_counter() - self.start)
-
-    def deadline(self, share):
-        return time.perf_counter() + max(0.0, min(self.left(), share * self.total))
-
-    def skip(self, label, need=1.0):
-        """True (and a printed line) when less than ``need`` seconds are left for phase ``label``."""
-        if self.left() >= need:
-            return False
-        print(f"{label}: skipped, budget spent ({max(self.left(), 0):.0f} s of {self.total:.0f} s left)", flush=True)
-        return True
-
-
-SKIPPED = "skipped (budget)"
-
-
-def summary_table(rows, source):
-    """Markdown: ``| measure | value | detail | run |`` with ``run`` = ``source`` on every row."""
-    lines = ["| measure | value | detail | run |", "|---|---|---|---|"]
-    lines += [f"| {measure} | {value} | {detail} | {source} |" for measure, value, detail in rows]
-    return "\n".join(lines)
+def end_to_end(ctx, deadline):
+    script = os.path.join(HERE, "bench_end_to_end.py")
+    timeout = max(deadline - time.perf_counter(), 1.0)
+    try:
+        result = subprocess.run([sys.executable, script, "--device", ctx.device.type, "--quick"],
+                                capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        ctx.report.add("e2e", f"failed: stopped after {timeout:.0f} s (time box)", "")
+        return
+    print(result.stdout + result.stderr[-3000:], flush=True)
+    last = (result.stdout.strip().splitlines() or ["-"])[-1]
+    ctx.report.add("e2e", f"exit status {result.returncode}", f"bench_end_to_end.py --device {ctx.device.type} --quick: {last}")
+    if result.returncode:
+        ctx.report.phases_failed.append("e2e")
 
 
 # --------------------------------------------------------------------------- main
 
-def main(args):
+RUNNERS = {
+    "exactness": exactness,
+    "self-check": self_check,
+    "bandwidth": bandwidth,
+    "step-gpu-bound": lambda ctx, deadline: eager_steps(ctx, deadline, "gpu-bound"),
+    "step-host-bound": lambda ctx, deadline: eager_steps(ctx, deadline, "host-bound"),
+    "step-large": lambda ctx, deadline: eager_steps(ctx, deadline, "large"),
+    "host-per-hook": host_per_hook,
+    "compiled-gpu-bound": lambda ctx, deadline: compiled_steps(ctx, deadline, "gpu-bound"),
+    "compiled-host-bound": lambda ctx, deadline: compiled_steps(ctx, deadline, "host-bound"),
+    "compiled-large": lambda ctx, deadline: compiled_steps(ctx, deadline, "large"),
+    "sweep": sweep,
+    "e2e": end_to_end,
+}
+
+
+def run_phase(ctx, watchdog, name, box):
+    """One phase in its time box; whatever goes wrong becomes a row."""
+    report = ctx.report
+    needs = dict((n, needs) for n, _, needs in PHASES)[name]
+    missing = [f"{need} ({ctx.missing[need]})" for need in needs if ctx.missing.get(need)]
+    if missing:
+        report.phases_failed.append(name)
+        report.add(name, "failed: needs " + ", ".join(missing), "")
+        return
+    if name == "sweep" and ctx.tiny is False and box < 10:
+        report.add(name, "skipped (budget)", f"{box:.0f} s left for it")
+        return
+    watchdog.phase = name
+    print(f"\n== {name} (time box {box:.0f} s, {time.perf_counter() - STARTED:.0f} s so far)", flush=True)
     started = time.perf_counter()
-    budget = Budget(args.budget)
-    if args.dry_run:
-        device = torch.device("cpu")
-        if triton_be.unavailable_reason() is not None:
-            print(f"dry run impossible: {triton_be.unavailable_reason()}")
-            return 2
-        sizes, mixed_spec, copy_numel, sweep_numel = [4096, 65536], (12, 256, 4000), 2**20, 0
-        host_shape, host_repeats, host_inner = (2, 16), 3, 1
-        train_shape, warmup, steps = (2, 16), 1, args.steps or 2
-        source = "dry-run (CPU, not GPU figures)"
-    else:
-        if not torch.cuda.is_available():
-            print("no CUDA device: run with --dry-run to exercise this script without one")
-            return 2
-        if triton_be.unavailable_reason() is not None:
-            print(f"the triton backend is unavailable: {triton_be.unavailable_reason()}")
-            return 2
-        device = torch.device("cuda")
-        print(f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}; "
-              f"triton {triton_be.triton.__version__}; budget {args.budget:.0f} s")
-        sizes = [s for s in (2**12, 2**16, 2**20, 2**24, 2**26, 2**28, 2**30) if s <= args.max_numel]
-        mixed_spec, copy_numel, sweep_numel = (300, 256, 270_000), 2**28, 2**28
-        host_shape, host_repeats, host_inner = (8, 1024), 5, 3
-        train_shape, warmup, steps = (8, 1024), 2, args.steps or 8
-        source = torch.cuda.get_device_name()
-    cpu_note = ("cpu backend" if cpu_be.unavailable_reason() is None
-                else f"not the cpu backend ({cpu_be.unavailable_reason()})")
-    table = []
-
-    print(f"1. exactness against the torch backend, the {cpu_note} and the float64 oracle", flush=True)
     try:
-        checked, complete = check_exactness(device, tiny=args.dry_run, deadline=budget.deadline(0.30))
-    except Mismatch as error:
-        print(f"EXACTNESS MISMATCH: {error}", flush=True)
-        return 1
-    _sync(device)
-    print(f"  {checked} tensors exact, {EXACT['cpu']} of them also against the cpu backend "
-          f"({time.perf_counter() - started:.0f} s)", flush=True)
-    table.append(("exactness", f"{checked} tensors exact, 0 mismatches" + ("" if complete else " (time box: partial)"),
-                  f"triton = torch backend = oracle (small ones); = cpu backend on {EXACT['cpu']}"
-                  + ("" if cpu_be.unavailable_reason() is None else f" ({cpu_note})")))
+        # the phase's own checks stop at the box; the signal stops what overruns it
+        with time_box(box + min(10.0, 0.25 * box), name):
+            RUNNERS[name](ctx, started + box)
+    except TimeBoxSpent as error:
+        report.phases_failed.append(name)
+        report.add(name, f"failed: time box: {error}", f"stopped after {time.perf_counter() - started:.0f} s")
+    except Exception as error:  # noqa: BLE001 - a failing phase is a row, and the next phase runs
+        traceback.print_exc()
+        report.phases_failed.append(name)
+        message = str(error).strip().splitlines()
+        report.add(name, f"failed: {type(error).__name__}: {message[0][:300] if message else ''}",
+                   "the traceback is in gpu_check.log")
+    finally:
+        print(f"  ({name}: {time.perf_counter() - started:.1f} s)", flush=True)
+        with contextlib.suppress(Exception):
+            _free(ctx.device)
 
-    # the per-hook kernel's self-check, as on a device's first use, then again with its kernels compiled
-    for attempt in ("first use", "warm"):
-        triton_be.forget_devices()
-        state = triton_be.check_device(device, read=None if device.type == "cuda" else triton_be._read)
-        print(f"  self-check ({attempt}): {state.self_check}, {state.check_ms:.0f} ms; path {state.path}; "
-              f"launch {state.launch}", flush=True)
-    table.append(("self-check", state.self_check,
-                  f"{state.check_ms:.1f} ms with its kernels compiled (target <= 50 ms); path {state.path}; "
-                  f"launch {state.launch}"))
-    if state.path != triton_be.PER_HOOK:
-        print(f"SELF-CHECK FAILED: {state.self_check}", flush=True)
-        return 1
 
-    timer = make_timer(device)
-    rows, copy_gbps = [], None
-    if not budget.skip("2. bandwidth"):
-        deadline = budget.deadline(0.20)
-        print("2. device copy bandwidth, then kernel timings (medians)", flush=True)
-        copy_gbps, copy_bytes = copy_bandwidth(device, timer, copy_numel)
-        print(f"  copy_ of {copy_bytes / 2**20:.0f} MiB: {copy_gbps:.0f} GB/s (read + write)", flush=True)
-        table.append(("copy bandwidth", f"{copy_gbps:.0f} GB/s", f"dst.copy_(src), {copy_bytes / 2**20:.0f} MiB fp32, read + write"))
-        rows = bench_sizes(device, timer, sizes, (torch.float32, torch.bfloat16), copy_gbps, deadline)
-        if time.perf_counter() < deadline:
-            rows.append(bench_mixed(device, timer, mixed_tensors(device, *mixed_spec), copy_gbps))
-        largest = {}
-        for row in rows:
-            largest[row["case"]] = row  # sizes ascend: the last one of a case is its largest
-        for case, row in largest.items():
-            table.append((f"bandwidth {case.strip()} {row['numel']}",
-                          f"{row['GB/s']:.0f} GB/s ({row['%copy']:.0f}% of copy)",
-                          f"triton {row['triton_us']:.1f} us; {row['x_torch']:.1f}x faster than the torch backend, "
-                          f"{row['x_ref']:.1f}x than the reference's ops"))
-    else:
-        table += [("copy bandwidth", SKIPPED, ""), ("bandwidth", SKIPPED, "")]
+def main(args):
+    """Run the phases; return the exit status (the module docstring lists them)."""
+    log = None
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        log = open(os.path.join(args.out, "gpu_check.log"), "a", buffering=1)
+        sys.stdout = Tee(sys.__stdout__, log)
+        sys.stderr = Tee(sys.__stderr__, log)
+    report = Report(args.out, args.budget, args.dry_run)
+    ctx = Context(args, report)
+    watchdog = Watchdog(report, args.budget, log)
+    print(f"gpu_check: phases {', '.join(args.selected)}; budget {args.budget:.0f} s"
+          + ("; DRY RUN on CPU tensors (TRITON_INTERPRET=1)" if args.dry_run else ""), flush=True)
+    report.write()
+    try:
+        ok = startup(ctx)
+    except Exception as error:  # noqa: BLE001 - the package itself broken: a row, then the table
+        traceback.print_exc()
+        report.phases_failed.append("startup")
+        report.add("startup", f"failed: {type(error).__name__}: {str(error)[:300]}", "the traceback is in gpu_check.log")
+        ok = False
+    if ok:
+        shares = dict((name, share) for name, share, _ in PHASES)
+        for i, name in enumerate(args.selected):
+            left = STARTED + args.budget - RESERVE - time.perf_counter()
+            # a share of what is left, in proportion to the shares of the phases still to run
+            box = left * shares[name] / sum(shares[n] for n in args.selected[i:])
+            if box < MIN_PHASE:
+                report.add(name, "skipped (budget)", f"{max(left, 0):.0f} s of the budget left")
+                continue
+            run_phase(ctx, watchdog, name, box)
+    elif not report.nothing_to_measure:
+        report.nothing_to_measure = "the startup failed"
+    watchdog.phase = "the end"
+    watchdog.stop()
+    with report.lock:
+        report.finish()
+    if log is not None:
+        sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
+        log.close()
+    return report.status()
 
-    if args.skip_host:
-        table += [(f"host us/hook {v}", "skipped (--skip-host)", "") for v in HOST_VARIANTS[1:]]
-    elif not budget.skip("3. host us per hook"):
-        print(f"3. host us per hook: GPT-2 {'tiny' if args.dry_run else 'small'} hook sequence replayed on "
-              f"{device.type} tensors" + (" (triton launches stubbed)" if args.dry_run else ""), flush=True)
-        host, hooks, none_s = host_per_hook(device, args.dry_run, *host_shape, host_repeats, host_inner,
-                                            budget.deadline(0.12))
-        for variant, (per_hook, calls, in_compute, launches) in host.items():
-            table.append((f"host us/hook {variant}", f"{per_hook:.1f} us",
-                          f"{hooks} hooks, batch {host_shape[0]} x {host_shape[1]}, synced replay "
-                          f"(no hooks: {none_s * 1e3:.2f} ms); {calls} engine calls and {launches} launches per "
-                          f"forward, {in_compute:.1f} us/hook inside the engine"))
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    else:
-        table += [(f"host us/hook {v}", SKIPPED, "") for v in HOST_VARIANTS[1:]]
 
-    if args.skip_train:
-        table += [(f"train step {v}", "skipped (--skip-train)", "") for v in TRAIN_VARIANTS]
-    elif not budget.skip("4. training step"):
-        print(f"4. training step, GPT-2 {'tiny' if args.dry_run else 'small'}: "
-              + ", ".join(TRAIN_VARIANTS), flush=True)
-        train = train_step_overhead(device, args.dry_run, *train_shape, warmup, steps, budget.deadline(0.30))
-        base = train["none"][0]
-        for variant, (median, peak, note) in train.items():
-            if median is None:
-                value = "-"
-            elif variant == "none" or base is None:
-                value = f"{median * 1e3:.1f} ms"
-            else:
-                value = f"{median * 1e3:.1f} ms ({100 * (median / base - 1):+.1f}%)"
-            detail = f"bf16, batch {train_shape[0]} x {train_shape[1]}, AdamW; {note}"
-            if peak is not None:
-                detail += f"; peak {peak / 2**30:.1f} GiB"
-            table.append((f"train step {variant}", value, detail))
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    else:
-        table += [(f"train step {v}", SKIPPED, "") for v in TRAIN_VARIANTS]
-
-    sweep = []
-    if not args.skip_sweep and sweep_numel and copy_gbps and not budget.skip("5. launch-shape sweep", 10):
-        print("5. launch-shape sweep", flush=True)
-        sweep = sweep_launch_shape(device, timer, sweep_numel, copy_gbps, budget.deadline(1.0))
-
-    if args.e2e and not args.dry_run and not budget.skip("6. bench_end_to_end.py", 30):
-        print("6. benchmarks/bench_end_to_end.py --device cuda --quick", flush=True)
-        print(run_end_to_end(device, max(budget.left(), 1)), flush=True)
-
-    elapsed = time.perf_counter() - started
-    print()
-    print(f"== summary ({'DRY RUN, CPU interpreter: not GPU figures' if args.dry_run else torch.cuda.get_device_name()}; "
-          f"{elapsed:.0f} s of a {args.budget:.0f} s budget) ==")
-    if sweep:
-        print("launch-shape sweep at 256M elements:\n  " + "\n  ".join(sweep))
-    if rows:
-        print("targets: >=85% of copy at >=256 MB, >=10x ref on mixed")
-        print(format_table(rows))
-        print()
-    print(summary_table(table, source))
-    if os.environ.get("OUT"):  # the lent machine's folder of results
-        with open(os.path.join(os.environ["OUT"], "gpu_check.md"), "w") as f:
-            f.write(summary_table(table, source) + "\n")
-    return 0
+def cli(argv=None):
+    """Run, then leave at once: nothing at interpreter exit (compile workers, CUDA teardown) can hang
+    past the budget."""
+    status = main(parse_args(argv))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 if __name__ == "__main__":
-    sys.exit(main(ARGS))
+    cli()

@@ -17,10 +17,28 @@ from overflow_fast import DebugUnderflowOverflow, watch
 INF = float("inf")
 
 
-def mlp():
+class MLP(nn.Sequential):
+    """A model with a forward of its own, as users' and transformers' models have."""
+
+    def forward(self, x):
+        for layer in self:
+            x = layer(x)
+        return x
+
+
+class GraphBreak(nn.Module):
+    """A layer whose forward breaks the graph: the frame around it is lost, and the modules called
+    around it run from code that dynamo does not trace."""
+
+    def forward(self, x):
+        torch._dynamo.graph_break()
+        return x * 1
+
+
+def mlp(model_class=MLP, *extra):
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.LayerNorm(32), nn.ReLU(),
-                         nn.Linear(32, 16), nn.Tanh(), nn.Linear(16, 8), nn.Softmax(-1))
+    return model_class(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.LayerNorm(32), nn.ReLU(), *extra,
+                       nn.Linear(32, 16), nn.Tanh(), nn.Linear(16, 8), nn.Softmax(-1))
 
 
 def mlp_batches(bad_at=2):
@@ -55,9 +73,9 @@ def run(fn, batches, train=False):
     return out.getvalue(), outcomes
 
 
-def eager_report(variant, batches, train=False):
+def eager_report(variant, batches, train=False, make=mlp):
     """What the uncompiled model with the detector prints (``run``'s result), to compare with."""
-    model = mlp()
+    model = make()
     attach(model, variant)
     return run(model, batches, train)
 
@@ -80,12 +98,17 @@ def test_no_graph_break(variant):
     assert explained.graph_count == 1
 
 
-def test_no_graph_break_on_a_transformers_model():
+@pytest.mark.parametrize("variant", ["kwargs and containers", "watch"])
+def test_no_graph_break_on_a_transformers_model(variant):
     model = models.gpt2().eval()
     ids = models.token_batch(0)
-    DebugUnderflowOverflow(model, check="batch", kwargs=True, containers=True)
+    if variant == "watch":
+        watch(model)
+    else:
+        DebugUnderflowOverflow(model, check="batch", kwargs=True, containers=True)
     explained = dynamo.explain(model)(ids)
     assert explained.graph_break_count == 0, [str(r.reason)[:200] for r in explained.break_reasons]
+    assert explained.graph_count == 1
 
 
 @pytest.mark.parametrize("variant", ["batch", "module"])
@@ -135,3 +158,41 @@ def test_compiled_training_step_reports_the_forward_as_eager():
     attach(model, "batch")
     got = run(torch.compile(model, backend="aot_eager"), mlp_batches(2), train=True)
     assert got == want and "has infs" in got[0]
+
+
+def unique_graphs(model, batches):
+    """Graphs that torch.compile makes of ``model`` over ``batches``, and what the run printed."""
+    counters.clear()
+    dynamo.reset()
+    printed = run(torch.compile(model, backend="aot_eager"), batches)
+    return counters["stats"]["unique_graphs"], printed
+
+
+@pytest.mark.parametrize("variant", ["batch", "watch"])
+def test_hooks_outside_a_traced_frame_run_eagerly(variant):
+    # a graph break in a module's forward loses the frame around it: the modules called there run
+    # their hooks from code that dynamo skips; the detector adds no graph of its own, and prints
+    # what eager prints
+    make = lambda: mlp(MLP, GraphBreak())  # noqa: E731
+    plain = make()  # hooks that do nothing: the graphs torch makes of a model with hooks
+    for module in plain.modules():
+        module.register_forward_pre_hook(lambda *args: None)
+        module.register_forward_hook(lambda *args: None, always_call=True)
+    without, _ = unique_graphs(plain, mlp_batches(None))
+    model = make()
+    attach(model, variant)
+    graphs, got = unique_graphs(model, mlp_batches(2) * 2)
+    assert graphs <= without
+    assert got == eager_report(variant, mlp_batches(2) * 2, make=make) and "has infs" in got[0]
+
+
+def test_a_builtin_sequential_root():
+    # nn.Sequential's forward is torch's own: the root's hook (kept out of the graph) loses the frame
+    # around it, and torch 2.11 then runs the whole model eagerly where torch 2.13 compiles its forward
+    # alone; either way no recompile from call to call, and eager's report
+    make = lambda: mlp(nn.Sequential)  # noqa: E731
+    model = make()
+    attach(model, "batch")
+    graphs, got = unique_graphs(model, mlp_batches(2) * 2)
+    assert graphs <= 1
+    assert got == eager_report("batch", mlp_batches(2) * 2, make=make) and "has infs" in got[0]

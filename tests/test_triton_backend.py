@@ -375,69 +375,6 @@ def test_imports_and_falls_back_without_triton(tmp_path):
     assert result.returncode == 0 and "fallback ok" in result.stdout, result.stdout + result.stderr
 
 
-def _run_gpu_check(code):
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=300, cwd=os.path.join(root, "benchmarks"))
-
-
-def _summary_rows(stdout):
-    """gpu_check's summary table, which must be the last thing printed: {measure: (value, detail, run)}."""
-    lines = stdout.rstrip().splitlines()
-    start = max(i for i, line in enumerate(lines) if line.startswith("| measure | value | detail | run |"))
-    assert lines[start + 1] == "|---|---|---|---|"
-    rows = {}
-    for line in lines[start + 2:]:
-        assert line.startswith("| ") and line.endswith(" |"), stdout  # nothing after the table
-        measure, value, detail, run = (cell.strip() for cell in line[2:-2].split(" | "))
-        rows[measure] = (value, detail, run)
-    return rows
-
-
-@pytest.mark.skipif(tb.triton is None, reason="triton is not installed")
-def test_gpu_check_budget_skips_phases():
-    """With the budget spent, every phase after the first exactness batch prints a skipped line and
-    the table still lists its rows."""
-    out = _run_gpu_check("import sys, gpu_check; sys.exit(gpu_check.main(gpu_check.parse_args(['--dry-run', '--budget', '0'])))")
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert "time box spent" in out.stdout and "skipped, budget spent" in out.stdout, out.stdout
-    rows = _summary_rows(out.stdout)
-    assert "partial" in rows["exactness"][0], out.stdout
-    for measure in ("copy bandwidth", "host us/hook batch", "train step none", "train step watch"):
-        assert rows[measure][0] == "skipped (budget)", out.stdout
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(tb.triton is None, reason="triton is not installed")
-def test_gpu_check_dry_run_and_mismatch_exit():
-    """benchmarks/gpu_check.py runs without a GPU (--dry-run) and exits 1 on a wrong result."""
-    ok = _run_gpu_check("import sys, gpu_check; sys.exit(gpu_check.main(gpu_check.parse_args(['--dry-run'])))")
-    assert ok.returncode == 0, ok.stdout + ok.stderr
-    rows = _summary_rows(ok.stdout)
-    assert list(rows)[:3] == ["exactness", "self-check", "copy bandwidth"], ok.stdout
-    assert "0 mismatches" in rows["exactness"][0]
-    assert rows["self-check"][0] == "passed", ok.stdout
-    assert any(name.startswith("bandwidth mixed x") for name in rows), ok.stdout
-    for variant in ("module", "batch", "watch"):
-        assert rows[f"host us/hook {variant}"][0].endswith(" us"), ok.stdout
-    for variant in ("none", "reference", "module", "batch", "watch"):
-        value, _, run = rows[f"train step {variant}"]
-        assert value.endswith(" ms") if variant == "none" else value.endswith("%)"), ok.stdout
-    assert all(run.startswith("dry-run") for _, _, run in rows.values()), ok.stdout  # every figure marked
-    broken = _run_gpu_check(
-        "import sys, gpu_check\n"
-        "compute = gpu_check.triton_be.compute\n"
-        "def off_by_one(tensors):\n"
-        "    rows = compute(tensors)\n"
-        "    rows[-1, 5] += 1  # one zero count wrong\n"
-        "    return rows\n"
-        "gpu_check.triton_be.compute = off_by_one\n"
-        "sys.exit(gpu_check.main(gpu_check.parse_args(['--dry-run'])))"
-    )
-    assert broken.returncode == 1 and "EXACTNESS MISMATCH" in broken.stdout, broken.stdout + broken.stderr
-
-
 def _compile_for_sm90(kernel, signature, constexprs, num_warps, **options):
     try:
         from triton.backends.compiler import GPUTarget

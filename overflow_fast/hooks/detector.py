@@ -21,6 +21,7 @@ import torch
 from torch.compiler import is_compiling
 
 from . import text
+from .. import _compat
 from .decisions import NO_ROWS, Decisions
 from .errors import OverflowDetected, OverflowDetectedOnRanks, say  # noqa: F401 - the package's names
 from .culprit import CallInputs, autocast_state
@@ -372,6 +373,12 @@ class DebugUnderflowOverflow:
             run.add(current, self.decisions.state.count_backward(), module, entries, dtypes, tensors, BACKWARD,
                     consumers)
             run.decide_when_backward_ends()
+
+
+# A hook that torch.compile meets outside a frame it traces runs eagerly (the module around it ran
+# eagerly too), rather than as a graph of its own per call; inlined, it records into the graph.
+_compat.never_a_compiled_frame(DebugUnderflowOverflow._before, DebugUnderflowOverflow._after,
+                               DebugUnderflowOverflow._after_with_kwargs, DebugUnderflowOverflow.forward_hook)
 
 
 class _Call:

@@ -7,6 +7,7 @@ import dataclasses
 import torch
 
 from . import text
+from .._compat import is_dataclass_instance
 from .text import NONE, NOT_A_TENSOR, TENSOR, UNREADABLE
 from ..stats import unreadable_reason
 from ..stats.kinds import PLAIN_TYPES, SUPPORTED_DTYPES
@@ -132,7 +133,7 @@ def _children(value):
         return list(value.items())
     if isinstance(value, (list, tuple)):
         return list(enumerate(value))
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+    if is_dataclass_instance(value):
         return [(field.name, getattr(value, field.name)) for field in dataclasses.fields(value)]
     return None
 
@@ -141,7 +142,8 @@ def _holds_tensors(value, depth=0):
     if isinstance(value, torch.Tensor):
         return True
     children = _children(value) if depth < _MAX_DEPTH else None
-    return bool(children) and any(_holds_tensors(child, depth + 1) for _, child in children)
+    # not bool(children): torch 2.11's dynamo cannot trace bool() of a list
+    return children is not None and any(_holds_tensors(child, depth + 1) for _, child in children)
 
 
 def _open(value, ctx, depth=0):

@@ -72,6 +72,7 @@ import sys
 
 import torch
 
+from .. import _compat
 from . import cpu_backend
 from .kinds import PLAIN_TYPES, is_zero3_released
 from .layout import NUM_COLUMNS, host_bytes
@@ -96,6 +97,8 @@ else:
 
 # The interpreter is chosen when triton.jit decorates a kernel, i.e. at import of this module.
 _INTERPRET = triton is not None and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+if _INTERPRET:
+    _compat.interpreter_indexes_one_element_arrays()
 
 # Element kinds.
 _FLOAT, _SIGNED, _UNSIGNED, _BOOL = 0, 1, 2, 3

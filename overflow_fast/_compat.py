@@ -1,0 +1,60 @@
+"""What differs between the torch versions the package supports, in one place: the rest of the
+package asks here and never compares versions itself. Imports torch only, so that every folder
+may use it (tests/test_layout.py)."""
+
+import torch
+
+# ---- torch.compile: what each version's dynamo traces -----------------------------------------
+# The tests of tests/test_compile.py pass on every version below; the notes say which one needs it.
+
+
+def is_dataclass_instance(value):
+    """``dataclasses.is_dataclass(value)`` for an instance, written so that dynamo traces it on
+    every version: torch 2.11's breaks the graph on ``hasattr`` of a builtin class (the type of
+    None, of a dtype, of a device), which ``is_dataclass`` calls."""
+    return not isinstance(value, type) and getattr(type(value), "__dataclass_fields__", None) is not None
+
+
+def never_a_compiled_frame(*functions):
+    """Dynamo still inlines these functions into a frame that it traces, but never compiles one of
+    them as a frame of its own, nor what it calls: called from code that dynamo skips (torch.nn's
+    ``_call_impl`` around a module whose forward it does not trace: on torch 2.11 a built-in
+    ``nn.Sequential``, or every module once a graph break lost the frame around them), a hook then
+    runs eagerly, as it would without torch.compile, instead of compiling a graph of its own per
+    call. A torch without this (private) switch keeps dynamo's default."""
+    # torch._C's own module, not torch._dynamo's: importing dynamo would add a second to every import
+    frames = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
+    if frames is None or not hasattr(frames, "set_code_exec_strategy"):
+        return
+    skip = frames._FrameExecStrategy(frames._FrameAction.SKIP, frames._FrameAction.SKIP)
+    for function in functions:
+        frames.set_code_exec_strategy(function.__code__, skip)
+
+
+# ---- Triton's interpreter (TRITON_INTERPRET=1, the CPU run of the Triton kernels) ---------------
+
+
+def interpreter_indexes_one_element_arrays():
+    """Triton's interpreter holds every scalar as a one-element numpy array, and up to Triton 3.6
+    makes an index of it (a loop's run-time bound) with ``int()`` of that array, which numpy 2.4
+    refuses (only 0-d arrays convert): every kernel with such a loop fails. Make the index from the
+    array's one element, as later Tritons do. A GPU compiles the loop, so nothing changes there.
+    Call it only where the interpreter runs (it imports Triton's interpreter and numpy)."""
+    import numpy
+    from triton.runtime import interpreter
+
+    try:
+        int(numpy.ones(1, dtype=numpy.int64))
+        return  # this numpy still converts one-element arrays
+    except TypeError:
+        pass
+    patch = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch is None or getattr(patch, "indexes_one_element_arrays", False):
+        return
+
+    def patch_lang_tensor(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    patch_lang_tensor.indexes_one_element_arrays = True
+    interpreter._patch_lang_tensor = patch_lang_tensor

@@ -1,0 +1,211 @@
+"""benchmarks/gpu_check.py returns what it measured whatever happens: a missing package, a failing
+phase, a phase past its time box, a hang, a kill, a wrong kernel. Most tests give it stand-in phases
+(its phases' work is not what they test) so that they run in seconds; the slow ones run the real
+dry run."""
+
+import csv
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCHMARKS = os.path.join(ROOT, "benchmarks")
+
+# stand-in phases: the report and the time box are the real ones
+STAND_INS = """
+import time
+
+def stand_in_startup(ctx):
+    ctx.report.add("startup", "stand-in", "")
+    return True
+
+def records(name):
+    def run(ctx, deadline):
+        ctx.report.add(name, "measured", "")
+    return run
+
+def hangs(name, swallow):
+    def run(ctx, deadline):
+        ctx.report.add(name + " started", "yes", "")
+        print("hanging in " + name, flush=True)
+        while True:
+            try:
+                time.sleep(3600)
+            except BaseException:
+                if not swallow:
+                    raise
+
+    return run
+
+gpu_check.startup = stand_in_startup
+"""
+
+
+def launch(argv, setup="", before_import=""):
+    """gpu_check.cli(argv) in a fresh interpreter, after ``setup`` (with ``gpu_check`` imported)."""
+    code = "\n".join([
+        before_import,
+        "import sys",
+        f"sys.path.insert(0, {BENCHMARKS!r})",
+        "import gpu_check",
+        textwrap.dedent(setup),
+        f"gpu_check.cli({argv!r})",
+    ])
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env.pop("OUT", None)
+    return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def finish(process, timeout=300):
+    output, _ = process.communicate(timeout=timeout)
+    return process.returncode, output
+
+
+def table(out):
+    """The rows of ``out``/gpu_check.md as {measure: value} (the csv holds the same rows), and its
+    first line."""
+    with open(os.path.join(out, "gpu_check.md")) as f:
+        text = f.read()
+    with open(os.path.join(out, "gpu_check.csv")) as f:
+        from_csv = {row["measure"]: row["value"] for row in csv.DictReader(f)}
+    lines = text.splitlines()
+    start = lines.index("| measure | value | detail | run |")
+    rows = {}
+    for line in lines[start + 2:]:
+        if not line.startswith("| "):
+            break
+        measure, value, _detail, _run = (cell.strip() for cell in line[2:-2].split(" | "))
+        rows[measure] = value
+    assert rows == from_csv
+    return rows, lines[0]
+
+
+def test_missing_packages_are_rows_and_the_run_goes_on(tmp_path):
+    # the real startup, without triton and without transformers
+    process = launch(["--dry-run", "--phases", "exactness,step-host-bound", "--out", str(tmp_path)],
+                     before_import="import sys; sys.modules['triton'] = None; sys.modules['transformers'] = None")
+    status, output = finish(process)
+    rows, headline = table(tmp_path)
+    assert status == 3, output
+    assert rows["exactness"].startswith("failed: needs triton"), rows
+    assert rows["step-host-bound"].startswith("failed: needs transformers"), rows
+    assert rows["startup"].endswith(" s"), rows
+    assert headline.startswith("gpu_check: exit status 3") and "exactness, step-host-bound" in headline
+    with open(tmp_path / "gpu_check.log") as f:
+        log = f.read()
+    assert "failed: needs triton" in log and "| measure | value | detail | run |" in log
+
+
+def test_rows_are_written_as_they_come_and_survive_a_kill(tmp_path):
+    process = launch(["--dry-run", "--phases", "exactness,bandwidth", "--out", str(tmp_path), "--budget", "300"],
+                     STAND_INS + """
+gpu_check.RUNNERS["exactness"] = records("exactness")
+gpu_check.RUNNERS["bandwidth"] = hangs("bandwidth", swallow=True)
+""")
+    try:
+        deadline = time.monotonic() + 120
+        while "hanging in bandwidth" not in _read(tmp_path / "gpu_check.log"):
+            assert process.poll() is None and time.monotonic() < deadline, _read(tmp_path / "gpu_check.log")
+            time.sleep(0.05)
+    finally:
+        process.send_signal(signal.SIGKILL)
+        finish(process)
+    rows, _ = table(tmp_path)
+    assert rows == {"startup": "stand-in", "exactness": "measured", "bandwidth started": "yes"}
+    assert "== bandwidth" in _read(tmp_path / "gpu_check.log")
+
+
+def test_a_failing_phase_is_a_row_and_the_next_phase_runs(tmp_path):
+    process = launch(["--dry-run", "--phases", "exactness,bandwidth", "--out", str(tmp_path)], STAND_INS + """
+def fails(ctx, deadline):
+    raise RuntimeError("the kernel failed to compile\\nsecond line")
+
+gpu_check.RUNNERS["exactness"] = fails
+gpu_check.RUNNERS["bandwidth"] = records("bandwidth")
+""")
+    status, output = finish(process)
+    rows, headline = table(tmp_path)
+    assert status == 3, output
+    assert rows["exactness"] == "failed: RuntimeError: the kernel failed to compile", rows
+    assert rows["bandwidth"] == "measured"
+    assert "phases failed: exactness" in headline
+    assert "Traceback" in _read(tmp_path / "gpu_check.log")
+
+
+def test_a_phase_past_its_time_box_is_a_row_and_the_watchdog_ends_a_hang(tmp_path):
+    # self-check sleeps past its box (stopped there); sweep swallows even that: the watchdog ends
+    # the run at the budget, with the table written
+    budget = 8
+    started = time.monotonic()
+    process = launch(["--dry-run", "--phases", "self-check,sweep", "--out", str(tmp_path), "--budget", str(budget)],
+                     STAND_INS + """
+gpu_check.RUNNERS["self-check"] = hangs("self-check", swallow=False)
+gpu_check.RUNNERS["sweep"] = hangs("sweep", swallow=True)
+""")
+    status, output = finish(process, timeout=budget + 60)
+    elapsed = time.monotonic() - started
+    rows, headline = table(tmp_path)
+    assert status == 4, output
+    assert rows["self-check"].startswith("failed: time box: self-check ran past its time box"), rows
+    assert rows["sweep started"] == "yes", rows
+    assert rows["sweep"].startswith(f"failed: stopped by the watchdog at {budget} s"), rows
+    assert headline.startswith("gpu_check: exit status 4")
+    assert elapsed < budget + 10, elapsed  # the interpreter's start, then the budget
+
+
+@pytest.mark.slow
+def test_a_wrong_kernel_is_a_row_and_the_measuring_goes_on(tmp_path):
+    # the per-hook read off by one: exactness and the self-check say so, and the bandwidth is
+    # measured all the same (on the table kernels)
+    process = launch(["--dry-run", "--phases", "exactness,self-check,bandwidth", "--out", str(tmp_path)], """
+from overflow_fast.stats import triton_backend
+
+real_read = triton_backend._read
+
+def off_by_one(tensors, out, *args, **kwargs):
+    taken = real_read(tensors, out, *args, **kwargs)
+    out[-1, 5] += 1  # one zero count wrong
+    return taken
+
+triton_backend._read = off_by_one
+""")
+    status, output = finish(process)
+    rows, headline = table(tmp_path)
+    assert status == 1, output
+    assert rows["exactness"].startswith("MISMATCH: "), rows
+    assert rows["self-check"].startswith("failed: "), rows
+    assert rows["copy bandwidth"].endswith(" GB/s"), rows
+    assert any(measure.startswith("bandwidth float32") for measure in rows), rows
+    assert "checks failed: exactness, self-check" in headline
+
+
+@pytest.mark.slow
+def test_the_dry_run_measures_every_phase(tmp_path):
+    process = launch(["--dry-run", "--out", str(tmp_path), "--budget", "1200"])
+    status, output = finish(process, timeout=1300)
+    rows, headline = table(tmp_path)
+    assert status == 0, output
+    assert "0 mismatches" in rows["exactness"] and rows["self-check"] == "passed", rows
+    for regime in ("gpu-bound", "host-bound", "large"):
+        assert rows[f"step {regime} none"].endswith(" ms"), rows
+        for variant in ("reference", "batch", "watch"):
+            assert rows[f"step {regime} {variant}"].endswith("%)"), rows
+        assert rows[f"step {regime} compiled"].endswith(")"), rows
+    for variant in ("module", "batch", "watch"):
+        assert rows[f"host us/hook {variant}"].endswith(" us"), rows
+    with open(tmp_path / "gpu_check.csv") as f:
+        assert all(row["run"].startswith("dry-run") for row in csv.DictReader(f))  # every figure marked
+
+
+def _read(path):
+    try:
+        with open(path) as f:
+            return f.read()
+    except FileNotFoundError:
+        return ""
