@@ -272,6 +272,21 @@ def test_the_launch_hooks_predicate_reads_the_installed_triton(monkeypatch):
 
 
 @pytest.mark.skipif(tb.triton is None, reason="triton is not installed")
+def test_a_cuda_device_launches_directly_unless_told_not_to(monkeypatch):
+    """Compiled kernels (no interpreter) on a CUDA device take the cuda driver with the installed
+    Triton's knobs; OVERFLOW_FAST_DIRECT_LAUNCH=0 keeps every launch Triton's, and says so."""
+    monkeypatch.setattr(tb, "_INTERPRET", False)  # as on a GPU machine: the kernels compiled
+    cuda = torch.device("cuda", 0)
+    if tb._EXTENSION is None:
+        assert tb._launcher_driver(cuda) == (None, "the C++ extension is unavailable")
+        return
+    assert tb._launcher_driver(cuda) == ("cuda", None)
+    assert tb._launcher_driver(torch.device("cpu")) == ("ordinary", "no direct launch on cpu")
+    monkeypatch.setenv("OVERFLOW_FAST_DIRECT_LAUNCH", "0")
+    assert tb._launcher_driver(cuda) == ("ordinary", "OVERFLOW_FAST_DIRECT_LAUNCH=0")
+
+
+@pytest.mark.skipif(tb.triton is None, reason="triton is not installed")
 def test_info_s_launch_line_is_the_path_taken():
     """Before any device is used, ``launch_path`` says why this machine launches through Triton
     (here: the interpreter, or no CUDA device), never "direct" where no direct launch can run."""
