@@ -339,19 +339,23 @@ const char* launch_hooks_reason(PyObject* runtime_knobs, PyObject* hook_chain_ty
   }
   // A hook Triton calls around every launch (a profiler's): registered in a HookChain (Triton
   // >= 3.4: an empty chain is none), or set as the attribute itself (earlier Tritons' way).
-  static const char* const kNames[] = {"launch_enter_hook", "launch_exit_hook"};
+  // interned once: this runs at every launch (held for the process, as CPython's own are)
+  static PyObject* const kNames[] = {PyUnicode_InternFromString("launch_enter_hook"),
+                                     PyUnicode_InternFromString("launch_exit_hook")};
+  static PyObject* const kCalls = PyUnicode_InternFromString("calls");
+  static PyObject* const kPreRunHooks = PyUnicode_InternFromString("pre_run_hooks");
   static const char* const kReasons[] = {
       "a Triton launch hook is set (triton.knobs.runtime.launch_enter_hook)",
       "a Triton launch hook is set (triton.knobs.runtime.launch_exit_hook)"};
   for (int i = 0; i < 2; ++i) {
-    PyObject* hook = PyObject_GetAttrString(runtime_knobs, kNames[i]);
+    PyObject* hook = PyObject_GetAttr(runtime_knobs, kNames[i]);
     if (hook == nullptr) {
       PyErr_Clear();
       return "triton.knobs.runtime has no launch hooks to read";
     }
     bool none = hook == Py_None;
     if (!none && reinterpret_cast<PyObject*>(Py_TYPE(hook)) == hook_chain_type) {
-      PyObject* calls = PyObject_GetAttrString(hook, "calls");
+      PyObject* calls = PyObject_GetAttr(hook, kCalls);
       if (calls == nullptr) {
         PyErr_Clear();
       } else {
@@ -365,7 +369,7 @@ const char* launch_hooks_reason(PyObject* runtime_knobs, PyObject* hook_chain_ty
     }
   }
   if (kernel != Py_None) {
-    PyObject* hooks = PyObject_GetAttrString(kernel, "pre_run_hooks");
+    PyObject* hooks = PyObject_GetAttr(kernel, kPreRunHooks);
     if (hooks == nullptr) {
       PyErr_Clear();
     } else {
