@@ -69,6 +69,7 @@ import itertools
 import os
 import struct
 import sys
+import weakref
 
 import torch
 
@@ -1005,7 +1006,7 @@ class _DeviceState:
     """What the per-hook read uses on one device."""
 
     __slots__ = ("device", "path", "self_check", "pool", "groups", "check_ms", "launcher", "launch_reason",
-                 "compiled", "refused", "shapes", "warned")
+                 "compiled", "refused", "shapes", "warned", "__weakref__")
 
     def __init__(self, device):
         self.device = device
@@ -1054,9 +1055,15 @@ def _new_launcher(state, pool, block_size, blocks_per_chunk):
         return None, reason
     runtime, _ = _runtime_knobs()
     shape = (block_size, blocks_per_chunk)
+    # weak: the launcher (C++, which Python's collector cannot see into) holds this callback, and
+    # the state holds the launcher
+    owner = weakref.ref(state)
 
     def ordinary(grid, args, slots, formats, any_unaligned):
-        _ordinary_launch(state, launcher, grid, args, slots, formats, any_unaligned, *shape)
+        known = owner()
+        if known is None:  # forget_devices() dropped it: a core that still holds this launcher unbinds it
+            raise RuntimeError("the per-hook state of this device was forgotten")
+        _ordinary_launch(known, known.launcher_for(*shape), grid, args, slots, formats, any_unaligned, *shape)
 
     try:
         launcher = _EXTENSION.Launcher(driver, state.device, _PLAIN_TYPES, _FORMAT_WORD, _ALIGNED_BIT,
