@@ -20,9 +20,10 @@ On a GPU a call's host work is its cost, and building the table was most of it: 
 of Python per tensor. When the extension ``overflow_fast._C`` is loaded, one C++ loop
 (``_C.triton_table``, csrc/table.cpp; ``scan`` here) checks every tensor and writes the table
 straight into the host tensor the upload reads; ``dispatch.tensor_stats`` calls it directly for
-lists of plain tensors on one device, so that its own per-tensor checks run in the same loop. Calls
-it does not take (any tensor not plain, or no extension) build the same table in Python
-(``_table``).
+lists of plain tensors on one device, so that its own per-tensor checks run in the same loop. Its
+per-tensor step (table.cpp's ``pack_tensor``) is also the per-hook launcher's (below). Calls it does
+not take (any tensor not plain, or no extension) build the same table in Python (``_table``, whose
+per-tensor step ``_slot`` the Python per-hook read shares).
 
 The format word of a tensor carries its format code, its 16-byte alignment and the parameters of
 its format. The partials kernel branches on the code at run time to a loop specialised for that
