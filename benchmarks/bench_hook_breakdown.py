@@ -6,9 +6,10 @@ Two measurements, each side by side in one process (this machine's speed drifts 
 runs minutes apart, so only figures from the same process compare):
 
 - **pieces:** timers around the detector's post hook (the whole hook), ``entries_of`` (the call's
-  entries and tensors), ``Reads.add`` (the C++ bookkeeping and, inside it, the engine call),
-  the engine call itself (``tensor_stats``), ``flush`` and the pre hook, medians over forwards
-  (each timer adds about 0.1 us to what it wraps);
+  entries and tensors), ``Reads.add`` (the C++ bookkeeping and, in the same call, the launch by
+  the device's bound launcher), the Python engine call for what the launcher hands back
+  (``tensor_stats``: the device's first read, declined calls), ``flush`` and the pre hook,
+  medians over forwards (each timer adds about 0.1 us to what it wraps);
 - **garbage collection:** the detector with the collector on and off, with the no-hook replay and
   the floor hook, in round-robin rounds: the gap is what gen-0 collections cost per hook.
 
@@ -74,8 +75,10 @@ def pieces(model, run, hooks, forwards):
         detector = Detector(model, check="batch")
         run()
         run()
+        labels = ("whole hook", "entries_of", "Reads.add", "tensor_stats", "flush", "pre hook")
         for _ in range(forwards):
             spent.clear()
+            spent.update(dict.fromkeys(labels, 0))  # a piece that never ran: 0
             run()
             samples.append(dict(spent))
         detector.remove()

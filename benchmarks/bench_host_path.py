@@ -1,61 +1,67 @@
-"""Host work of the GPU path per hook, measured without a GPU.
+"""Host work of the GPU path per hook, measured without a GPU, and what it would add to a training
+step on an H200 (a projection).
 
-On a GPU the CPU only issues kernels, so what a hook costs the step is its host work: Python,
-dispatch, the Triton backend's tables, launches and uploads. This script runs that host
-work for real on the GPT-2-small hook sequence and stubs only what needs a GPU:
+On a GPU the CPU only issues kernels, so what a hook costs the step is its host work: Python, the
+hook's one C++ call (the reuse check, each tensor's checks and launch arguments, the launch),
+launches and uploads. This script runs that host work for real and stubs one thing, the driver
+call:
 
-- The hook sequence: ``GPT2LMHeadModel`` with GPT-2 small's module tree (12 layers, n_embd 768,
-  12 heads, vocab 50257, random weights from a config, nothing downloaded) in bf16 runs one
-  forward on the **meta device** with ``input_ids`` of batch 8 x 1024 tokens (``--batch``,
-  ``--seq``); every module call (pre and post, args, kwargs, output) is recorded. The calls are
-  then **replayed**: each meta tensor becomes an uninitialised CPU tensor of the same shape,
-  strides and dtype (``torch.empty_strided``: virtual memory, never written or read), the same
-  meta tensor always the same CPU tensor (so the detector's per-forward reuse of rows works as in
-  a real run), and the parameters are those of the same model built by ``to_empty(device="cpu")``.
-  The replay calls each module's registered hooks as ``Module.__call__`` does (pre hooks, forward
-  hooks, with_kwargs honoured) under no_grad: what is timed is the hooks alone, without the
-  model's own ops (which on a GPU run on the device) and without torch's hook-calling path in
-  ``Module.__call__`` (about 1 us per module; the replay's "noop" row is the Python call alone).
-- Dispatch sends these CPU tensors to the ``triton`` backend (``triton_backend.supports`` and
-  ``unavailable_reason`` patched, ``dispatch._PREFERRED["cpu"] = "triton"``, as under
-  ``TRITON_INTERPRET=1``); its ``compute()`` runs unchanged: flat sources, the per-tensor table
-  (``_table``), the buffer that holds it and the partial rows (``_buffer``: on CPU tensors the
-  table is packed straight into it), the constexpr arguments in ``_launch``.
-- Stubbed, for the per-hook kernel (``triton_backend.read_into``, one launch per 8 tensors,
-  nothing uploaded): only the final driver call, its compiled kernel's ``run`` (counted: launches
-  and programs); its first ``_read_kernel[grid](...)`` per variant (Triton's compile) returns a
-  stand-in compiled kernel, which every later launch calls directly, as on a GPU.
-- Stubbed, for the table kernels (calls the per-hook kernel does not take): the two Triton
-  kernels' ``kernel[grid](...)`` calls (counted: launches and programs;
-  the combine stub zeroes the rows it would write, about 1 us of host time a real launch does not
-  spend), and a non-dense tensor's ``.contiguous()`` copy (counted; a GPU kernel). On CUDA the
-  table goes through a pinned staging buffer and one ``copy_(non_blocking=True)``; here (CPU
-  tensors) it is packed into the buffer directly: the upload is counted once per ``compute()``
-  call and costed in the projection (UPLOAD_US).
+- The path: CPU tensors are routed to the ``triton`` backend (``triton_backend.supports`` and
+  ``unavailable_reason`` patched, ``dispatch._PREFERRED["cpu"] = "triton"``), and each device's
+  C++ launcher is made with the "count" driver (``triton_backend._launcher_driver`` patched):
+  everything before the driver call runs as on a GPU, the launch predicate included (it reads the
+  installed Triton's real launch hooks); the driver call counts the launch and its programs and
+  writes zero rows (finite: nothing detected). A non-dense tensor's flat copy (an ATen kernel on a
+  GPU) is an uninitialised tensor there, counted. Calls the per-hook kernel does not take (more
+  than 32 tensors: ``defer=True``'s one call per forward) go to the table kernels, whose two
+  ``kernel[grid](...)`` calls are stubbed (counted; the combine stub zeroes its rows, about 1 us a
+  real launch does not spend); their upload (on CUDA a pinned copy) is counted and costed in the
+  projection (UPLOAD_US).
+- The forward: ``GPT2LMHeadModel`` with GPT-2 small's module tree (12 layers, n_embd 768, 12
+  heads, vocab 50257, random weights from a config, nothing downloaded) in bf16 runs one forward on
+  the **meta device** with ``input_ids`` of batch 8 x 1024 tokens (``--batch``, ``--seq``); every
+  module call (pre and post, args, kwargs, output) is recorded, then **replayed**: each meta tensor
+  becomes an uninitialised CPU tensor of the same shape, strides and dtype (virtual memory, never
+  written or read), the same meta tensor always the same CPU tensor (so the detector's reuse of
+  rows works as in a real run), and the parameters are those of the same model built by
+  ``to_empty(device="cpu")``. The replay calls each module's hooks as ``Module.__call__`` does,
+  with grad enabled and the activations requiring grad as in a training forward (``--no-grad``:
+  as in an inference forward): what is timed is the hooks alone, without the model's own ops (on
+  a GPU they run on the device) and without torch's hook-calling path in ``Module.__call__``.
+- The backward (``watch()`` reads each parameter's gradient and each hooked output's gradient):
+  the same module tree at small widths (n_embd 96, vocab 512, batch 1 x 16, fp32) trained for real
+  on the CPU through the same path, one torch thread; timed: the host time inside its gradient
+  hooks and the flush that ends the pass (a whole backward is too noisy on a shared machine to
+  subtract; torch's own call of each Python hook, about a microsecond, is not in it). A hook's
+  host work does not depend on its tensors' sizes, and the tree gives the hooks, so the backward's
+  hooks and us per hook are GPT-2 small's; the bytes those hooks read on the GPU (GPT-2 small's
+  parameters and hooked outputs at the measured batch, bf16) are computed from the recorded
+  forward.
 
-Measured per forward, side by side in one process, medians of round-robin runs: no hooks (the
-replay loop), a no-op forward hook on every module, a "floor" hook (flatten the call as the
-reference does and keep each tensor with its version counter: the least a staging hook does in
-Python), check="module", check="batch" and
-``watch()`` (forward hooks only: the forward's hook sequence; the replay runs under no_grad, but
-the activations require grad as in a training forward unless ``--no-grad``). Host us per hook =
-(replay time - no-hook replay time) / hooks. An instrumented extra replay per variant counts
-engine calls, launches, uploads, chunks (partials programs), table ints, bytes read and the time inside
-``triton_backend.compute`` and in the end-of-forward ``flush``. ``--profile`` adds cProfile's top
-functions of check="batch".
+Measured side by side in one process, medians of round-robin runs, in the CPU time of the thread
+that runs the hooks (``time.thread_time``: a shared machine's other processes stretch wall time,
+not the work): no hooks (the replay loop), a
+no-op forward hook on every module, a "floor" hook (flatten the call as the reference does and
+keep each tensor with its version counter: the least a hook does in Python), check="module",
+check="batch", ``watch()`` and check="batch" with ``defer=True``. Host us per hook = (replay
+time - no-hook replay time) / hooks. An instrumented extra replay per variant counts launches
+(direct: the launcher's; ordinary: through Triton, 0 unless a launch hook is set), uploads,
+programs, tensors and bytes read, copies, Python-side engine calls and their time, and the
+end-of-forward ``flush``. ``--profile`` adds cProfile's top functions of check="batch".
 
-The CPU backend's host figures: the same model on CPU, fp32, real weights, one real forward of
-batch 1 x 8 tokens (``--cpu-seq``) recorded and replayed on its real tensors with the C++ kernel;
-``_C.compute`` is wrapped to count its calls and time them in the same runs, reported apart from
-the Python around it.
+The CPU backend's host figures (``--no-cpu`` skips them): the same model on CPU, fp32, real
+weights, one real forward of batch 1 x 8 tokens (``--cpu-seq``) recorded and replayed on its real
+tensors, the CPU launcher (the C++ kernel on the packed arguments) reading them.
 
-Then a projection of the added time of one training step on an H200 (``project()``, its model
-and constants printed). The last line is, for check="batch":
+Then ``project()``: the added time of one training step on an H200 (its model and constants
+printed) in two regimes: GPU-bound (GPT-2 small at 8 x 1024: the host runs ahead of the GPU) and
+host-bound (batch 1 x 512: the GPU waits for the host, so every host microsecond is step time).
+The last line is, for check="batch" in the GPU-bound regime:
 
     host us/hook: X; launches/forward: Y; uploads/forward: Z; projected H200 step overhead: W%
 
     .venv/bin/python benchmarks/bench_host_path.py [--quick] [--layers N] [--repeats R]
-        [--profile] [--no-cpu] [--csv PATH]
+        [--profile] [--no-cpu] [--no-backward] [--csv PATH]
 """
 
 import argparse
@@ -85,15 +91,21 @@ import _results  # noqa: E402
 # -- the projection's model (H200-class GPU, GPT-2 small, bf16) ------------------------------------
 GEMM_TFLOPS = 600.0  # dense bf16 GEMMs
 HBM_TBPS = 3.0  # achieved memory bandwidth: the model's other ops and the detector's kernels
-STEP_MS = 50.0  # one training step of GPT-2 small at 8 x 1024 tokens (forward = 1/3 of it)
-# host cost of one launch on the driver (cuLaunchKernel behind a compiled kernel's launcher): 5 us
-# until a GPU has measured it (benchmarks/gpu_check.py); the Python before it is measured here
+STEP_MS = 50.0  # GPU time of one training step of GPT-2 small at 8 x 1024 tokens (forward 1/3 of it)
+# host cost of one launch on the driver (cuLaunchKernel from the launcher): 5 us until a GPU has
+# measured it (benchmarks/gpu_check.py); everything before the driver call is measured here
 TRITON_LAUNCH_US = 5.0
 ATEN_LAUNCH_US = 5.0  # host cost of one ATen CUDA kernel launch (a .contiguous() copy)
 UPLOAD_US = 6.0  # pinned staging (caching host allocator) + cudaMemcpyAsync enqueue, per upload
 KERNEL_MIN_US = 3.0  # smallest duration of a kernel on the GPU
 SYNC_US = 25.0  # one host read: wait for the stream, D2H copy of the rows, wake up
 MODEL_OP_HOST_US = 10.0  # the model's own host work per ATen op on a GPU (Python, dispatch, launch)
+HOST_BOUND = (1, 512)  # the host-bound regime's batch x tokens
+
+# The host work of the GPU path is timed in CPU time of the thread that runs it (time.thread_time):
+# on a shared machine, other processes stretch wall time but not the work itself (instrumented()'s
+# timers follow CLOCK, which cpu_path leaves at wall time for the C++ kernel's thread team).
+CLOCK = [time.thread_time]
 
 VARIANTS = ("none", "noop", "floor", "module", "batch", "watch", "defer")
 DETECTORS = VARIANTS[3:]
@@ -106,33 +118,69 @@ class Counters:
         self.reset()
 
     def reset(self):
-        self.compute_calls = 0
+        self.compute_calls = 0  # engine calls from Python (tensor_stats, read_into, compute)
         self.tensors = 0
         self.bytes = 0
         self.launches = 0
+        self.ordinary = 0  # of the launches: through Triton's launch (a launch hook set)
         self.programs = 0
         self.uploads = 0
         self.table_ints = 0
-        self.chunks = 0
         self.copies = 0
         self.copy_bytes = 0
         self.compute_s = 0.0
         self.flush_s = 0.0
         self.flush_before_read_s = 0.0  # of flush_s: before its host read (the final engine call, ...)
-        self.kernel_calls = 0  # _C.compute (CPU backend)
-        self.kernel_s = 0.0
         self.described = []  # lists of tensors the triton tables describe, summed by settle()
+        self.calls = []  # per read of the hook layer: the counters before and after it
+        self.device_s = 0.0  # the modeled GPU time of the detector's kernels (settle())
 
     def settle(self):
-        """Add the described tensors to ``tensors`` and ``bytes`` (summed here, not in the timed
-        calls: the sums cost more than the C++ table itself)."""
-        for tensors in self.described:
+        """Add the described tensors to ``tensors`` and ``bytes``, and each read's kernels to
+        ``device_s`` (summed here, not in the timed calls: the sums cost more than the C++ table
+        itself). A read's launches take the longer of its bytes at HBM_TBPS and KERNEL_MIN_US each."""
+        sizes = [sum(t.numel() * t.element_size() for t in tensors) for tensors in self.described]
+        for tensors, size in zip(self.described, sizes):
             self.tensors += len(tensors)
-            self.bytes += sum(t.numel() * t.element_size() for t in tensors)
+            self.bytes += size
+        for (launcher, launches, described), (launcher_after, launches_after, described_after) in self.calls:
+            count = launcher_after["launches"] - launcher["launches"] + launches_after - launches
+            size = launcher_after["bytes"] - launcher["bytes"] + sum(sizes[described:described_after])
+            if count:
+                self.device_s += max(count * KERNEL_MIN_US / 1e6, size / (HBM_TBPS * 1e12))
         self.described = []
+        self.calls = []
+
+    def mark(self):
+        return launcher_counters(), self.launches, len(self.described)
+
+
+def _per_read(real):
+    """A read of the hook layer (``Reads.add``, ``Reads.read``) noting the counters around it."""
+    def call(self, *args, **kwargs):
+        before = COUNT.mark()
+        try:
+            return real(self, *args, **kwargs)
+        finally:
+            COUNT.calls.append((before, COUNT.mark()))
+    return call
 
 
 COUNT = Counters()
+_LAUNCHER_COUNTERS = (("direct_launches", "launches"), ("ordinary_launches", "launches"), ("programs", "programs"),
+                      ("tensors_read", "tensors"), ("bytes_read", "bytes"), ("copies", "copies"),
+                      ("copy_bytes", "copy_bytes"))
+
+
+def launcher_counters():
+    """The C++ launchers' counters, summed over the devices set up so far (a CUDA device's too)."""
+    totals = dict.fromkeys(("launches", "programs", "tensors", "bytes", "copies", "copy_bytes"), 0)
+    for state in triton_backend._DEVICES.values():
+        for launcher in [state.launcher] + [known[0] for known in state.shapes.values()]:
+            if launcher is not None:
+                for name, total in _LAUNCHER_COUNTERS:
+                    totals[total] += getattr(launcher, name)
+    return totals
 
 
 class _StubKernel:
@@ -152,47 +200,25 @@ class _StubKernel:
         return launch
 
 
-class _StubCompiled:
-    """Stands for the per-hook kernel's compiled kernel: ``run`` is the launcher's driver call,
-    counted; everything before it (the arguments, the stream's accumulators) runs for real. It
-    zeroes the rows the kernel would write (finite, nothing detected; well under 1 us)."""
-
-    function = 0
-    packed_metadata = None
-
-    @staticmethod
-    def launch(grid, out, slots):
-        COUNT.launches += 1
-        COUNT.programs += grid
-        ctypes.memset(out, 0, 64 * slots)
-
-    def run(self, grid, _y, _z, _stream, _function, _metadata, _launch_metadata, _enter, _exit, out, *args):
-        self.launch(grid, out, _used_slots(args[1:]))  # args[0]: the accumulators
+def _ordinary_launch(state, launcher, grid, args, *rest):
+    """Triton's own launch of a per-hook variant, counted (taken only while a launch hook is set;
+    its kernel cannot run on these CPU tensors): zero rows."""
+    COUNT.ordinary += 1
+    ctypes.memset(args[0], 0, 64 * sum(1 for numel in args[3:2 + 3 * triton_backend.MAX_SLOTS:3] if numel != -1))
 
 
-def _used_slots(slots):
-    """The slots a launch fills (its rows), from its (address, numel, word) per slot (an unused one
-    has numel -1), then the constexprs."""
-    numels = slots[1:3 * triton_backend.MAX_SLOTS:3]
-    return sum(1 for numel in numels if numel != -1)
-
-
-class _StubReadKernel:
-    """``_read_kernel[grid](...)``, Triton's ordinary call of the per-hook kernel, which compiles
-    it and returns the compiled kernel (then called directly): counted, a stand-in returned."""
-
-    def __getitem__(self, grid):
-        def call(out, *args, K, **kwargs):
-            _StubCompiled.launch(grid[0], out, _used_slots(args[1:]))  # args[0]: the accumulators
-            return _StubCompiled()
-        return call
+def _python_read_launch(programs, args, *rest):
+    """The Python read's launch (no extension), counted: zero rows."""
+    COUNT.launches += 1
+    COUNT.programs += programs
+    _ordinary_launch(None, None, programs, args)
+    COUNT.ordinary -= 1
 
 
 def _counting_launch(real):
     def launch(buffer, out, num_tensors, num_chunks, *args):
         COUNT.uploads += 1  # on CUDA: one copy from the pinned staging buffer per call (_buffer)
         COUNT.table_ints += 4 * num_tensors + 1  # the table at the start of buffer (_table)
-        COUNT.chunks += num_chunks
         return real(buffer, out, num_tensors, num_chunks, *args)
     return launch
 
@@ -235,15 +261,17 @@ def patched(obj, name, value):
         setattr(obj, name, old)
 
 
-class _NoHooks:
-    class runtime:  # noqa: N801 - triton.knobs.runtime's shape
-        launch_enter_hook = None
+def _count_driver(device):
+    """The launcher's driver on these CPU tensors: "count", the stand-in for the GPU's driver call."""
+    if triton_backend._EXTENSION is None:
+        return None, "the C++ extension is unavailable"
+    return "count", None
 
 
 @contextlib.contextmanager
 def triton_on_cpu():
     """Route CPU tensors to the triton backend (as under TRITON_INTERPRET=1), its host work real,
-    its kernel launches stubbed."""
+    the driver call of its launches and its table kernels' launches stubbed."""
 
     def supports(tensor):
         return (tensor.device.type == "cpu" and tensor.dtype in triton_backend.SUPPORTED_DTYPES
@@ -256,9 +284,9 @@ def triton_on_cpu():
             (triton_backend, "unavailable_reason", lambda: None),
             (triton_backend, "_stats_partials_kernel", _StubKernel("partials")),
             (triton_backend, "_stats_combine_kernel", _StubKernel("combine")),
-            (triton_backend, "_read_kernel", _StubReadKernel()),
-            (triton_backend, "_DIRECT_REASON", None),  # the launch a CUDA machine makes
-            (triton_backend, "_KNOBS", _NoHooks),
+            (triton_backend, "_launch_read", _python_read_launch),  # the Python read (no extension)
+            (triton_backend, "_launcher_driver", _count_driver),
+            (triton_backend, "_ordinary_launch", _ordinary_launch),
             (triton_backend, "_launch", _counting_launch(triton_backend._launch)),
             (triton_backend, "_flat_source", _flat_source),
             (triton_backend, "_table", _counting_table(triton_backend._table)),
@@ -283,24 +311,11 @@ def triton_on_cpu():
             triton_backend.forget_devices()
 
 
-def _timed_cpu_compute(real):
-    """The C++ kernel's entry point (``cpu_backend._compute``), counted and timed."""
-
-    def compute(tensors, out):
-        start = time.perf_counter()
-        result = real(tensors, out)
-        COUNT.kernel_s += time.perf_counter() - start
-        COUNT.kernel_calls += 1
-        COUNT.tensors += len(tensors)
-        COUNT.bytes += sum(t.numel() * t.element_size() for t in tensors)
-        return result
-    return compute
-
-
 @contextlib.contextmanager
 def instrumented():
-    """Time spent in triton_backend.compute, in the detector's flush and, of it, before the flush's
-    host read (an extra, counted pass)."""
+    """Time spent in the Python-side engine calls (``compute``, ``read_into``: the calls the
+    launcher bound to the core did not take), in the detector's flush and, of it, before the
+    flush's host read (an extra, counted pass)."""
     real_compute = triton_backend.compute
     real_flush = Passes.flush
     real_cpu = torch.Tensor.cpu
@@ -310,7 +325,7 @@ def instrumented():
         # on a GPU the host read waits for the device: what the flush did before it (engine calls
         # of deferred tensors, the bookkeeping that needs no rows) overlaps the device's work
         if flush_start[0] is not None:
-            COUNT.flush_before_read_s += time.perf_counter() - flush_start[0]
+            COUNT.flush_before_read_s += CLOCK[0]() - flush_start[0]
             flush_start[0] = None
         return real_cpu(tensor, *args, **kwargs)
 
@@ -319,14 +334,14 @@ def instrumented():
     def timed(real, counts_call):
         def call(*args, **kwargs):
             depth[0] += 1
-            start = time.perf_counter()
+            start = CLOCK[0]()
             try:
                 return real(*args, **kwargs)
             finally:
                 depth[0] -= 1
                 if not depth[0]:
                     COUNT.compute_calls += counts_call
-                    COUNT.compute_s += time.perf_counter() - start
+                    COUNT.compute_s += CLOCK[0]() - start
         return call
 
     # the backend's work: compute(), or where dispatch builds the table in C++ itself, scan()
@@ -336,30 +351,27 @@ def instrumented():
     compute_scanned = timed(triton_backend.compute_scanned, 1)
     real_read = triton_backend.read_into
 
-    def read_into(tensors, out, *args, **kwargs):  # the per-hook kernel's entry: one engine call
+    def read_into(tensors, out, *args, **kwargs):  # the per-hook kernel's Python entry: one engine call
         taken = timed(real_read, 1)(tensors, out, *args, **kwargs)
-        if taken:
-            COUNT.described.append(tensors)
-        else:
+        if not taken:
             COUNT.compute_calls -= 1  # declined: the call that follows counts
         return taken
 
     def flush(self, current):
-        start = flush_start[0] = time.perf_counter()
+        start = flush_start[0] = CLOCK[0]()
         try:
             return real_flush(self, current)
         finally:
             flush_start[0] = None
-            COUNT.flush_s += time.perf_counter() - start
+            COUNT.flush_s += CLOCK[0]() - start
 
-    cpu_backend.unavailable_reason()  # loads the extension: its compute is what is timed
-    cpu_compute = cpu_backend._compute
     dispatch._READERS.clear()  # the hook layer's cached entry: the timed one from now on
+    reads = overflow_fast.hooks.reads.Reads
     with patched(triton_backend, "compute", compute), patched(triton_backend, "scan", scan), \
             patched(triton_backend, "read_into", read_into), \
             patched(triton_backend, "compute_scanned", compute_scanned), patched(Passes, "flush", flush), \
-            patched(torch.Tensor, "cpu", cpu), \
-            patched(cpu_backend, "_compute", _timed_cpu_compute(cpu_compute) if cpu_compute is not None else None):
+            patched(torch.Tensor, "cpu", cpu), patched(reads, "add", _per_read(reads.add)), \
+            patched(reads, "read", _per_read(reads.read)):
         try:
             yield
         finally:
@@ -443,11 +455,12 @@ def materialize(events, empty_on="cpu", requires_grad=False):
             for kind, name, args, kwargs, output in events]
 
 
-def replay(model, events):
+def replay(model, events, grad=False):
     """Run the hooks of ``model`` on the recorded calls, as Module.__call__ would (pre hooks when a
-    module's forward starts, forward hooks when it ends; with_kwargs honoured), under no_grad."""
+    module's forward starts, forward hooks when it ends; with_kwargs honoured), under no_grad, or
+    with ``grad`` as in a training forward (watch() then hooks the outputs' gradients)."""
     modules = dict(model.named_modules())
-    with torch.no_grad():
+    with torch.set_grad_enabled(grad):
         for kind, name, args, kwargs, output in events:
             module = modules[name]
             if kind == "pre":
@@ -498,39 +511,32 @@ def attach(variant, model):
     return detector.remove
 
 
-def measure(model, run, variants, repeats, inner, kernel_time=False):
-    """Median seconds per replayed forward of each variant (round-robin; hooks attached per round).
-    With ``kernel_time``: also the median seconds per forward inside ``_C.compute``, timed in the
-    same runs."""
+def measure(model, run, variants, repeats, inner, clock=time.perf_counter):
+    """Median seconds per replayed forward of each variant (round-robin; hooks attached per round),
+    by ``clock``."""
     samples = {v: [] for v in variants}
-    kernel = {v: [] for v in variants}
     for _ in range(repeats):
         for variant in variants:
             detach = attach(variant, model)
             try:
-                with instrumented() if kernel_time else contextlib.nullcontext():
-                    run()  # warm: lazy buffers, backend choice
-                    COUNT.reset()
-                    start = time.perf_counter()
-                    for _ in range(inner):
-                        run()
-                    samples[variant].append((time.perf_counter() - start) / inner)
-                    kernel[variant].append(COUNT.kernel_s / inner)
+                run()  # warm: lazy buffers, backend choice, the launcher bound to the core
+                start = clock()
+                for _ in range(inner):
+                    run()
+                samples[variant].append((clock() - start) / inner)
             finally:
                 detach()
     COUNT.reset()
-    medians = {v: statistics.median(s) for v, s in samples.items()}
-    if kernel_time:
-        return medians, {v: statistics.median(s) for v, s in kernel.items()}
-    return medians
+    return {v: statistics.median(s) for v, s in samples.items()}
 
 
-TIMED_COUNTERS = ("compute_s", "flush_s", "flush_before_read_s", "kernel_s")
+TIMED_COUNTERS = ("compute_s", "flush_s", "flush_before_read_s")
 
 
 def counted(model, run, variant, passes=7):
-    """Instrumented replays of ``variant``: the counters of one, the timed ones the medians of
-    ``passes`` replays (a single flush is too short to time alone on a shared machine)."""
+    """Instrumented replays of ``variant``: the counters of one (the launchers' included), the timed
+    ones the medians of ``passes`` replays (a single flush is too short to time alone on a shared
+    machine)."""
     detach = attach(variant, model)
     snapshots = []
     try:
@@ -538,9 +544,14 @@ def counted(model, run, variant, passes=7):
         with instrumented():
             for _ in range(passes):
                 COUNT.reset()
+                before = launcher_counters()
                 run()
+                after = launcher_counters()
                 COUNT.settle()
-                snapshots.append(dict(vars(COUNT)))
+                snapshot = dict(vars(COUNT))
+                for name, value in after.items():
+                    snapshot[name] += value - before[name]
+                snapshots.append(snapshot)
     finally:
         detach()
     COUNT.reset()
@@ -570,6 +581,132 @@ def profile(model, run, variant, forwards, top):
     return "\n".join(lines)
 
 
+# -- the backward: watch()'s gradient reads ---------------------------------------------------------
+
+class _OpCounter:
+    """Counts the ATen ops run under it (a TorchDispatchMode)."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                counter.ops += 1
+                return func(*args, **(kwargs or {}))
+
+        self.ops = 0
+        self.mode = Mode
+
+    def count(self, fn):
+        self.ops = 0
+        with self.mode():
+            result = fn()
+        return self.ops, result
+
+
+def small_widths(layers, dtype=torch.float32):
+    """GPT-2 small's module tree (its hooks) at small widths: n_embd 96 (12 heads of 8), vocab 512,
+    in training mode."""
+    config = transformers.GPT2Config(n_layer=layers, n_embd=96, n_head=12, vocab_size=512, n_positions=64)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config).to(dtype).train()
+
+
+def model_ops(layers):
+    """ATen ops of one training step of the tree (the same counts at any width and batch): forward,
+    backward, a fused AdamW's step after its first (a GPU run's optimizer: a few launches; the
+    first step's state allocation and the CPU's per-tensor foreach loops are not a GPU step's)."""
+    model = small_widths(layers)
+    ids = torch.zeros((1, 16), dtype=torch.long)
+    counter = _OpCounter()
+    forward_ops, loss = counter.count(lambda: model(input_ids=ids, labels=ids).loss)
+    backward_ops, _ = counter.count(loss.backward)
+    optimizer = torch.optim.AdamW(model.parameters(), fused=True)
+    optimizer.step()
+    optimizer_ops, _ = counter.count(optimizer.step)
+    return forward_ops, backward_ops, optimizer_ops
+
+
+def backward_path(args):
+    """watch()'s backward on the tree at small widths, through the GPU path's host work: the median
+    over backwards of the host time spent in its gradient hooks and in the flush that ends the pass
+    (timed inside them: a backward's own time is too noisy on a shared machine to subtract; torch's
+    call of each Python hook, about a microsecond, is not in it), and its counters in one backward
+    (``hooks``: the gradient hook calls)."""
+    from overflow_fast.hooks.gradients import GradientHooks
+
+    model = small_widths(args.layers)
+    ids = torch.randint(0, 512, (1, 16), generator=torch.Generator().manual_seed(0))
+    spent = [0.0, 0]  # seconds inside the hooks and the flush, hook calls
+
+    def timed(real, counts):
+        def call(*a, **k):
+            start = time.thread_time()
+            try:
+                return real(*a, **k)
+            finally:
+                spent[0] += time.thread_time() - start
+                spent[1] += counts
+        return call
+
+    def backward():
+        loss = model(input_ids=ids, labels=ids).loss
+        spent[:] = [0.0, 0]
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        return spent[0]
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the model's own kernels: no thread team to wait for on a shared machine
+    try:
+        with triton_on_cpu(), patched(GradientHooks, "_parameter_hook", timed(GradientHooks._parameter_hook, 1)), \
+                patched(GradientHooks, "_output_hook", timed(GradientHooks._output_hook, 1)), \
+                patched(Passes, "_backward_ended", timed(Passes._backward_ended, 0)):
+            detach = attach("watch", model)
+            try:
+                backward()  # warm: the launcher bound, the rows allocated
+                seconds = statistics.median(backward() for _ in range(args.repeats * args.inner))
+                loss = model(input_ids=ids, labels=ids).loss
+                spent[:] = [0.0, 0]
+                COUNT.reset()
+                before = launcher_counters()
+                with instrumented():
+                    loss.backward()
+                after = launcher_counters()
+                COUNT.settle()
+                counts = dict(vars(COUNT))
+                for name, value in after.items():
+                    counts[name] += value - before[name]
+                counts["hooks"] = spent[1]
+            finally:
+                detach()
+                model.zero_grad(set_to_none=True)
+    finally:
+        torch.set_num_threads(threads)
+    COUNT.reset()
+    return seconds, counts
+
+
+def gradient_sizes(model, events):
+    """The bytes of each gradient watch() reads in one backward of the recorded forward: each
+    parameter's (the model's dtype) and each distinct floating output's, as the forward hooks
+    flatten them. One gradient hook reads one of them."""
+    sizes = [p.numel() * p.element_size() for p in model.parameters() if p.requires_grad]
+    seen = set()
+    modules = dict(model.named_modules())
+    for kind, name, args, kwargs, output in events:
+        if kind != "post":
+            continue
+        for value, ctx in forward_items(modules[name], args, output):
+            if (isinstance(value, torch.Tensor) and ctx.startswith("output") and value.is_floating_point()
+                    and id(value) not in seen):
+                seen.add(id(value))
+                sizes.append(value.numel() * value.element_size())
+    return sizes
+
+
 # -- the projection ----------------------------------------------------------------------------------
 
 def gpt2_gpu_model(batch, seq, layers=12, d=768, vocab=50257):
@@ -587,47 +724,73 @@ def gpt2_gpu_model(batch, seq, layers=12, d=768, vocab=50257):
     return gemm_ms, other_ms
 
 
-def project(counts, host_per_hook_us, flush_us, hooks, check, base_host_forward_ms, step_ms=STEP_MS,
-            host_speedup=1.0, flush_before_read_us=0.0):
-    """Added step time (ms) and overhead (fraction) on an H200, from the host figures measured here.
+class Regime:
+    """One training step's GPU time and the model's own host time, per pass (ms): ``gpu`` and
+    ``host`` as (forward, backward, optimizer)."""
 
-    Timeline model: the GPU runs the step's work (``step_ms``, the forward one third of it) and,
-    with a detector, its kernels: every hooked tensor read once at HBM_TBPS (plus copies of
-    non-dense tensors, read and written), at least KERNEL_MIN_US per launch. The host issues the
-    model's ops (``base_host_forward_ms``) plus, per hook, the detector's Python and table work
-    measured here (``host_per_hook_us``), TRITON_LAUNCH_US per launch, UPLOAD_US per upload and
-    ATEN_LAUNCH_US per copy, all divided by ``host_speedup`` (a faster host CPU).
-    - check="batch": host and GPU overlap within the forward. The host issues the model's ops, the
-      hooks' work and, at the end, the flush up to its host read: the engine call over the staged
-      tensors and the bookkeeping that needs no rows (``flush_before_read_us``, part of the flush
-      measured here); the detector's kernels queue behind the forward's on the
-      GPU. Then one sync (SYNC_US) and the rest of the flush (the host read and the replay) run
-      with the GPU idle, then one launch's worth of bubble before the backward starts. So the
-      forward takes max(host issue, GPU forward) + detector GPU + SYNC_US + the rest of the flush.
-      ``host_per_hook_us`` includes the flush (it is the replay's whole time per hook), so the
-      flush is taken out of the hooks' share. The backward is untouched (forward hooks only).
-    - check="module": every hook syncs, so the GPU idles while the detector's host work runs:
-      the forward takes its GPU time plus, per hook, SYNC_US and all of the detector's host work.
-    Without a detector the host runs ahead of the GPU (no sync in the step): the step is step_ms
-    as long as the model's own host work is shorter than the GPU's.
-    """
-    forward_gpu = step_ms / 3
-    detector_gpu = ((counts["bytes"] + 2 * counts["copy_bytes"]) / (HBM_TBPS * 1e12) * 1e3
-                    + (counts["launches"] + counts["copies"]) * KERNEL_MIN_US / 1e3)
-    detector_host = (hooks * host_per_hook_us + counts["launches"] * TRITON_LAUNCH_US
-                     + counts["uploads"] * UPLOAD_US + counts["copies"] * ATEN_LAUNCH_US) / 1e3 / host_speedup
-    base_host = base_host_forward_ms / host_speedup
-    baseline = max(step_ms, 3 * base_host)
-    if check == "module":
-        forward = max(forward_gpu, base_host) + detector_gpu + detector_host + hooks * SYNC_US / 1e3
-    else:
-        flush = flush_us / 1e3 / host_speedup
-        flush_before_read = flush_before_read_us / 1e3 / host_speedup
-        issue = base_host + (detector_host - flush) + flush_before_read
-        forward = (max(issue, forward_gpu) + detector_gpu + SYNC_US / 1e3 + (flush - flush_before_read)
-                   + ATEN_LAUNCH_US / 1e3)
-    step = forward + (baseline - max(forward_gpu, base_host))
-    return step - baseline, step / baseline - 1, detector_gpu, detector_host
+    def __init__(self, name, gpu, host):
+        self.name, self.gpu, self.host = name, gpu, host
+
+    @property
+    def baseline(self):
+        """Without a detector nothing syncs: the host runs ahead, the step is the longer of the two."""
+        return max(sum(self.gpu), sum(self.host))
+
+
+def regimes(batch, seq, ops):
+    """The GPU-bound regime (the measured batch: STEP_MS of GPU time, forward a third of it) and the
+    host-bound one (HOST_BOUND: its modeled GPU time scaled by STEP_MS over the measured batch's
+    model); the model's host work MODEL_OP_HOST_US per ATen op, the same op counts in both."""
+    forward_ops, backward_ops, optimizer_ops = ops
+    host = (forward_ops * MODEL_OP_HOST_US / 1e3, backward_ops * MODEL_OP_HOST_US / 1e3,
+            optimizer_ops * MODEL_OP_HOST_US / 1e3)
+    measured = sum(gpt2_gpu_model(batch, seq))
+    small = sum(gpt2_gpu_model(*HOST_BOUND)) * STEP_MS / measured
+    return (Regime(f"GPU-bound ({batch} x {seq})", (STEP_MS / 3, 2 * STEP_MS / 3, 0.0), host),
+            Regime(f"host-bound ({HOST_BOUND[0]} x {HOST_BOUND[1]})", (small / 3, 2 * small / 3, 0.0), host))
+
+
+def pass_cost(counts, hooks, us_per_hook, device_ms):
+    """The detector's host and GPU time in one pass (ms), and of its flush, the part after the host
+    read (ms): its hooks' measured host work (the flush included) plus the driver's share of each
+    launch, upload and copy; on the GPU its kernels (``device_ms``, modeled: each read's launches
+    take the longer of its bytes at HBM_TBPS and KERNEL_MIN_US each) and its copies (read and
+    written once more)."""
+    gpu = device_ms + (2 * counts["copy_bytes"] / (HBM_TBPS * 1e12) + counts["copies"] * KERNEL_MIN_US / 1e6) * 1e3
+    host = (hooks * us_per_hook + counts["launches"] * TRITON_LAUNCH_US + counts["uploads"] * UPLOAD_US
+            + counts["copies"] * ATEN_LAUNCH_US) / 1e3
+    after_read = (counts["flush_s"] - counts["flush_before_read_s"]) * 1e3
+    return host, gpu, after_read
+
+
+def project(regime, check, passes):
+    """Added step time (ms) and overhead (fraction) of a detector in ``regime``; ``passes``: the
+    (host, gpu, after_read) of each pass it hooks, forward first (``pass_cost``), the backward's
+    None where it has no hooks there.
+
+    check="batch" (and watch()): a pass ends with one host read (SYNC_US), so the host can no longer
+    run ahead of it: the pass takes the longer of the host's issue (the model's ops and the hooks,
+    the flush up to its host read) and the GPU's work (the model's and the detector's kernels),
+    then the sync, the rest of the flush with the GPU idle, and one launch's worth of bubble before
+    the GPU has work again. What follows the last synced pass (the backward without hooks, the
+    optimizer) runs ahead as without a detector.
+    check="module": every hook syncs, so the GPU idles while the detector's host work runs: the
+    forward takes its own time plus all of the detector's work and a sync per hook (SYNC_US)."""
+    step = 0.0
+    synced = 0
+    for index, cost in enumerate(passes):
+        if cost is None:
+            break
+        host, gpu, after_read = cost[:3]
+        if check == "module":
+            hooks, per_hook_host = cost[3], host
+            step += max(regime.host[index], regime.gpu[index]) + gpu + per_hook_host + hooks * SYNC_US / 1e3
+        else:
+            step += (max(regime.host[index] + host - after_read, regime.gpu[index] + gpu) + SYNC_US / 1e3
+                     + after_read + ATEN_LAUNCH_US / 1e3)
+        synced = index + 1
+    step += max(sum(regime.host[synced:]), sum(regime.gpu[synced:]))
+    return step - regime.baseline, step / regime.baseline - 1
 
 
 # -- main ----------------------------------------------------------------------------------------
@@ -641,77 +804,113 @@ def host_path(args, csv_rows):
         with torch.no_grad():
             meta_model(input_ids=ids)
 
+    grad = not args.no_grad
     print(f"== Triton path host work: GPT-2 small tree ({layers} layers, n_embd 768, 12 heads), bf16, "
-          f"batch {batch} x {seq} tokens, activations {'without' if args.no_grad else 'requiring'} grad: the hook "
-          f"sequence of a meta-device forward, replayed on "
-          f"uninitialised CPU tensors of the same sizes; kernel launches stubbed", flush=True)
+          f"batch {batch} x {seq} tokens, {'training' if grad else 'inference'} forward: the hook sequence of a "
+          f"meta-device forward, replayed on uninitialised CPU tensors of the same sizes; the launches' driver "
+          f"call stubbed (launch path: {triton_backend.launch_path()} here; counted launches below)", flush=True)
     events, ops = record(meta_model, forward)
     model = gpt2_small(layers, "meta", torch.bfloat16).to_empty(device="cpu")  # virtual memory only
-    events = materialize(events, requires_grad=not args.no_grad)
+    events = materialize(events, requires_grad=grad)
     hooks = sum(1 for event in events if event[0] == "post")
 
     def run():
-        replay(model, events)
+        replay(model, events, grad=grad)
 
     with triton_on_cpu():
-        times = measure(model, run, VARIANTS, args.repeats, args.inner)
+        times = measure(model, run, VARIANTS, args.repeats, args.inner, clock=time.thread_time)
         counts = {v: counted(model, run, v) for v in DETECTORS}
         prof = profile(model, run, "batch", args.inner, args.top) if args.profile else None
     none = times["none"]
     per_hook = {v: (times[v] - none) / hooks * 1e6 for v in VARIANTS}
-    base_host_ms = ops * MODEL_OP_HOST_US / 1e3
     print(f"{hooks} hooks and {ops} ATen ops per forward; medians of {args.repeats} round-robin rounds of "
-          f"{args.inner} replayed forwards ('none': the replay loop alone, {none * 1e3:.2f} ms; torch's own "
-          f"hook-calling path in Module.__call__ is not in the replay)")
+          f"{args.inner} replayed forwards, in the replaying thread's CPU time ('none': the replay loop alone, "
+          f"{none * 1e3:.2f} ms; torch's own hook-calling path in Module.__call__ is not in the replay)")
     print()
-    print("| variant | forward (ms) | host us/hook | engine calls | launches | uploads | chunks "
-          "| table ints | tensors read | MB read | copies | us/hook in compute() | flush (ms; of it before the host read) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| variant | forward (ms) | host us/hook | launches (through Triton) | uploads | programs | tensors read "
+          "| MB read | copies | Python engine calls (us/hook in them) | flush (ms; of it before the host read) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for v in VARIANTS:
         c = counts.get(v)
-        cells = (f"{c['compute_calls']} | {c['launches']} | {c['uploads']} | {c['chunks']} | {c['table_ints']} | "
-                 f"{c['tensors']} | {c['bytes'] / 1e6:.0f} | {c['copies']} | {c['compute_s'] / hooks * 1e6:.1f} | "
-                 f"{c['flush_s'] * 1e3:.2f} ({c['flush_before_read_s'] * 1e3:.2f})") if c else " | ".join(["-"] * 10)
+        cells = (f"{c['launches']} ({c['ordinary']}) | {c['uploads']} | {c['programs']} | {c['tensors']} | "
+                 f"{c['bytes'] / 1e6:.0f} | {c['copies']} | {c['compute_calls']} ({c['compute_s'] / hooks * 1e6:.1f}) | "
+                 f"{c['flush_s'] * 1e3:.2f} ({c['flush_before_read_s'] * 1e3:.2f})") if c else " | ".join(["-"] * 9)
         print(f"| {v} | {times[v] * 1e3:.2f} | {per_hook[v]:.1f} | {cells} |")
     for v in VARIANTS:
         csv_rows.append((f"triton host {v}: forward", times[v] * 1e3, "ms"))
         csv_rows.append((f"triton host {v}: host per hook", per_hook[v], "us"))
     for v, c in counts.items():
-        for key, unit in (("launches", "per forward"), ("uploads", "per forward"), ("chunks", "per forward"),
-                          ("table_ints", "per forward"), ("compute_calls", "per forward")):
-            csv_rows.append((f"triton host {v}: {key}", c[key], unit))
-        csv_rows.append((f"triton host {v}: compute() per hook", c["compute_s"] / hooks * 1e6, "us"))
+        for key in ("launches", "ordinary", "uploads", "programs", "tensors", "copies", "compute_calls"):
+            csv_rows.append((f"triton host {v}: {key}", c[key], "per forward"))
+        csv_rows.append((f"triton host {v}: bytes read", c["bytes"] / 1e6, "MB per forward"))
         csv_rows.append((f"triton host {v}: flush", c["flush_s"] * 1e3, "ms"))
     csv_rows.append(("triton host: hooks", hooks, "per forward"))
-
-    gemm_ms, other_ms = gpt2_gpu_model(8, 1024)
-    print()
-    print(f"== Projection: H200, GPT-2 small bf16, 8 x 1024 tokens. Modeled GPU work per step: GEMMs "
-          f"{gemm_ms:.1f} ms at {GEMM_TFLOPS:.0f} TFLOP/s + other ops {other_ms:.1f} ms at {HBM_TBPS:.0f} TB/s; "
-          f"the step taken as {STEP_MS:.0f} ms (forward 1/3). Host: this CPU's figures (above), "
-          f"{TRITON_LAUNCH_US} us per Triton launch, {UPLOAD_US} us per upload, {ATEN_LAUNCH_US} us per ATen "
-          f"launch, {SYNC_US} us per host read; the model's own forward issue time {base_host_ms:.1f} ms "
-          f"({MODEL_OP_HOST_US} us x {ops} ops).")
-    if (layers, batch, seq) != (12, 8, 1024):
-        print("   (not the GPT-2-small 12-layer 8 x 1024 sequence: the projection is not meaningful)")
-    print("| variant | host CPU | detector host (ms/fwd) | detector GPU (ms/fwd) | added per step (ms) | overhead |")
-    print("|---|---|---|---|---|---|")
-    results = {}
-    for v in ("module", "batch", "watch", "defer"):
-        for speedup in (1.0, 1.7):
-            added, overhead, det_gpu, det_host = project(
-                counts[v], per_hook[v], counts[v]["flush_s"] * 1e6, hooks,
-                "module" if v == "module" else "batch", base_host_ms, host_speedup=speedup,
-                flush_before_read_us=counts[v]["flush_before_read_s"] * 1e6)
-            results[(v, speedup)] = overhead
-            label = "this one" if speedup == 1.0 else f"{speedup}x faster"
-            print(f"| {v} | {label} | {det_host:.2f} | {det_gpu:.2f} | {added:+.2f} | {overhead * 100:+.1f}% |")
-            csv_rows.append((f"projected H200 step overhead {v} (host {speedup}x)", overhead * 100, "%"))
     if prof is not None:
         print()
         print(f"== cProfile of check='batch', {args.inner} forwards ({hooks} hooks each), top {args.top} by tottime")
         print(prof)
-    return per_hook["batch"], counts["batch"], results[("batch", 1.0)]
+
+    backward = None
+    if not args.no_backward:
+        print()
+        print(f"== watch()'s backward: the same tree ({layers} layers, 12 heads) at small widths (n_embd 96, "
+              "vocab 512), fp32, batch 1 x 16, trained on the CPU through the same path, one torch thread; the "
+              "host time inside its gradient hooks and its end-of-pass flush", flush=True)
+        seconds, bcounts = backward_path(args)
+        bhooks = bcounts["hooks"]
+        us = seconds / max(bhooks, 1) * 1e6
+        print(f"{bhooks} gradient hooks per backward: {seconds * 1e3:.2f} ms in them and the flush that ends the "
+              f"pass (median of {args.repeats * args.inner} backwards), {us:.1f} host us/hook; {bcounts['launches']} "
+              f"launches ({bcounts['ordinary']} through Triton), {bcounts['uploads']} uploads, {bcounts['copies']} "
+              f"copies, flush {bcounts['flush_s'] * 1e3:.2f} ms")
+        csv_rows.append(("triton host watch backward: host per hook", us, "us"))
+        for key in ("hooks", "launches", "uploads", "copies"):
+            csv_rows.append((f"triton host watch backward: {key}", bcounts[key], "per backward"))
+        backward = (us, bcounts)
+
+    ops_per_pass = model_ops(layers)
+    print()
+    gemm_ms, other_ms = gpt2_gpu_model(batch, seq)
+    if (layers, batch, seq) != (12, 8, 1024):
+        print("   (not the GPT-2-small 12-layer 8 x 1024 sequence: the projection is not meaningful)")
+    print(f"== Projection: H200, GPT-2 small bf16. GPU-bound: the measured batch, {STEP_MS:.0f} ms of GPU work per "
+          f"step (its model: GEMMs {gemm_ms:.1f} ms at {GEMM_TFLOPS:.0f} TFLOP/s + other ops {other_ms:.1f} ms at "
+          f"{HBM_TBPS:.0f} TB/s), forward 1/3. Host-bound: batch {HOST_BOUND[0]} x {HOST_BOUND[1]}, the model's GPU "
+          f"time scaled from the same model; the detector's kernels as at the measured batch (an upper bound: "
+          f"there the step waits for the host). The model's host work "
+          f"{MODEL_OP_HOST_US} us per ATen op: {ops_per_pass[0]} forward, {ops_per_pass[1]} backward, "
+          f"{ops_per_pass[2]} fused AdamW (counted on the tree). Detector: this CPU's host figures above, "
+          f"{TRITON_LAUNCH_US} us per launch, {UPLOAD_US} us per upload, {ATEN_LAUNCH_US} us per ATen copy, "
+          f"{SYNC_US} us per host read; each read's kernels take the longer of its bytes at {HBM_TBPS} TB/s and "
+          f"{KERNEL_MIN_US} us per launch. watch() reads its backward's gradients too (check='module', "
+          f"'batch' and defer have no backward hooks).")
+    gradients = gradient_sizes(model, events)
+    if backward is not None:
+        print(f"watch()'s backward reads {len(gradients)} gradients of GPT-2 small ({sum(gradients) / 1e6:.0f} MB: "
+              f"its parameters and hooked outputs), one launch each")
+    results = {}
+    print("| regime | variant | step without (ms) | detector host (ms/step) | detector GPU (ms/step) | added (ms) "
+          "| overhead |")
+    print("|---|---|---|---|---|---|---|")
+    for regime in regimes(batch, seq, ops_per_pass):
+        for v in ("module", "batch", "watch", "defer"):
+            forward_cost = pass_cost(counts[v], hooks, per_hook[v], counts[v]["device_s"] * 1e3)
+            if v == "module":
+                forward_cost = forward_cost + (hooks,)
+            backward_cost = None
+            if v == "watch" and backward is not None:
+                us, bcounts = backward
+                device_ms = sum(max(KERNEL_MIN_US / 1e3, size / (HBM_TBPS * 1e9)) for size in gradients)
+                backward_cost = pass_cost(bcounts, bcounts["hooks"], us, device_ms)
+            added, overhead = project(regime, "module" if v == "module" else "batch", (forward_cost, backward_cost))
+            host_ms = forward_cost[0] + (backward_cost[0] if backward_cost else 0)
+            gpu_ms = forward_cost[1] + (backward_cost[1] if backward_cost else 0)
+            results[(regime.name, v)] = overhead
+            print(f"| {regime.name} | {v} | {regime.baseline:.1f} | {host_ms:.2f} | {gpu_ms:.2f} | {added:+.2f} "
+                  f"| {overhead * 100:+.1f}% |")
+            csv_rows.append((f"projected H200 step overhead {v} ({regime.name})", overhead * 100, "%"))
+    gpu_bound = regimes(batch, seq, ops_per_pass)[0].name
+    return per_hook["batch"], counts["batch"], results[(gpu_bound, "batch")]
 
 
 def cpu_path(args, csv_rows):
@@ -725,33 +924,34 @@ def cpu_path(args, csv_rows):
     print()
     print(f"== CPU backend host work: GPT-2 small tree ({args.layers} layers), fp32, CPU, real weights, "
           f"batch 1 x {args.cpu_seq} tokens, no grad, {torch.get_num_threads()} threads: the hook sequence of a "
-          f"real forward, replayed on its real tensors", flush=True)
+          f"real forward, replayed on its real tensors, read by the CPU launcher (the C++ kernel)", flush=True)
     events, _ = record(model, forward)
     hooks = sum(1 for event in events if event[0] == "post")
 
     def run():
         replay(model, events)
 
-    times, kernel_s = measure(model, run, VARIANTS, args.repeats, args.inner, kernel_time=True)
-    counts = {v: counted(model, run, v) for v in DETECTORS}
-    none = times["none"]
+    times = measure(model, run, VARIANTS, args.repeats, args.inner)
+    launcher = cpu_backend.launcher()
     print(f"{hooks} hooks per forward; medians of {args.repeats} round-robin rounds of {args.inner} replays")
     print()
-    print("| variant | forward (ms) | host us/hook | _C.compute calls | us/hook in _C.compute | us/hook Python "
-          "| tensors read | MB read | flush (ms) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| variant | forward (ms) | host us/hook | launches in the core's call | tensors read |")
+    print("|---|---|---|---|---|")
+    none = times["none"]
     for v in VARIANTS:
         per_hook = (times[v] - none) / hooks * 1e6
-        c = counts.get(v)
-        if c:
-            kernel = kernel_s[v] / hooks * 1e6
-            cells = (f"{c['kernel_calls']} | {kernel:.1f} | {per_hook - kernel:.1f} | {c['tensors']} | "
-                     f"{c['bytes'] / 1e6:.1f} | {c['flush_s'] * 1e3:.2f}")
-            csv_rows.append((f"cpu host {v}: _C.compute per hook", kernel, "us"))
-            csv_rows.append((f"cpu host {v}: Python per hook", per_hook - kernel, "us"))
-            csv_rows.append((f"cpu host {v}: _C.compute calls", c["kernel_calls"], "per forward"))
-        else:
-            cells = " | ".join(["-"] * 6)
+        cells = "- | -"
+        if v in DETECTORS:
+            detach = attach(v, model)
+            try:
+                run()
+                before = (launcher.direct_launches, launcher.tensors_read)
+                run()
+                launches, tensors = launcher.direct_launches - before[0], launcher.tensors_read - before[1]
+            finally:
+                detach()
+            cells = f"{launches} | {tensors}"
+            csv_rows.append((f"cpu host {v}: launches", launches, "per forward"))
         print(f"| {v} | {times[v] * 1e3:.2f} | {per_hook:.1f} | {cells} |")
         csv_rows.append((f"cpu host {v}: forward", times[v] * 1e3, "ms"))
         csv_rows.append((f"cpu host {v}: host per hook", per_hook, "us"))
@@ -766,14 +966,14 @@ def main(argv=None):
     parser.add_argument("--seq", type=int, default=None)
     parser.add_argument("--cpu-seq", type=int, default=8, help="tokens of the CPU-backend run (batch 1)")
     parser.add_argument("--repeats", type=int, default=None, help="round-robin rounds")
-    parser.add_argument("--inner", type=int, default=None, help="forwards timed per round")
+    parser.add_argument("--inner", type=int, default=None, help="forwards (backwards) timed per round")
     parser.add_argument("--profile", action="store_true", help="cProfile check='batch' and print the top costs")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--no-cpu", action="store_true", help="skip the CPU-backend run")
+    parser.add_argument("--no-backward", action="store_true", help="skip watch()'s backward (not projected then)")
     parser.add_argument("--no-grad", action="store_true",
-                        help="activations as in an inference forward (no grad): staging then reads early once "
-                             "stage_bytes of them wait; by default they require grad, as in the training step "
-                             "the projection is about")
+                        help="activations as in an inference forward (no grad); by default a training forward, "
+                             "as in the step the projection is about")
     parser.add_argument("--csv", default=None, help="append machine-readable rows to this CSV")
     args = parser.parse_args(argv)
     quick = args.quick
@@ -784,6 +984,8 @@ def main(argv=None):
     args.inner = args.inner or (1 if quick else 3)
     if triton_backend.triton is None:
         raise SystemExit(f"triton is needed for its kernels' constexpr types: {triton_backend._IMPORT_ERROR}")
+    if triton_backend._EXTENSION is None:
+        print("the C++ extension is unavailable: the per-hook reads take the Python path (counted launches)")
     print(_results.machine_line(), flush=True)
     csv_rows = []
     per_hook, counts, overhead = host_path(args, csv_rows)

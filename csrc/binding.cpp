@@ -31,6 +31,7 @@
 #include <cpuid.h>
 #endif
 
+#include "launch.h"
 #include "stats.h"
 
 #ifndef OVERFLOW_FAST_TORCH_VERSION
@@ -44,7 +45,7 @@ namespace overflow_fast {
 namespace {
 
 // Bumped whenever the Python side must change with the module (cpu_backend.py checks it).
-constexpr int kAbiVersion = 12;
+constexpr int kAbiVersion = 13;
 
 // Columns of a row (overflow_fast/stats/layout.py).
 enum Column : int64_t { ABS_MIN, ABS_MAX, NAN_COUNT, POSINF, NEGINF, ZERO, SUBNORMAL, NUMEL, NUM_COLUMNS };
@@ -225,6 +226,8 @@ struct Plan {
   int64_t cost = 0;    // cost units of one element
   int64_t cost_begin = 0;
   int64_t cost_end = 0;
+  int64_t numel = 0;     // the tensor's elements (its row's count)
+  bool negated = false;  // a negative view (torch._neg_view): its infinities change sign
   at::Tensor copy;  // holds the contiguous copy, for the layouts that need one
 };
 
@@ -473,6 +476,46 @@ Extent checked_extent(const at::Tensor& t, ArgName name) {
   return {base + static_cast<uintptr_t>(offset) * itemsize, base + static_cast<uintptr_t>(end_bytes)};
 }
 
+// Reads every planned element, the whole call's cost split evenly between threads, and writes
+// each plan's row into `out` (rows of zeros already there for the tensors without a plan).
+void scan_plans(c10::SmallVector<Plan, 4>& plans, int64_t total_cost, int64_t* out) {
+  if (plans.empty()) {
+    return;
+  }
+  // Thread p reads the elements whose cost offsets fall in [total*p/parts, total*(p+1)/parts).
+  const int64_t num_plans = static_cast<int64_t>(plans.size());
+  const int64_t parts = std::max<int64_t>(
+      1, std::min<int64_t>(at::get_num_threads(), total_cost / kMinBytesPerThread));
+  c10::SmallVector<Partial, 8> partials(parts * num_plans);
+  at::parallel_for(0, parts, 1, [&](int64_t part_begin, int64_t part_end) {
+    for (int64_t part = part_begin; part < part_end; part++) {
+      const int64_t lo = total_cost / parts * part + total_cost % parts * part / parts;
+      const int64_t hi = total_cost / parts * (part + 1) + total_cost % parts * (part + 1) / parts;
+      auto it = std::upper_bound(plans.begin(), plans.end(), lo,
+                                 [](int64_t value, const Plan& p) { return value < p.cost_end; });
+      for (; it != plans.end() && it->cost_begin < hi; ++it) {
+        const int64_t count = it->rows * it->row_len;
+        // element j belongs to the part holding its cost offset cost_begin + j * cost
+        auto first_at_or_after = [&](int64_t offset) {
+          const int64_t d = offset - it->cost_begin;
+          return d <= 0 ? 0 : std::min(count, (d + it->cost - 1) / it->cost);
+        };
+        scan_elements(*it, first_at_or_after(lo), first_at_or_after(hi),
+                      partials[part * num_plans + (it - plans.begin())]);
+      }
+    }
+  });
+
+  for (int64_t k = 0; k < num_plans; k++) {
+    Partial total;
+    for (int64_t part = 0; part < parts; part++) {
+      total.merge(partials[part * num_plans + k]);
+    }
+    const Plan& plan = plans[k];
+    write_row(plan, total, plan.negated, plan.numel, out + plan.row * NUM_COLUMNS);
+  }
+}
+
 at::Tensor compute(at::TensorList tensors, const std::optional<at::Tensor>& out_rows) {
   const int64_t n = static_cast<int64_t>(tensors.size());
   // inline storage for a hook's few tensors: no heap allocation per call
@@ -523,51 +566,15 @@ at::Tensor compute(at::TensorList tensors, const std::optional<at::Tensor>& out_
       continue;  // a row of zeros
     }
     Plan plan = make_plan(t, i, kinds[i]);
+    plan.numel = t.numel();
+    // a negative view holds the bits of -x: its infinities change sign; a complex magnitude does not
+    plan.negated = t.is_neg() && is_floating(plan.kind);
     plan.cost_begin = total_cost;
     total_cost += plan.rows * plan.row_len * plan.cost;
     plan.cost_end = total_cost;
     plans.push_back(std::move(plan));
   }
-  if (plans.empty()) {
-    return result;
-  }
-
-  // Thread p reads the elements whose cost offsets fall in [total*p/parts, total*(p+1)/parts).
-  const int64_t num_plans = static_cast<int64_t>(plans.size());
-  const int64_t parts = std::max<int64_t>(
-      1, std::min<int64_t>(at::get_num_threads(), total_cost / kMinBytesPerThread));
-  c10::SmallVector<Partial, 8> partials(parts * num_plans);
-  at::parallel_for(0, parts, 1, [&](int64_t part_begin, int64_t part_end) {
-    for (int64_t part = part_begin; part < part_end; part++) {
-      const int64_t lo = total_cost / parts * part + total_cost % parts * part / parts;
-      const int64_t hi = total_cost / parts * (part + 1) + total_cost % parts * (part + 1) / parts;
-      auto it = std::upper_bound(plans.begin(), plans.end(), lo,
-                                 [](int64_t value, const Plan& p) { return value < p.cost_end; });
-      for (; it != plans.end() && it->cost_begin < hi; ++it) {
-        const int64_t count = it->rows * it->row_len;
-        // element j belongs to the part holding its cost offset cost_begin + j * cost
-        auto first_at_or_after = [&](int64_t offset) {
-          const int64_t d = offset - it->cost_begin;
-          return d <= 0 ? 0 : std::min(count, (d + it->cost - 1) / it->cost);
-        };
-        scan_elements(*it, first_at_or_after(lo), first_at_or_after(hi),
-                      partials[part * num_plans + (it - plans.begin())]);
-      }
-    }
-  });
-
-  for (int64_t k = 0; k < num_plans; k++) {
-    Partial total;
-    for (int64_t part = 0; part < parts; part++) {
-      total.merge(partials[part * num_plans + k]);
-    }
-    const Plan& plan = plans[k];
-    const at::Tensor& t = tensors[plan.row];
-    // a negative view (torch._neg_view) holds the bits of -x: its infinities change sign;
-    // a complex magnitude does not
-    const bool negated = t.is_neg() && is_floating(plan.kind);
-    write_row(plan, total, negated, t.numel(), out + plan.row * NUM_COLUMNS);
-  }
+  scan_plans(plans, total_cost, out);
   return result;
 }
 
@@ -628,7 +635,36 @@ void tensor_stats_out_autograd(at::TensorList tensors, at::Tensor& out) {
 
 }  // namespace
 
+void compute_flat(const FlatTensor* tensors, int64_t count, int64_t* rows) {
+  // the rows of empty tensors stay zero; write_row leaves the columns a kind has not at zero
+  std::memset(rows, 0, static_cast<size_t>(count) * NUM_COLUMNS * sizeof(int64_t));
+  c10::SmallVector<Plan, 4> plans;
+  int64_t total_cost = 0;
+  for (int64_t i = 0; i < count; i++) {
+    const FlatTensor& t = tensors[i];
+    if (t.numel == 0) {
+      continue;
+    }
+    const std::optional<Kind> kind = kind_of(t.dtype);
+    TORCH_CHECK(kind.has_value(), "overflow_fast: compute_flat: unsupported dtype ", t.dtype);
+    Plan plan;
+    plan.row = i;
+    plan.kind = *kind;
+    plan.base = static_cast<const char*>(t.data);
+    plan.itemsize = static_cast<int64_t>(c10::elementSize(t.dtype));
+    plan.row_len = t.numel;
+    plan.numel = t.numel;
+    plan.cost = plan.itemsize * (is_complex(plan.kind) ? kComplexCostFactor : 1);
+    plan.cost_begin = total_cost;
+    total_cost += plan.row_len * plan.cost;
+    plan.cost_end = total_cost;
+    plans.push_back(std::move(plan));
+  }
+  scan_plans(plans, total_cost, rows);
+}
+
 // table.cpp
+void add_launcher(py::module& m);
 py::object triton_table(const py::list& tensors, const py::tuple& plain_types, const at::Device& device,
                         const py::dict& words, int64_t chunk, const at::Tensor& table, int64_t aligned_bit,
                         int64_t overlap_first, int64_t overlap_last, bool list_empty);
@@ -684,6 +720,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "[(name, why not)] for every kernel build, worst first: why not is '' for the builds "
         "this module holds and this CPU runs");
   m.def("triton_table", &overflow_fast::triton_table, "The Triton backend's table of plain tensors (table.cpp)");
+  overflow_fast::add_launcher(m);
   overflow_fast::add_hook_core(m);
   m.attr("ABI_VERSION") = overflow_fast::kAbiVersion;
   m.attr("TORCH_VERSION") = OVERFLOW_FAST_TORCH_VERSION;

@@ -8,17 +8,24 @@
 // - with deferral (off by default): the tensors whose read waits, the versions and data pointers
 //   they had at their hook, and per call site (a module's tensor position) whether its tensor was
 //   ever changed after its hook.
-// Tensors and ints in, tuples of ints and tensors out: it never touches a Python object, so the
-// Python side can change without it.
+// Where a launcher is bound to a device (the backend's per-hook read, table.cpp), the tensors to
+// read are launched from here, in the same call: a hook's host work is this one call.
+// Tensors and ints in, tuples of ints and tensors out: it reads no Python attribute, so the Python
+// side can change without it.
 // Only the headers used: <torch/extension.h> (all of libtorch's C++ API) costs about 30 s of
 // CPU to parse, most of this unit's share of a first-use build.
 #include <ATen/ops/empty.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
+
+#include "launch.h"
 
 #include <c10/core/TensorImpl.h>
 #include <c10/util/intrusive_ptr.h>
 
 #include <cstdint>
+#include <memory>
+#include <string>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -50,14 +57,20 @@ const void* data_of(const at::Tensor& tensor) {
   return impl->storage().data();
 }
 
+// The tensor of a Python object the caller checked (THPVariable_Check).
+const at::Tensor& tensor_of(const py::handle& object) { return THPVariable_Unpack(object.ptr()); }
+
 struct Held {
-  at::Tensor tensor;
+  py::object object;  // the caller's tensor (handed back as it came)
   int64_t version;
   const void* data;
   int64_t site;
   int64_t position;
 
-  bool changed() const { return version_of(tensor) != version || data_of(tensor) != data; }
+  bool changed() const {
+    const at::Tensor& tensor = tensor_of(object);
+    return version_of(tensor) != version || data_of(tensor) != data;
+  }
 };
 
 struct DeviceRows {
@@ -66,6 +79,9 @@ struct DeviceRows {
   int64_t launched = 0;  // rows [0, launched) were handed to the caller to read
   std::vector<Held> deferred;  // the tensors of rows [launched, used)
   int64_t deferred_bytes = 0;  // of those, the ones only deferral keeps alive
+  // bound: the device's per-hook read and the rows it writes ([capacity, 8] int64 on the device)
+  std::shared_ptr<Launcher> launcher;
+  at::Tensor buffer;
 };
 
 struct Seen {
@@ -85,15 +101,27 @@ class HookCore {
   }
 
   // The rows of one hook call's tensors: (device key, rows, first, to_read, changed), where the
-  // caller reads `to_read` into rows [first, first + len(to_read)) of the device's buffer now;
-  // `changed`: rows whose deferred tensor changed before this read (given as empty tensors in
-  // `to_read`). Not added: (kFull or kMixedDevices, None, None, None, None), one result type
-  // either way. `site` >= 0 with `defer`: the call may wait.
-  py::tuple add(const std::vector<at::Tensor>& tensors, int64_t site, bool defer) {
+  // caller reads `to_read` into rows [first, first + len(to_read)) of the device's buffer now
+  // (empty where a bound launcher read them here); `changed`: rows whose deferred tensor changed
+  // before this read (read as empty tensors). Not added: (kFull or kMixedDevices, None, None,
+  // None, None), one result type either way. `site` >= 0 with `defer`: the call may wait.
+  py::tuple add(const py::object& objects, int64_t site, bool defer) {
+    // a list as it is; any other iterable (a list subclass included) through its own iteration
+    const py::list tensors = PyList_CheckExact(objects.ptr())
+                                 ? py::reinterpret_borrow<py::list>(objects)
+                                 : py::reinterpret_steal<py::list>(PySequence_List(objects.ptr()));
+    if (!tensors) {
+      throw py::error_already_set();
+    }
     TORCH_CHECK(!tensors.empty(), "HookCore.add: no tensors");
-    const c10::Device device = tensors[0].device();
-    for (const auto& tensor : tensors) {
-      if (tensor.device() != device) {
+    for (const auto& object : tensors) {
+      if (!THPVariable_Check(object.ptr())) {
+        throw py::type_error(std::string("HookCore.add: expected tensors, got ") + Py_TYPE(object.ptr())->tp_name);
+      }
+    }
+    const c10::Device device = tensor_of(PyList_GET_ITEM(tensors.ptr(), 0)).device();
+    for (const auto& object : tensors) {
+      if (tensor_of(object).device() != device) {
         return not_added(kMixedDevices);
       }
     }
@@ -118,7 +146,8 @@ class HookCore {
     const int64_t held_site = may_defer ? site : -1;
     py::tuple row_of(count);
     for (int64_t position = 0; position < count; ++position) {
-      const at::Tensor& tensor = tensors[position];
+      const py::handle object(PyList_GET_ITEM(tensors.ptr(), position));
+      const at::Tensor& tensor = tensor_of(object);
       c10::TensorImpl* impl = tensor.unsafeGetTensorImpl();
       const int64_t version = version_of(tensor);
       const void* data = data_of(tensor);
@@ -132,14 +161,14 @@ class HookCore {
           // a row still waiting is read now where this position may not wait
           read_now = read_now || (row >= rows.launched && mode != kDefer);
           if (mode == kUnknown && modes != nullptr) {
-            watch(tensor, version, data, site, position);
+            watch(object, version, data, site, position);
           }
           continue;
         }
       }
       const int64_t row = rows.used++;
       row_of[position] = py::int_(row);
-      rows.deferred.push_back(Held{tensor, version, data, held_site, position});
+      rows.deferred.push_back(Held{py::reinterpret_borrow<py::object>(object), version, data, held_site, position});
       if (!tensor.requires_grad()) {  // autograd keeps the others until backward anyway
         rows.deferred_bytes += bytes_of(tensor);
       }
@@ -150,7 +179,7 @@ class HookCore {
       if (mode != kDefer) {
         read_now = true;
         if (mode == kUnknown && modes != nullptr) {
-          watch(tensor, version, data, site, position);
+          watch(object, version, data, site, position);
         }
       }
     }
@@ -160,8 +189,7 @@ class HookCore {
     if (watched_bytes_ > defer_bytes_) {
       learn();
     }
-    py::tuple taken = read_now ? take(rows) : py::make_tuple(rows.launched, std::vector<at::Tensor>(),
-                                                             std::vector<int64_t>());
+    py::tuple taken = read_now ? take(rows) : py::make_tuple(rows.launched, py::list(), std::vector<int64_t>());
     return py::make_tuple(key, row_of, taken[0], taken[1], taken[2]);
   }
 
@@ -186,6 +214,27 @@ class HookCore {
       rows.deferred.clear();
     }
     seen_.clear();
+  }
+
+  // From now on the tensors of `key`'s device that add() or pending() hand out are read here, by
+  // `launcher` into rows of `buffer` ([capacity, 8] int64 on the device), and handed out only
+  // where it declines them (to_read is then empty). None: the caller reads them again.
+  void bind(int64_t key, const py::object& launcher, const at::Tensor& buffer) {
+    DeviceRows& rows = devices_.at(key);
+    if (launcher.is_none()) {
+      rows.launcher.reset();
+      rows.buffer = at::Tensor();
+      return;
+    }
+    auto bound = launcher.cast<std::shared_ptr<Launcher>>();
+    TORCH_CHECK(bound->device() == rows.device, "HookCore.bind: the launcher reads ", bound->device(),
+                ", not this key's ", rows.device);
+    TORCH_CHECK(buffer.device() == rows.device && buffer.scalar_type() == at::kLong && buffer.is_contiguous() &&
+                    buffer.dim() == 2 && buffer.size(0) == capacity_ && buffer.size(1) == 8 &&
+                    !buffer.key_set().has_any(c10::python_ks),
+                "HookCore.bind: buffer must be a contiguous int64 [capacity, 8] tensor on the key's device");
+    rows.launcher = std::move(bound);
+    rows.buffer = buffer;
   }
 
   // Rows in use on a device (by key); the device of a key.
@@ -214,32 +263,66 @@ class HookCore {
   // (first, tensors, changed rows) of a device's waiting rows, which count as launched from now.
   // A deferred tensor changed since its hook is never handed out (its memory may be gone): an
   // empty tensor stands in, and its call site is read at once from now on.
+  // Where a launcher is bound, it reads them now and none is handed out, unless it declines.
   py::tuple take(DeviceRows& rows) {
-    std::vector<at::Tensor> tensors;
+    py::list tensors(rows.deferred.size());
     std::vector<int64_t> changed;
-    tensors.reserve(rows.deferred.size());
     int64_t row = rows.launched;
+    Py_ssize_t index = 0;
     for (auto& held : rows.deferred) {
       if (held.site >= 0 && held.changed()) {
         changed.push_back(row);
         modes_[held.site][held.position] = kAtOnce;
-        tensors.push_back(at::empty({0}, held.tensor.options().dtype(at::kByte)));
+        tensors[index] = py::cast(at::empty({0}, tensor_of(held.object).options().dtype(at::kByte)));
       } else {
-        tensors.push_back(std::move(held.tensor));
+        tensors[index] = std::move(held.object);
       }
       ++row;
+      ++index;
     }
     const int64_t first = rows.launched;
     rows.launched = rows.used;
     rows.deferred.clear();
     rows.deferred_bytes = 0;
+    if (rows.launcher != nullptr && index > 0 && launch(rows, first, tensors)) {
+      tensors = py::list();
+    }
     return py::make_tuple(first, std::move(tensors), std::move(changed));
+  }
+
+  // The bound launcher's read of `tensors` into rows [first, first + len) of the buffer: false
+  // where it declines (the caller reads them). A launcher that fails is unbound and keeps its
+  // reason (disabled); the caller reads the tensors instead. An interrupt is not a failure.
+  bool launch(DeviceRows& rows, int64_t first, const py::list& tensors) {
+    const auto start = reinterpret_cast<int64_t>(rows.buffer.data_ptr());
+    const int64_t end = start + capacity_ * 64;
+    try {
+      return rows.launcher->read(PySequence_Fast_ITEMS(tensors.ptr()), static_cast<int64_t>(tensors.size()),
+                                 start + first * 64, start, end);
+    } catch (py::error_already_set& error) {
+      if (!error.matches(PyExc_Exception)) {
+        throw;  // KeyboardInterrupt, SystemExit
+      }
+      fail(rows, error.what());
+    } catch (const std::exception& error) {
+      fail(rows, error.what());
+    }
+    return false;
+  }
+
+  static void fail(DeviceRows& rows, const std::string& why) {
+    if (rows.launcher->disabled().empty()) {
+      rows.launcher->disable(why.substr(0, why.find('\n')));
+    }
+    rows.launcher.reset();
+    rows.buffer = at::Tensor();
   }
 
   // A call site's tensor read at once on its first sight: whether it changes before the pass ends
   // decides whether that site may wait from then on.
-  void watch(const at::Tensor& tensor, int64_t version, const void* data, int64_t site, int64_t position) {
-    watched_.push_back(Held{tensor, version, data, site, position});
+  void watch(const py::handle& object, int64_t version, const void* data, int64_t site, int64_t position) {
+    const at::Tensor& tensor = tensor_of(object);
+    watched_.push_back(Held{py::reinterpret_borrow<py::object>(object), version, data, site, position});
     watched_bytes_ += tensor.requires_grad() ? 0 : bytes_of(tensor);
   }
 
@@ -274,6 +357,7 @@ void add_hook_core(py::module& m) {
       .def(py::init<int64_t, int64_t, int64_t>(), py::arg("capacity"), py::arg("defer_bytes"),
            py::arg("max_remembered"))
       .def("add", &HookCore::add, py::arg("tensors"), py::arg("site"), py::arg("defer"))
+      .def("bind", &HookCore::bind, py::arg("key"), py::arg("launcher"), py::arg("buffer"))
       .def("pending", &HookCore::pending)
       .def("reset", &HookCore::reset)
       .def("used", &HookCore::used, py::arg("key"))

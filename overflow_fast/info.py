@@ -74,9 +74,7 @@ def _per_hook_paths():
     report = {device: f"{path}; self-check {check}; launch {launch}"
               for device, (path, check, launch) in triton_backend.device_report().items()}
     if not report:
-        launch = ("direct (CompiledKernel.run)" if triton_backend._DIRECT_REASON is None
-                  else f"ordinary ({triton_backend._DIRECT_REASON})")
-        report["none used yet"] = f"{triton_backend.PER_HOOK} on first use; launch {launch}"
+        report["none used yet"] = f"{triton_backend.PER_HOOK} on first use; launch {triton_backend.launch_path()}"
     return report
 
 

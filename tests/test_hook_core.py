@@ -238,6 +238,21 @@ def test_bad_arguments_raise_as_the_extension_does():
         assert (C.HOOK_FULL, C.HOOK_MIXED_DEVICES) == (hook_core.HOOK_FULL, hook_core.HOOK_MIXED_DEVICES)
 
 
+def test_binding_a_launcher_to_the_python_core_changes_nothing():
+    # there is no launcher without the extension: the twin hands every tensor back, bound or not
+    core = hook_core.HookCore(4, 0, 16)
+    x = torch.ones(2)
+    key = core.add([x], -1, False)[0]
+    core.bind(key, object(), torch.empty(4, 8, dtype=torch.int64))
+    y = torch.ones(3)
+    assert core.add([y], -1, False)[3] == [y]
+    with pytest.raises(IndexError):
+        core.bind(5, None, None)
+    if C is not None:
+        with pytest.raises(IndexError):
+            C.HookCore(4, 0, 16).bind(5, None, torch.empty(0))
+
+
 def test_the_python_core_works_without_the_extension():
     # the parts that need no C++ core to compare with: reuse, full, several devices, deferral
     core = hook_core.HookCore(4, 1 << 20, 1 << 16)

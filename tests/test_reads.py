@@ -201,9 +201,12 @@ def test_a_pre_hook_of_another_library_that_raises_before_ours(path):
 
 @pytest.fixture
 def engine_calls(monkeypatch):
-    """The number of tensors of each engine call the detector makes, as a list that grows."""
+    """The number of tensors of each engine call the detector makes, as a list that grows. No
+    launcher is bound to the core, so that every read it hands out goes through ``tensor_stats``
+    (with one bound, the core reads them itself: test_a_bound_launcher_reads_what_the_core_hands_out)."""
     calls = []
     real = reads_module.tensor_stats
+    monkeypatch.setattr(reads_module, "per_hook_launcher", lambda backend, device: None)
 
     def counting(tensors, backend=None, *, out=None):
         calls.append(len(tensors))
@@ -222,6 +225,21 @@ def test_the_sound_default_reads_every_hook_with_new_tensors(path, engine_calls)
         # Linear: weight, bias, input, output; Tanh: its output (its input is the Linear's);
         # Linear: all but its input; the model's own call: nothing new
         assert engine_calls == [4, 1, 3]
+
+
+@pytest.mark.skipif(cpu_backend.extension() is None, reason="the C++ extension is unavailable")
+def test_a_bound_launcher_reads_what_the_core_hands_out(path):
+    """From the device's first read on, its launcher is bound to the C++ core: each hook with new
+    tensors is one launch made inside the core's call, and none goes through Python's engine call."""
+    launcher = cpu_backend.launcher()
+    model = seeded(nn.Sequential, nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    DebugUnderflowOverflow(model, check="batch")
+    per_forward = []
+    for batch in batches(3):
+        before = launcher.direct_launches
+        forward(model, batch)
+        per_forward.append(launcher.direct_launches - before)
+    assert per_forward == [2, 3, 3]  # the first hook's read binds it
 
 
 def test_defer_reads_a_forward_in_one_engine_call_after_the_first(engine_calls, monkeypatch):

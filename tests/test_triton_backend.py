@@ -515,9 +515,15 @@ def test_detector_reads_each_hook_or_with_defer_the_forward_at_once(monkeypatch,
         calls.append(num_tensors)
         return real(buffer, out, num_tensors, *args)
 
-    def counting_read(state, stream, programs, row, accumulators, group, *args):
-        calls.append(len(group))  # one per engine call through the per-hook kernel (at most 8 tensors here)
-        return real_read(state, stream, programs, row, accumulators, group, *args)
+    def counting_read(*args):
+        calls.append("per-hook")  # one per engine call through the per-hook kernel in Python (no extension)
+        return real_read(*args)
+
+    def launcher_reads():
+        """Launches of the per-hook kernel by the device's C++ launcher (at most 8 tensors here: one a call)."""
+        state = tb._DEVICES.get((torch.device(DEVICE).type, torch.device(DEVICE).index))
+        launcher = state.launcher if state is not None else None
+        return 0 if launcher is None else launcher.direct_launches + launcher.ordinary_launches
 
     monkeypatch.setattr(tb, "_launch", counting)
     monkeypatch.setattr(tb, "_launch_read", counting_read)
@@ -531,7 +537,9 @@ def test_detector_reads_each_hook_or_with_defer_the_forward_at_once(monkeypatch,
     fresh = DebugUnderflowOverflow(model, check="batch", backend="triton", defer=defer)
     for x in data[:3]:
         calls.clear()
+        before = launcher_reads()
         forward(model, x)
+        calls += ["per-hook"] * (launcher_reads() - before)
     if defer:
         # forwards 2 and 3: the ReLU(inplace=True) rewrites the second Linear's output after its
         # hook, so that Linear reads in its hook; everything else waits for the end of the forward

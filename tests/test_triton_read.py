@@ -1,6 +1,8 @@
-"""The per-hook kernel (``triton_backend.read_into``): how many launches a call takes, what it
-declines, that its accumulators are left at identity for the next launch, its self-check, the
-direct launch of compiled kernels, and (compiled for sm90 without a GPU) int64 offsets.
+"""The per-hook kernel (``triton_backend.read_into``, through the device's C++ launcher): how many
+launches a call takes, what it declines, that its accumulators are left at identity for the next
+launch, its self-check, when its launch is direct (Triton's launch hooks, read from the installed
+Triton), and (compiled for sm90 without a GPU) int64 offsets and the metadata the direct launch
+needs.
 
 Its exactness over every dtype, special value, size and layout is checked in
 test_triton_backend.py, where every case also runs this kernel against the table kernels.
@@ -89,7 +91,9 @@ def test_accumulators_are_left_at_identity(monkeypatch):
     assert torch.equal(again[[2, 3, 0]], first)
     state = tb._DEVICES[(torch.device(DEVICE).type, torch.device(DEVICE).index)]
     identity = torch.tensor(tb._IDENTITY_ROW).expand(tb.STREAM_GROUPS * tb.MAX_SLOTS, 8)
-    assert torch.equal(state.pool.cpu(), identity)
+    pools = [state.pool] + [pool for _, pool in state.shapes.values()]
+    assert len(pools) == (1 if tb._EXTENSION is None else 2)  # with the extension: SMALL's launcher's own
+    assert all(torch.equal(pool.cpu(), identity) for pool in pools)
 
 
 @needs_backend
@@ -147,6 +151,7 @@ def test_self_check_passes_and_a_wrong_result_keeps_the_table_kernels():
     tb.forget_devices()
     try:
         assert tb.self_check(device) is None
+
         state = tb.check_device(device, read=tb._read)
         assert state.self_check == "passed" and state.path == tb.PER_HOOK
 
@@ -180,65 +185,120 @@ def test_self_check_passes_and_a_wrong_result_keeps_the_table_kernels():
         tb.forget_devices()
 
 
+needs_extension = pytest.mark.skipif(tb._EXTENSION is None, reason="the C++ extension is unavailable")
+
+
 @needs_backend
-def test_direct_launch_calls_the_compiled_kernel_and_falls_back(monkeypatch):
-    """Once a variant has been launched through Triton's ordinary call, its compiled kernel is
-    called directly with Triton's launcher convention (grid, stream, function, metadata, no
-    launch metadata, no hooks, then every argument in signature order, constexprs included); a
-    launcher that refuses the call turns the device to ordinary calls for good. (A stand-in for
-    the compiled kernel: there is none under the interpreter.)"""
-    calls = []
-
-    class Compiled:
-        function = 1234
-        packed_metadata = ("metadata",)
-
-        def run(self, *args):
-            calls.append(args)
-
-    class Knobs:
-        class runtime:
-            launch_enter_hook = None
-
-    monkeypatch.setattr(tb, "_KNOBS", Knobs)
-    state = tb._DeviceState(torch.device(DEVICE))
-    key = (2, 1 << 3, False, 16, 2)  # K=2, bfloat16 only, aligned
-    state.compiled = {key: Compiled()}
-    group = [(4096, 70, tb._FORMAT_WORD[torch.bfloat16] | tb._ALIGNED_BIT),
-             (8192, 5, tb._FORMAT_WORD[torch.bfloat16] | tb._ALIGNED_BIT)]
-    tb._launch_read(state, 77, 4, 1 << 20, 2 << 20, group, 1 << 3, False, 16, 2)
-    (args,) = calls
-    assert args[:9] == (4, 1, 1, 77, 1234, ("metadata",), None, None, None)
-    kernel_args = args[9:]
-    names = list(inspect.signature(tb._read_kernel.fn).parameters)
-    assert len(kernel_args) == len(names)
-    values = dict(zip(names, kernel_args))
-    assert (values["Out"], values["Accumulators"]) == (1 << 20, 2 << 20)
-    assert (values["a0"], values["n0"], values["a1"], values["n1"]) == (4096, 70, 8192, 5)
-    assert all(values[f"n{i}"] == -1 for i in range(2, 8))  # unused slots: no programs
-    assert (values["K"], values["FORMATS"], values["BLOCK_SIZE"], values["BLOCKS_PER_CHUNK"]) == (2, 8, 16, 2)
-
-    class Refusing(Compiled):
-        def run(self, *args):
-            raise TypeError("function takes exactly 40 arguments (41 given)")
-
-    state.compiled = {key: Refusing()}
-    launched = []
-    monkeypatch.setattr(tb, "_read_kernel", type("K", (), {"__getitem__": lambda self, grid: (
-        lambda *a, **k: launched.append(grid))})())
-    tb._launch_read(state, 77, 4, 1 << 20, 2 << 20, group, 1 << 3, False, 16, 2)
-    assert launched == [(4,)] and state.compiled is None and state.launch.startswith("ordinary (CompiledKernel.run")
+@needs_extension
+def test_the_hooks_reads_go_through_the_launcher_s_packing():
+    """With the extension, ``read_into`` is the device's C++ launcher: it packs the arguments and,
+    where it cannot launch directly (here: the interpreter), hands each launch to Triton's
+    ordinary call, arguments and constexprs as the kernel takes them."""
+    device = torch.device(DEVICE)
+    state = tb._state(device)
+    launcher = state.launcher_for(*SMALL.values())
+    before = launcher.ordinary_launches + launcher.direct_launches
+    gen = _gen(3)
+    tensors = [random_bits(torch.bfloat16, (70,), gen).to(DEVICE), torch.zeros(0, device=DEVICE),
+               random_bits(torch.int64, (5,), gen).to(DEVICE)]
+    rows = torch.full((3, 8), -1, dtype=torch.int64, device=DEVICE)
+    assert tb.read_into(tensors, rows, **SMALL)
+    assert launcher.ordinary_launches + launcher.direct_launches == before + 1
+    assert launcher.programs >= 3 + 1 + 1
+    assert_stats_equal(_dicts(rows, tensors), [t.cpu() for t in tensors], "through the launcher")
+    assert tb.launch_path(state).startswith("ordinary (") or DEVICE == "cuda"
 
 
 @pytest.mark.skipif(tb.triton is None, reason="triton is not installed")
-def test_the_installed_triton_launches_compiled_kernels_with_the_same_convention():
-    """JITFunction.run of the installed Triton calls ``kernel.run`` as ``_launch_read`` does (the
-    lent GPU's Triton 3.6 does too, read from its sources): a change there would show here."""
-    from triton.runtime.jit import JITFunction
+@needs_extension
+def test_the_launch_hooks_predicate_reads_the_installed_triton(monkeypatch):
+    """Triton's launch hooks decide each launch: none registered (the installed Triton's empty
+    HookChain) means direct; one added to the chain, or set as the attribute itself (the older
+    way), means Triton's own launch, which calls it. Decided by the launcher's real predicate on
+    the real knobs (the benchmark's counting driver stands for the GPU: it launches nothing);
+    ``overflow-fast info`` reads the same predicate."""
+    from triton import knobs
 
-    source = " ".join(inspect.getsource(JITFunction.run).split())
-    assert ("kernel.run(grid_0, grid_1, grid_2, stream, kernel.function, kernel.packed_metadata, launch_metadata, "
-            "knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *bound_args.values())") in source
+    runtime = knobs.runtime
+    assert type(runtime.launch_enter_hook).__name__ == "HookChain"  # never None in this Triton
+    calls = []
+
+    def ordinary(grid, args, slots, formats, any_unaligned):
+        calls.append((grid, len(args), slots, formats, any_unaligned))
+
+    pool = torch.tensor(tb._IDENTITY_ROW).repeat(tb.STREAM_GROUPS * tb.MAX_SLOTS, 1)
+    launcher = tb._EXTENSION.Launcher("count", torch.device("cpu"), tb._PLAIN_TYPES, tb._FORMAT_WORD, tb._ALIGNED_BIT,
+                                      tb.BLOCK_SIZE * tb.BLOCKS_PER_CHUNK, tb.MAX_READ_LAUNCHES, pool,
+                                      tb.STREAM_GROUPS, runtime, tb._read_kernel, ordinary)
+    x = torch.ones(3, dtype=torch.bfloat16)
+    rows = torch.full((1, 8), -1, dtype=torch.int64)
+
+    def path():
+        launched = launcher.direct_launches, len(calls)
+        assert launcher.read([x], rows)
+        reason = tb._EXTENSION.launch_hooks_reason(runtime, tb._read_kernel)
+        assert launcher.hooks_reason() == reason
+        took = "direct" if launcher.direct_launches > launched[0] else "ordinary"
+        assert (took == "direct") == (reason is None), (took, reason)
+        return took
+
+    assert path() == "direct" and (rows == 0).all()  # the counting driver's zero rows
+
+    def hook(metadata):
+        pass
+
+    runtime.launch_enter_hook.add(hook)
+    try:
+        assert path() == "ordinary" and calls[-1][1:] == (2 + 3 * tb.MAX_SLOTS, 1, 1 << 3, False)
+    finally:
+        runtime.launch_enter_hook.remove(hook)
+    assert path() == "direct"
+    runtime.launch_exit_hook.add(hook)
+    try:
+        assert path() == "ordinary"
+    finally:
+        runtime.launch_exit_hook.remove(hook)
+    monkeypatch.setattr(runtime, "launch_enter_hook", hook)  # a callable in place of the chain
+    assert path() == "ordinary"
+    monkeypatch.setattr(runtime, "launch_enter_hook", None)
+    assert path() == "direct"
+    monkeypatch.undo()
+    tb._read_kernel.add_pre_run_hook(hook)
+    try:
+        assert path() == "ordinary"
+    finally:
+        tb._read_kernel.pre_run_hooks.remove(hook)
+    assert path() == "direct"
+
+
+@pytest.mark.skipif(tb.triton is None, reason="triton is not installed")
+def test_a_cuda_device_launches_directly_unless_told_not_to(monkeypatch):
+    """Compiled kernels (no interpreter) on a CUDA device take the cuda driver with the installed
+    Triton's knobs; OVERFLOW_FAST_DIRECT_LAUNCH=0 keeps every launch Triton's, and says so."""
+    monkeypatch.setattr(tb, "_INTERPRET", False)  # as on a GPU machine: the kernels compiled
+    cuda = torch.device("cuda", 0)
+    if tb._EXTENSION is None:
+        assert tb._launcher_driver(cuda) == (None, "the C++ extension is unavailable")
+        return
+    assert tb._launcher_driver(cuda) == ("cuda", None)
+    assert tb._launcher_driver(torch.device("cpu")) == ("ordinary", "no direct launch on cpu")
+    monkeypatch.setenv("OVERFLOW_FAST_DIRECT_LAUNCH", "0")
+    assert tb._launcher_driver(cuda) == ("ordinary", "OVERFLOW_FAST_DIRECT_LAUNCH=0")
+
+
+@pytest.mark.skipif(tb.triton is None, reason="triton is not installed")
+def test_info_s_launch_line_is_the_path_taken():
+    """Before any device is used, ``launch_path`` says why this machine launches through Triton
+    (here: the interpreter, or no CUDA device), never "direct" where no direct launch can run."""
+    path = tb.launch_path()
+    if tb._EXTENSION is None:
+        assert path == "ordinary (the C++ extension is unavailable)"
+    elif tb._INTERPRET:
+        assert path == "ordinary (the interpreter runs the kernels (TRITON_INTERPRET=1))"
+    elif not torch.cuda.is_available():
+        assert path == "ordinary (no direct launch on cpu)"
+    else:
+        assert path.startswith(tb.DIRECT) or path.startswith("ordinary (")
 
 
 _COMPILE_CHILD = r'''
@@ -263,6 +323,18 @@ assert re.search(r"atom\.[\w.]*acq_rel[\w.]*\.add", ptx), "no acquire-release co
 atomics = [line.strip() for line in ptx.splitlines() if re.search(r"\b(atom|red)\.global", line)]
 # each scalar atomic is issued once per program: by one thread, under one predicate
 assert atomics and len({line.split()[0] for line in atomics}) == 1 and atomics[0].startswith("@%p"), atomics
+# what the direct launch passes is what this Triton compiled: 26 int64 then two scratch pointers,
+# no scratch memory, one CTA, no cooperative or PDL launch
+assert tb.metadata_mismatch(kernel) is None, tb.metadata_mismatch(kernel)
+params = tb.ptx_parameters(ptx, kernel.metadata.name)
+assert len(params) == 28 and params[26].startswith(".u64 .ptr"), params
+one = triton.compile(ASTSource(tb._read_kernel, signature, dict(constexprs, K=1, ANY_UNALIGNED=False)),
+                     target=GPUTarget("cuda", 90, 32), options={"num_warps": tb.NUM_WARPS, **tb._REGISTER_CAP})
+assert tb.metadata_mismatch(one) is None, tb.metadata_mismatch(one)  # unused slots stay parameters
+pdl = triton.compile(ASTSource(tb._read_kernel, signature, dict(constexprs, K=1, ANY_UNALIGNED=False)),
+                     target=GPUTarget("cuda", 90, 32), options={"num_warps": tb.NUM_WARPS, "launch_pdl": True})
+assert "launch_pdl=True" in tb.metadata_mismatch(pdl), tb.metadata_mismatch(pdl)
+assert tb.direct_mismatch(one) == "no CUfunction: not a compiled CUDA kernel"  # not loaded: no GPU here
 print("COMPILED", len(offsets), ptx.count("atom."))
 '''
 
@@ -273,7 +345,8 @@ def test_compiles_for_sm90_with_int64_offsets_and_an_acq_rel_counter():
     """Compiled for an H100-class target (no GPU needed): every pointer offset of the per-hook
     kernel's loads is int64 (so tensors over 2**31 elements cannot wrap); the counter that finds
     the last program is an acquire-release atomic, and every merge is issued by one thread of a
-    program (the interpreter runs programs one at a time and cannot show either)."""
+    program (the interpreter runs programs one at a time and cannot show either). Its metadata and
+    PTX entry are what the direct launch passes, for every slot variant; a PDL launch is refused."""
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(_COMPILE_CHILD)], env=env, capture_output=True,

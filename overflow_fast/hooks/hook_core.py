@@ -207,6 +207,11 @@ class HookCore:
             rows.deferred = []
         self._seen.clear()
 
+    def bind(self, key, launcher, buffer):
+        """The C++ core reads a device's tensors itself once a launcher is bound; there is no
+        launcher without the extension, so this core hands every tensor to read to the caller."""
+        self._devices[key]  # noqa: B018 - the same IndexError as the C++ core's for an unknown key
+
     def used(self, key):
         """Rows in use on a device (by key)."""
         return self._devices[key].used

@@ -17,7 +17,11 @@ missed. Writes that bypass the version counter (``.data``, custom kernels) are r
 
 The bookkeeping (rows, reuse, what waits) is the C++ ``HookCore`` (csrc/hooks.cpp), or without
 the extension its Python twin (hook_core.py), which gives the same answers: the rows, their reuse
-and what waits are the same on both paths, and on an accelerator no hook reads to the host.
+and what waits are the same on both paths, and on an accelerator no hook reads to the host. Once a
+device's buffer exists, the backend's launcher (``per_hook_launcher``: the per-hook Triton kernel,
+or the C++ kernel on the CPU) is bound to the C++ core, which then reads a hook's tensors itself:
+the hook's classification, reuse check, packing and launch are one C++ call, and only what the
+launcher declines comes back here.
 """
 
 import sys
@@ -29,7 +33,7 @@ from .. import distributed
 from .hook_core import HOOK_FULL, new_core
 from .frames import FORWARD, graph_task_id
 from ..stats import tensor_stats
-from ..stats.dispatch import per_hook_reader
+from ..stats.dispatch import per_hook_launcher, per_hook_reader
 from ..stats.kinds import CPU_AS_DEVICE, PLAIN_TYPES, is_zero3_released, short_reason
 from ..stats.layout import NAN, NEGINF, NUM_COLUMNS, POSINF, host_bytes
 
@@ -60,6 +64,7 @@ class Reads:
         self._core = new_core(capacity, defer_bytes, MAX_REMEMBERED if reuse else 0)
         self._buffers = {}  # device key -> [capacity, 8] int64 rows on that device
         self._host = {}  # device key -> (host rows [capacity, 8], the same memory as a flat int64 memoryview)
+        self._readers = {}  # device key -> the backend's per-hook read there (None: tensor_stats)
         self._read_rows = {}  # device key -> rows brought to the host since the last reset
         self._marks = {}  # (device key, row) -> why that row's tensor could not be read
         self._shards = {}  # device key -> {row: ShardInfo} of DTensor and ZeRO-3 rows
@@ -79,6 +84,8 @@ class Reads:
             return None if key == HOOK_FULL else self.read_apart(tensors)  # else: several devices
         if to_read:
             self._launch(key, first, to_read, changed)
+        elif changed:  # read by the core's launcher: only the marks are left
+            self._marks.update(((key, row), CHANGED_AFTER_HOOK) for row in changed)
         return key, rows, None
 
     def read(self):
@@ -87,7 +94,10 @@ class Reads:
         combined across ranks (one collective). True when a row counts a nan or an inf."""
         core = self._core
         for key, first, to_read, changed in core.pending():
-            self._launch(key, first, to_read, changed)
+            if to_read:
+                self._launch(key, first, to_read, changed)
+            else:
+                self._marks.update(((key, row), CHANGED_AFTER_HOOK) for row in changed)
         nonfinite = self._apart_nonfinite
         for key, buffer in self._buffers.items():
             # only the rows added since the last read: check="module" reads at every hook
@@ -151,6 +161,11 @@ class Reads:
             else:
                 buffer = torch.empty((self.capacity, NUM_COLUMNS), dtype=torch.int64, device=device)
             self._buffers[key] = buffer
+            # from now on the core reads this device's tensors itself, in the hook's one call
+            self._readers[key] = per_hook_reader(self.backend, device)
+            launcher = per_hook_launcher(self.backend, device)
+            if launcher is not None:
+                self._core.bind(key, launcher, buffer)
         return buffer
 
     def _host_rows(self, key):
@@ -163,7 +178,7 @@ class Reads:
     def _launch(self, key, first, tensors, changed):
         """Enqueue the statistics of ``tensors`` into rows [first, first + len) of a device's buffer."""
         out = self._buffer(key)[first:first + len(tensors)]
-        result = self._stats(tensors, out)
+        result = self._stats(tensors, out, key)
         if result is not None:  # the engine failed: the torch backend's rows, one tensor at a time
             rows, reasons = result
             out.copy_(torch.tensor(rows, dtype=torch.int64))
@@ -199,11 +214,11 @@ class Reads:
             self._apart_nonfinite = True
         return None, rows, marks
 
-    def _stats(self, tensors, out):
+    def _stats(self, tensors, out, key):
         """The backend's per-hook read into ``out`` (the triton backend's one launch), else
         ``tensor_stats``; None when it worked, else the fallback's rows and reasons."""
         try:
-            reader = per_hook_reader(self.backend, out.device)
+            reader = self._readers[key]
             if reader is None or not reader(tensors, out):
                 tensor_stats(tensors, self.backend, out=out)
             return None

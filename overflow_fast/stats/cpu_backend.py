@@ -14,11 +14,12 @@ import warnings
 import torch
 
 from . import cpu_build
+from .kinds import PLAIN_TYPES
 
 NAME = "cpu"
 
 # Must equal kAbiVersion in csrc/binding.cpp.
-ABI_VERSION = 12
+ABI_VERSION = 13
 
 SUPPORTED_DTYPES = frozenset({
     torch.float64, torch.float32, torch.float16, torch.bfloat16,
@@ -98,6 +99,27 @@ def extension():
     """The extension module ``overflow_fast._C``, or None where ``unavailable_reason()`` says why not."""
     module, reason, _ = _ensure()
     return module if reason is None else None
+
+
+# The per-hook launcher's format words: any code below 32 per dtype does (the launcher maps a code
+# back to its dtype); the order is fixed so that a word always means the same dtype.
+_WORDS = {dtype: code for code, dtype in enumerate(sorted(SUPPORTED_DTYPES, key=str))}
+_launcher = None
+
+
+def launcher():
+    """The C++ ``Launcher`` of the CPU (its "cpu" driver: this kernel on the packed arguments), which
+    a hook's C++ core binds to read CPU tensors in the same call; None without the extension."""
+    global _launcher
+    module = extension()
+    if module is None:
+        return None
+    if _launcher is None or _launcher[0] is not module:
+        # no chunks (one "program" a tensor), no accumulators, no Triton and no fallback launch
+        made = module.Launcher("cpu", torch.device("cpu"), tuple(PLAIN_TYPES), _WORDS, 32, 1 << 62, 4,
+                               torch.empty(0, 8, dtype=torch.int64), 1, None, None, None)
+        _launcher = (module, made)
+    return _launcher[1]
 
 
 def supports(tensor: torch.Tensor) -> bool:

@@ -255,6 +255,25 @@ def _plain_stats(tensors, requested, out):
 _READERS = {}  # (requested backend, device) -> the per-hook read of that device, or None
 
 
+def per_hook_launcher(backend, device):
+    """The C++ launcher that reads a hook's tensors on ``device`` for ``backend`` (as
+    ``tensor_stats`` takes it) inside the hook's one C++ call (``HookCore.bind``): the triton
+    backend's per-hook kernel, or on the CPU the C++ kernel; None where neither applies (the
+    torch backend, no extension, a device whose self-check failed)."""
+    requested, _ = requested_backend(backend)
+    name = requested if requested is not None else _PREFERRED.get(device.type)
+    if name not in ("triton", "cpu") or (name == "cpu" and device.type != "cpu"):
+        return None
+    module, reason = _load(name)
+    if reason is not None:
+        return None
+    if name == "cpu":
+        return module.launcher()
+    if not module.supports(torch.empty(0, device=device)):
+        return None
+    return module.launcher(device)
+
+
 def per_hook_reader(backend, device):
     """The backend's per-hook entry for tensors on ``device`` when ``backend`` (as
     ``tensor_stats`` takes it) means the triton backend there: ``read_into(tensors, out)``,

@@ -20,9 +20,10 @@ On a GPU a call's host work is its cost, and building the table was most of it: 
 of Python per tensor. When the extension ``overflow_fast._C`` is loaded, one C++ loop
 (``_C.triton_table``, csrc/table.cpp; ``scan`` here) checks every tensor and writes the table
 straight into the host tensor the upload reads; ``dispatch.tensor_stats`` calls it directly for
-lists of plain tensors on one device, so that its own per-tensor checks run in the same loop. Calls
-it does not take (any tensor not plain, or no extension) build the same table in Python
-(``_table``).
+lists of plain tensors on one device, so that its own per-tensor checks run in the same loop. Its
+per-tensor step (table.cpp's ``pack_tensor``) is also the per-hook launcher's (below). Calls it does
+not take (any tensor not plain, or no extension) build the same table in Python (``_table``, whose
+per-tensor step ``_slot`` the Python per-hook read shares).
 
 The format word of a tensor carries its format code, its 16-byte alignment and the parameters of
 its format. The partials kernel branches on the code at run time to a loop specialised for that
@@ -69,6 +70,7 @@ import itertools
 import os
 import struct
 import sys
+import weakref
 
 import torch
 
@@ -679,6 +681,15 @@ def _flat_source(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().contiguous()
 
 
+def _slot(source, word):
+    """What a kernel is told of a flat tensor whose format word is ``word``: (address, numel, word
+    with the alignment bit set where it starts on a 16-byte boundary, which allows vector loads).
+    The Python side of table.cpp's pack_tensor, for where the extension is not loaded; ``_table``
+    and ``_read`` describe tensors with it."""
+    address = source.data_ptr()
+    return address, source.numel(), word | _ALIGNED_BIT if address & 15 == 0 else word
+
+
 def _table(sources, words, chunk):
     """The kernels' table for ``sources`` (flat tensors) whose format words are ``words``, as a
     list of 4 * T + 1 ints (the Python path; ``scan`` writes the same ints from C++):
@@ -686,16 +697,16 @@ def _table(sources, words, chunk):
         address[T], numel[T], format word[T] (alignment bit set), first chunk[T + 1]
 
     where first chunk is the prefix sum of the chunk counts (its last entry: all chunks). Also the
-    FORMATS bitmask, whether a tensor is unaligned, and the number of chunks. List comprehensions,
-    one per column: the per-tensor cost is a few attribute reads, nothing per chunk.
+    FORMATS bitmask, whether a tensor is unaligned, and the number of chunks. The per-tensor cost
+    is a few attribute reads, nothing per chunk.
     """
-    addresses = [s.data_ptr() for s in sources]
-    numels = [s.numel() for s in sources]
+    slots = [_slot(s, w) for s, w in zip(sources, words)]
+    addresses = [slot[0] for slot in slots]
+    numels = [slot[1] for slot in slots]
+    words = [slot[2] for slot in slots]
     formats = 0
     for word in set(words):
         formats |= 1 << (word & _CODE_MASK)
-    # 16-byte aligned starts allow vector loads
-    words = [w | _ALIGNED_BIT if a & 15 == 0 else w for w, a in zip(words, addresses)]
     any_unaligned = any(a & 15 for a in addresses)
     firsts = [0, *itertools.accumulate([-(-n // chunk) for n in numels])]
     return addresses + numels + words + firsts, formats, any_unaligned, firsts[-1]
@@ -911,7 +922,8 @@ def _launch(buffer, out, num_tensors, num_chunks, formats, any_unaligned, block_
 
 # -- the per-hook read: one launch per MAX_SLOTS tensors, nothing uploaded ------------------------
 #
-# ``read_into`` is what the hook layer calls for a hook's new tensors. The tensors' addresses,
+# ``read_into`` is what the hook layer calls for a hook's new tensors (and, through a launcher bound
+# to its C++ core, what each hook's one C++ call does: ``launcher``). The tensors' addresses,
 # element counts and format words go to ``_read_kernel`` as scalar arguments (as apex's and
 # PyTorch's multi-tensor kernels pass their pointers by value), so nothing is uploaded and the
 # launch is the call's only device work. Variants by tensor count (SLOT_VARIANTS); a call with more
@@ -931,16 +943,21 @@ def _launch(buffer, out, num_tensors, num_chunks, formats, any_unaligned, block_
 # atomics are exact and their order does not change the result: the rows are the table kernels'
 # bit for bit.
 #
-# The launch itself: after a variant's first launch through Triton's ordinary call (which
-# compiles it), its compiled kernel is called directly (``CompiledKernel.run``, as Inductor's
-# launcher does), skipping ``JITFunction.run``'s binding and specialisation on every call. The
-# kernel's scalars are annotated int64 and never specialised, so one compiled kernel serves every
-# value. When the installed Triton has no such entry point, or it refuses the call, the ordinary
-# call is used (``device_report`` says which).
+# The launch itself, with the extension: the C++ ``Launcher`` of the device (csrc/table.cpp) checks
+# and packs the tensors in one loop (the table kernels' loop) and launches. A variant's first launch
+# goes through Triton's ordinary call (``_ordinary_launch``: it compiles the variant); its compiled
+# kernel is then registered (``_register``) if its metadata is exactly what the direct launch passes
+# (no scratch memory, one CTA, no cooperative or PDL launch, no instrumentation, 28 eight-byte
+# parameters), and later launches of it call ``cuLaunchKernel`` on its CUfunction from C++, as
+# AOTInductor's launchers do. Triton's launch hooks (a profiler's) decide per launch: while one is
+# set, launches go through Triton so that it sees them. Without the extension, every launch is
+# Triton's ordinary call. ``launch_path`` says which, with the same predicate.
 #
 # The first use of a CUDA device runs ``self_check``: a small fixed set of tensors through this
-# path and through the torch backend. On any difference, or an error, it warns once and that
-# device keeps the table kernels.
+# path and through the torch backend, twice: first through Triton's launcher (which compiles the
+# variants and checks the C++ packing against Triton's own argument handling), then through the
+# direct launch. On any difference, or an error, it warns once and that device keeps the table
+# kernels. Only after it passed does the launcher launch directly.
 
 SLOT_VARIANTS = (1, 2, 4, 8)
 MAX_SLOTS = SLOT_VARIANTS[-1]
@@ -952,48 +969,228 @@ _is_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 
 PER_HOOK = "per-hook kernel"
 TABLE = "table kernels"
+DIRECT = "direct (cuLaunchKernel from C++)"
+# the per-hook kernel's parameters, in order: what the C++ launcher packs (csrc/launch.h)
+_RUNTIME_ARGS = ("Out", "Accumulators", *(f"{c}{i}" for i in range(MAX_SLOTS) for c in "anw"))
+_CONSTEXPRS = ("K", "FORMATS", "ANY_UNALIGNED", "BLOCK_SIZE", "BLOCKS_PER_CHUNK")
+_SCRATCH_POINTERS = 2  # Triton's global and profile scratch, after the kernel's own parameters
 
 
-def _direct_launch_reason():
-    """None when compiled kernels can be called directly here, else why not."""
-    if triton is None:
-        return _IMPORT_ERROR
-    if _INTERPRET:
-        return "the interpreter runs the kernels (TRITON_INTERPRET=1)"
+def _runtime_knobs():
+    """(triton.knobs.runtime, None) where launch hooks can be read, else (None, why not)."""
     try:
-        from triton.compiler import CompiledKernel
         from triton import knobs
-    except Exception as error:  # an older or newer Triton
-        return f"this Triton ({triton.__version__}) has no triton.compiler.CompiledKernel / triton.knobs ({error})"
-    if not all(hasattr(CompiledKernel, name) for name in ("run", "launch_metadata")):
-        return f"this Triton ({triton.__version__}) has no CompiledKernel.run"
-    if not hasattr(knobs, "runtime") or not hasattr(knobs.runtime, "launch_enter_hook"):
-        return f"this Triton ({triton.__version__}) has no knobs.runtime.launch_enter_hook"
-    return None
+        runtime = knobs.runtime
+        knobs.HookChain  # noqa: B018 - the predicate tells an empty chain from a hook by this type
+    except Exception as error:  # an older Triton
+        return None, f"this Triton ({triton.__version__}) has no triton.knobs.runtime and HookChain ({error})"
+    if not (hasattr(runtime, "launch_enter_hook") and hasattr(runtime, "launch_exit_hook")):
+        return None, f"this Triton ({triton.__version__}) has no knobs.runtime.launch_enter_hook/launch_exit_hook"
+    return runtime, None
 
 
-_DIRECT_REASON = _direct_launch_reason() if triton is not None else _IMPORT_ERROR
-_KNOBS = None
-if _DIRECT_REASON is None:
-    from triton import knobs as _KNOBS
+def _launcher_driver(device):
+    """The C++ launcher's driver for ``device`` and, where it cannot launch directly, why:
+    ("cuda", None), or ("ordinary", why) (every launch through Triton)."""
+    if _EXTENSION is None:
+        return None, "the C++ extension is unavailable"
+    if _INTERPRET:
+        return "ordinary", "the interpreter runs the kernels (TRITON_INTERPRET=1)"
+    if device.type != "cuda":
+        return "ordinary", f"no direct launch on {device.type}"
+    if os.environ.get("OVERFLOW_FAST_DIRECT_LAUNCH", "1") == "0":
+        return "ordinary", "OVERFLOW_FAST_DIRECT_LAUNCH=0"
+    _, reason = _runtime_knobs()
+    if reason is not None:
+        return "ordinary", reason
+    return "cuda", None
 
 
 class _DeviceState:
     """What the per-hook read uses on one device."""
 
-    __slots__ = ("device", "path", "self_check", "launch", "pool", "groups", "compiled", "check_ms")
+    __slots__ = ("device", "path", "self_check", "pool", "groups", "check_ms", "launcher", "launch_reason",
+                 "compiled", "refused", "shapes", "warned", "__weakref__")
 
     def __init__(self, device):
         self.device = device
         self.path = PER_HOOK
         self.self_check = "not run"
-        self.launch = "direct (CompiledKernel.run)" if _DIRECT_REASON is None else f"ordinary ({_DIRECT_REASON})"
-        self.groups = {}  # stream handle -> address of its accumulator group
-        self.compiled = {} if _DIRECT_REASON is None else None  # variant -> CompiledKernel; None: ordinary calls
+        self.groups = {}  # stream handle -> address of its accumulator group (the Python read only)
         self.check_ms = None
+        # (K, FORMATS, ANY_UNALIGNED, BLOCK_SIZE, BLOCKS_PER_CHUNK) -> the compiled kernel registered
+        # for direct launches (kept: Triton unloads its CUfunction with it), or why it was refused
+        self.compiled = {}
+        self.refused = {}
+        self.shapes = {}  # (block_size, blocks_per_chunk) -> (launcher, its accumulators) of a test's launch shape
+        self.warned = False
         with on_device(device):
             identity = torch.tensor(_IDENTITY_ROW, dtype=torch.int64)
             self.pool = identity.repeat(STREAM_GROUPS * MAX_SLOTS, 1).to(device)
+        self.launcher, self.launch_reason = _new_launcher(self, self.pool, BLOCK_SIZE, BLOCKS_PER_CHUNK)
+
+    @property
+    def launch(self):
+        """How the per-hook kernel is launched here now (``launch_path``)."""
+        return launch_path(self)
+
+    def launcher_for(self, block_size, blocks_per_chunk):
+        """The launcher of a launch shape: this device's own for the default one; tests' small chunks
+        get one each, with accumulators of their own."""
+        shape = (block_size or BLOCK_SIZE, blocks_per_chunk or BLOCKS_PER_CHUNK)
+        if shape == (BLOCK_SIZE, BLOCKS_PER_CHUNK) or self.launcher is None:
+            return self.launcher
+        known = self.shapes.get(shape)
+        if known is None:
+            with on_device(self.device):
+                pool = torch.tensor(_IDENTITY_ROW, dtype=torch.int64).repeat(STREAM_GROUPS * MAX_SLOTS, 1)
+            pool = pool.to(self.device)
+            known = self.shapes[shape] = (_new_launcher(self, pool, *shape)[0], pool)
+            if self.launcher.driver == "cuda" and self.self_check == "passed":
+                known[0].allow_direct()
+        return known[0]
+
+
+def _new_launcher(state, pool, block_size, blocks_per_chunk):
+    """(the C++ launcher of ``state``'s device for a launch shape, or None; why it cannot launch
+    directly, or None)."""
+    driver, reason = _launcher_driver(state.device)
+    if driver is None:
+        return None, reason
+    runtime, _ = _runtime_knobs()
+    shape = (block_size, blocks_per_chunk)
+    # weak: the launcher (C++, which Python's collector cannot see into) holds this callback, and
+    # the state holds the launcher
+    owner = weakref.ref(state)
+
+    def ordinary(grid, args, slots, formats, any_unaligned):
+        known = owner()
+        if known is None:  # forget_devices() dropped it: a core that still holds this launcher unbinds it
+            raise RuntimeError("the per-hook state of this device was forgotten")
+        _ordinary_launch(known, known.launcher_for(*shape), grid, args, slots, formats, any_unaligned, *shape)
+
+    try:
+        launcher = _EXTENSION.Launcher(driver, state.device, _PLAIN_TYPES, _FORMAT_WORD, _ALIGNED_BIT,
+                                       block_size * blocks_per_chunk, MAX_READ_LAUNCHES, pool, STREAM_GROUPS,
+                                       runtime, _read_kernel, ordinary)
+    except Exception as error:  # noqa: BLE001 - e.g. no libcuda.so.1: Triton's own launches
+        driver, reason = "ordinary", f"{type(error).__name__}: {error}"
+        launcher = _EXTENSION.Launcher(driver, state.device, _PLAIN_TYPES, _FORMAT_WORD, _ALIGNED_BIT,
+                                       block_size * blocks_per_chunk, MAX_READ_LAUNCHES, pool, STREAM_GROUPS,
+                                       runtime, _read_kernel, ordinary)
+    return launcher, reason
+
+
+def _ordinary_launch(state, launcher, grid, args, slots, formats, any_unaligned, block_size, blocks_per_chunk):
+    """A launch the C++ launcher could not make directly, through Triton (``JITFunction.run``,
+    which compiles the variant on its first launch); the compiled variant is then registered for
+    direct launches where its metadata allows."""
+    kernel = _read_kernel[(grid,)](*args, K=slots, FORMATS=formats, ANY_UNALIGNED=any_unaligned,
+                                   BLOCK_SIZE=block_size, BLOCKS_PER_CHUNK=blocks_per_chunk, num_warps=NUM_WARPS,
+                                   **_REGISTER_CAP)
+    key = (slots, formats, any_unaligned, block_size, blocks_per_chunk)
+    if launcher.driver == "cuda" and key not in state.compiled and key not in state.refused:
+        _register(state, launcher, key, kernel)
+
+
+def _register(state, launcher, key, kernel):
+    """Register a compiled variant (``key``: K, FORMATS, ANY_UNALIGNED, then the launch shape) with
+    the launcher, or note why its launch stays Triton's."""
+    reason = direct_mismatch(kernel)
+    if reason is None:
+        metadata = kernel.metadata
+        reason = launcher.add_variant(*key[:3], kernel.function, 32 * metadata.num_warps, metadata.shared) or None
+    if reason is None:
+        state.compiled[key] = kernel  # Triton unloads the CUfunction with its CompiledKernel
+    else:
+        state.refused[key] = reason
+
+
+def direct_mismatch(kernel):
+    """None when the compiled per-hook kernel ``kernel`` (loaded on its device) takes exactly what the
+    direct launch passes, else what differs (``metadata_mismatch``)."""
+    if not isinstance(getattr(kernel, "function", None), int):
+        return "no CUfunction: not a compiled CUDA kernel"
+    return metadata_mismatch(kernel)
+
+
+def metadata_mismatch(kernel):
+    """None when the compiled per-hook kernel's metadata and PTX say that it takes exactly what the
+    direct launch passes (csrc/table.cpp, Launcher::launch_direct: grid (programs, 1, 1), 32 *
+    num_warps threads, its dynamic shared memory, no launch attribute; the 26 int64 values, then
+    the two scratch pointers, null), else what differs. Read in Triton 3.6's and 3.9's CUDA
+    launchers (driver.py, driver.c): they add scratch memory, clusters (num_ctas), cooperative and
+    PDL attributes and instrumentation arguments only where the metadata asks for them."""
+    metadata = getattr(kernel, "metadata", None)
+    if metadata is None:
+        return "no metadata: not a compiled kernel"
+    signature = getattr(getattr(kernel, "src", None), "signature", None)
+    expected = {**{name: "i64" for name in _RUNTIME_ARGS}, **{name: "constexpr" for name in _CONSTEXPRS}}
+    if signature != expected:
+        return f"its signature {signature} is not the per-hook kernel's"
+    for name, wanted in (("num_ctas", 1), ("launch_cooperative_grid", False), ("launch_pdl", False),
+                         ("global_scratch_size", 0), ("profile_scratch_size", 0), ("instrumentation_mode", "")):
+        value = getattr(metadata, name, wanted)  # absent or None: this Triton has no such feature
+        if value not in (wanted, None):
+            return f"its metadata asks for {name}={value!r}, which the direct launch does not pass"
+    if getattr(metadata, "tensordesc_meta", None):
+        return "it takes tensor descriptors"
+    packed = tuple(getattr(kernel, "packed_metadata", ()))
+    if packed != (metadata.num_warps, metadata.num_ctas, metadata.shared):
+        return f"its launcher metadata {packed} is not (num_warps, num_ctas, shared)"
+    params = ptx_parameters(getattr(kernel, "asm", {}).get("ptx"), getattr(metadata, "name", None))
+    want = len(_RUNTIME_ARGS) + _SCRATCH_POINTERS
+    if params is None:
+        return "its PTX entry cannot be read"
+    if len(params) != want or any(not p.startswith(".u64") and not p.startswith(".b64") for p in params):
+        return f"its PTX entry takes {len(params)} parameters ({', '.join(sorted(set(params)))}), not {want} of 8 bytes"
+    return None
+
+
+def ptx_parameters(ptx, name):
+    """The types of the parameters of kernel ``name``'s ``.entry`` in ``ptx`` (``.u64``, ``.u64 .ptr
+    .global .align 1``, ...), or None when there is no such entry."""
+    if not isinstance(ptx, str) or not name:
+        return None
+    import re
+
+    match = re.search(r"\.entry\s+" + re.escape(name) + r"\s*\((.*?)\)", ptx, re.S)
+    if match is None:
+        return None
+    params = []
+    for line in match.group(1).split(","):
+        words = line.split()
+        if not words:
+            continue
+        if words[0] != ".param":
+            return None
+        params.append(" ".join(words[1:-1]))  # the type and qualifiers, without the name
+    return params
+
+
+def launch_path(state=None):
+    """How the per-hook kernel is launched on ``state``'s device now (default: a device not set up
+    yet): ``DIRECT``, or "ordinary (why)" for Triton's own launch. The launch hooks are read now,
+    by the C++ launcher's own predicate."""
+    if state is not None and state.launcher is not None:
+        launcher = state.launcher
+        if launcher.disabled is not None:
+            return f"none ({launcher.disabled}; the table kernels read)"
+        reason = state.launch_reason or launcher.hooks_reason()
+        if reason is None and state.self_check != "passed":
+            reason = f"the direct launch is not self-checked ({state.self_check})"
+        if reason is None and state.refused:
+            reason = f"{len(state.refused)} variant(s) refused: {next(iter(state.refused.values()))}"
+            return f"{DIRECT}, but {reason}"
+        return DIRECT if reason is None else f"ordinary ({reason})"
+    if triton is None:
+        return f"ordinary ({_IMPORT_ERROR})"
+    device = state.device if state is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    driver, reason = _launcher_driver(device)
+    if reason is None:
+        runtime, _ = _runtime_knobs()
+        reason = _EXTENSION.launch_hooks_reason(runtime, _read_kernel)
+    return f"{DIRECT} after its self-check" if reason is None else f"ordinary ({reason})"
 
 
 _DEVICES = {}  # (device type, index) -> _DeviceState
@@ -1006,6 +1203,16 @@ def _state(device):
     if state is None:
         state = check_device(device)
     return state
+
+
+def launcher(device):
+    """The C++ launcher of the per-hook read on ``device`` (set up and self-checked on first use),
+    for a hook's C++ core to launch through; None where that device does not take the per-hook
+    kernel or there is no extension."""
+    state = _state(torch.device(device))
+    if state.path is not PER_HOOK or state.launcher is None or state.launcher.disabled is not None:
+        return None
+    return state.launcher
 
 
 def check_device(device, read=None):
@@ -1029,6 +1236,8 @@ def check_device(device, read=None):
         state.check_ms = (time.perf_counter() - started) * 1e3
         if problem is None:
             state.self_check = "passed"
+            if read is None and state.launcher is not None and state.launcher.driver == "cuda":
+                state.launcher.allow_direct()
         else:
             state.self_check = f"failed: {problem}"
             state.path = TABLE
@@ -1051,9 +1260,7 @@ def forget_devices():
 
 def device_report():
     """{device name: (path, self-check, launch)} of the devices used (or checked) so far."""
-    return {str(state.device): (state.path, state.self_check, state.launch) for state in _DEVICES.values()}
-
-
+    return {str(state.device): (state.path, state.self_check, launch_path(state)) for state in _DEVICES.values()}
 def _check_set(device):
     """The self-check's tensors: every dtype's special values and random bit patterns, empty and
     0-dim tensors, an unaligned view, a transposed (dense) one, and bf16 and int64 tensors that
@@ -1093,29 +1300,61 @@ def _check_set(device):
     return [t.to(device) for t in tensors]
 
 
+
 def self_check(device, read=None):
     """None when the per-hook read (``read(tensors, rows)`` on up to MAX_SLOTS tensors at a time,
-    default this device's per-hook kernel) gives the torch backend's rows for ``_check_set`` twice in a row (the second
-    time through the compiled kernels' direct launch), else the first difference."""
+    default this device's per-hook read) gives the torch backend's rows for ``_check_set`` twice in
+    a row, else the first difference. The default read goes through the device's C++ launcher, the
+    hooks' own path: the first time through Triton's launch (which compiles each variant, then
+    registers it), the second time directly wherever a variant is registered; where no launch of
+    the second time could be direct, the device's launch path says why."""
     from . import torch_backend
 
     tensors = _check_set(device)
     want = torch_backend.compute(tensors).cpu()
+    state = None
     if read is None:
         state = _DEVICES.get((device.type, device.index)) or _DeviceState(device)
-
-        def read(tensors, rows):
-            return _read(tensors, rows, state)
-
+        _check_stream(state)
     for attempt in ("first", "second"):
+        reader = read if state is None else _checked_read(state, attempt)
         rows = torch.full((len(tensors), NUM_COLUMNS), -1, dtype=torch.int64, device=device)
         for begin in range(0, len(tensors), MAX_SLOTS):  # one launch each, as a hook's call
-            if read(tensors[begin:begin + MAX_SLOTS], rows[begin:begin + MAX_SLOTS]) is False:
+            if reader(tensors[begin:begin + MAX_SLOTS], rows[begin:begin + MAX_SLOTS]) is False:
                 return f"the {attempt} read did not take the check's tensors"
         problem = _row_difference(rows.cpu(), want, tensors)
         if problem is not None:
             return f"{attempt} read: {problem}"
     return None
+
+
+def _check_stream(state):
+    """Raise unless the launcher's current stream is torch's (the stream its accumulators and
+    launches follow)."""
+    launcher = state.launcher
+    if launcher is not None and launcher.driver == "cuda":
+        stream = torch.cuda.current_stream(state.device).cuda_stream
+        if launcher.current_stream() != stream:
+            raise RuntimeError(f"the launcher's current stream {launcher.current_stream():#x} is not torch's "
+                               f"{stream:#x}")
+
+
+def _checked_read(state, attempt):
+    """``self_check``'s default read on ``state``'s device, ``attempt`` "first" or "second": the
+    launcher's (Triton's launch, then the direct one), or the Python read where there is none."""
+    launcher = state.launcher
+    if launcher is None:
+        return lambda tensors, rows: _read(tensors, rows, state)
+
+    def read(tensors, rows):
+        before = launcher.direct_launches
+        taken = launcher.read(tensors, rows, -1 if attempt == "first" else 1)
+        if taken and attempt == "second" and launcher.driver == "cuda" and launcher.direct_launches == before:
+            reason = next(iter(state.refused.values()), "no variant was registered")
+            state.launch_reason = state.launch_reason or f"the self-check launched nothing directly: {reason}"
+        return taken
+
+    return read
 
 
 def _row_difference(got, want, tensors):
@@ -1133,6 +1372,7 @@ def _row_difference(got, want, tensors):
     return None
 
 
+
 def read_into(tensors, out, block_size=None, blocks_per_chunk=None):
     """The rows of ``tensors`` (a list of plain strided tensors on one device) written into
     ``out`` (a contiguous ``[len(tensors), 8]`` int64 tensor on their device), by the per-hook
@@ -1143,6 +1383,8 @@ def read_into(tensors, out, block_size=None, blocks_per_chunk=None):
     ``block_size`` and ``blocks_per_chunk`` override the launch shape (tests use small chunks)."""
     if not tensors:
         return True
+    if _functorch_interpreter() is not None:
+        return False  # inside vmap/grad: the general path says what it can read
     device = out.device
     state = _DEVICES.get((device.type, device.index))
     if state is None:
@@ -1151,18 +1393,37 @@ def read_into(tensors, out, block_size=None, blocks_per_chunk=None):
         state = _state(device)
     if state.path is not PER_HOOK:
         return False
+    launcher = state.launcher_for(block_size, blocks_per_chunk)
+    if launcher is not None and launcher.disabled is not None:
+        if not state.warned:
+            state.warned = True
+            import warnings
+
+            warnings.warn(f"overflow_fast: the per-hook kernel's launch failed on {device} ({launcher.disabled}); "
+                          "that device's reads take the table kernels", RuntimeWarning, stacklevel=2)
+        return False
     return _read(tensors, out, state, block_size, blocks_per_chunk)
 
 
 def _read(tensors, out, state=None, block_size=None, blocks_per_chunk=None):
-    """``read_into`` on a device whose state is set up (``state``, default looked up), whatever
-    its self-check said (the self-check calls this)."""
+    """``read_into`` on a device whose state is set up (``state``, default looked up), whatever its
+    self-check said: its C++ launcher's read, the one owner of the device's accumulators, or
+    without the extension the Python read."""
+    if state is None:
+        state = _DEVICES[(out.device.type, out.device.index)]
+    launcher = state.launcher_for(block_size, blocks_per_chunk)
+    if launcher is not None:
+        return launcher.disabled is None and launcher.read(tensors if type(tensors) is list else list(tensors), out)
+    return _python_read(tensors, out, state, block_size, blocks_per_chunk)
+
+
+def _python_read(tensors, out, state, block_size=None, blocks_per_chunk=None):
+    """The per-hook read in Python, where the C++ launcher is not available (no extension): the
+    same checks and arguments, each launch Triton's ordinary call."""
     count = len(tensors)
     if count > MAX_SLOTS * MAX_READ_LAUNCHES or _functorch_interpreter() is not None:
         return False
     device = out.device
-    if state is None:
-        state = _DEVICES[(device.type, device.index)]
     if (type(out) not in _PLAIN_TYPES or out.dtype != torch.int64 or tuple(out.shape) != (count, NUM_COLUMNS)
             or not out.is_contiguous()):
         return False
@@ -1181,7 +1442,6 @@ def _read(tensors, out, state=None, block_size=None, blocks_per_chunk=None):
     formats = 0
     any_unaligned = False
     for tensor in tensors:
-        # a few attribute reads per tensor: on a GPU this loop is the host cost of a hook's read
         if (type(tensor) not in _PLAIN_TYPES or tensor.layout is not _STRIDED or tensor.is_cuda is not cuda
                 or tensor.get_device() != index or tensor.is_meta):
             return False
@@ -1195,18 +1455,18 @@ def _read(tensors, out, state=None, block_size=None, blocks_per_chunk=None):
             tensor = _flat_source(tensor)
             keep = keep or []
             keep.append(tensor)
-        address = tensor.data_ptr()
+        elif numel and not _inside_storage(tensor):
+            return False  # its memory was freed or shrunk: the general path says so
+        slot = _slot(tensor, word)
+        address = slot[0]
         if numel and address < out_last and out_first < address + numel * tensor.element_size():
             return False  # out shares memory with a tensor: the general path says so
-        if address & 15:
-            any_unaligned = True
-        else:
-            word |= _ALIGNED_BIT
+        any_unaligned = any_unaligned or not slot[2] & _ALIGNED_BIT
         formats |= 1 << (word & _CODE_MASK)
         if len(slots) % MAX_SLOTS == 0:
             programs.append(0)
         programs[-1] += -(-numel // chunk) or 1
-        slots.append((address, numel, word))
+        slots.append(slot)
     stream = torch._C._cuda_getCurrentRawStream(index) if cuda else 0
     accumulators = state.groups.get(stream)
     if accumulators is None:
@@ -1217,10 +1477,29 @@ def _read(tensors, out, state=None, block_size=None, blocks_per_chunk=None):
     guard = on_device(device) if cuda and torch._C._cuda_getDevice() != index else contextlib.nullcontext()
     with guard:
         for launch, begin in enumerate(range(0, count, MAX_SLOTS)):
-            _launch_read(state, stream, programs[launch], out_first + begin * 64, accumulators,
-                         slots[begin:begin + MAX_SLOTS], formats, any_unaligned, block_size, blocks_per_chunk)
+            group = slots[begin:begin + MAX_SLOTS]
+            args = [out_first + begin * 64, accumulators]
+            for slot in group:
+                args += slot
+            args += _PADDING * (MAX_SLOTS - len(group))
+            _launch_read(programs[launch], args, _variant(len(group)), formats, any_unaligned, block_size,
+                         blocks_per_chunk)
     del keep
     return True
+
+
+def _launch_read(programs, args, slots, formats, any_unaligned, block_size, blocks_per_chunk):
+    """One launch of ``_read_kernel`` (Triton's ordinary call) of the Python read."""
+    _read_kernel[(programs,)](*args, K=slots, FORMATS=formats, ANY_UNALIGNED=any_unaligned, BLOCK_SIZE=block_size,
+                              BLOCKS_PER_CHUNK=blocks_per_chunk, num_warps=NUM_WARPS, **_REGISTER_CAP)
+
+
+def _inside_storage(tensor):
+    """Whether a dense tensor's elements lie inside its storage (a freed or shrunk storage would
+    have the kernel read memory the tensor does not own)."""
+    storage = tensor.untyped_storage()
+    start = tensor.data_ptr() - storage.data_ptr()
+    return storage.data_ptr() != 0 and 0 <= start and start + tensor.numel() * tensor.element_size() <= storage.nbytes()
 
 
 def _variant(count):
@@ -1231,30 +1510,3 @@ def _variant(count):
 
 
 _PADDING = (0, -1, 0)  # an unused slot: no programs
-
-
-def _launch_read(state, stream, programs, row, accumulators, group, formats, any_unaligned, block_size,
-                 blocks_per_chunk):
-    """One launch of ``_read_kernel`` for ``group`` ([(address, numel, word)], at most MAX_SLOTS)."""
-    slots = _variant(len(group))
-    args = [row, accumulators]
-    for address, numel, word in group:
-        args += (address, numel, word)
-    args += _PADDING * (MAX_SLOTS - len(group))
-    constexprs = (slots, formats, any_unaligned, block_size, blocks_per_chunk)
-    compiled = state.compiled
-    if compiled is not None and _KNOBS.runtime.launch_enter_hook is None:  # a profiler's hook: the ordinary call
-        kernel = compiled.get(constexprs)
-        if kernel is not None:
-            try:
-                kernel.run(programs, 1, 1, stream, kernel.function, kernel.packed_metadata, None, None, None,
-                           *args, *constexprs)
-                return
-            except (TypeError, ValueError, SystemError) as error:  # the launcher's calling convention changed
-                state.compiled = None
-                state.launch = f"ordinary (CompiledKernel.run refused the call: {type(error).__name__}: {error})"
-    kernel = _read_kernel[(programs,)](*args, K=slots, FORMATS=formats, ANY_UNALIGNED=any_unaligned,
-                                       BLOCK_SIZE=block_size, BLOCKS_PER_CHUNK=blocks_per_chunk,
-                                       num_warps=NUM_WARPS, **_REGISTER_CAP)
-    if state.compiled is not None and hasattr(kernel, "function"):
-        state.compiled[constexprs] = kernel
