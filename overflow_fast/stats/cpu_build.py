@@ -360,7 +360,8 @@ def build(isa, build_dir, sources=None, ident=None, verbose=False):
     finally:
         if ninja_dir is not None:
             os.environ["PATH"] = old_path
-    return Path(library)
+    # load() returns the library's path from torch 2.5 on, None before: found where it was built
+    return _library_in(build_dir) or Path(library)
 
 
 # ---- trust: who could have written what is loaded ------------------------------------------------
