@@ -51,6 +51,13 @@ _FLOAT8_FORMATS = {
 }
 
 
+def take(values, indices):
+    """values[indices], through the bytes for the 8-bit floats (torch before 2.8 cannot index them)."""
+    if values.element_size() == 1 and values.is_floating_point():
+        return values.view(torch.uint8)[indices].view(values.dtype)
+    return values[indices]
+
+
 def float8_value(byte: int, dtype: torch.dtype) -> float:
     """The value of an 8-bit float's bit pattern, decoded from the format's definition."""
     exp_bits, mant_bits, bias, specials = _FLOAT8_FORMATS[dtype]

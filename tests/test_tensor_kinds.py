@@ -625,13 +625,6 @@ _KINDS = ("plain", "torch_function", "wrapper", "parameter", "wrapper_parameter"
 _VIEWS = ("none", "transpose", "slice", "offset", "expand", "neg", "scalar")
 
 
-def _take(pool, indices):
-    """pool[indices], through the bytes for the 8-bit floats (torch before 2.5 cannot index them)."""
-    if pool.element_size() == 1 and pool.is_floating_point():
-        return pool.view(torch.uint8)[indices].view(pool.dtype)
-    return pool[indices]
-
-
 def _pool(dtype):
     """Special values and ordinary ones of ``dtype``, as a 1-D tensor to index."""
     ordinary = torch.tensor([0.5, -3.0, 1.25, 7.0, -0.0625]).to(dtype)
@@ -663,7 +656,7 @@ def tensor_cases(draw):
     views = [v for v in _VIEWS if not (v == "neg" and dtype in oracle.FLOAT8)]  # torch has no fp8 neg
     return {
         "dtype": dtype,
-        "base": _take(pool, torch.tensor(indices)).reshape(rows, cols),
+        "base": oracle.take(pool, torch.tensor(indices)).reshape(rows, cols),
         "view": draw(st.sampled_from(views)),
         "trace": draw(st.booleans()),
     }
