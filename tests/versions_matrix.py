@@ -27,13 +27,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# (Python, torch, the transformers versions run with it): the floor (the lent GPU machine's
-# torch, on Python 3.12), the pinned CI torch, and the newest torch the project's registry serves;
-# transformers' last 4.x and newest 5.x.
+# (Python, torch, the transformers versions run with it): the floor (torch 2.7, the oldest tested
+# that passes), the lent GPU machine's torch on Python 3.12, the pinned CI torch, and the newest
+# torch the project's registry serves; transformers' last 4.x and a recent 5.x.
 MATRIX = (
     ("3.11", "2.7.1", ("4.57.6",)),
     ("3.12", "2.11.0", ("4.57.6", "5.18.0")),
-    ("3.11", "2.13.0", ("5.18.0",)),
+    ("3.11", "2.13.0", ("5.25.0",)),
     ("3.11", "2.14.1", ("4.57.6", "5.18.0")),
 )
 # what the tests need beside torch and transformers (numpy: torch warns at import without it)
