@@ -5,7 +5,8 @@ may use it (tests/test_layout.py)."""
 import torch
 
 # ---- what this torch has: dtypes and APIs that only some supported versions have --------------
-# The floor is pyproject's (torch 2.4); docs/install.md lists the versions the suite passed on.
+# The floor is pyproject's (torch 2.7); docs/install.md lists the versions the suite passed on.
+# Older versions' differences stay where they cost a line (DTensor's module before 2.5).
 
 
 def dtypes(*names):
