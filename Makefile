@@ -26,7 +26,7 @@ FAST_TESTS := tests/test_compat_rules.py tests/test_compat_transformers.py tests
 FAST_KERNEL := (random_bit or special_values or every_byte or empty_and_zero or non_contiguous) and not default-
 PYTEST := $(PY) -m pytest -q -n 2
 
-.PHONY: setup test test-fast demo report-demo bench clean
+.PHONY: setup test test-fast test-versions demo report-demo bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -42,13 +42,21 @@ $(DEV): $(RUNTIME)
 
 setup: $(DEV)
 
+# the runs on the other paths leave out the tests that check nothing the path decides (one_path)
 test: $(DEV)
 	$(PYTEST) tests
-	OVERFLOW_FAST_CPU_AS_DEVICE=1 $(PYTEST) $(DEVICE_PATH_TESTS)
-	OVERFLOW_FAST_WITHOUT_EXTENSION=1 $(PYTEST) $(NO_EXTENSION_TESTS)
+	OVERFLOW_FAST_CPU_AS_DEVICE=1 $(PYTEST) $(DEVICE_PATH_TESTS) -m "not one_path"
+	OVERFLOW_FAST_WITHOUT_EXTENSION=1 $(PYTEST) $(NO_EXTENSION_TESTS) -m "not one_path"
 
 test-fast: $(DEV)
 	$(PYTEST) $(FAST_TESTS) tests/test_cpu_backend.py -k "not test_cpu_backend or ($(FAST_KERNEL))"
+
+# the tested range (docs/install.md): the tests that depend on torch and transformers, on each
+# Python/torch/transformers combination in tests/versions_matrix.py, each torch in a venv of its
+# own under $OVERFLOW_FAST_VERSIONS_DIR (default ~/.cache/overflow_fast-versions), made once and
+# reused; torch's CUDA wheels make each a few GB. Not part of `make test` or CI (pinned versions).
+test-versions:
+	$(PYTHON) tests/versions_matrix.py
 
 demo: $(RUNTIME)
 	$(PY) -m overflow_fast.demo

@@ -189,7 +189,9 @@ std::optional<Kind> kind_of(at::ScalarType dtype) {
     case at::kFloat8_e5m2: return Kind::F8E5M2;
     case at::kFloat8_e4m3fnuz: return Kind::F8E4M3FNUZ;
     case at::kFloat8_e5m2fnuz: return Kind::F8E5M2FNUZ;
+#if __has_include(<c10/util/Float8_e8m0fnu.h>)  // the dtype came with torch 2.7
     case at::kFloat8_e8m0fnu: return Kind::F8E8M0FNU;
+#endif
     case at::kChar: return Kind::I8;
     case at::kShort: return Kind::I16;
     case at::kInt: return Kind::I32;
@@ -342,9 +344,8 @@ double float_of_key(Kind kind, int64_t key) {
     case Kind::F8E5M2FNUZ:
       return static_cast<float>(
           c10::Float8_e5m2fnuz(static_cast<uint8_t>(key), c10::Float8_e5m2fnuz::from_bits()));
-    case Kind::F8E8M0FNU:  // 2^(key-127); key 0 is 2^-127, a float32 subnormal, exact
-      return static_cast<float>(
-          c10::Float8_e8m0fnu(static_cast<uint8_t>(key), c10::Float8_e8m0fnu::from_bits()));
+    case Kind::F8E8M0FNU:  // 2^(key-127); key 0 is 2^-127, a float32 subnormal, exact; 0xFF NaN
+      return key == 0xFF ? std::numeric_limits<float>::quiet_NaN() : std::ldexp(1.0f, static_cast<int>(key) - 127);
     default:
       TORCH_INTERNAL_ASSERT(false, "not a floating kind");
   }

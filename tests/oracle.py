@@ -10,8 +10,11 @@ from decimal import Decimal, localcontext
 
 import torch
 
+from overflow_fast._compat import dtypes
+
 # AMD's fp8 formats: fnuz (no inf, no -0, NaN is 0x80) and e8m0fnu (a bare exponent)
-AMD_FLOAT8 = (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz, torch.float8_e8m0fnu)
+E8M0 = dtypes("float8_e8m0fnu")  # from torch 2.7: empty on older ones
+AMD_FLOAT8 = (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz) + E8M0
 FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2) + AMD_FLOAT8
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64) + FLOAT8
 COMPLEX_DTYPES = (torch.complex32, torch.complex64, torch.complex128)
@@ -27,7 +30,7 @@ _TINY = {
     torch.float8_e5m2: 2.0**-14,
     torch.float8_e4m3fnuz: 2.0**-7,
     torch.float8_e5m2fnuz: 2.0**-15,
-    torch.float8_e8m0fnu: 2.0**-127,  # its smallest value: no subnormals
+    **{dtype: 2.0**-127 for dtype in E8M0},  # its smallest value: no subnormals
     torch.complex32: 2.0**-14,
     torch.complex64: 2.0**-126,
     torch.complex128: 2.0**-1022,
@@ -44,8 +47,15 @@ _FLOAT8_FORMATS = {
     torch.float8_e5m2: (5, 2, 15, "ieee"),
     torch.float8_e4m3fnuz: (4, 3, 8, "fnuz"),
     torch.float8_e5m2fnuz: (5, 2, 16, "fnuz"),
-    torch.float8_e8m0fnu: (8, 0, 127, "e8m0"),
+    **{dtype: (8, 0, 127, "e8m0") for dtype in E8M0},
 }
+
+
+def take(values, indices):
+    """values[indices], through the bytes for the 8-bit floats (torch before 2.8 cannot index them)."""
+    if values.element_size() == 1 and values.is_floating_point():
+        return values.view(torch.uint8)[indices].view(values.dtype)
+    return values[indices]
 
 
 def float8_value(byte: int, dtype: torch.dtype) -> float:
@@ -219,7 +229,7 @@ def special_values(dtype: torch.dtype) -> torch.Tensor:
             normal = 0x08 if dtype == torch.float8_e4m3fnuz else 0x04
             return torch.tensor([0x00, 0x40, 0xC0, 0x7F, 0xFF, normal, normal | 0x80, 0x01, 0x83, 0x03, 0x80],
                                 dtype=torch.uint8).view(dtype)
-        if dtype == torch.float8_e8m0fnu:
+        if dtype in E8M0:
             # no sign, zero or subnormal: 0x00 2^-127, 0x7F 1.0, 0xFE 2^127, 0xFF NaN
             return torch.tensor([0x00, 0x7F, 0x80, 0x01, 0xFE, 0xFF], dtype=torch.uint8).view(dtype)
         return torch.tensor(values, dtype=torch.float64).to(dtype)

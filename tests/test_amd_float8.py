@@ -16,14 +16,14 @@ import pytest
 import torch
 from torch import nn
 
-from oracle import AMD_FLOAT8, FLOAT8, assert_stats_equal, float8_value, reference_stats
+from oracle import AMD_FLOAT8, E8M0, FLOAT8, assert_stats_equal, float8_value, reference_stats
 
 from overflow_fast import DebugUnderflowOverflow, tensor_stats
 from overflow_fast.stats import cpu_backend, kinds, torch_backend
 from overflow_fast.stats.layout import SMALLEST_NORMAL, decode_row
 from test_tensor_kinds import Returns
 
-NAN_BYTE = {torch.float8_e4m3fnuz: 0x80, torch.float8_e5m2fnuz: 0x80, torch.float8_e8m0fnu: 0xFF}
+NAN_BYTE = {torch.float8_e4m3fnuz: 0x80, torch.float8_e5m2fnuz: 0x80, **{dtype: 0xFF for dtype in E8M0}}
 
 
 def ids(dtype):
@@ -64,10 +64,11 @@ def test_the_amd_formats():
         values = [float8_value(b, dtype) for b in range(256)]
         assert [b for b, v in enumerate(values) if math.isnan(v)] == [NAN_BYTE[dtype]]
         assert not any(math.isinf(v) for v in values)
-        assert sum(v == 0 for v in values) == (0 if dtype == torch.float8_e8m0fnu else 1)  # no -0
+        assert sum(v == 0 for v in values) == (0 if dtype in E8M0 else 1)  # no -0
     assert SMALLEST_NORMAL[torch.float8_e4m3fnuz] == 2.0**-7
     assert SMALLEST_NORMAL[torch.float8_e5m2fnuz] == 2.0**-15
-    assert min(float8_value(b, torch.float8_e8m0fnu) for b in range(255)) == 2.0**-127
+    for dtype in E8M0:
+        assert min(float8_value(b, dtype) for b in range(255)) == 2.0**-127
 
 
 @pytest.mark.parametrize("dtype", AMD_FLOAT8, ids=ids)

@@ -524,15 +524,24 @@ _STATS = textwrap.dedent("""
 """)
 
 
-def _real_key():
-    ident = cpu_build.identity(cpu_build.detect_isa())
+def _real_key(root, monkeypatch=None):
+    """The identity and key of the build that the package loads or makes in the cache folder
+    ``root``, as the product decides it on this CPU: under _run_stats's compiler (given
+    ``monkeypatch``), or this environment's. An AVX-512 CPU gets an AVX2 build where the compiler
+    cannot build AVX-512 code (CXX=false cannot build anything)."""
+    if monkeypatch is not None:
+        monkeypatch.setenv("CXX", RUN_STATS_CXX)
+    ident = cpu_build.identity(cpu_build.isa_to_build(root))
     return ident, cpu_build.cache_key(ident)
+
+
+RUN_STATS_CXX = "false"
 
 
 def _run_stats(tmp_path, **env):
     """tensor_stats on a CPU tensor in a fresh process, with a compiler that fails at once (CXX=false):
     a rebuild is tried and fails in seconds, and the torch backend answers."""
-    environment = _environment(tmp_path, CXX="false", **env)
+    environment = _environment(tmp_path, CXX=RUN_STATS_CXX, **env)
     proc = subprocess.run([sys.executable, "-c", _STATS], capture_output=True, text=True, env=environment,
                           cwd=ROOT, timeout=300)
     assert proc.returncode == 0 and "ROW OK" in proc.stdout, \
@@ -541,9 +550,9 @@ def _run_stats(tmp_path, **env):
 
 
 @pytest.mark.parametrize("how", ["cut to 4 KB", "cut to 64 KB", "cut to half", "garbage"])
-def test_a_damaged_kernel_never_kills_the_process(tmp_path, libs, how):
-    ident, key = _real_key()
+def test_a_damaged_kernel_never_kills_the_process(tmp_path, libs, how, monkeypatch):
     root = private(tmp_path / "cache")
+    ident, key = _real_key(root, monkeypatch)
     library = plant(root / key, libs["planted"], ident)
     _damage(library, how)
     stderr = _run_stats(tmp_path, OVERFLOW_FAST_CACHE_DIR=root)
@@ -555,8 +564,8 @@ def test_a_damaged_kernel_never_kills_the_process(tmp_path, libs, how):
 
 
 @needs_root
-def test_a_kernel_planted_in_a_cache_of_another_user_never_runs(tmp_path, libs):
-    ident, key = _real_key()
+def test_a_kernel_planted_in_a_cache_of_another_user_never_runs(tmp_path, libs, monkeypatch):
+    ident, key = _real_key(default_root(tmp_path), monkeypatch)  # where the build goes instead
     cache = tmp_path / "cache"
     plant(cache / key, libs["planted"], ident)
     os.chmod(cache, 0o777)
@@ -574,8 +583,8 @@ def test_a_kernel_cut_short_is_rebuilt_and_used(tmp_path):
 
     if cpu_backend.extension() is None:
         pytest.skip(f"no kernel here to damage: {cpu_backend.unavailable_reason()}")
-    ident, key = _real_key()
     root = private(tmp_path / "cache")
+    ident, key = _real_key(root)
     library = plant(root / key, cpu_backend.extension().__file__, ident)
     _damage(library, "cut to half")
     script = _STATS + textwrap.dedent("""

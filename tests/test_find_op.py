@@ -422,6 +422,7 @@ def replay_in_a_fresh_process(path):
                           text=True, env=env, timeout=300)
 
 
+@pytest.mark.one_path  # the replay in a fresh process; the detection on each path: the tests above
 @pytest.mark.parametrize("check", CHECKS)
 def test_a_reproducer_replays_the_same_op_line_in_a_fresh_process(check, tmp_path):
     cases = [("forward", nn.Sequential(nn.Linear(4, 4), SoftplusByHand()).half(),
@@ -446,6 +447,7 @@ def test_a_reproducer_replays_the_same_op_line_in_a_fresh_process(check, tmp_pat
         assert f"{phase} of " in replayed.stdout.splitlines()[0]
 
 
+@pytest.mark.one_path
 def test_replay_help_warns_that_a_pickle_runs_code_and_a_bad_file_is_a_clear_error(tmp_path):
     env = {**os.environ, "PYTHONPATH": ROOT}
     helped = subprocess.run([sys.executable, "-m", "overflow_fast", "replay", "--help"], capture_output=True,

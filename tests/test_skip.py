@@ -303,6 +303,7 @@ print(json.dumps(counts))
 """
 
 
+@pytest.mark.one_path
 def test_copies_of_a_skipping_model_hold_no_process_wide_hook_and_are_freed():
     # a fresh process: no other test's detectors are alive (or waiting to be collected)
     import json

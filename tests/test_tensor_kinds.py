@@ -41,6 +41,7 @@ from transformers.debug_utils import detect_overflow as reference_detect_overflo
 
 import overflow_fast
 from overflow_fast import DebugUnderflowOverflow, detect_overflow, tensor_stats
+from overflow_fast._compat import dtensor_api
 
 INF, NAN = float("inf"), float("nan")
 OVERFLOW = (
@@ -489,7 +490,9 @@ def test_dispatch_wrapper_in_the_detector_prints_what_the_reference_prints(value
 
 
 def _dtensor_models(mesh, value, how):
-    from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
+    api = dtensor_api()
+    Replicate, Shard, distribute_module, distribute_tensor = (
+        api.Replicate, api.Shard, api.distribute_module, api.distribute_tensor)
 
     def plain():
         torch.manual_seed(0)
@@ -518,7 +521,8 @@ def test_dtensor_at_world_size_one():
     (Shard and Replicate placements); ``detect_overflow`` answers as the reference's does; a nan
     in a DTensor parameter is detected in both check modes, with the report the reference prints
     for the same model of plain tensors (the reference itself cannot format a DTensor)."""
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    api = dtensor_api()
+    Replicate, Shard, distribute_tensor = api.Replicate, api.Shard, api.distribute_tensor
 
     with world_of_one() as mesh:
         generator = torch.Generator().manual_seed(3)
@@ -533,7 +537,10 @@ def test_dtensor_at_world_size_one():
                         got = stats_of([x[0], d, torch.ones(2)], backend)[1]
                         assert_oracle(got, reference_stats(x), f"DTensor among plain tensors {dtype} {placement}")
                     got_out, got_result = captured(detect_overflow, d, "d")
-                    want_out, want_result = captured(reference_detect_overflow, d, "d")
+                    try:
+                        want_out, want_result = captured(reference_detect_overflow, d, "d")
+                    except NotImplementedError:  # torch before 2.5 has no DTensor rule for any()
+                        want_out, want_result = captured(reference_detect_overflow, x, "d")
                     assert (got_out, got_result) == (want_out, want_result), f"detect_overflow of DTensor {dtype}"
 
         batches = [torch.tensor([[0.5, -1.0, 2.0]])]
@@ -649,7 +656,7 @@ def tensor_cases(draw):
     views = [v for v in _VIEWS if not (v == "neg" and dtype in oracle.FLOAT8)]  # torch has no fp8 neg
     return {
         "dtype": dtype,
-        "base": pool[torch.tensor(indices)].reshape(rows, cols),
+        "base": oracle.take(pool, torch.tensor(indices)).reshape(rows, cols),
         "view": draw(st.sampled_from(views)),
         "trace": draw(st.booleans()),
     }
@@ -807,6 +814,10 @@ def test_jagged_nested_tensor_in_the_detector(value):
     """A nan/inf in a jagged nested tensor is detected: ours prints what the reference prints
     (it reads jagged tensors through abs().min()/max()), in both check modes."""
     batches = [torch.tensor([0.5, -1.5, 3.0])]
+    try:
+        torch.nested.nested_tensor([batches[0]], layout=torch.jagged).abs().min()
+    except NotImplementedError:  # torch before 2.5
+        pytest.skip("this torch has no min() of a jagged tensor: the reference cannot read one")
 
     def build():
         return nn.Sequential(_JaggedOutput(value), nn.Identity())

@@ -15,7 +15,7 @@ import textwrap
 import pytest
 import torch
 
-from oracle import ALL_DTYPES, assert_stats_equal, has_inf, random_bits, same_stats, special_values
+from oracle import ALL_DTYPES, E8M0, assert_stats_equal, has_inf, random_bits, same_stats, special_values
 from overflow_fast import tensor_stats
 from overflow_fast.stats import StatsBatch, dispatch
 from overflow_fast.stats import triton_backend as tb
@@ -403,7 +403,7 @@ def _vector_loads(ptx):
 @pytest.mark.skipif(tb.triton is None or tb._INTERPRET, reason="needs triton's compiler (not the interpreter)")
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e4m3fnuz,
-                                   torch.float8_e8m0fnu, torch.int64, torch.bool], ids=str)
+                                   *E8M0, torch.int64, torch.bool], ids=str)
 def test_compiles_for_sm90_without_a_gpu(dtype):
     """The interpreter accepts code the compiler rejects: compile both kernels for an H100-class
     target (no GPU needed) and check that full blocks use 16-byte vector loads, also in a launch

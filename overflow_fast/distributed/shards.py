@@ -16,6 +16,7 @@ counts describe the terms, not their sum (finite terms whose sum overflows are n
 
 import torch
 
+from .._compat import dtensor_api
 from ..stats.kinds import is_zero3_released
 from ..stats.layout import NAN, NEGINF, NUM_COLUMNS, POSINF, is_integer_dtype, merge_rows_tensor
 from .world import _dist, collective_device, is_local_only, world
@@ -57,11 +58,8 @@ def shard_info(tensor):
     """A :class:`ShardInfo` for a DTensor or a released ZeRO-3 parameter, None for anything else."""
     if isinstance(tensor, torch.Tensor) and is_zero3_released(tensor):
         return Zero3Info(getattr(tensor, "ds_process_group", None) or _dist().group.WORLD, tensor.dtype)
-    try:
-        from torch.distributed.tensor import DTensor
-    except Exception:
-        return None
-    if not isinstance(tensor, DTensor):
+    api = dtensor_api()
+    if api is None or not isinstance(tensor, api.DTensor):
         return None
     return ShardInfo(tensor.device_mesh, tensor.placements, tensor.dtype)
 

@@ -13,6 +13,7 @@ import warnings
 
 import torch
 
+from .._compat import dtypes
 from . import cpu_build
 from .kinds import PLAIN_TYPES
 
@@ -23,7 +24,8 @@ ABI_VERSION = 13
 
 SUPPORTED_DTYPES = frozenset({
     torch.float64, torch.float32, torch.float16, torch.bfloat16,
-    torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz, torch.float8_e8m0fnu,
+    torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz,
+    *dtypes("float8_e8m0fnu"),
     torch.complex32, torch.complex64, torch.complex128,
     torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool,
 })

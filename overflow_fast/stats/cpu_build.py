@@ -173,6 +173,21 @@ def compiler_builds(flags):
     return result.returncode == 0
 
 
+def isa_to_build(root, sources=None):
+    """The instruction set that load() builds for (or loads a build of) in the cache folder
+    ``root``: this CPU's best (detect_isa()), except AVX-512 where the compiler cannot build it and
+    ``root`` holds no finished AVX-512 build: then AVX2, the next best. The build line names it."""
+    isa = detect_isa()
+    if isa != "avx512":
+        return isa
+    key = cache_key(identity(isa, sources))
+    if root is not None and (Path(root) / key / DONE).is_file():
+        return isa
+    if shutil.which(compiler()) is None or compiler_builds(ISA_FLAGS["avx512"]):
+        return isa
+    return "avx2"
+
+
 def identity(isa, sources=None):
     """What a build's key is made of: everything its module depends on."""
     import torch
@@ -346,7 +361,8 @@ def build(isa, build_dir, sources=None, ident=None, verbose=False):
     finally:
         if ninja_dir is not None:
             os.environ["PATH"] = old_path
-    return Path(library)
+    # load() returns the library's path from torch 2.5 on, None before: found where it was built
+    return _library_in(build_dir) or Path(library)
 
 
 PROGRESS_EVERY = 15.0  # seconds between two progress lines while no unit finishes
@@ -799,9 +815,8 @@ def load():
         root = rejected = None
         if prebuilt is None:
             root, rejected = cache_folder(fresh=jit)
-            if isa == "avx512" and not (root is not None and (root / key / DONE).is_file()) \
-                    and shutil.which(compiler()) is not None and not compiler_builds(ISA_FLAGS["avx512"]):
-                isa = "avx2"  # this compiler cannot build the AVX-512 kernel: the next best
+            best, isa = isa, isa_to_build(root, sources)
+            if isa != best:
                 ident = identity(isa, sources)
                 key = cache_key(ident)
                 prebuilt = _prebuilt_library(key, ident)

@@ -19,6 +19,7 @@ import sys
 
 import torch
 
+from .._compat import dtensor_api
 from .layout import INTEGER_DTYPES, SMALLEST_NORMAL
 
 SUPPORTED_DTYPES = frozenset(SMALLEST_NORMAL) | INTEGER_DTYPES | {torch.bool}
@@ -160,11 +161,8 @@ def _plan_dispatch_subclass(tensor):
 
 
 def _is_dtensor(tensor):
-    try:
-        from torch.distributed.tensor import DTensor
-    except Exception:  # torch built without distributed
-        return False
-    return isinstance(tensor, DTensor)
+    api = dtensor_api()
+    return api is not None and isinstance(tensor, api.DTensor)
 
 
 def unreadable_reason(tensor: torch.Tensor):

@@ -14,6 +14,8 @@ import struct
 
 import torch
 
+from .._compat import dtypes
+
 ABS_MIN, ABS_MAX, NAN, POSINF, NEGINF, ZERO, SUBNORMAL, NUMEL = range(8)
 NUM_COLUMNS = 8
 
@@ -40,18 +42,14 @@ SMALLEST_NORMAL = {
     # 2^-127, a normal one (it has neither zero nor subnormals)
     torch.float8_e4m3fnuz: 2.0**-7,
     torch.float8_e5m2fnuz: 2.0**-15,
-    torch.float8_e8m0fnu: 2.0**-127,
+    **{dtype: 2.0**-127 for dtype in dtypes("float8_e8m0fnu")},
     # complex dtypes classify their magnitude against the real part's dtype
     torch.complex32: 2.0**-14,
     torch.complex64: 2.0**-126,
     torch.complex128: 2.0**-1022,
 }
 
-INTEGER_DTYPES = frozenset(
-    getattr(torch, name)
-    for name in ("uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64")
-    if hasattr(torch, name)
-)
+INTEGER_DTYPES = frozenset(dtypes("uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64"))
 
 
 def holds_nonfinite(row) -> bool:

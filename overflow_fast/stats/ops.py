@@ -29,10 +29,14 @@ Importing this module never raises: without the C++ extension the ``tensor_stats
 do not exist (``HAVE_CPU_OPS`` is False).
 """
 
+from typing import List
+
 import torch
 
 from .layout import NUM_COLUMNS
 
+# The ops' signatures say typing.List: torch before 2.5 infers a custom op's schema from typing's
+# generics only, not from the builtin list[...].
 NAMESPACE = "overflow_fast"
 
 try:
@@ -63,7 +67,7 @@ if HAVE_CPU_OPS:
 
 
 @torch.library.custom_op("overflow_fast::tensor_stats_triton", mutates_args=())
-def tensor_stats_triton(tensors: list[torch.Tensor]) -> torch.Tensor:
+def tensor_stats_triton(tensors: List[torch.Tensor]) -> torch.Tensor:
     """Rows of ``tensors`` from the Triton kernels (triton_backend.compute), no host sync."""
     from . import triton_backend
 
@@ -83,7 +87,7 @@ def _tensor_stats_triton_fake(tensors):
 
 
 @torch.library.custom_op("overflow_fast::tensor_stats_triton_out", mutates_args=("out",))
-def tensor_stats_triton_out(tensors: list[torch.Tensor], out: torch.Tensor) -> None:
+def tensor_stats_triton_out(tensors: List[torch.Tensor], out: torch.Tensor) -> None:
     """The rows of ``tensors`` written into ``out`` (``[len(tensors), 8]`` int64, on their device)."""
     from . import triton_backend
 
@@ -99,7 +103,7 @@ def _tensor_stats_triton_out_fake(tensors, out):
 
 
 @torch.library.custom_op("overflow_fast::read_into", mutates_args=("rows",))
-def read_into(tensors: list[torch.Tensor], rows: torch.Tensor, first: int) -> None:
+def read_into(tensors: List[torch.Tensor], rows: torch.Tensor, first: int) -> None:
     """The per-hook read: the rows of ``tensors`` written into ``rows[first:first + len(tensors)]``
     (``rows``: a contiguous ``[R, 8]`` int64 buffer on their device). On CUDA one launch per 8
     tensors with nothing uploaded and no host sync, into a buffer the op mutates: safe to capture

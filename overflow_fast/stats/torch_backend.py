@@ -11,6 +11,7 @@ import struct
 
 import torch
 
+from .._compat import dtypes
 from . import kinds
 from .layout import NUM_COLUMNS, SMALLEST_NORMAL
 
@@ -22,12 +23,11 @@ _SIGNED_INT_MIN = {
     torch.int32: -(2**31),
     torch.int64: -(2**63),
 }
-_UNSIGNED_VIA_INT64 = tuple(getattr(torch, n) for n in ("uint16", "uint32") if hasattr(torch, n))
-_UINT64 = getattr(torch, "uint64", None)
+_UNSIGNED_VIA_INT64 = dtypes("uint16", "uint32")
+_UINT64 = (dtypes("uint64") or (None,))[0]
 # Exactly representable in float32, e8m0fnu's 2^-127 as a subnormal; its NaN (0xFF) and the fnuz
 # formats' (0x80) become float32 NaN.
-_FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz,
-           torch.float8_e8m0fnu)
+_FLOAT8 = dtypes("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
 
 
 def unavailable_reason():
