@@ -88,6 +88,9 @@ class Passes:
         self.kept_forward = []
         self.kept_gradients = {}
         self.autocast = {}  # find_op: the autocast the current forward runs under
+        # in-place collectives bump the version counters of what they write, so that a row read
+        # before such a write is never reused for the tensor after it
+        self.collective_writes = distributed.seen_as_writes()
         if self.sync_wanted():
             # collective: every rank builds its detector here; a rank alone fails here, in time
             self.agreement = distributed.Agreement(timeout=self.sync_timeout)
@@ -292,6 +295,8 @@ class Passes:
         """The hooks are off: decide what waits (its records and detection still reach the log),
         free every row, let go of the strategy's own hooks."""
         self.strategy.close()
+        if self.collective_writes is not None:
+            self.collective_writes.release()
         self.thread = _ThreadState()  # calls running now will never end a pass
         try:
             self.flush_all()
