@@ -177,3 +177,66 @@ def _writes_worker(rank):
 def test_an_in_place_collective_is_seen_as_a_write_by_every_detector():
     run_ranks(_writes_worker, timeout=240)
 
+
+# -- a replay never communicates -----------------------------------------------------------------
+
+
+class Communicates(torch.nn.Module):
+    """A block whose forward runs ``communicate(h)`` (a collective, every rank), then an op that
+    makes a nan on rank 1 only: there only, the detector replays the call."""
+
+    def __init__(self, communicate, rank):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+        self.communicate = communicate
+        self.shift = 10.0 if rank == 1 else -10.0
+
+    def forward(self, x):
+        h = self.communicate(self.fc(x))
+        return torch.sqrt(h.abs() - self.shift)  # nan where |h| < shift: on rank 1 only
+
+
+def _replays_worker(rank):
+    from torch.distributed.tensor import DTensor, Partial, Replicate, init_device_mesh
+
+    from overflow_fast import OverflowDetected, watch
+
+    mesh = init_device_mesh("cpu", (2,))
+
+    def all_reduce(h):
+        h = h.clone()
+        dist.all_reduce(h)
+        return h
+
+    cases = [
+        ("c10d.allreduce_", all_reduce),
+        ("_c10d_functional.all_reduce",  # a DTensor's redistribution
+         lambda h: DTensor.from_local(h, mesh, [Partial()]).redistribute(mesh, [Replicate()]).to_local()),
+    ]
+    for op, communicate in cases:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(Communicates(communicate, rank), torch.nn.Linear(4, 2))
+        detector = watch(model, sync_timeout=20)
+        out = io.StringIO()
+        stopped = None
+        with contextlib.redirect_stdout(out):
+            for step in range(2):
+                try:
+                    model(torch.randn(3, 4)).sum().backward()
+                except OverflowDetected as error:
+                    stopped = (step, error.ranks)
+                    break
+        detector.remove()
+        # every rank stops at once, as without find_op; rank 1 says why it did not replay
+        assert stopped == (0, [1]), (op, stopped, out.getvalue())
+        if rank == 1:
+            assert f"Op: not replayed (the call communicates across ranks: {op} at {__file__}:" in out.getvalue(), \
+                (op, out.getvalue())
+        # the next collective of the job pairs with the other rank's next one, not with a replay's
+        total = torch.tensor([rank + 1.0])
+        dist.all_reduce(total)
+        assert total.item() == 3.0, (op, total)
+
+
+def test_a_replay_never_communicates_and_every_rank_stops_together():
+    run_ranks(_replays_worker, timeout=120)

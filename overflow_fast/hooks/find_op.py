@@ -30,6 +30,7 @@ gradients; nothing is kept after.
 
 import contextlib
 import copy
+import functools
 import math
 import os
 import re
@@ -40,6 +41,8 @@ import torch
 import torch.nn.modules.module as _torch_module
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..distributed import NoCommunication, active_guard, communicating
 
 REPRO_FORMAT = "overflow_fast reproducer"
 REPRO_VERSION = 1
@@ -442,8 +445,18 @@ class _Births(TorchDispatchMode):
         self.seq = 0
         self.origins = {}
         self.random_ops = []
+        self.guard = active_guard() or NoCommunication()  # the replay's
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # a replay never communicates: a collective is stopped before it runs, here, and by the
+        # guard in the ops a tensor subclass's dispatch runs (on autograd's threads too)
+        collective = communicating(func)
+        if collective is not None:
+            self.guard.refuse(collective)
+        with self.guard:
+            return self._dispatch(func, types, args, kwargs)
+
+    def _dispatch(self, func, types, args, kwargs):
         kwargs = kwargs or {}
         self.seq += 1
         name = str(getattr(func, "overloadpacket", func))
@@ -547,6 +560,23 @@ def _failed(phase, error):
     return _why(phase, f"not replayed ({type(error).__name__}: {message[0] if message else ''})")
 
 
+def _never_communicates(replay):
+    """A replay on one rank must never run a collective (it would pair with the other ranks' next
+    one, or wait for ever): it runs inside a guard that stops the first before it sends anything,
+    and then says so, whatever the replay made of the error."""
+    @functools.wraps(replay)
+    def guarded(*args, **kwargs):
+        with NoCommunication() as guard:
+            result = replay(*args, **kwargs)
+        if guard.refused is None:
+            return result
+        filename, line = location(guard.frames)
+        where = f" at {filename}:{line}" if filename else ""
+        return _why(result["phase"], f"not replayed (the call communicates across ranks: {guard.refused}{where})")
+    return guarded
+
+
+@_never_communicates
 def replay_forward(module, args=(), kwargs=None, *, rng=None, call=None, without_hooks=without_hooks):
     """Replay ``module(*args, **kwargs)`` alone with every op checked; the result as the module's
     docstring says (phase "forward").
@@ -574,6 +604,7 @@ def replay_forward(module, args=(), kwargs=None, *, rng=None, call=None, without
         return _failed("forward", error)
 
 
+@_never_communicates
 def replay_backward(module, args, kwargs, grad_outputs, *, rng=None, call=None, without_hooks=without_hooks):
     """Replay the forward of ``module(*args, **kwargs)`` with autograd on (inputs copied, each
     requiring a gradient as it did), then its backward with ``grad_outputs`` (one per floating
