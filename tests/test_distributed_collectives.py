@@ -49,6 +49,82 @@ def _forward(kind, model, x):
     return PREFIX.sub("", out.getvalue()), error
 
 
+@pytest.fixture
+def one_rank():
+    """A process group of this process alone (gloo): collectives run, and return at once."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def test_in_place_collectives_bump_the_version_of_what_they_write_while_held(one_rank):
+    from overflow_fast.distributed import seen_as_writes
+
+    tensor, out = torch.ones(4), torch.empty(4)
+    held = seen_as_writes()
+    try:
+        for write in (lambda: dist.all_reduce(tensor), lambda: all_reduce_imported_early(tensor),
+                      lambda: dist.broadcast(tensor, src=0), lambda: one_rank.allreduce([tensor]).wait(),
+                      lambda: dist.all_reduce(tensor, async_op=True).wait()):
+            before = tensor._version
+            write()
+            assert tensor._version > before
+        before = out._version
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # its name from 2.13
+        gather(out, tensor)  # the output is written, the input only read
+        assert out._version > before
+        assert tensor.tolist() == [1.0] * 4
+    finally:
+        held.release()
+    with torch.inference_mode():  # no version counter: nothing to bump, and nothing fails
+        inference = torch.ones(2)
+    held = seen_as_writes()
+    dist.all_reduce(inference)
+    held.release()
+
+
+def test_no_communication_refuses_every_collective_before_it_runs(one_rank):
+    import torch.distributed._functional_collectives as functional
+
+    from overflow_fast.distributed import CommunicationRefused, NoCommunication, communicating
+
+    assert communicating(torch.ops.c10d.allreduce_.default) == "c10d.allreduce_"
+    assert communicating(torch.ops._c10d_functional.all_gather_into_tensor.default) == \
+        "_c10d_functional.all_gather_into_tensor"
+    assert communicating(torch.ops._c10d_functional.wait_tensor.default) is None  # sends nothing
+    assert communicating(torch.ops.aten.add.Tensor) is None
+    tensor = torch.ones(4)
+    with NoCommunication() as guard:
+        try:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        except CommunicationRefused:
+            pass  # code that swallows it: the guard still knows
+        with pytest.raises(CommunicationRefused, match="_c10d_functional.all_reduce"):
+            functional.all_reduce(tensor, "sum", one_rank)  # DTensor's redistribution calls these
+    assert guard.refused == "c10d.allreduce_"
+    assert tensor.tolist() == [1.0] * 4
+    dist.all_reduce(tensor)  # outside the guard, collectives run again
+    assert tensor.tolist() == [1.0] * 4
+
+
+def test_a_replay_of_a_call_that_communicates_says_so(one_rank):
+    from overflow_fast.hooks.find_op import replay_backward, replay_forward
+
+    class Reduces(torch.nn.Module):
+        def forward(self, x):
+            x = x * 2
+            dist.all_reduce(x)
+            return x
+
+    line = Reduces.forward.__code__.co_firstlineno + 2
+    why = f"not replayed (the call communicates across ranks: c10d.allreduce_ at {__file__}:{line})"
+    assert replay_forward(Reduces(), (torch.ones(2),)) == {"op": None, "phase": "forward", "why": why}
+    x = torch.ones(2, requires_grad=True)
+    assert replay_backward(Reduces(), (x,), {}, [torch.ones(2)]) == {"op": None, "phase": "backward", "why": why}
+
+
 # -- writes: every in-place collective is seen --------------------------------------------------
 
 
@@ -230,8 +306,10 @@ def _replays_worker(rank):
         # every rank stops at once, as without find_op; rank 1 says why it did not replay
         assert stopped == (0, [1]), (op, stopped, out.getvalue())
         if rank == 1:
-            assert f"Op: not replayed (the call communicates across ranks: {op} at {__file__}:" in out.getvalue(), \
-                (op, out.getvalue())
+            ops = [line for line in out.getvalue().splitlines() if "Op:" in line]
+            assert len(ops) == 1 and re.fullmatch(  # what the collective reads is finite: nothing more
+                rf"\[rank 1/2\] Op: not replayed \(the call communicates across ranks: {op} at {__file__}:\d+\)",
+                ops[0]), (op, ops)
         # the next collective of the job pairs with the other rank's next one, not with a replay's
         total = torch.tensor([rank + 1.0])
         dist.all_reduce(total)
@@ -240,3 +318,89 @@ def _replays_worker(rank):
 
 def test_a_replay_never_communicates_and_every_rank_stops_together():
     run_ranks(_replays_worker, timeout=120)
+
+
+class Exp(torch.nn.Module):
+    """``exp(fc(x) * 100)``: inf where ``fc``'s output passes 0.9 (fp32), in its own code."""
+
+    def __init__(self, out_features=4):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, out_features)
+
+    def forward(self, x):
+        return torch.exp(self.fc(x) * 100)
+
+
+def _sharded_replays_worker(rank):
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from overflow_fast import OverflowDetected, watch
+
+    mesh = init_device_mesh("cpu", (2,))
+
+    def run(model, x):
+        detector = watch(model, sync_timeout=20)
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            with pytest.raises(OverflowDetected) as caught:
+                model(x).sum().backward()
+        detector.remove()
+        ops = [line for line in out.getvalue().splitlines() if "Op:" in line]
+        return caught.value.ranks, ops
+
+    # tensor parallelism: fc's weight rows 2 and 3 (rank 1's shard) make the inf; the replay runs
+    # on the local shards, as the call did, and names the op on rank 1
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Exp(), torch.nn.ReLU())
+    with torch.no_grad():
+        model[0].fc.weight[2:] += 1
+    parallelize_module(model[0], mesh, {"fc": ColwiseParallel()})
+    ranks, ops = run(model, torch.ones(3, 4))
+    assert ranks == [1], (ranks, ops)
+    if rank == 1:
+        line = Exp.forward.__code__.co_firstlineno + 1
+        assert len(ops) == 1 and ops[0].startswith(f"[rank 1/2] Op: aten.exp at {__file__}:{line}: inf from finite"), ops
+
+    # a tensor-parallel block (colwise, then rowwise: an all_reduce): the replay stops at the
+    # all_reduce, and says what it had seen before it
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.out = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.out(torch.exp(self.fc(x) * 100))
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Block(), torch.nn.ReLU())
+    with torch.no_grad():
+        model[0].fc.weight += 1
+    parallelize_module(model[0], mesh, {"fc": ColwiseParallel(), "out": RowwiseParallel()})
+    ranks, ops = run(model, torch.ones(3, 4))
+    line = Block.forward.__code__.co_firstlineno + 1
+    assert ranks == [0, 1] and len(ops) == 1, (ranks, ops)
+    assert re.fullmatch(rf"\[rank {rank}/2\] Op: not replayed \(the call communicates across ranks: "
+                        rf"_c10d_functional\.all_reduce at {__file__}:{line}\); before it, aten\.exp at {__file__}:{line} "
+                        r"made inf from finite inputs \(input abs max [^)]*\), which it reads", ops[0]), ops
+
+    # FSDP2: the parameters are sharded again after each call; the line says why there is no replay,
+    # and with reshard_after_forward=False the call replays
+    for reshard in (True, False):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(Exp(), torch.nn.Linear(4, 2))
+        fully_shard(model[0], mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+        ranks, ops = run(model, torch.ones(3, 4) * (10.0 if rank == 1 else 0.0))
+        assert ranks == [1], (reshard, ranks, ops)
+        if rank == 1 and reshard:
+            assert ops == ["[rank 1/2] Op: not replayed (the parameters of fc are sharded across ranks, gathered for "
+                           "each call by FSDP2 and sharded again after it: gathering them would communicate; with "
+                           "reshard_after_forward=False they stay whole and replay)"], ops
+        elif rank == 1:
+            assert len(ops) == 1 and ops[0].startswith(f"[rank 1/2] Op: aten.exp at {__file__}:"), ops
+
+
+def test_under_tensor_parallelism_and_fsdp2_a_replay_runs_on_local_shards_or_says_why_not():
+    run_ranks(_sharded_replays_worker, timeout=120)

@@ -24,7 +24,7 @@ The hazards of a collective inside the detector: ``agreement``'s docstring; DTen
 
 from .agreement import Agreement, AgreementError, AgreementMisaligned, AgreementTimeout, agree
 from .collectives import CommunicationRefused, NoCommunication, active_guard, communicating, seen_as_writes
-from .shards import ShardInfo, Zero3Info, global_rows, is_exact, shard_info
+from .shards import ShardInfo, Zero3Info, global_rows, holds_sharded_parameters, is_exact, local_shard, shard_info
 from .world import (
     OverflowOnRanks,
     collective_device,
@@ -40,6 +40,6 @@ from .world import (
 __all__ = [
     "Agreement", "AgreementError", "AgreementMisaligned", "AgreementTimeout", "CommunicationRefused",
     "NoCommunication", "OverflowOnRanks", "ShardInfo", "Zero3Info", "active_guard", "agree", "collective_device", "communicating",
-    "global_rows", "is_exact", "is_local_only", "local_only", "rank", "rank_prefix", "seen_as_writes", "shard_info",
-    "stop_message", "with_prefix", "world",
+    "global_rows", "holds_sharded_parameters", "is_exact", "is_local_only", "local_only", "local_shard", "rank", "rank_prefix", "seen_as_writes",
+    "shard_info", "stop_message", "with_prefix", "world",
 ]

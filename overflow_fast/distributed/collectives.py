@@ -139,7 +139,7 @@ def _kernel(qualified, written):
     def kernel(keyset, *args, **kwargs):
         guard = _current()
         if guard is not None:
-            guard.refuse(short)
+            guard.refuse(short, _tensors(list(args)) + _tensors(list(kwargs.values())))
         if written is None:
             return overload.redispatch(keyset & below, *args, **kwargs)
         try:
@@ -251,15 +251,21 @@ class NoCommunication:
     def __init__(self):
         self.refused = None
         self.frames = []  # where the first refused one was called: (file, line, function), innermost first
+        # called with (op, its tensor arguments) at the first refusal; what it returns is ``note``
+        self.on_refuse = None
+        self.note = None
 
-    def refuse(self, op):
-        """Stop ``op``: note it (the first one) and raise :class:`CommunicationRefused`."""
+    def refuse(self, op, tensors=()):
+        """Stop ``op`` (its tensor arguments: ``tensors``): note the first one, raise
+        :class:`CommunicationRefused`."""
         if self.refused is None:
             self.refused = op
             frame = sys._getframe(1)
             while frame is not None:
                 self.frames.append((frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name))
                 frame = frame.f_back
+            if self.on_refuse is not None:
+                self.note = self.on_refuse(op, list(tensors))
         raise CommunicationRefused(op)
 
     def __enter__(self):

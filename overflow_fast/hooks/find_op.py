@@ -42,7 +42,7 @@ import torch.nn.modules.module as _torch_module
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..distributed import NoCommunication, active_guard, communicating
+from ..distributed import NoCommunication, active_guard, communicating, holds_sharded_parameters, local_shard
 
 REPRO_FORMAT = "overflow_fast reproducer"
 REPRO_VERSION = 1
@@ -100,7 +100,8 @@ def _why(phase, why):
 @contextlib.contextmanager
 def without_hooks(module):
     """No forward, forward-pre or backward hook runs inside: those of ``module`` and its submodules,
-    and the global ones (``register_module_forward_hook``...), are set aside and put back after."""
+    and the global ones (``register_module_forward_hook``...), are set aside and put back after;
+    but those of tensor parallelism (``parallelize_module``) stay, as the call ran with them."""
     modules = _unique_modules(module)
     saved = [(m, {name: m.__dict__[name] for name in _MODULE_HOOKS if name in m.__dict__})
              for m in modules]
@@ -108,7 +109,7 @@ def without_hooks(module):
     try:
         for m, hooks in saved:
             for name in hooks:
-                m.__dict__[name] = OrderedDict()
+                m.__dict__[name] = _tensor_parallel_hooks(name, hooks[name])
         for name in _GLOBAL_HOOKS:
             hooks = getattr(_torch_module, name, None)
             if isinstance(hooks, dict):
@@ -122,6 +123,27 @@ def without_hooks(module):
             live = getattr(_torch_module, name)
             live.clear()
             live.update(hooks)
+
+
+def _tensor_parallel_hooks(name, hooks):
+    """The forward hooks of torch.distributed.tensor (``distribute_module``, which
+    ``parallelize_module`` uses): they turn a call's local inputs into DTensors and its outputs back,
+    holding no state, so the replay runs as the call did; a collective they would run is refused
+    like any other."""
+    if name not in ("_forward_pre_hooks", "_forward_hooks"):
+        return OrderedDict()
+    return OrderedDict((key, hook) for key, hook in hooks.items()
+                       if getattr(hook, "__module__", "").startswith("torch.distributed.tensor"))
+
+
+def _gathered_for_the_call(module):
+    """The name (within ``module``; "" for itself) of a module whose parameters are sharded across
+    ranks with no tensor-parallel hook of its own to run its forward on them (FSDP2's, which
+    gathers them for each call only), or None."""
+    for name, sub in module.named_modules():
+        if holds_sharded_parameters(sub) and not _tensor_parallel_hooks("_forward_pre_hooks", sub._forward_pre_hooks):
+            return name
+    return None
 
 
 def _unique_modules(module):
@@ -267,7 +289,8 @@ def _copied(value, requires_grad=True):
 
 def _abs_max(tensor):
     """max |x| as a float: nan when it holds a nan, inf when an inf; None when it has no values
-    to read (empty, bool, a kind these reductions do not take)."""
+    to read (empty, bool, a kind these reductions do not take). A DTensor: this rank's shard."""
+    tensor = local_shard(tensor)
     if tensor.dtype == torch.bool or tensor.numel() == 0:
         return None
     try:
@@ -291,6 +314,7 @@ def _is_finite(value):
 def _nonfinite_kinds(tensors):
     nan = inf = False
     for tensor in tensors:
+        tensor = local_shard(tensor)
         if tensor.dtype in _UPCAST:
             tensor = tensor.float()
         nan = nan or bool(torch.isnan(tensor).any())
@@ -299,6 +323,7 @@ def _nonfinite_kinds(tensors):
 
 
 def _storage_key(tensor):
+    tensor = local_shard(tensor)
     try:
         return tensor.untyped_storage()._cdata
     except (RuntimeError, NotImplementedError, TypeError, AttributeError):
@@ -306,6 +331,7 @@ def _storage_key(tensor):
 
 
 def _covers_storage(tensor):
+    tensor = local_shard(tensor)
     try:
         return (tensor.storage_offset() == 0
                 and tensor.numel() * tensor.element_size() == tensor.untyped_storage().nbytes())
@@ -446,13 +472,15 @@ class _Births(TorchDispatchMode):
         self.origins = {}
         self.random_ops = []
         self.guard = active_guard() or NoCommunication()  # the replay's
+        if self.guard.on_refuse is None:
+            self.guard.on_refuse = self._refused
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         # a replay never communicates: a collective is stopped before it runs, here, and by the
         # guard in the ops a tensor subclass's dispatch runs (on autograd's threads too)
         collective = communicating(func)
         if collective is not None:
-            self.guard.refuse(collective)
+            self.guard.refuse(collective, pytree.tree_leaves((args, kwargs)))
         with self.guard:
             return self._dispatch(func, types, args, kwargs)
 
@@ -510,6 +538,20 @@ class _Births(TorchDispatchMode):
                 self.origins[key] = origin
         return result
 
+    def _refused(self, op, inputs):
+        """A collective refused: where a nan/inf it would read came from, as words for the Op line."""
+        bad = [t for t in inputs if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
+               and not _is_finite(_abs_max(t))]
+        if not bad:
+            return None
+        origin = min((self.origins.get(_storage_key(t), _OUTSIDE) for t in bad), key=lambda o: o["seq"])
+        if origin["kind"] == "outside":
+            return "what it reads held a nan/inf when the call began"
+        where = f" at {origin['file']}:{origin['line']}" if origin["file"] else ""
+        if origin["kind"] == "op":
+            return f"before it, {origin['op']}{where} made {origin['what']}, which it reads"
+        return f"before it, a {origin['kind']} {origin['op']}{where} gave a nan/inf, which it reads"
+
     def _made(self, kind, name, what=None):
         origin = {"kind": kind, "seq": self.seq, "op": name, "phase": self.phase, "what": what}
         if self.phase == "backward":
@@ -560,23 +602,34 @@ def _failed(phase, error):
     return _why(phase, f"not replayed ({type(error).__name__}: {message[0] if message else ''})")
 
 
-def _never_communicates(replay):
+def _never_communicates(phase):
     """A replay on one rank must never run a collective (it would pair with the other ranks' next
     one, or wait for ever): it runs inside a guard that stops the first before it sends anything,
-    and then says so, whatever the replay made of the error."""
-    @functools.wraps(replay)
-    def guarded(*args, **kwargs):
-        with NoCommunication() as guard:
-            result = replay(*args, **kwargs)
-        if guard.refused is None:
-            return result
-        filename, line = location(guard.frames)
-        where = f" at {filename}:{line}" if filename else ""
-        return _why(result["phase"], f"not replayed (the call communicates across ranks: {guard.refused}{where})")
-    return guarded
+    and then says so, whatever the replay made of the error; with what it had seen before, where
+    that collective would read a nan/inf. A module whose parameters FSDP2 sharded again after the
+    call is not replayed: gathering them would communicate."""
+    def decorate(replay):
+        @functools.wraps(replay)
+        def guarded(module, *args, **kwargs):
+            gathered = _gathered_for_the_call(module)
+            if gathered is not None:
+                return _why(phase, f"not replayed (the parameters of {gathered or 'the module'} are sharded across "
+                                   "ranks, gathered for each call by FSDP2 and sharded again after it: gathering them "
+                                   "would communicate; with reshard_after_forward=False they stay whole and replay)")
+            with NoCommunication() as guard:
+                result = replay(module, *args, **kwargs)
+            if guard.refused is None:
+                return result
+            filename, line = location(guard.frames)
+            where = f" at {filename}:{line}" if filename else ""
+            note = f"; {guard.note}" if guard.note else ""
+            return _why(result["phase"], f"not replayed (the call communicates across ranks: {guard.refused}{where})"
+                                         f"{note}")
+        return guarded
+    return decorate
 
 
-@_never_communicates
+@_never_communicates("forward")
 def replay_forward(module, args=(), kwargs=None, *, rng=None, call=None, without_hooks=without_hooks):
     """Replay ``module(*args, **kwargs)`` alone with every op checked; the result as the module's
     docstring says (phase "forward").
@@ -604,7 +657,7 @@ def replay_forward(module, args=(), kwargs=None, *, rng=None, call=None, without
         return _failed("forward", error)
 
 
-@_never_communicates
+@_never_communicates("backward")
 def replay_backward(module, args, kwargs, grad_outputs, *, rng=None, call=None, without_hooks=without_hooks):
     """Replay the forward of ``module(*args, **kwargs)`` with autograd on (inputs copied, each
     requiring a gradient as it did), then its backward with ``grad_outputs`` (one per floating
