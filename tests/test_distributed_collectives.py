@@ -331,7 +331,7 @@ class Exp(torch.nn.Module):
         return torch.exp(self.fc(x) * 100)
 
 
-def _sharded_replays_worker(rank):
+def _sharded_replays_worker(rank, repro):
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -341,12 +341,17 @@ def _sharded_replays_worker(rank):
     mesh = init_device_mesh("cpu", (2,))
 
     def run(model, x):
-        detector = watch(model, sync_timeout=20)
+        detector = watch(model, sync_timeout=20, repro=repro)
         out = io.StringIO()
-        with contextlib.redirect_stdout(out):
+        with contextlib.redirect_stdout(out), pytest.warns(RuntimeWarning) if rank == 1 else contextlib.nullcontext() \
+                as warned:
             with pytest.raises(OverflowDetected) as caught:
                 model(x).sum().backward()
         detector.remove()
+        if rank == 1:  # no reproducer: it would need the other ranks
+            messages = [str(warning.message) for warning in warned]
+            assert any("cannot write the reproducer" in message and ("DTensors" in message or "FSDP2" in message)
+                       for message in messages), messages
         ops = [line for line in out.getvalue().splitlines() if "Op:" in line]
         return caught.value.ranks, ops
 
@@ -395,12 +400,12 @@ def _sharded_replays_worker(rank):
         ranks, ops = run(model, torch.ones(3, 4) * (10.0 if rank == 1 else 0.0))
         assert ranks == [1], (reshard, ranks, ops)
         if rank == 1 and reshard:
-            assert ops == ["[rank 1/2] Op: not replayed (the parameters of fc are sharded across ranks, gathered for "
-                           "each call by FSDP2 and sharded again after it: gathering them would communicate; with "
-                           "reshard_after_forward=False they stay whole and replay)"], ops
+            assert ops == ["[rank 1/2] Op: not replayed (the parameters of fc are sharded across ranks, and gathering "
+                           "them would communicate: FSDP2 gathers them for each call only, unless "
+                           "reshard_after_forward=False)"], ops
         elif rank == 1:
             assert len(ops) == 1 and ops[0].startswith(f"[rank 1/2] Op: aten.exp at {__file__}:"), ops
 
 
-def test_under_tensor_parallelism_and_fsdp2_a_replay_runs_on_local_shards_or_says_why_not():
-    run_ranks(_sharded_replays_worker, timeout=120)
+def test_under_tensor_parallelism_and_fsdp2_a_replay_runs_on_local_shards_or_says_why_not(tmp_path):
+    run_ranks(_sharded_replays_worker, str(tmp_path), timeout=120)

@@ -98,10 +98,10 @@ def _why(phase, why):
 # -- what the replay keeps as it was -----------------------------------------------------------------
 
 @contextlib.contextmanager
-def without_hooks(module):
+def without_hooks(module, keep_tensor_parallel=False):
     """No forward, forward-pre or backward hook runs inside: those of ``module`` and its submodules,
-    and the global ones (``register_module_forward_hook``...), are set aside and put back after;
-    but those of tensor parallelism (``parallelize_module``) stay, as the call ran with them."""
+    and the global ones (``register_module_forward_hook``...), are set aside and put back after.
+    ``keep_tensor_parallel``: but those of tensor parallelism stay (``_tensor_parallel_hooks``)."""
     modules = _unique_modules(module)
     saved = [(m, {name: m.__dict__[name] for name in _MODULE_HOOKS if name in m.__dict__})
              for m in modules]
@@ -109,7 +109,7 @@ def without_hooks(module):
     try:
         for m, hooks in saved:
             for name in hooks:
-                m.__dict__[name] = _tensor_parallel_hooks(name, hooks[name])
+                m.__dict__[name] = _tensor_parallel_hooks(name, hooks[name]) if keep_tensor_parallel else OrderedDict()
         for name in _GLOBAL_HOOKS:
             hooks = getattr(_torch_module, name, None)
             if isinstance(hooks, dict):
@@ -128,12 +128,17 @@ def without_hooks(module):
 def _tensor_parallel_hooks(name, hooks):
     """The forward hooks of torch.distributed.tensor (``distribute_module``, which
     ``parallelize_module`` uses): they turn a call's local inputs into DTensors and its outputs back,
-    holding no state, so the replay runs as the call did; a collective they would run is refused
-    like any other."""
+    holding no state, so that a replay runs as the call did (a collective they would run is refused
+    like any other)."""
     if name not in ("_forward_pre_hooks", "_forward_hooks"):
         return OrderedDict()
     return OrderedDict((key, hook) for key, hook in hooks.items()
                        if getattr(hook, "__module__", "").startswith("torch.distributed.tensor"))
+
+
+def replay_hooks(module):
+    """What a replay runs without: every hook of ``without_hooks`` but tensor parallelism's."""
+    return without_hooks(module, keep_tensor_parallel=True)
 
 
 def _gathered_for_the_call(module):
@@ -614,8 +619,8 @@ def _never_communicates(phase):
             gathered = _gathered_for_the_call(module)
             if gathered is not None:
                 return _why(phase, f"not replayed (the parameters of {gathered or 'the module'} are sharded across "
-                                   "ranks, gathered for each call by FSDP2 and sharded again after it: gathering them "
-                                   "would communicate; with reshard_after_forward=False they stay whole and replay)")
+                                   "ranks, and gathering them would communicate: FSDP2 gathers them for each call "
+                                   "only, unless reshard_after_forward=False)")
             with NoCommunication() as guard:
                 result = replay(module, *args, **kwargs)
             if guard.refused is None:
@@ -630,7 +635,7 @@ def _never_communicates(phase):
 
 
 @_never_communicates("forward")
-def replay_forward(module, args=(), kwargs=None, *, rng=None, call=None, without_hooks=without_hooks):
+def replay_forward(module, args=(), kwargs=None, *, rng=None, call=None, without_hooks=replay_hooks):
     """Replay ``module(*args, **kwargs)`` alone with every op checked; the result as the module's
     docstring says (phase "forward").
 
@@ -638,7 +643,8 @@ def replay_forward(module, args=(), kwargs=None, *, rng=None, call=None, without
     (dropout) replay exactly, without it a nan/inf made after a random op is not reported (the
     replay drew other numbers). ``call``: ``call_state()`` taken at the call (grad mode, autocast);
     None runs under the current ones. ``without_hooks(module)``: a context manager inside which no
-    hook of the module runs (default: all of them set aside)."""
+    hook of the module runs (default ``replay_hooks``: all of them set aside but tensor
+    parallelism's)."""
     kwargs = kwargs or {}
     try:
         with contextlib.ExitStack() as stack:
@@ -658,7 +664,7 @@ def replay_forward(module, args=(), kwargs=None, *, rng=None, call=None, without
 
 
 @_never_communicates("backward")
-def replay_backward(module, args, kwargs, grad_outputs, *, rng=None, call=None, without_hooks=without_hooks):
+def replay_backward(module, args, kwargs, grad_outputs, *, rng=None, call=None, without_hooks=replay_hooks):
     """Replay the forward of ``module(*args, **kwargs)`` with autograd on (inputs copied, each
     requiring a gradient as it did), then its backward with ``grad_outputs`` (one per floating
     tensor of the output, in ``floating_outputs`` order; None where none arrived), with every op
@@ -729,6 +735,9 @@ def write_repro(directory, rank, step, module, args, kwargs, grad_outputs, detec
 
     path = repro_path(directory, rank, step)
     partial = f"{path}.{os.getpid()}.partial"
+    distributed_reason = _held_across_ranks(module, args, kwargs)
+    if distributed_reason is not None:
+        raise ReproError(f"cannot write the reproducer {path}: {distributed_reason}")
     try:
         payload = {
             "format": REPRO_FORMAT, "format_version": REPRO_VERSION,
@@ -749,6 +758,21 @@ def write_repro(directory, rank, step, module, args, kwargs, grad_outputs, detec
         reason = error.strerror if isinstance(error, OSError) and error.strerror else f"{type(error).__name__}: {error}"
         raise ReproError(f"cannot write the reproducer {path}: {reason}") from error
     return path
+
+
+def _held_across_ranks(module, args, kwargs):
+    """Why a call cannot replay in one process on its own (a reproducer's), or None: DTensors need
+    their process group, and FSDP2's classes and hooks cannot be pickled."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except Exception:
+        FSDPModule = ()
+    tensors = list(module.parameters()) + list(module.buffers()) + pytree.tree_leaves((args, kwargs))
+    if any(isinstance(t, torch.Tensor) and local_shard(t) is not t for t in tensors):
+        return "the call's tensors are DTensors, held across ranks, and a reproducer replays in one process"
+    if FSDPModule and any(isinstance(m, FSDPModule) for m in module.modules()):
+        return "FSDP2's fully_shard gave the module a class and hooks of its own, which a file cannot hold"
+    return None
 
 
 def load_repro(path, map_location=None):
