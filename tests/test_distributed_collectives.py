@@ -152,7 +152,6 @@ def _inf_like(h):
 
 def _writes(rank):
     """(name, write(h), the ranks where ``h`` turns inf through the collective alone)."""
-    other = 1 - rank
     world = dist.group.WORLD
 
     def broadcast(h):
@@ -254,6 +253,37 @@ def test_an_in_place_collective_is_seen_as_a_write_by_every_detector():
     run_ranks(_writes_worker, timeout=240)
 
 
+def _deferred_worker(rank):
+    from overflow_fast import OverflowDetected, watch
+
+    writes = []  # the layer's all_reduce runs from the second forward on only
+
+    def write(h):
+        if writes:
+            dist.all_reduce(h)
+
+    model = torch.nn.Sequential(Written(write), torch.nn.ReLU())
+    # the accelerators' deferral (OVERFLOW_FAST_CPU_AS_DEVICE=1): fc's output, seen unchanged at the
+    # end of the first forward, waits for the end of the second; the all_reduce changes it before
+    # that, so it is never read after the write (nor blamed for the sum's inf)
+    detector = watch(model, defer=True, sync_timeout=20)
+    x = torch.ones(2, 4, dtype=torch.float16)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        model(x)
+        writes.append(True)
+        with pytest.raises(OverflowDetected) as caught:
+            model(x)
+    detector.remove()
+    got = PREFIX.sub("", out.getvalue())
+    assert caught.value.ranks == [0, 1], got
+    assert "Source: born in forward of 0 (Written): output from finite inputs and weights\n" in got, got
+
+
+def test_a_read_that_waits_is_never_taken_after_a_collective_wrote_the_tensor():
+    run_ranks(_deferred_worker, timeout=60)
+
+
 # -- a replay never communicates -----------------------------------------------------------------
 
 
@@ -308,7 +338,8 @@ def _replays_worker(rank):
         if rank == 1:
             ops = [line for line in out.getvalue().splitlines() if "Op:" in line]
             assert len(ops) == 1 and re.fullmatch(  # what the collective reads is finite: nothing more
-                rf"\[rank 1/2\] Op: not replayed \(the call communicates across ranks: {op} at {__file__}:\d+\)",
+                rf"\[rank 1/2\] Op: not replayed \(the call communicates across ranks: {re.escape(op)} at "
+                rf"{re.escape(__file__)}:\d+\)",
                 ops[0]), (op, ops)
         # the next collective of the job pairs with the other rank's next one, not with a replay's
         total = torch.tensor([rank + 1.0])
@@ -366,7 +397,8 @@ def _sharded_replays_worker(rank, repro):
     assert ranks == [1], (ranks, ops)
     if rank == 1:
         line = Exp.forward.__code__.co_firstlineno + 1
-        assert len(ops) == 1 and ops[0].startswith(f"[rank 1/2] Op: aten.exp at {__file__}:{line}: inf from finite"), ops
+        assert len(ops) == 1, ops
+        assert ops[0].startswith(f"[rank 1/2] Op: aten.exp at {__file__}:{line}: inf from finite"), ops
 
     # a tensor-parallel block (colwise, then rowwise: an all_reduce): the replay stops at the
     # all_reduce, and says what it had seen before it
@@ -386,8 +418,9 @@ def _sharded_replays_worker(rank, repro):
     ranks, ops = run(model, torch.ones(3, 4))
     line = Block.forward.__code__.co_firstlineno + 1
     assert ranks == [0, 1] and len(ops) == 1, (ranks, ops)
+    where = re.escape(f"{__file__}:{line}")
     assert re.fullmatch(rf"\[rank {rank}/2\] Op: not replayed \(the call communicates across ranks: "
-                        rf"_c10d_functional\.all_reduce at {__file__}:{line}\); before it, aten\.exp at {__file__}:{line} "
+                        rf"_c10d_functional\.all_reduce at {where}\); before it, aten\.exp at {where} "
                         r"made inf from finite inputs \(input abs max [^)]*\), which it reads", ops[0]), ops
 
     # FSDP2: the parameters are sharded again after each call; the line says why there is no replay,

@@ -39,7 +39,7 @@ from .world import (
 
 __all__ = [
     "Agreement", "AgreementError", "AgreementMisaligned", "AgreementTimeout", "CommunicationRefused",
-    "NoCommunication", "OverflowOnRanks", "ShardInfo", "Zero3Info", "active_guard", "agree", "collective_device", "communicating",
-    "global_rows", "holds_sharded_parameters", "is_exact", "is_local_only", "local_only", "local_shard", "rank", "rank_prefix", "seen_as_writes",
-    "shard_info", "stop_message", "with_prefix", "world",
+    "NoCommunication", "OverflowOnRanks", "ShardInfo", "Zero3Info", "active_guard", "agree", "collective_device",
+    "communicating", "global_rows", "holds_sharded_parameters", "is_exact", "is_local_only", "local_only",
+    "local_shard", "rank", "rank_prefix", "seen_as_writes", "shard_info", "stop_message", "with_prefix", "world",
 ]

@@ -27,6 +27,7 @@ refused, even if the code that called it caught the error. The ops stopped: ever
 
 import sys
 import threading
+import warnings
 import weakref
 
 import torch
@@ -159,6 +160,7 @@ class _Registry:
         self.guards = 0
         self.writing = None  # torch.library.Library of the in-place ops' kernels
         self.refusing = None  # ... of the other communicating ops' kernels
+        self.failed = False  # a registration failed (warned once): never tried again
 
     def change(self, writers=0, guards=0):
         with _lock:
@@ -167,9 +169,9 @@ class _Registry:
             need_writing = self.writers > 0 or self.guards > 0
             need_refusing = self.guards > 0
             if need_writing and self.writing is None:
-                self.writing = _library(in_place=True)
+                self.writing = self._registered(in_place=True)
             if need_refusing and self.refusing is None:
-                self.refusing = _library(in_place=False)
+                self.refusing = self._registered(in_place=False)
             if not need_refusing and self.refusing is not None:
                 self.refusing._destroy()
                 self.refusing = None
@@ -178,20 +180,42 @@ class _Registry:
                 self.writing = None
 
 
+    def _registered(self, in_place):
+        """The kernels registered (None where that failed: a warning, once; the training goes on)."""
+        if self.failed:
+            return None
+        try:
+            return _library(in_place)
+        except Exception as error:  # noqa: BLE001 - a torch without these APIs must not stop training
+            self.failed = True
+            warnings.warn(f"overflow_fast: cannot register the kernels that make in-place collectives count as "
+                          f"writes ({type(error).__name__}: {error}); a row read before dist.all_reduce(h) and "
+                          "the like may be reused after it (reuse_stats=False avoids that), and find_op's "
+                          "replays stop only the collectives their own dispatch mode sees", RuntimeWarning,
+                          stacklevel=4)
+            return None
+
+
 def _library(in_place):
     """A ``torch.library`` registration of the kernels of the in-place ops (or of the others)."""
-    libraries = {}
-    for qualified, written in _ops().items():
-        if (written is not None) != in_place:
-            continue
-        if torch._C._dispatch_has_kernel_for_dispatch_key(qualified, _KEY):
-            continue  # an op that has its own (torch.library.custom_op bumps versions itself)
-        namespace, _, name = qualified.partition("::")
-        library = libraries.get(namespace)
-        if library is None:
-            library = libraries[namespace] = torch.library.Library(namespace, "IMPL")
-        library.impl(name, _kernel(qualified, written), _KEY, with_keyset=True)
-    return _Libraries(list(libraries.values()))
+    libraries = _Libraries([])
+    try:
+        by_namespace = {}
+        for qualified, written in _ops().items():
+            if (written is not None) != in_place:
+                continue
+            if torch._C._dispatch_has_kernel_for_dispatch_key(qualified, _KEY):
+                continue  # an op that has its own (torch.library.custom_op bumps versions itself)
+            namespace, _, name = qualified.partition("::")
+            library = by_namespace.get(namespace)
+            if library is None:
+                library = by_namespace[namespace] = torch.library.Library(namespace, "IMPL")
+                libraries.libraries.append(library)
+            library.impl(name, _kernel(qualified, written), _KEY, with_keyset=True)
+    except BaseException:
+        libraries._destroy()  # nothing half-registered stays
+        raise
+    return libraries
 
 
 class _Libraries:
