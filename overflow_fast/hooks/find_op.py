@@ -22,8 +22,10 @@ is the report's line.
 The replay leaves the run as it was: the module's buffers are replaced by copies for the replay
 (BatchNorm's running statistics in train mode), its attributes and its parameters' and inputs'
 contents are untouched (inputs are copied), no ``.grad`` is written (``torch.autograd.grad``), the
-CPU and CUDA RNG states are restored, no autograd graph outlives it, and no forward or backward hook
-of the module, its submodules or the global ones runs. The memory it takes while it runs: a copy of
+CPU and CUDA RNG states are restored, no autograd graph outlives it, no forward or backward hook
+of the module, its submodules or the global ones runs (but tensor parallelism's, which hold no
+state), and nothing is sent to other ranks: a collective stops the replay before it runs
+(``_never_communicates``). The memory it takes while it runs: a copy of
 the call's inputs and of the module's buffers, the replayed call's activations, and for backward its
 gradients; nothing is kept after.
 """
