@@ -124,6 +124,26 @@ def test_a_replay_of_a_call_that_communicates_says_so(one_rank):
     x = torch.ones(2, requires_grad=True)
     assert replay_backward(Reduces(), (x,), {}, [torch.ones(2)]) == {"op": None, "phase": "backward", "why": why}
 
+    class ReduceGradient(torch.autograd.Function):  # tensor parallelism's "copy to the region"
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, gradient):
+            gradient = gradient.clone()
+            dist.all_reduce(gradient)
+            return gradient
+
+    class Copies(torch.nn.Module):
+        def forward(self, x):
+            return ReduceGradient.apply(x) * 2
+
+    result = replay_backward(Copies(), (x,), {}, [torch.ones(2)])
+    line = ReduceGradient.backward.__code__.co_firstlineno + 3
+    assert result == {"op": None, "phase": "backward", "why": "not replayed (the call communicates across ranks: "
+                      f"c10d.allreduce_ at {__file__}:{line})"}, result
+
 
 # -- writes: every in-place collective is seen --------------------------------------------------
 
