@@ -37,6 +37,7 @@ import math
 import os
 import re
 import sys
+import warnings
 from collections import OrderedDict
 
 import torch
@@ -623,7 +624,9 @@ def _never_communicates(phase):
                 return _why(phase, f"not replayed (the parameters of {gathered or 'the module'} are sharded across "
                                    "ranks, and gathering them would communicate: FSDP2 gathers them for each call "
                                    "only, unless reshard_after_forward=False)")
-            with NoCommunication() as guard:
+            with NoCommunication() as guard, warnings.catch_warnings():
+                # anomaly mode's "Error detected in ...Backward" for an error the Op line reports
+                warnings.filterwarnings("ignore", "Error detected in", UserWarning)
                 result = replay(module, *args, **kwargs)
             if guard.refused is None:
                 return result
