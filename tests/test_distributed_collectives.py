@@ -101,12 +101,12 @@ def test_no_communication_refuses_every_collective_before_it_runs(one_rank):
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         except CommunicationRefused:
             pass  # code that swallows it: the guard still knows
+        assert tensor._version == 0  # stopped before it ran (it would have bumped the version)
         with pytest.raises(CommunicationRefused, match="_c10d_functional.all_reduce"):
             functional.all_reduce(tensor, "sum", one_rank)  # DTensor's redistribution calls these
     assert guard.refused == "c10d.allreduce_"
-    assert tensor.tolist() == [1.0] * 4
-    dist.all_reduce(tensor)  # outside the guard, collectives run again
-    assert tensor.tolist() == [1.0] * 4
+    work = dist.all_reduce(tensor, async_op=True)  # outside the guard, collectives run again
+    assert work.wait() and tensor.tolist() == [1.0] * 4
 
 
 def test_a_replay_of_a_call_that_communicates_says_so(one_rank):
