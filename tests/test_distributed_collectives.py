@@ -78,11 +78,16 @@ def test_in_place_collectives_bump_the_version_of_what_they_write_while_held(one
         assert tensor.tolist() == [1.0] * 4
     finally:
         held.release()
+    before = tensor._version
+    dist.all_reduce(tensor)  # released: as without a detector
+    assert tensor._version == before
     with torch.inference_mode():  # no version counter: nothing to bump, and nothing fails
         inference = torch.ones(2)
     held = seen_as_writes()
     dist.all_reduce(inference)
-    held.release()
+    del held  # collected: as released
+    dist.all_reduce(tensor)
+    assert tensor._version == before
 
 
 def test_no_communication_refuses_every_collective_before_it_runs(one_rank):

@@ -11,7 +11,8 @@ of every tensor the op writes, as torch's own in-place ops do; the detector's ch
 dispatcher at ``ADInplaceOrView``, where torch bumps versions for its own in-place ops, so it
 serves every caller: ``dist.all_reduce``, a function imported before the detector existed, a
 ``ProcessGroup`` method, DDP's reducer, FSDP. It costs other ops nothing and a collective one Python
-call (registered when the first detector's pass begins under a process group, about 5 ms).
+call (registered once, when the first detector's pass begins under a process group; after the
+last detector is removed it only passes the call on).
 Inference tensors have no version counter (and no reuse) and never reach it. As for any
 in-place op, a backward that needs a tensor a collective overwrote after autograd saved it raises
 torch's "modified by an inplace operation" error, where without the detector it would silently
@@ -134,7 +135,8 @@ def _bump(tensors):
 
 
 def _kernel(qualified, written):
-    """The kernel of one op: the guard's check, the op itself, then the bump of what it wrote."""
+    """The kernel of one op: the guard's check, the op itself, then (while a detector holds
+    ``seen_as_writes``) the bump of what it wrote."""
     namespace, _, name = qualified.partition("::")
     name, _, overload_name = name.partition(".")
     overload = getattr(getattr(getattr(torch.ops, namespace), name), overload_name or "default")
@@ -150,59 +152,38 @@ def _kernel(qualified, written):
         try:
             return overload.redispatch(keyset & below, *args, **kwargs)
         finally:
-            _bump(written(args, kwargs))  # also after a failure: some of it may have been written
+            if _holders:
+                _bump(written(args, kwargs))  # also after a failure: some of it may have been written
 
     return kernel
 
 
-class _Registry:
-    """The kernels, registered while anyone holds them: on the in-place ops for the writes, on the
-    others too while a guard is active (their kernel's only work is the guard's check)."""
-
-    def __init__(self):
-        self.writers = 0
-        self.guards = 0
-        self.writing = None  # torch.library.Library of the in-place ops' kernels
-        self.refusing = None  # ... of the other communicating ops' kernels
-        self.failed = False  # a registration failed (warned once): never tried again
-
-    def change(self, writers=0, guards=0):
-        with _lock:
-            self.writers += writers
-            self.guards += guards
-            need_writing = self.writers > 0 or self.guards > 0
-            need_refusing = self.guards > 0
-            if need_writing and self.writing is None:
-                self.writing = self._registered(in_place=True)
-            if need_refusing and self.refusing is None:
-                self.refusing = self._registered(in_place=False)
-            if not need_refusing and self.refusing is not None:
-                self.refusing._destroy()
-                self.refusing = None
-            if not need_writing and self.writing is not None:
-                self.writing._destroy()
-                self.writing = None
+# The kernels stay registered once registered: taking a kernel out of torch's dispatcher while
+# another thread runs it frees it under that call. Without a holder they only pass the call on.
+_holders = weakref.WeakSet()  # the live WritesSeen (a detector's, or collected: gone by itself)
+_registered = {}  # in_place (True/False) -> the torch.library.Library objects, or None (failed)
 
 
-    def _registered(self, in_place):
-        """The kernels registered (None where that failed: a warning, once; the training goes on)."""
-        if self.failed:
-            return None
+def _register(in_place):
+    """Register the kernels of the in-place ops (or of the others) once per process; a failure
+    warns once and the training goes on."""
+    with _lock:
+        if in_place in _registered:
+            return
         try:
-            return _library(in_place)
+            _registered[in_place] = _library(in_place)
         except Exception as error:  # noqa: BLE001 - a torch without these APIs must not stop training
-            self.failed = True
+            _registered[in_place] = None
             warnings.warn(f"overflow_fast: cannot register the kernels that make in-place collectives count as "
                           f"writes ({type(error).__name__}: {error}); a row read before dist.all_reduce(h) and "
                           "the like may be reused after it (reuse_stats=False avoids that), and find_op's "
                           "replays stop only the collectives their own dispatch mode sees", RuntimeWarning,
                           stacklevel=4)
-            return None
 
 
 def _library(in_place):
     """A ``torch.library`` registration of the kernels of the in-place ops (or of the others)."""
-    libraries = _Libraries([])
+    libraries = []
     try:
         by_namespace = {}
         for qualified, written in _ops().items():
@@ -214,26 +195,13 @@ def _library(in_place):
             library = by_namespace.get(namespace)
             if library is None:
                 library = by_namespace[namespace] = torch.library.Library(namespace, "IMPL")
-                libraries.libraries.append(library)
+                libraries.append(library)
             library.impl(name, _kernel(qualified, written), _KEY, with_keyset=True)
     except BaseException:
-        libraries._destroy()  # nothing half-registered stays
+        for library in libraries:  # nothing half-registered stays (no call can be in it yet)
+            library._destroy()
         raise
     return libraries
-
-
-class _Libraries:
-    __slots__ = ("libraries",)
-
-    def __init__(self, libraries):
-        self.libraries = libraries
-
-    def _destroy(self):
-        for library in self.libraries:
-            library._destroy()
-
-
-_registry = _Registry()
 
 
 def _available():
@@ -254,11 +222,11 @@ class WritesSeen:
     """What :func:`seen_as_writes` returns: ``release()`` it (or let it be collected) when done."""
 
     def __init__(self):
-        self._release = weakref.finalize(self, _registry.change, writers=-1)
-        _registry.change(writers=1)
+        _register(in_place=True)
+        _holders.add(self)
 
     def release(self):
-        self._release()  # at most once
+        _holders.discard(self)
 
 
 def seen_as_writes():
@@ -304,8 +272,9 @@ class NoCommunication:
         raise CommunicationRefused(op)
 
     def __enter__(self):
-        if _available():
-            _registry.change(guards=1)
+        if _initialized():  # without a process group no collective can run
+            _register(in_place=True)
+            _register(in_place=False)
         stack = getattr(_local, "guards", None)
         if stack is None:
             stack = _local.guards = []
@@ -314,6 +283,4 @@ class NoCommunication:
 
     def __exit__(self, *exc):
         _local.guards.pop()
-        if _available():
-            _registry.change(guards=-1)
         return False
