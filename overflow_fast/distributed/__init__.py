@@ -11,6 +11,10 @@ groups, DeviceMesh, DTensor placements); nothing here starts the job's process g
   detected a nan/inf, or every rank raises an :class:`AgreementError` (misaligned, timed out).
   :func:`agree` is the same through an Agreement it creates at its first call.
   :class:`OverflowOnRanks` is the ValueError every rank then raises, naming the ranks.
+- ``collectives``: :func:`seen_as_writes`, in-place collectives (``all_reduce``, ``broadcast``, ...)
+  bump the version counters of the tensors they write, as torch's in-place ops do;
+  :class:`NoCommunication`, a guard inside which every collective raises :class:`CommunicationRefused`
+  before it sends anything (find_op's replays run inside one).
 - ``shards``: :func:`global_rows`, the rows of DTensor entries made the whole tensor's rows, combined across
   the mesh from each rank's local-shard rows with ONE all_gather per call (not one per tensor).
 
@@ -19,7 +23,8 @@ The hazards of a collective inside the detector: ``agreement``'s docstring; DTen
 """
 
 from .agreement import Agreement, AgreementError, AgreementMisaligned, AgreementTimeout, agree
-from .shards import ShardInfo, Zero3Info, global_rows, is_exact, shard_info
+from .collectives import CommunicationRefused, NoCommunication, active_guard, communicating, seen_as_writes
+from .shards import ShardInfo, Zero3Info, global_rows, holds_sharded_parameters, is_exact, local_shard, shard_info
 from .world import (
     OverflowOnRanks,
     collective_device,
@@ -33,7 +38,8 @@ from .world import (
 )
 
 __all__ = [
-    "Agreement", "AgreementError", "AgreementMisaligned", "AgreementTimeout", "OverflowOnRanks", "ShardInfo",
-    "Zero3Info", "agree", "collective_device", "global_rows", "is_exact", "is_local_only", "local_only", "rank",
-    "rank_prefix", "shard_info", "stop_message", "with_prefix", "world",
+    "Agreement", "AgreementError", "AgreementMisaligned", "AgreementTimeout", "CommunicationRefused",
+    "NoCommunication", "OverflowOnRanks", "ShardInfo", "Zero3Info", "active_guard", "agree", "collective_device",
+    "communicating", "global_rows", "holds_sharded_parameters", "is_exact", "is_local_only", "local_only",
+    "local_shard", "rank", "rank_prefix", "seen_as_writes", "shard_info", "stop_message", "with_prefix", "world",
 ]

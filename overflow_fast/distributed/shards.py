@@ -17,7 +17,7 @@ counts describe the terms, not their sum (finite terms whose sum overflows are n
 import torch
 
 from .._compat import dtensor_api
-from ..stats.kinds import is_zero3_released
+from ..stats.kinds import PLAIN_TYPES, is_zero3_released
 from ..stats.layout import NAN, NEGINF, NUM_COLUMNS, POSINF, is_integer_dtype, merge_rows_tensor
 from .world import _dist, collective_device, is_local_only, world
 
@@ -62,6 +62,25 @@ def shard_info(tensor):
     if api is None or not isinstance(tensor, api.DTensor):
         return None
     return ShardInfo(tensor.device_mesh, tensor.placements, tensor.dtype)
+
+
+def local_shard(tensor):
+    """What this rank holds of a DTensor (its local tensor), any other tensor as it is."""
+    if type(tensor) in PLAIN_TYPES:
+        return tensor
+    info = shard_info(tensor)
+    return tensor._local_tensor if info is not None and not isinstance(info, Zero3Info) else tensor
+
+
+def holds_sharded_parameters(module):
+    """Whether ``module`` has a parameter of its own that is a DTensor sharded across ranks (not
+    replicated on every mesh dimension): FSDP2's outside their forward, tensor parallelism's."""
+    for parameter in module.parameters(recurse=False):
+        info = shard_info(parameter)
+        if info is not None and not isinstance(info, Zero3Info) and not all(
+                placement.is_replicate() for placement in info.placements):
+            return True
+    return False
 
 
 def is_exact(info):

@@ -22,24 +22,30 @@ is the report's line.
 The replay leaves the run as it was: the module's buffers are replaced by copies for the replay
 (BatchNorm's running statistics in train mode), its attributes and its parameters' and inputs'
 contents are untouched (inputs are copied), no ``.grad`` is written (``torch.autograd.grad``), the
-CPU and CUDA RNG states are restored, no autograd graph outlives it, and no forward or backward hook
-of the module, its submodules or the global ones runs. The memory it takes while it runs: a copy of
+CPU and CUDA RNG states are restored, no autograd graph outlives it, no forward or backward hook
+of the module, its submodules or the global ones runs (but tensor parallelism's, which hold no
+state), and nothing is sent to other ranks: a collective stops the replay before it runs
+(``_never_communicates``). The memory it takes while it runs: a copy of
 the call's inputs and of the module's buffers, the replayed call's activations, and for backward its
 gradients; nothing is kept after.
 """
 
 import contextlib
 import copy
+import functools
 import math
 import os
 import re
 import sys
+import warnings
 from collections import OrderedDict
 
 import torch
 import torch.nn.modules.module as _torch_module
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..distributed import NoCommunication, active_guard, communicating, holds_sharded_parameters, local_shard
 
 REPRO_FORMAT = "overflow_fast reproducer"
 REPRO_VERSION = 1
@@ -95,9 +101,10 @@ def _why(phase, why):
 # -- what the replay keeps as it was -----------------------------------------------------------------
 
 @contextlib.contextmanager
-def without_hooks(module):
+def without_hooks(module, keep_tensor_parallel=False):
     """No forward, forward-pre or backward hook runs inside: those of ``module`` and its submodules,
-    and the global ones (``register_module_forward_hook``...), are set aside and put back after."""
+    and the global ones (``register_module_forward_hook``...), are set aside and put back after.
+    ``keep_tensor_parallel``: but those of tensor parallelism stay (``_tensor_parallel_hooks``)."""
     modules = _unique_modules(module)
     saved = [(m, {name: m.__dict__[name] for name in _MODULE_HOOKS if name in m.__dict__})
              for m in modules]
@@ -105,7 +112,7 @@ def without_hooks(module):
     try:
         for m, hooks in saved:
             for name in hooks:
-                m.__dict__[name] = OrderedDict()
+                m.__dict__[name] = _tensor_parallel_hooks(name, hooks[name]) if keep_tensor_parallel else OrderedDict()
         for name in _GLOBAL_HOOKS:
             hooks = getattr(_torch_module, name, None)
             if isinstance(hooks, dict):
@@ -119,6 +126,32 @@ def without_hooks(module):
             live = getattr(_torch_module, name)
             live.clear()
             live.update(hooks)
+
+
+def _tensor_parallel_hooks(name, hooks):
+    """The forward hooks of torch.distributed.tensor (``distribute_module``, which
+    ``parallelize_module`` uses): they turn a call's local inputs into DTensors and its outputs back,
+    holding no state, so that a replay runs as the call did (a collective they would run is refused
+    like any other)."""
+    if name not in ("_forward_pre_hooks", "_forward_hooks"):
+        return OrderedDict()
+    return OrderedDict((key, hook) for key, hook in hooks.items()
+                       if getattr(hook, "__module__", "").startswith("torch.distributed.tensor"))
+
+
+def replay_hooks(module):
+    """What a replay runs without: every hook of ``without_hooks`` but tensor parallelism's."""
+    return without_hooks(module, keep_tensor_parallel=True)
+
+
+def _gathered_for_the_call(module):
+    """The name (within ``module``; "" for itself) of a module whose parameters are sharded across
+    ranks with no tensor-parallel hook of its own to run its forward on them (FSDP2's, which
+    gathers them for each call only), or None."""
+    for name, sub in module.named_modules():
+        if holds_sharded_parameters(sub) and not _tensor_parallel_hooks("_forward_pre_hooks", sub._forward_pre_hooks):
+            return name
+    return None
 
 
 def _unique_modules(module):
@@ -264,7 +297,8 @@ def _copied(value, requires_grad=True):
 
 def _abs_max(tensor):
     """max |x| as a float: nan when it holds a nan, inf when an inf; None when it has no values
-    to read (empty, bool, a kind these reductions do not take)."""
+    to read (empty, bool, a kind these reductions do not take). A DTensor: this rank's shard."""
+    tensor = local_shard(tensor)
     if tensor.dtype == torch.bool or tensor.numel() == 0:
         return None
     try:
@@ -288,6 +322,7 @@ def _is_finite(value):
 def _nonfinite_kinds(tensors):
     nan = inf = False
     for tensor in tensors:
+        tensor = local_shard(tensor)
         if tensor.dtype in _UPCAST:
             tensor = tensor.float()
         nan = nan or bool(torch.isnan(tensor).any())
@@ -296,6 +331,7 @@ def _nonfinite_kinds(tensors):
 
 
 def _storage_key(tensor):
+    tensor = local_shard(tensor)
     try:
         return tensor.untyped_storage()._cdata
     except (RuntimeError, NotImplementedError, TypeError, AttributeError):
@@ -303,6 +339,7 @@ def _storage_key(tensor):
 
 
 def _covers_storage(tensor):
+    tensor = local_shard(tensor)
     try:
         return (tensor.storage_offset() == 0
                 and tensor.numel() * tensor.element_size() == tensor.untyped_storage().nbytes())
@@ -442,8 +479,20 @@ class _Births(TorchDispatchMode):
         self.seq = 0
         self.origins = {}
         self.random_ops = []
+        self.guard = active_guard() or NoCommunication()  # the replay's
+        if self.guard.on_refuse is None:
+            self.guard.on_refuse = self._refused
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # a replay never communicates: a collective is stopped before it runs, here, and by the
+        # guard in the ops a tensor subclass's dispatch runs (on autograd's threads too)
+        collective = communicating(func)
+        if collective is not None:
+            self.guard.refuse(collective, pytree.tree_leaves((args, kwargs)))
+        with self.guard:
+            return self._dispatch(func, types, args, kwargs)
+
+    def _dispatch(self, func, types, args, kwargs):
         kwargs = kwargs or {}
         self.seq += 1
         name = str(getattr(func, "overloadpacket", func))
@@ -497,6 +546,20 @@ class _Births(TorchDispatchMode):
                 self.origins[key] = origin
         return result
 
+    def _refused(self, op, inputs):
+        """A collective refused: where a nan/inf it would read came from, as words for the Op line."""
+        bad = [t for t in inputs if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
+               and not _is_finite(_abs_max(t))]
+        if not bad:
+            return None
+        origin = min((self.origins.get(_storage_key(t), _OUTSIDE) for t in bad), key=lambda o: o["seq"])
+        if origin["kind"] == "outside":
+            return "what it reads held a nan/inf when the call began"
+        where = f" at {origin['file']}:{origin['line']}" if origin["file"] else ""
+        if origin["kind"] == "op":
+            return f"before it, {origin['op']}{where} made {origin['what']}, which it reads"
+        return f"before it, a {origin['kind']} {origin['op']}{where} gave a nan/inf, which it reads"
+
     def _made(self, kind, name, what=None):
         origin = {"kind": kind, "seq": self.seq, "op": name, "phase": self.phase, "what": what}
         if self.phase == "backward":
@@ -547,7 +610,37 @@ def _failed(phase, error):
     return _why(phase, f"not replayed ({type(error).__name__}: {message[0] if message else ''})")
 
 
-def replay_forward(module, args=(), kwargs=None, *, rng=None, call=None, without_hooks=without_hooks):
+def _never_communicates(phase):
+    """A replay on one rank must never run a collective (it would pair with the other ranks' next
+    one, or wait for ever): it runs inside a guard that stops the first before it sends anything,
+    and then says so, whatever the replay made of the error; with what it had seen before, where
+    that collective would read a nan/inf. A module whose parameters FSDP2 sharded again after the
+    call is not replayed: gathering them would communicate."""
+    def decorate(replay):
+        @functools.wraps(replay)
+        def guarded(module, *args, **kwargs):
+            gathered = _gathered_for_the_call(module)
+            if gathered is not None:
+                return _why(phase, f"not replayed (the parameters of {gathered or 'the module'} are sharded across "
+                                   "ranks, and gathering them would communicate: FSDP2 gathers them for each call "
+                                   "only, unless reshard_after_forward=False)")
+            with NoCommunication() as guard, warnings.catch_warnings():
+                # anomaly mode's "Error detected in ...Backward" for an error the Op line reports
+                warnings.filterwarnings("ignore", "Error detected in", UserWarning)
+                result = replay(module, *args, **kwargs)
+            if guard.refused is None:
+                return result
+            filename, line = location(guard.frames)
+            where = f" at {filename}:{line}" if filename else ""
+            note = f"; {guard.note}" if guard.note else ""
+            return _why(result["phase"], f"not replayed (the call communicates across ranks: {guard.refused}{where})"
+                                         f"{note}")
+        return guarded
+    return decorate
+
+
+@_never_communicates("forward")
+def replay_forward(module, args=(), kwargs=None, *, rng=None, call=None, without_hooks=replay_hooks):
     """Replay ``module(*args, **kwargs)`` alone with every op checked; the result as the module's
     docstring says (phase "forward").
 
@@ -555,7 +648,8 @@ def replay_forward(module, args=(), kwargs=None, *, rng=None, call=None, without
     (dropout) replay exactly, without it a nan/inf made after a random op is not reported (the
     replay drew other numbers). ``call``: ``call_state()`` taken at the call (grad mode, autocast);
     None runs under the current ones. ``without_hooks(module)``: a context manager inside which no
-    hook of the module runs (default: all of them set aside)."""
+    hook of the module runs (default ``replay_hooks``: all of them set aside but tensor
+    parallelism's)."""
     kwargs = kwargs or {}
     try:
         with contextlib.ExitStack() as stack:
@@ -574,7 +668,8 @@ def replay_forward(module, args=(), kwargs=None, *, rng=None, call=None, without
         return _failed("forward", error)
 
 
-def replay_backward(module, args, kwargs, grad_outputs, *, rng=None, call=None, without_hooks=without_hooks):
+@_never_communicates("backward")
+def replay_backward(module, args, kwargs, grad_outputs, *, rng=None, call=None, without_hooks=replay_hooks):
     """Replay the forward of ``module(*args, **kwargs)`` with autograd on (inputs copied, each
     requiring a gradient as it did), then its backward with ``grad_outputs`` (one per floating
     tensor of the output, in ``floating_outputs`` order; None where none arrived), with every op
@@ -645,6 +740,9 @@ def write_repro(directory, rank, step, module, args, kwargs, grad_outputs, detec
 
     path = repro_path(directory, rank, step)
     partial = f"{path}.{os.getpid()}.partial"
+    distributed_reason = _held_across_ranks(module, args, kwargs)
+    if distributed_reason is not None:
+        raise ReproError(f"cannot write the reproducer {path}: {distributed_reason}")
     try:
         payload = {
             "format": REPRO_FORMAT, "format_version": REPRO_VERSION,
@@ -665,6 +763,21 @@ def write_repro(directory, rank, step, module, args, kwargs, grad_outputs, detec
         reason = error.strerror if isinstance(error, OSError) and error.strerror else f"{type(error).__name__}: {error}"
         raise ReproError(f"cannot write the reproducer {path}: {reason}") from error
     return path
+
+
+def _held_across_ranks(module, args, kwargs):
+    """Why a call cannot replay in one process on its own (a reproducer's), or None: DTensors need
+    their process group, and FSDP2's classes and hooks cannot be pickled."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except Exception:
+        FSDPModule = ()
+    tensors = list(module.parameters()) + list(module.buffers()) + pytree.tree_leaves((args, kwargs))
+    if any(isinstance(t, torch.Tensor) and local_shard(t) is not t for t in tensors):
+        return "the call's tensors are DTensors, held across ranks, and a reproducer replays in one process"
+    if FSDPModule and any(isinstance(m, FSDPModule) for m in module.modules()):
+        return "FSDP2's fully_shard gave the module a class and hooks of its own, which a file cannot hold"
+    return None
 
 
 def load_repro(path, map_location=None):

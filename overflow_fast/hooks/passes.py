@@ -88,6 +88,7 @@ class Passes:
         self.kept_forward = []
         self.kept_gradients = {}
         self.autocast = {}  # find_op: the autocast the current forward runs under
+        self.collective_writes = None  # held from the first pass under torch.distributed
         if self.sync_wanted():
             # collective: every rank builds its detector here; a rank alone fails here, in time
             self.agreement = distributed.Agreement(timeout=self.sync_timeout)
@@ -95,6 +96,10 @@ class Passes:
     # -- which pass ------------------------------------------------------------------------------
 
     def _open_pass(self, serial):
+        if self.collective_writes is None:
+            # in-place collectives bump the version counters of what they write (once a process
+            # group exists), so that a row read before such a write is never reused after it
+            self.collective_writes = distributed.seen_as_writes()
         reads = self.idle_reads.pop() if self.idle_reads else self.new_reads()
         opened = Pass(reads, serial)
         self.open.append(opened)
@@ -300,6 +305,9 @@ class Passes:
         """The hooks are off: decide what waits (its records and detection still reach the log),
         free every row, let go of the strategy's own hooks."""
         self.strategy.close()
+        if self.collective_writes is not None:
+            self.collective_writes.release()
+            self.collective_writes = None
         self.thread = _ThreadState()  # calls running now will never end a pass
         try:
             self.flush_all()
