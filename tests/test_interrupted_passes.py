@@ -4,7 +4,6 @@ KeyboardInterrupt (Ctrl-C in a notebook), SystemExit or any BaseException raised
 a backward, from the model or from another library's hook, leaves the detector as it was: the next
 forward detects, its report is the reference's, and nothing of the interrupted pass is kept."""
 
-import gc
 import math
 import weakref
 
@@ -82,7 +81,6 @@ def test_after_an_interrupted_forward_the_next_forward_detects_and_keeps_nothing
         with torch.set_grad_enabled(grad):
             net(x)
         del x
-    gc.collect()
     # (find_op keeps a forward with autograd on until the backward that follows it)
     assert not [ref for ref in (alive[:-1] if grad else alive) if ref() is not None]
     out, error = capture(lambda: net(batch(9, nan=True)))
