@@ -94,3 +94,16 @@ def test_bench_report_quick(tmp_path):
     assert rows and all(len(row.split()) >= 10 for row in rows)
     if importlib.util.find_spec("duckdb") is not None:
         assert result.stdout.count("summaries are identical") == 2, result.stdout
+
+
+@pytest.mark.slow
+def test_bench_find_op_prints_training_and_evaluation():
+    result = _run([os.path.join(BENCH, "bench_find_op.py"), "--layers", "1", "--width", "64", "--seq", "16",
+                   "--eval-layers", "2", "--eval-width", "64", "--eval-rows", "8", "--steps", "2", "--runs", "1"],
+                  timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for mode in ("training", "evaluation"):
+        assert re.search(rf"^\| {mode} \| step ms .* \| -?\d+\.\d+ \| -?\d+\.\d+ \| - \| \d+\.\d+ \|$", result.stdout,
+                         re.M), result.stdout
+        assert re.search(rf"^\| {mode} \| peak .* \| [+-]\d+\.\d+ \| [+-]\d+\.\d+ \| [+-]\d+\.\d+ \| [+-]\d+\.\d+ MiB \|$",
+                         result.stdout, re.M), result.stdout
