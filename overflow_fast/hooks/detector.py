@@ -323,13 +323,12 @@ class DebugUnderflowOverflow:
         call = self.decisions.state.count(module is self.model, recomputed)
         if self._gradients is not None and not transformed:  # torch.func takes gradients functionally
             self._gradients.watch_outputs(module, entries, tensors)
-        grad = torch.is_grad_enabled()
-        if inputs is not None and grad:  # find_op: what the backward's replay of this call needs
+        if inputs is not None and inputs.grad_enabled:  # find_op: what the backward's replay needs
             inputs.output = output
             if not recomputed:
                 run.kept_forward.append(inputs)
         run.add(current, call, module, entries, dtypes, tensors, FORWARD, inputs=inputs)
-        if inputs is not None and not grad and run.thread.calls:
+        if inputs is not None and not inputs.grad_enabled and run.thread.calls:
             inputs.release()  # autograd keeps nothing here: neither does a call that returned (culprit)
         if recomputed:
             run.decide_when_backward_ends()
