@@ -254,16 +254,16 @@ class DebugUnderflowOverflow:
                 run.abandon_forward()
         if not calls:
             thread.outer = sys._getframe(1)  # torch's frame running this call, until it returns
-        if not calls and graph_task_id() == -1:
-            with run.lock:
-                if run.flush_task is not None:  # the last backward failed before its end
-                    run.abandon_backward()
-                run.spent = None
-                run.kept_forward = []  # what an earlier forward kept for its backward's replay
-                if self.options.keeps_calls:
-                    run.autocast = autocast_state()
-                if module is self.model and self._gradients is not None:
-                    self._gradients.new_forward()
+            if graph_task_id() == -1:  # a forward pass begins
+                with run.lock:
+                    if run.flush_task is not None:  # the last backward failed before its end
+                        run.abandon_backward()
+                    run.spent = None
+                    run.kept_forward = []  # what an earlier forward kept for its backward's replay
+                    if self.options.keeps_calls:
+                        run.autocast = autocast_state()
+                    if module is self.model and self._gradients is not None:
+                        self._gradients.new_forward()
         inputs = (CallInputs(module, args, kwargs, calls[-1][2] if calls else None, run.autocast)
                   if self.options.keeps_calls else None)
         calls.append((module, sys.exc_info()[1], inputs))
