@@ -323,7 +323,7 @@ class DebugUnderflowOverflow:
         call = self.decisions.state.count(module is self.model, recomputed)
         if self._gradients is not None and not transformed:  # torch.func takes gradients functionally
             self._gradients.watch_outputs(module, entries, tensors)
-        if inputs is not None and inputs.grad_enabled:  # find_op: what the backward's replay needs
+        if inputs is not None and inputs.grad_enabled and self._gradients is not None:  # the backward's replay
             inputs.output = output
             if not recomputed:
                 run.kept_forward.append(inputs)

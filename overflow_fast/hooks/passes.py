@@ -327,8 +327,7 @@ class Passes:
                 abandoned.task = task
                 self.end(abandoned, BACKWARD, _Abandoned())
         finally:
-            self.kept_forward = []
-            self.kept_gradients = {}
+            self._let_go_of_the_forward()
 
     def decide_when_backward_ends(self):
         """Decide the backward pass when this backward ends, before ``backward()`` returns and so
@@ -347,8 +346,15 @@ class Passes:
             try:
                 self.end(self.backward_pass(), BACKWARD)
             finally:
-                self.kept_forward = []
-                self.kept_gradients = {}
+                self._let_go_of_the_forward()
+
+    def _let_go_of_the_forward(self):
+        """find_op: the backward that the last forward's calls were kept for ended. Autograd lets go
+        of their activations now; so do they (a pass's finished calls wait until the next begins)."""
+        for inputs in self.kept_forward:
+            inputs.release()
+        self.kept_forward = []
+        self.kept_gradients = {}
 
     def sync_wanted(self):
         """Whether this detector's decisions are agreed between ranks (see overflow_fast.distributed)."""
