@@ -143,7 +143,8 @@ def _note(scaler, outputs, scaled):
     lists and tuples of them; what ``scale`` returns lazily, a ``map``, is left alone)."""
     if isinstance(scaled, torch.Tensor) and isinstance(outputs, torch.Tensor):
         if scaled.requires_grad:
-            finite = torch.isfinite(outputs.detach()).all()  # on its device: no sync
+            local = outputs.to_local() if hasattr(outputs, "to_local") else outputs  # a DTensor: never a collective
+            finite = torch.isfinite(local.detach()).all()  # on its device: no sync
             scaled.register_hook(functools.partial(_backward_started, scaler, finite))
     elif isinstance(scaled, (list, tuple)) and isinstance(outputs, (list, tuple)) and len(scaled) == len(outputs):
         for output, one in zip(outputs, scaled):
