@@ -52,8 +52,9 @@ class ScaledBackward:
         self._facts = None
 
     def facts(self):
-        """``(loss_finite, scale, steps)``, read once (a host sync, at a backward's nan/inf only);
-        None when the scaler is gone."""
+        """``(loss_finite, scale, steps, scaler)``: whether every scaled tensor was finite, the scale,
+        the scaler's ``update()`` calls so far, the scaler; read once (a host sync, at a backward's
+        nan/inf only). None when the scaler is gone."""
         if self._facts is None:
             scaler = self.scaler()
             if scaler is None:
