@@ -370,8 +370,8 @@ def _sharded_grad_scaler_worker(rank):
             scaler.update()
     detector.remove()
     lines = out.getvalue().splitlines()
-    assert len(lines) == 4 and all(line.startswith(f"[rank {rank}/2] GradScaler backoff in the backward of batch_number=")
-                                   for line in lines), lines
+    backoff = f"[rank {rank}/2] GradScaler backoff in the backward of batch_number="
+    assert len(lines) == 4 and all(line.startswith(backoff) for line in lines), lines
     assert scaler.get_scale() == 2.0 ** 26
 
 

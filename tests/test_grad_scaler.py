@@ -137,7 +137,8 @@ def test_a_non_finite_loss_is_a_detection_no_scale_explains_it():
 
 
 def test_a_gradient_that_overflows_at_the_floor_is_a_detection():
-    # gradients too large for fp16 at any scale (inputs of 1e3): the scaler backs off 16, 8, 4, 2; at 1.0 no backoff helps
+    # gradients too large for fp16 at any scale (inputs of 1e3): the scaler backs off at 16, 8, 4, 2;
+    # at 1.0 no backoff helps
     out, error, _, _, _ = train(lambda m: watch(m), init_scale=16.0, input_scale=3e3)
     assert isinstance(error, OverflowDetected) and error.phase == "backward", out
     assert [re.search(r"at scale (\S+),", line).group(1) for line in backoff_lines(out)] == \

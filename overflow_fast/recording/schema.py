@@ -4,10 +4,10 @@ from these same fields) check every line against.
 
 A log is JSON Lines: one JSON object per line, UTF-8. Four kinds of record, told apart by
 ``"record"`` (``"backoff"``: a GradScaler's backoff, an inf/nan gradient the scaler recovers from,
-which is not a detection); keys are written in the order below; a reader ignores keys it does not know (a
-newer writer may add some). A field marked nullable may also be missing.
+which is not a detection); keys are written in the order below; a reader ignores keys it does not
+know (a newer writer may add some). A field marked nullable may also be missing.
 
-``global_step`` and ``mode`` (entry and detection records: the trainer's optimizer step, and
+``global_step`` and ``mode`` (entry, detection and backoff records: the trainer's optimizer step, and
 ``"train"`` or ``"eval"``) are written only when the detector knows them (``set_step``); a log
 without them (an older writer, a loop that never names its steps) reads as before, and ``step``
 is always the detector's batch number (its count of the model's forwards).

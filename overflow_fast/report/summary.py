@@ -941,10 +941,11 @@ def _nonfinite_lines(summary):
                    f"{det.get('phase')}, module {_module_label(det.get('module', ''), det.get('class'))}, "
                    f"entries {entries}")
     for backoff in summary.backoffs[:1]:
+        module = _module_label(backoff.get("module", ""), backoff.get("class"))
         out.append(f"GradScaler backoffs (inf/nan gradients the scaler recovered from, not detections): "
                    f"{summary.backoff_count}, the first at "
                    f"{when(backoff.get('step'), backoff.get('global_step'), backoff.get('mode'), unit)}, scale "
-                   f"{float(backoff['scale']):.3g}, module {_module_label(backoff.get('module', ''), backoff.get('class'))}")
+                   f"{float(backoff['scale']):.3g}, module {module}")
     out.append("")
 
     return out
