@@ -1,15 +1,23 @@
-"""What ``find_op`` costs on the normal path: a GPT-2 training step under ``watch()`` with it on
-and off, and the memory its kept references hold.
+"""What ``find_op`` costs on the normal path, in training and in evaluation: step time and peak
+memory under ``watch()`` with it on and off (and, for memory, with no detector at all).
 
+- **training:** a GPT-2 step (bf16 autocast, AdamW); **evaluation:** a forward under
+  ``torch.no_grad()`` of an MLP (``--eval-layers`` x Linear(``--eval-width``) + GELU on
+  ``--eval-rows`` rows: by default the 24 x 2048 x 512 of the issue that found evaluation keeping
+  every activation alive);
 - **step time:** two copies of the same model (same weights, same batches), one watched with
   ``find_op=True``, one with ``find_op=False``, stepped in alternation in one process (this
   machine's speed drifts between runs): medians over steps, and their ratio;
-- **memory:** each variant in a fresh process, its peak resident set (``ru_maxrss``) over the same
-  steps, medians over runs: what the references kept until a pass ends add to the peak. Also the
-  bytes of the distinct storages those references reach at the end of a backward pass (most are
-  activations and gradients autograd holds anyway).
+- **memory:** each variant in a fresh process, its peak resident set above a warm baseline (the
+  model, the detector, one small warm-up step done; the peak is reset there through
+  ``/proc/self/clear_refs``), medians over runs. glibc's mmap threshold is fixed
+  (``MALLOC_MMAP_THRESHOLD_``) so that freed tensors leave the resident set at once: the figure is
+  what is held, not the allocator's heap. Also, in training, the bytes of the distinct storages the
+  kept references reach at the end of a backward pass (most are activations and gradients autograd
+  holds anyway).
 
     .venv/bin/python benchmarks/bench_find_op.py [--layers N] [--width W] [--batch B] [--seq S]
+        [--eval-layers N] [--eval-width W] [--eval-rows R] [--steps N] [--runs N]
 """
 
 import argparse
@@ -29,6 +37,8 @@ import _results  # noqa: E402
 
 from overflow_fast import watch  # noqa: E402
 
+MMAP_THRESHOLD = str(64 << 10)
+
 
 def gpt2(layers, width, seed=0):
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -38,12 +48,18 @@ def gpt2(layers, width, seed=0):
     return GPT2LMHeadModel(config)
 
 
+def mlp(layers, width, seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(*[module for _ in range(layers)
+                                 for module in (torch.nn.Linear(width, width), torch.nn.GELU())])
+
+
 def batches(count, batch, seq):
     generator = torch.Generator().manual_seed(1)
     return [torch.randint(0, 512, (batch, seq), generator=generator) for _ in range(count)]
 
 
-def step(model, optimizer, ids):
+def train_step(model, optimizer, ids):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
@@ -51,26 +67,54 @@ def step(model, optimizer, ids):
     optimizer.zero_grad(set_to_none=True)
 
 
-def step_times(args):
+class Variant:
+    """One model under ``watch(find_op=...)`` (``find_op`` None: no detector) in one mode, and its step."""
+
+    def __init__(self, args, mode, find_op):
+        self.mode = mode
+        if mode == "train":
+            self.model = gpt2(args.layers, args.width)
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+            self.data = batches(args.steps + 2, args.batch, args.seq)
+        else:
+            self.model = mlp(args.eval_layers, args.eval_width)
+            generator = torch.Generator().manual_seed(1)
+            self.data = [torch.randn(args.eval_rows, args.eval_width, generator=generator)
+                         for _ in range(2)]
+        if find_op is not None:
+            watch(self.model, find_op=find_op)
+
+    def step(self, index):
+        batch = self.data[index % len(self.data)]
+        if self.mode == "train":
+            train_step(self.model, self.optimizer, batch)
+        else:
+            with torch.no_grad():
+                self.model(batch)
+
+    def warm_up(self):
+        """One small step: every lazy allocation (optimizer state, the detector's buffers) is made."""
+        if self.mode == "train":
+            train_step(self.model, self.optimizer, self.data[0][:1, :8])
+        else:
+            with torch.no_grad():
+                self.model(self.data[0][:1])
+
+
+def step_times(args, mode):
     """Median ms per step with find_op on and off, stepped in alternation."""
-    variants = {}
-    for find_op in (True, False):
-        model = gpt2(args.layers, args.width)
-        watch(model, find_op=find_op)
-        variants[find_op] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4))
+    variants = {find_op: Variant(args, mode, find_op) for find_op in (True, False)}
     times = {True: [], False: []}
-    data = batches(args.steps + 2, args.batch, args.seq)
-    for index, ids in enumerate(data):
+    for index in range(args.steps + 2):
         for find_op in ((True, False) if index % 2 else (False, True)):
-            model, optimizer = variants[find_op]
             start = time.perf_counter()
-            step(model, optimizer, ids)
+            variants[find_op].step(index)
             if index >= 2:  # the first steps warm up
                 times[find_op].append((time.perf_counter() - start) * 1e3)
     return {find_op: statistics.median(values) for find_op, values in times.items()}
 
 
-def kept_bytes(model, optimizer, ids):
+def kept_bytes(variant):
     """Bytes of the distinct storages the kept references reach when a backward pass ends."""
     from overflow_fast.hooks import passes
 
@@ -91,7 +135,7 @@ def kept_bytes(model, optimizer, ids):
 
     passes.Passes._backward_ended = measured
     try:
-        step(model, optimizer, ids)
+        variant.step(0)
     finally:
         passes.Passes._backward_ended = real
     return seen.get("bytes", 0)
@@ -107,34 +151,58 @@ def _tensors(value):
     return []
 
 
+def _status_kib(key):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    return None
+
+
+def _reset_peak():
+    """Reset the resident set's peak (VmHWM) to now; False where the kernel does not allow it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
 def peak_child(args):
-    """In a fresh process: one variant's steps, then its peak RSS (and kept bytes) as JSON."""
-    find_op = args.child == "on"
-    model = gpt2(args.layers, args.width)
-    watch(model, find_op=find_op)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    data = batches(args.steps, args.batch, args.seq)
-    for ids in data[:-1]:
-        step(model, optimizer, ids)
-    kept = kept_bytes(model, optimizer, data[-1]) if find_op else 0
-    print(json.dumps({"peak_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "kept": kept}))
+    """In a fresh process: one variant's steps, then its peak resident set above the warm baseline
+    (and, training with find_op, the kept bytes) as JSON."""
+    find_op = {"on": True, "off": False, "none": None}[args.child]
+    variant = Variant(args, args.mode, find_op)
+    variant.warm_up()
+    baseline = _status_kib("VmRSS")
+    exact = _reset_peak()
+    for index in range(args.memory_steps):
+        variant.step(index)
+    peak = _status_kib("VmHWM") if exact else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    kept = kept_bytes(variant) if args.mode == "train" and find_op else 0
+    print(json.dumps({"above_kib": peak - baseline, "exact": exact, "kept": kept}))
     return 0
 
 
-def peaks(args):
-    shared = ["--layers", str(args.layers), "--width", str(args.width), "--batch", str(args.batch),
-              "--seq", str(args.seq), "--steps", str(args.steps)]
-    found = {"on": [], "off": []}
+def peaks(args, mode):
+    shared = ["--mode", mode, "--layers", str(args.layers), "--width", str(args.width), "--batch", str(args.batch),
+              "--seq", str(args.seq), "--eval-layers", str(args.eval_layers), "--eval-width", str(args.eval_width),
+              "--eval-rows", str(args.eval_rows), "--memory-steps", str(args.memory_steps)]
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=MMAP_THRESHOLD)
+    found = {"on": [], "off": [], "none": []}
     kept = []
+    exact = True
     for _ in range(args.runs):
-        for variant in ("off", "on"):
+        for variant in ("none", "off", "on"):
             out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", variant] + shared,
-                                 capture_output=True, text=True, check=True)
+                                 capture_output=True, text=True, check=True, env=env)
             result = json.loads(out.stdout.splitlines()[-1])
-            found[variant].append(result["peak_kib"] / 1024)
+            found[variant].append(result["above_kib"] / 1024)
+            exact = exact and result["exact"]
             if variant == "on":
                 kept.append(result["kept"] / 2**20)
-    return {variant: statistics.median(values) for variant, values in found.items()}, statistics.median(kept)
+    return {variant: statistics.median(values) for variant, values in found.items()}, statistics.median(kept), exact
 
 
 def main(argv=None):
@@ -143,24 +211,33 @@ def main(argv=None):
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--eval-layers", type=int, default=24)
+    parser.add_argument("--eval-width", type=int, default=2048)
+    parser.add_argument("--eval-rows", type=int, default=512)
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--memory-steps", type=int, default=3)
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--child", choices=("on", "off"), help=argparse.SUPPRESS)
+    parser.add_argument("--mode", choices=("train", "eval"), help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=("on", "off", "none"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         return peak_child(args)
     print(_results.machine_line(), flush=True)
-    print(f"GPT-2 {args.layers} layers, n_embd {args.width}, batch {args.batch} x {args.seq}, AdamW, "
-          f"bf16 autocast, watch() (check='batch', backward=True)", flush=True)
-    times = step_times(args)
-    memory, kept = peaks(args)
-    print("| measure | find_op on | find_op off | on / off |")
-    print("|---|---|---|---|")
-    print(f"| step ms (median of {args.steps}, alternated) | {times[True]:.1f} | {times[False]:.1f} | "
-          f"{times[True] / times[False]:.3f} |")
-    print(f"| peak RSS MiB (median of {args.runs} processes) | {memory['on']:.1f} | {memory['off']:.1f} | "
-          f"{memory['on'] - memory['off']:+.1f} MiB |")
-    print(f"| storages the kept references reach at backward end | {kept:.1f} MiB | - | - |")
+    print(f"training: GPT-2 {args.layers} layers, n_embd {args.width}, batch {args.batch} x {args.seq}, AdamW, "
+          f"bf16 autocast; evaluation: {args.eval_layers} x Linear({args.eval_width}) + GELU, {args.eval_rows} rows, "
+          "torch.no_grad(); watch() (check='batch', backward=True)", flush=True)
+    print("| mode | measure | find_op on | find_op off | no detector | on / off |")
+    print("|---|---|---|---|---|---|")
+    for mode, name in (("train", "training"), ("eval", "evaluation")):
+        times = step_times(args, mode)
+        memory, kept, exact = peaks(args, mode)
+        print(f"| {name} | step ms (median of {args.steps}, alternated) | {times[True]:.1f} | {times[False]:.1f} | - | "
+              f"{times[True] / times[False]:.3f} |")
+        peak = "peak above warm baseline" if exact else "peak RSS growth (ru_maxrss: no clear_refs here)"
+        print(f"| {name} | {peak}, MiB (median of {args.runs} processes) | {memory['on']:+.1f} | "
+              f"{memory['off']:+.1f} | {memory['none']:+.1f} | {memory['on'] - memory['off']:+.1f} MiB |", flush=True)
+        if mode == "train":
+            print(f"| {name} | storages the kept references reach at backward end | {kept:.1f} MiB | - | - | - |")
     return 0
 
 

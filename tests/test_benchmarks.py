@@ -102,3 +102,17 @@ def test_bench_diff_quick(tmp_path):
     rows = [line for line in result.stdout.splitlines() if re.search(r"(diff --jobs \d+|report A B)", line)]
     assert len(rows) >= 4 and all(len(row.split()) >= 10 for row in rows)
     assert result.stdout.count("the diffs' texts are identical; first parting: step") == 2, result.stdout
+
+
+@pytest.mark.slow
+def test_bench_find_op_prints_training_and_evaluation():
+    result = _run([os.path.join(BENCH, "bench_find_op.py"), "--layers", "1", "--width", "64", "--seq", "16",
+                   "--eval-layers", "2", "--eval-width", "64", "--eval-rows", "8", "--steps", "2", "--runs", "1"],
+                  timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for mode in ("training", "evaluation"):
+        assert re.search(rf"^\| {mode} \| step ms .* \| -?\d+\.\d+ \| -?\d+\.\d+ \| - \| \d+\.\d+ \|$", result.stdout,
+                         re.M), result.stdout
+        number = r"[+-]\d+\.\d+"
+        assert re.search(rf"^\| {mode} \| peak .* \| {number} \| {number} \| {number} \| {number} MiB \|$",
+                         result.stdout, re.M), result.stdout

@@ -267,7 +267,7 @@ def _writes_worker(rank):
             if kind == "drop-in":
                 assert got == want, (name, got, want)
             else:
-                report = got.split("Source:")[0]
+                report = re.split(r"\n(?:Where|Source): ", got)[0]
                 assert report.rstrip("\n") == want.rstrip("\n"), (name, kind, got, want)
             if kind == "watch":
                 assert "Source: born in forward of 0 (Written): output from finite inputs and weights\n" in got, \

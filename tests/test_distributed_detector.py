@@ -345,3 +345,35 @@ def _three_ranks_worker(rank):
 
 def test_three_ranks_stop_together():
     run_ranks(_three_ranks_worker, timeout=90, world=3)
+
+
+def _sharded_grad_scaler_worker(rank):
+    # FSDP's ShardedGradScaler (its own scale() and update()) under DDP, fp16 autocast on CPU: every
+    # rank's inf gradients are the scaler's backoffs (its found_inf is all-reduced), one line each
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+    from torch.nn.parallel import DistributedDataParallel
+
+    from overflow_fast import watch
+
+    ddp = DistributedDataParallel(_model())
+    detector = watch(ddp)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    scaler = ShardedGradScaler(device="cpu", init_scale=2.0 ** 30)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        for step in range(4):
+            optimizer.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = ddp(_batch(step, rank)).float().square().mean()
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+    detector.remove()
+    lines = out.getvalue().splitlines()
+    backoff = f"[rank {rank}/2] GradScaler backoff in the backward of batch_number="
+    assert len(lines) == 4 and all(line.startswith(backoff) for line in lines), lines
+    assert scaler.get_scale() == 2.0 ** 26
+
+
+def test_sharded_grad_scaler_backoffs_under_ddp():
+    run_ranks(_sharded_grad_scaler_worker)

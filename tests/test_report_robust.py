@@ -16,7 +16,7 @@ from overflow_fast import cli
 from overflow_fast.report import summary as logsummary
 from overflow_fast.recording import schema
 from overflow_fast.report.summary import Summary, read_chunks
-from overflow_fast.recording.recorder import Recorder, detection_record, encode_line, entry_record
+from overflow_fast.recording.recorder import Recorder, backoff_record, detection_record, encode_line, entry_record
 from test_report_cli import F16_MAX, row, write_run
 
 try:
@@ -201,6 +201,7 @@ def _wrong_values():
         "meta": {"record": "meta", "version": 1, "rank": 0, "world_size": 2, "started": "x", "pid": 1, "torch": "2"},
         "entry": entry(),
         "detection": detection_record(3, "forward", "h.0", "Block", ["output"], 0),
+        "backoff": backoff_record(3, "h.0", "Block", ["output.grad"], 65536.0, 1, 0),
     }
     for kind, fields in schema.RECORDS.items():
         for field in fields:

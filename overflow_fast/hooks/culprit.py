@@ -11,6 +11,11 @@ whose ``forward`` is torch's own (``nn.Linear``) has no such frame in its own re
 replayed is that of its nearest enclosing module whose ``forward`` is someone else's code: the
 op's frame is then the line that calls the module. Without such an ancestor the line is where the
 model was called (the stack at the detection, or at the outermost call).
+
+Under no_grad (and inference mode) autograd keeps nothing, and neither does a call once it
+returned (``release``): only the calls still running keep their inputs, so a pass holds no more
+than it would without find_op. A released call is replayed through its nearest enclosing call
+that kept its inputs (the outermost one, at the end of a pass).
 """
 
 import torch
@@ -24,7 +29,7 @@ class CallInputs:
     (references), their versions when it started, the call it ran in, its grad mode, the autocast
     of its forward (``autocast_state``, taken once per forward) and its output."""
 
-    __slots__ = ("module", "args", "kwargs", "versions", "parent", "grad_enabled", "autocast", "output")
+    __slots__ = ("module", "args", "kwargs", "versions", "parent", "grad_enabled", "autocast", "output", "kept")
 
     def __init__(self, module, args, kwargs, parent, autocast):
         self.module = module
@@ -35,6 +40,12 @@ class CallInputs:
         self.grad_enabled = torch.is_grad_enabled()
         self.autocast = autocast
         self.output = None
+        self.kept = True  # False once released
+
+    def release(self):
+        """Let go of the inputs: a replay runs the nearest enclosing call that kept them."""
+        self.args = self.kwargs = self.output = None
+        self.kept = False
 
     def changed(self):
         """Whether an input changed in place since the call started."""
@@ -120,8 +131,11 @@ def _forward(inputs, replay):
     None (no incoming gradients)."""
     if inputs is None:
         return {"op": None, "phase": "forward", "why": "no inputs kept"}, None, None
+    calls = _kept(_user_ancestors(inputs, replay))
+    if not calls:
+        return {"op": None, "phase": "forward", "why": "no inputs kept"}, None, None
     result = None
-    for call in _user_ancestors(inputs, replay):
+    for call in calls:
         if call.changed():
             continue
         result = replay.replay_forward(call.module, call.args, call.kwargs, call=call.call_state())
@@ -130,7 +144,19 @@ def _forward(inputs, replay):
     if result is None:
         return {"op": None, "phase": "forward",
                 "why": "not reproduced on replay (the module's inputs changed in place after its hook)"}, None, None
-    return result, inputs, None
+    return result, inputs if inputs.kept else call, None
+
+
+def _kept(chain):
+    """The calls of ``chain``, each released one (``CallInputs.release``) replaced by its nearest
+    enclosing call that kept its inputs, once each."""
+    found = []
+    for call in chain:
+        while call is not None and not call.kept:
+            call = call.parent
+        if call is not None and call not in found:
+            found.append(call)
+    return found
 
 
 def _backward(calls, kept_gradients, replay):

@@ -15,6 +15,7 @@ from ..recording.flight import timeline_step
 from .frames import BACKWARD, Frame, class_name
 from .policy import source_line
 from .where import line as where_line
+from .scaling import backoff_line, scaler_line
 
 
 def op_line(op):
@@ -68,15 +69,16 @@ class Decisions:
         return not (self.log is not None or self.policy.warn_above is not None or self.state.detected_overflow
                     or any(pending.call.trace_mode for pending in queue))
 
-    def replay(self, pass_key, reads, pending):
+    def replay(self, pass_key, reads, pending, scaling=None):
         """The reference's bookkeeping for one call whose rows are on the host: a ``Found`` when it
-        detects (reported already), else None. ``pass_key(batch)``: which pass it belongs to."""
+        detects (reported already), else None. ``pass_key(batch)``: which pass it belongs to;
+        ``scaling``: a GradScaler's backward (``Policy.check``)."""
         call = pending.call
         frame = self.frame(reads, pending)
         state = self.state
         state.open(call)
         batch = call.batch_before  # a backward frame's call was counted with its forward's batch
-        self.save(frame, batch, pass_key(batch), pending.inputs, pending.tensors)
+        self.save(frame, batch, pass_key(batch), pending.inputs, pending.tensors, scaling)
         if self.log is not None:
             self.log.frame(frame, batch, self.global_step, self.mode)
         if call.trace_mode:
@@ -105,17 +107,30 @@ class Decisions:
                 state.drop(pending.phase)
             state.close(pending.call)
 
-    def save(self, frame, batch=None, pass_key=None, inputs=None, tensors=None):
+    def save(self, frame, batch=None, pass_key=None, inputs=None, tensors=None, scaling=None):
         """Print the frame's nan/inf lines, keep it in the ring (with the waiting lines as its lead).
         ``inputs`` (with find_op, the call's) and ``tensors`` (a call decided in its hook) are kept
-        on a frame that counts until its detection."""
-        lines, detected = self.policy.check(frame, batch, self.step_of(batch), pass_key)
+        on a frame that counts until its detection; ``scaling``: a GradScaler's backward, whose
+        backoff this reports."""
+        lines, detected = self.policy.check(frame, batch, self.step_of(batch), pass_key, scaling)
+        backoff = scaling.take_backoff() if scaling is not None else None
+        if backoff is not None:
+            self.backoff(backoff, batch)
         for line in lines:
             say(line)
         if detected:
             self.state.detected_overflow = True
             frame.inputs, frame.tensors = inputs, tensors
         self.state.save(frame)
+
+    def backoff(self, backoff, batch):
+        """A GradScaler's backoff (``scaling``): its one line, and its record into the flight recorder."""
+        frame, entries, verdict = backoff
+        say(backoff_line(frame.module_name, frame.class_name, entries, verdict, batch, self.global_step))
+        if self.log is not None:
+            self.log.backoff({"batch_number": batch, "module": frame.module_name, "class": frame.class_name,
+                              "entries": list(entries), "scale": verdict.scale, "in_a_row": verdict.in_a_row,
+                              "global_step": self.global_step, "mode": self.mode})
 
     def step_of(self, batch):
         """The training step a batch belongs to: the trainer's, where known."""
@@ -155,5 +170,7 @@ class Decisions:
             say(where_line(found.detection["where"]))
         if self.explain and found.bad:
             say(source_line(found.first_frame, found.bad))
+        if "scaler" in found.detection:
+            say(scaler_line(found.detection["scaler"]))
         if "op" in found.detection:
             say(op_line(found.detection["op"]))

@@ -28,8 +28,9 @@ from .culprit import CallInputs, autocast_state
 from ..recording.flight import StepLog
 from .frames import BACKWARD, FORWARD, entries_of, forward_items, graph_task_id, transform_level
 from .gradients import GradientHooks
-from .options import DEFAULT_BUFFER_ROWS, DEFAULT_DEFER_BYTES, DEFAULT_MAX_SKIPS, Options
-from .passes import Passes
+from .options import (DEFAULT_BUFFER_ROWS, DEFAULT_DEFER_BYTES, DEFAULT_MAX_BACKOFFS, DEFAULT_MAX_SKIPS,
+                      DEFAULT_MIN_LOSS_SCALE, Options)
+from .passes import Passes, on_stack
 from .policy import Policy
 from .reference import ReferenceState
 from .text import NONE, NOT_A_TENSOR, UNREADABLE
@@ -53,7 +54,8 @@ class DebugUnderflowOverflow:
                  kwargs=False, containers=False, backward=False, on_detect="raise", ignore=(),
                  warn_above=None, sync=True, sync_timeout=None, log=None, log_every=1,
                  defer=False, stage_bytes=DEFAULT_DEFER_BYTES, max_skips=DEFAULT_MAX_SKIPS,
-                 warn_gradients=False, find_op=False, repro=None, **unknown):
+                 warn_gradients=False, find_op=False, repro=None, min_loss_scale=DEFAULT_MIN_LOSS_SCALE,
+                 max_backoffs=DEFAULT_MAX_BACKOFFS, **unknown):
         # every argument but the model is an option, validated once (a misspelled one is named
         # with the nearest option)
         options = Options.of(**{name: value for name, value in locals().items()
@@ -284,15 +286,23 @@ class DebugUnderflowOverflow:
         if is_compiling():
             return
         run = self._run
-        calls = run.thread.calls
-        if not calls and graph_task_id() == -1:
-            with run.lock:
-                run.spent = None
-                run.kept_forward = []  # what an earlier forward kept for its backward's replay
-                if self.options.keeps_calls:
-                    run.autocast = autocast_state()
-                if module is self.model and self._gradients is not None:
-                    self._gradients.new_forward()
+        thread = run.thread
+        calls = thread.calls
+        if calls and (module is calls[0][0] or module is self.model) and not on_stack(thread.outer):
+            with run.lock:  # the calls running never returned: a BaseException left their forward
+                run.abandon_forward()
+        if not calls:
+            thread.outer = sys._getframe(1)  # torch's frame running this call, until it returns
+            if graph_task_id() == -1:  # a forward pass begins
+                with run.lock:
+                    if run.flush_task is not None:  # the last backward failed before its end
+                        run.abandon_backward()
+                    run.spent = None
+                    run.kept_forward = []  # what an earlier forward kept for its backward's replay
+                    if self.options.keeps_calls:
+                        run.autocast = autocast_state()
+                    if module is self.model and self._gradients is not None:
+                        self._gradients.new_forward()
         inputs = (CallInputs(module, args, kwargs, calls[-1][2] if calls else None, run.autocast)
                   if self.options.keeps_calls else None)
         calls.append((module, sys.exc_info()[1], inputs))
@@ -316,6 +326,8 @@ class DebugUnderflowOverflow:
         # no entry of its own: its pre hook did not run (another one before it raised, or the
         # detector was attached during the call)
         _, ambient, inputs = calls.pop() if calls and calls[-1][0] is module else (None, None, None)
+        if not calls:
+            run.thread.outer = None  # (it holds the call's inputs and result)
         error = sys.exc_info()[1]
         raised = error is not None and error is not ambient  # run by torch because the call raised
         if graph_task_id() != -1:
@@ -336,6 +348,8 @@ class DebugUnderflowOverflow:
                 raise
             if not calls:
                 run.end(current, FORWARD, error if raised else None)
+                if inputs is not None and not inputs.grad_enabled:
+                    inputs.release()  # decided: an evaluation keeps nothing
 
     def _forward_call(self, current, module, input, output, kwargs, recomputed, transformed, inputs=None):
         run = self._run
@@ -348,11 +362,13 @@ class DebugUnderflowOverflow:
         call = self.decisions.state.count(module is self.model, recomputed)
         if self._gradients is not None and not transformed:  # torch.func takes gradients functionally
             self._gradients.watch_outputs(module, entries, tensors)
-        if inputs is not None:  # find_op: what a replay of this call needs
+        if inputs is not None and inputs.grad_enabled and self._gradients is not None:  # the backward's replay
             inputs.output = output
-            if not recomputed and torch.is_grad_enabled():
+            if not recomputed:
                 run.kept_forward.append(inputs)
         run.add(current, call, module, entries, dtypes, tensors, FORWARD, inputs=inputs)
+        if inputs is not None and not inputs.grad_enabled and run.thread.calls:
+            inputs.release()  # autograd keeps nothing here: neither does a call that returned (culprit)
         if recomputed:
             run.decide_when_backward_ends()
         if self._abort_after is not None and self.batch_number > self._abort_after:
@@ -514,11 +530,13 @@ def watch(model, *, max_frames_to_save=21, trace_batch_nums=None, abort_after_ba
           backend=None, buffer_rows=DEFAULT_BUFFER_ROWS, reuse_stats=True, kwargs=True, containers=True,
           backward=True, on_detect="raise", ignore=(), warn_above=None, sync=True, sync_timeout=None, log=None,
           log_every=1, defer=False, stage_bytes=DEFAULT_DEFER_BYTES, max_skips=DEFAULT_MAX_SKIPS,
-          warn_gradients=False, find_op=True, repro=None, **unknown):
+          warn_gradients=False, find_op=True, repro=None, min_loss_scale=DEFAULT_MIN_LOSS_SCALE,
+          max_backoffs=DEFAULT_MAX_BACKOFFS, **unknown):
     """The detector with the recommended modern defaults: no host sync in any hook
     (``check="batch"``), keyword inputs, tensors inside model outputs and containers, and
     gradient checks in backward (a nan/inf there raises before ``backward()`` returns, so the
-    optimizer never applies it). Every option is ``DebugUnderflowOverflow``'s (``docs/options.md``).
+    optimizer never applies it; under a GradScaler, one it recovers from is its backoff, a line).
+    Every option is ``DebugUnderflowOverflow``'s (``docs/options.md``).
     Returns the detector: ``remove()`` it, or use it as a context manager."""
     return DebugUnderflowOverflow(
         model, max_frames_to_save=max_frames_to_save, trace_batch_nums=trace_batch_nums,
@@ -526,4 +544,4 @@ def watch(model, *, max_frames_to_save=21, trace_batch_nums=None, abort_after_ba
         reuse_stats=reuse_stats, kwargs=kwargs, containers=containers, backward=backward, on_detect=on_detect,
         ignore=ignore, warn_above=warn_above, sync=sync, sync_timeout=sync_timeout, log=log, log_every=log_every,
         defer=defer, stage_bytes=stage_bytes, max_skips=max_skips, warn_gradients=warn_gradients,
-        find_op=find_op, repro=repro, **unknown)
+        find_op=find_op, repro=repro, min_loss_scale=min_loss_scale, max_backoffs=max_backoffs, **unknown)

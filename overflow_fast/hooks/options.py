@@ -20,6 +20,9 @@ ON_DETECT = ("raise", "warn", "record", "skip")
 DEFAULT_BUFFER_ROWS = 1 << 16
 DEFAULT_DEFER_BYTES = 256 << 20
 DEFAULT_MAX_SKIPS = 10
+# A GradScaler halves its scale at each backoff: from init_scale=1e12 it reaches 1.0 in 40 backoffs.
+DEFAULT_MAX_BACKOFFS = 64
+DEFAULT_MIN_LOSS_SCALE = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +48,9 @@ class Options:
     warn_above: Optional[float] = None
     warn_gradients: bool = False
     max_skips: int = DEFAULT_MAX_SKIPS
+    # under a GradScaler: where its backoff is a detection (``scaling``)
+    min_loss_scale: float = DEFAULT_MIN_LOSS_SCALE
+    max_backoffs: int = DEFAULT_MAX_BACKOFFS
     # beyond the module: the op and the line that made the first nan/inf
     find_op: bool = False
     repro: Any = None
@@ -200,6 +206,14 @@ def _fraction(name, value):
     return float(value)
 
 
+def _scale_floor(name, value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} takes a number >= 0, got {type(value).__name__} {value!r}")
+    if not value >= 0 or value == float("inf"):
+        raise ValueError(f"{name} takes a finite number >= 0, got {value!r}")
+    return float(value)
+
+
 def _timeout(name, value):
     if value is None:
         return None
@@ -261,6 +275,8 @@ _CHECKS = {
     "warn_above": _fraction,
     "warn_gradients": validated_flag,
     "max_skips": _at_least(0),
+    "min_loss_scale": _scale_floor,
+    "max_backoffs": _at_least(0),
     "find_op": validated_flag,
     "repro": _directory,
     "sync": validated_flag,

@@ -10,11 +10,21 @@ A pass's calls wait in its queue with their rows (``reads``); ``flush`` brings t
 host and has ``decisions`` replay the calls; a detection then goes to the strategy (``on_detect``).
 The end of a pass is one function for both kinds: flush, free the rows, agree with the other ranks.
 
+A pass can also be abandoned: torch runs ``always_call`` forward hooks only for an ``Exception``,
+so a ``KeyboardInterrupt``, ``SystemExit`` or other ``BaseException`` raised inside a forward
+leaves its hooked calls running forever on paper; and autograd runs the callbacks queued for a
+backward's end only when it succeeds. Such a pass ends at the next forward's first hook (``abandon_*``):
+its calls are decided (a nan/inf among them is reported, never raised, and acted on by no
+strategy), nothing of it is kept, and the next forward is checked afresh. Noticing it costs the
+hot path two identity tests: a forward's calls are abandoned when its outermost module (or the
+model) is called again while the frame that called it is no longer running.
+
 ``Passes`` is made fresh for a detector and for each copy or pickle of it: it holds the lock,
 device buffers, waiting calls and the strategy's state, none of which a copy may share.
 """
 
 import itertools
+import sys
 import threading
 import warnings
 
@@ -24,10 +34,11 @@ from . import culprit, policy, where
 from .. import distributed
 from .compiled import Traced
 from .decisions import NO_ROWS, Pending
-from .errors import OverflowDetected, OverflowDetectedOnRanks, overflow_error
-from .frames import BACKWARD, graph_task_id
+from .errors import OverflowDetected, OverflowDetectedOnRanks, overflow_error, say
+from .frames import BACKWARD, FORWARD, graph_task_id
 from .on_detect import strategy
 from .reads import Reads, may_wait
+from .scaling import Backoffs
 
 try:  # how non-reentrant activation checkpointing stops a recompute early: control flow, not an error
     from torch.utils.checkpoint import _StopRecomputationError as _STOP_RECOMPUTATION
@@ -38,7 +49,7 @@ except ImportError:
 class Pass:
     """The calls of one pass waiting for their decision, and the rows that hold their statistics."""
 
-    __slots__ = ("reads", "queue", "serial", "stop_pending", "deciding")
+    __slots__ = ("reads", "queue", "serial", "stop_pending", "deciding", "abandoned", "task", "scaling")
 
     def __init__(self, reads, serial):
         self.reads = reads  # None once the pass is closed
@@ -46,6 +57,9 @@ class Pass:
         self.serial = serial  # None for the backward pass
         self.stop_pending = None  # (detection, frames): this rank detected; the error waits for the agreement
         self.deciding = False  # the pass is ending: a detection now waits for its agreement
+        self.abandoned = False  # its calls never returned: it ends at the next forward (see the module)
+        self.task = -1  # a backward pass: the graph task whose end was to decide it
+        self.scaling = None  # a backward pass: its GradScaler's (scaling.Scaling), for the graph task it names
 
     def key(self, batch):
         """Which pass a detection belongs to (later frames of the same pass only pass the values on)."""
@@ -54,11 +68,28 @@ class Pass:
 
 class _ThreadState(threading.local):
     """Per thread: the hooked calls running (each with the exception being handled when it started:
-    a post hook that sees another one runs because the call raised) and its forward pass."""
+    a post hook that sees another one runs because the call raised), the frame that runs the
+    outermost of them (its hook's caller, torch's, on the stack until that call ends) and the
+    forward pass."""
 
     def __init__(self):
         self.calls = []
+        self.outer = None
         self.forward = None
+
+
+class _Abandoned(BaseException):
+    """The error a pass ends with when its calls never returned (never raised)."""
+
+
+def on_stack(frame):
+    """Whether ``frame`` is running on this thread now (its frames are walked: call it rarely)."""
+    current = sys._getframe(1)
+    while current is not None:
+        if current is frame:
+            return True
+        current = current.f_back
+    return False
 
 
 class Passes:
@@ -89,6 +120,8 @@ class Passes:
         self.kept_gradients = {}
         self.autocast = {}  # find_op: the autocast the current forward runs under
         self.collective_writes = None  # held from the first pass under torch.distributed
+        # gradient checks: which backwards a GradScaler scaled, and when its backoff is a detection
+        self.backoffs = Backoffs(options.min_loss_scale, options.max_backoffs) if options.backward else None
         if self.sync_wanted():
             # collective: every rank builds its detector here; a rank alone fails here, in time
             self.agreement = distributed.Agreement(timeout=self.sync_timeout)
@@ -171,14 +204,31 @@ class Passes:
         decisions = self.decisions
         if not nonfinite and decisions.quiet(queue):
             decisions.replay_finite(current.reads, queue)
-            self.spent = queue
+            # a call decided in its hook holds its tensors (for a Where line): let them go now
+            self.spent = queue if queue[-1].tensors is None else None
             return
+        scaling = self._scaling(current)
         for pending in queue:
             if current.stop_pending:
                 break  # this rank reported; the calls after the detection never happened
-            found = decisions.replay(current.key, current.reads, pending)
+            found = decisions.replay(current.key, current.reads, pending, scaling)
             if found is not None:
                 self._act(current, found)  # raises at the first bad call: those after it never happened
+                if current.abandoned:
+                    break
+
+    def _scaling(self, current):
+        """The GradScaler's view of a backward pass (``scaling.Scaling``) or None: not scaled, not a
+        backward, no gradient checks. Asked of the graph task running now (check="module" decides
+        inside the backward), else of the one the pass was to end with."""
+        if self.backoffs is None or current.serial is not None:
+            return None
+        task = graph_task_id()
+        if task == -1:
+            task = current.task
+        if current.scaling is None or current.scaling.task != task:
+            current.scaling = self.backoffs.scaling(task)
+        return current.scaling
 
     def flush_all(self):
         for pending in list(self.open):
@@ -193,9 +243,19 @@ class Passes:
                 where.Held(found.tensors, found.inputs, self.kept_forward, self.kept_gradients,
                            decisions.modules_by_name(), self.options.kwargs, self.options.containers,
                            decisions.samples))
+        scaler = current.scaling.unrecoverable() if current.scaling is not None else None
+        if scaler is not None and found.first_frame.phase == BACKWARD:
+            found.detection["scaler"] = scaler  # a GradScaler's backward that no backoff recovers
         if self.options.keeps_calls:
             self._explain(found)
         decisions.log_detection(found)
+        if current.abandoned:  # reported, and the next forward is checked afresh
+            decisions.dump(found)
+            decisions.state.detected_overflow = False
+            say("overflow_fast: that report is of a pass that an exception interrupted before its end (a "
+                "KeyboardInterrupt in a forward, any exception in a backward); it stops nothing, and what "
+                "runs next is checked afresh")
+            return
         if self.strategy.stops():
             decisions.dump(found)
             if self.sync_wanted() and (self.thread.calls or current.deciding or graph_task_id() != -1):
@@ -257,8 +317,31 @@ class Passes:
         finally:
             ended.deciding = False
             self._close(ended)
-            if self.sync_wanted():
+            if self.sync_wanted() and not ended.abandoned:  # the other ranks are elsewhere by now
                 self._agree(ended, phase)
+
+    def abandon_forward(self):
+        """This thread's hooked calls never returned (see the module): their pass ends now."""
+        thread = self.thread
+        del thread.calls[:]  # (the pre hook holds this list)
+        thread.outer = None
+        abandoned = thread.forward
+        if abandoned is not None and abandoned.reads is not None:
+            abandoned.abandoned = True
+            self.end(abandoned, FORWARD, _Abandoned())
+
+    def abandon_backward(self):
+        """The backward whose end was to decide the backward pass failed (see the module): the pass
+        ends now, and what find_op kept for its replay goes."""
+        task, self.flush_task = self.flush_task, None
+        try:
+            abandoned = self.backward
+            if abandoned is not None and abandoned.reads is not None:
+                abandoned.abandoned = True
+                abandoned.task = task
+                self.end(abandoned, BACKWARD, _Abandoned())
+        finally:
+            self._let_go_of_the_forward()
 
     def decide_when_backward_ends(self):
         """Decide the backward pass when this backward ends, before ``backward()`` returns and so
@@ -277,8 +360,15 @@ class Passes:
             try:
                 self.end(self.backward_pass(), BACKWARD)
             finally:
-                self.kept_forward = []
-                self.kept_gradients = {}
+                self._let_go_of_the_forward()
+
+    def _let_go_of_the_forward(self):
+        """find_op: the backward that the last forward's calls were kept for ended. Autograd lets go
+        of their activations now; so do they (a pass's finished calls wait until the next begins)."""
+        for inputs in self.kept_forward:
+            inputs.release()
+        self.kept_forward = []
+        self.kept_gradients = {}
 
     def sync_wanted(self):
         """Whether this detector's decisions are agreed between ranks (see overflow_fast.distributed)."""
@@ -308,6 +398,8 @@ class Passes:
         if self.collective_writes is not None:
             self.collective_writes.release()
             self.collective_writes = None
+        if self.backoffs is not None:
+            self.backoffs.close()
         self.thread = _ThreadState()  # calls running now will never end a pass
         try:
             self.flush_all()

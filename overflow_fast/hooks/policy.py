@@ -63,11 +63,13 @@ class Policy:
             return ("step", step)
         return (frame.phase, batch) if pass_key is None else pass_key
 
-    def check(self, frame, batch, step=None, pass_key=None):
+    def check(self, frame, batch, step=None, pass_key=None, scaling=None):
         """``(lines, detected)``: the lines to print at once for ``frame`` (the reference's "has
         nans"/"has infs", the shards that hold them, early warnings) and whether one of its
         entries counts as a detection. ``step``: the training step it belongs to ("skip");
-        ``pass_key``: the pass it belongs to (by default its phase and batch)."""
+        ``pass_key``: the pass it belongs to (by default its phase and batch); ``scaling``: in a
+        backward that a GradScaler scaled, its ``scaling.Scaling`` (a gradient's nan/inf that the
+        scaler recovers from is its backoff, not a detection)."""
         lines = []
         detected = False
         for kind, ctx, payload in frame.entries:
@@ -77,6 +79,8 @@ class Policy:
                 continue
             if self.on_detect != "raise" and self._pass_of(frame, batch, step, pass_key) in self._reported_passes:
                 self.new_reports(frame, [ctx])  # a consequence of what this pass reported
+                continue
+            if scaling is not None and frame.phase == BACKWARD and scaling.absorbs(frame, ctx):
                 continue
             if self._first_bad is None:
                 self._first_bad = (frame, [])  # where the source line looks

@@ -49,9 +49,9 @@ class ReferenceState:
     def count_backward(self):
         """A gradient frame's call: it belongs to the batch whose forward ran last (the model's
         own, or a submodule's run alone, as a LightningModule's inner network is) and moves no
-        counter."""
+        counter (after it, they are as they were: ``batch_after``)."""
         batch = self.forward_batch
-        return _call((batch in self.trace_batch_nums, False, False, batch, batch, self.total_calls))
+        return _call((batch in self.trace_batch_nums, False, False, batch, self.batch_number, self.total_calls))
 
     def rewind(self, call):
         """The counters as they were right after ``call`` (the calls after it are not replayed)."""

@@ -9,7 +9,7 @@ The rows are the ones the detector already read: no extra host sync."""
 
 from .. import distributed
 from .dashboards import Dashboard, is_dashboard
-from .recorder import Recorder, detection_record, frame_records
+from .recorder import Recorder, backoff_record, detection_record, frame_records
 
 
 def timeline_step(batch, global_step):
@@ -71,7 +71,7 @@ class StepLog:
         self._held = []
         record = detection_record(detection["batch_number"], detection["phase"], detection["module"],
                                   detection["class"], detection["entries"], distributed.rank(), global_step, mode)
-        for field in ("op", "repro", "where"):  # fields the report's readers pass over
+        for field in ("op", "repro", "where", "scaler"):  # fields the report's readers pass over
             if field in detection:
                 record[field] = detection[field]
         for recorder in self.recorders:
@@ -80,6 +80,15 @@ class StepLog:
         for dashboard in self.dashboards:
             dashboard.detection(detection, step)
             dashboard.flush()
+
+    def backoff(self, backoff):
+        """A GradScaler's backoff (a dict: batch_number, module, class, entries, scale, in_a_row,
+        global_step, mode) into the JSONL logs; written with the frames, not waited for."""
+        record = backoff_record(backoff["batch_number"], backoff["module"], backoff["class"], backoff["entries"],
+                                backoff["scale"], backoff["in_a_row"], distributed.rank(), backoff["global_step"],
+                                backoff["mode"])
+        for recorder in self.recorders:
+            recorder.write([record])
 
     def close(self):
         for sink in self.dashboards + self.recorders:

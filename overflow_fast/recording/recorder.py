@@ -5,7 +5,8 @@ One JSON object per line, strict JSON (non-finite floats are the strings ``"nan"
 
 - first line, ``{"record": "meta", "version": 1, "rank", "world_size", "started", "pid", "torch"}``;
 - one ``"entry"`` record per tensor entry of every frame (``entry_record``);
-- one ``"detection"`` record when a nan/inf is detected (``detection_record``).
+- one ``"detection"`` record when a nan/inf is detected (``detection_record``);
+- one ``"backoff"`` record when a GradScaler backs off (``backoff_record``).
 
 Entry and detection records end with ``"global_step"`` and ``"mode"`` (the trainer's optimizer
 step, "train" or "eval") when they are known, and leave them out when not (no bytes spent on nulls
@@ -82,6 +83,7 @@ _NONFINITE = set(schema.NONFINITE)
 _META_KEYS = schema.KEYS["meta"]
 _ENTRY_KEYS = tuple(k for k in schema.KEYS["entry"] if k not in schema.WHEN_KNOWN)
 _DETECTION_KEYS = tuple(k for k in schema.KEYS["detection"] if k not in schema.WHEN_KNOWN and k != "where")
+_BACKOFF_KEYS = tuple(k for k in schema.KEYS["backoff"] if k not in schema.WHEN_KNOWN)
 
 
 # -- records ------------------------------------------------------------------------------------
@@ -166,6 +168,11 @@ def frame_records(step, phase, call, frame, rank=None, global_step=None, mode=No
 def detection_record(step, phase, module, class_name, entries, rank=None, global_step=None, mode=None):
     return _when_known(dict(zip(_DETECTION_KEYS, ("detection", int(step), phase, module, class_name, list(entries),
                                                   rank))), global_step, mode)
+
+
+def backoff_record(step, module, class_name, entries, scale, in_a_row, rank=None, global_step=None, mode=None):
+    return _when_known(dict(zip(_BACKOFF_KEYS, ("backoff", int(step), module, class_name, list(entries),
+                                                encode_float(scale), int(in_a_row), rank))), global_step, mode)
 
 
 def _strict(value):

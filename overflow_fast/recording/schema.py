@@ -2,11 +2,12 @@
 records from and the readers (``cli.py``, and ``report_duckdb.py`` through the SQL it generates
 from these same fields) check every line against.
 
-A log is JSON Lines: one JSON object per line, UTF-8. Three kinds of record, told apart by
-``"record"``; keys are written in the order below; a reader ignores keys it does not know (a
-newer writer may add some). A field marked nullable may also be missing.
+A log is JSON Lines: one JSON object per line, UTF-8. Four kinds of record, told apart by
+``"record"`` (``"backoff"``: a GradScaler's backoff, an inf/nan gradient the scaler recovers from,
+which is not a detection); keys are written in the order below; a reader ignores keys it does not
+know (a newer writer may add some). A field marked nullable may also be missing.
 
-``global_step`` and ``mode`` (entry and detection records: the trainer's optimizer step, and
+``global_step`` and ``mode`` (entry, detection and backoff records: the trainer's optimizer step, and
 ``"train"`` or ``"eval"``) are written only when the detector knows them (``set_step``); a log
 without them (an older writer, a loop that never names its steps) reads as before, and ``step``
 is always the detector's batch number (its count of the model's forwards).
@@ -46,7 +47,7 @@ VERSION = 1
 PHASES = ("forward", "backward")
 MODES = ("train", "eval")
 WHEN_KNOWN = ("global_step", "mode")  # written only when known: a record without them is as valid
-KINDS = ("meta", "entry", "detection")
+KINDS = ("meta", "entry", "detection", "backoff")
 NONFINITE = ("nan", "inf", "-inf")
 
 STEP_MAX = 2 ** 40  # a step beyond this is not a training step but damage
@@ -106,6 +107,18 @@ RECORDS = {
         _f("global_step", "int", 0, STEP_MAX, nullable=True),
         _f("mode", "str", nullable=True, choices=MODES),
         _f("where", "object", nullable=True),
+    ),
+    "backoff": (
+        _f("record", "str", choices=("backoff",)),
+        _f("step", "int", 0, STEP_MAX),
+        _f("module", "str"),
+        _f("class", "str"),
+        _f("entries", "strlist", hi=MAX_ENTRIES),
+        _f("scale", "abs"),
+        _f("in_a_row", "int", 1, INT_MAX),
+        _f("rank", "int", 0, RANK_MAX, nullable=True),
+        _f("global_step", "int", 0, STEP_MAX, nullable=True),
+        _f("mode", "str", nullable=True, choices=MODES),
     ),
 }
 

@@ -254,6 +254,8 @@ class Summary:
         self.eval_best = None  # ((ratio, pos), (module, class, entry, dtype, step, phase, abs_max, global_step, mode))
         self.detections = []  # the first few detection records
         self.detection_count = 0
+        self.backoffs = []  # the first few GradScaler backoff records
+        self.backoff_count = 0
         # modules: name -> [class, first position, lowest-headroom key or None, its record or None]
         self.modules = {}
         self.module_names = _Distinct(distinct_cap)
@@ -287,6 +289,10 @@ class Summary:
             self.metas += 1
             if record.get("rank") is not None:
                 self.add_rank(record["rank"])
+        elif kind == "backoff":
+            self.backoff_count += 1
+            if len(self.backoffs) < MAX_NAMED:
+                self.backoffs.append(record)
         else:
             self.detection_count += 1
             if len(self.detections) < MAX_NAMED:
@@ -934,6 +940,12 @@ def _nonfinite_lines(summary):
         out.append(f"detection record: {when(det.get('step'), det.get('global_step'), det.get('mode'), unit)}, "
                    f"{det.get('phase')}, module {_module_label(det.get('module', ''), det.get('class'))}, "
                    f"entries {entries}")
+    for backoff in summary.backoffs[:1]:
+        module = _module_label(backoff.get("module", ""), backoff.get("class"))
+        out.append(f"GradScaler backoffs (inf/nan gradients the scaler recovered from, not detections): "
+                   f"{summary.backoff_count}, the first at "
+                   f"{when(backoff.get('step'), backoff.get('global_step'), backoff.get('mode'), unit)}, scale "
+                   f"{float(backoff['scale']):.3g}, module {module}")
     out.append("")
 
     return out
