@@ -277,6 +277,11 @@ class DebugUnderflowOverflow:
         # no entry of its own: its pre hook did not run (another one before it raised, or the
         # detector was attached during the call)
         _, ambient, inputs = calls.pop() if calls and calls[-1][0] is module else (None, None, None)
+        if inputs is None and module is self.model and not calls and self.options.keeps_calls:
+            # a compiled model: its pre hook was traced; its call as seen at its end, for find_op
+            with run.lock:
+                run.kept_forward = []
+            inputs = CallInputs(module, input, kwargs, None, autocast_state(), started=False)
         error = sys.exc_info()[1]
         raised = error is not None and error is not ambient  # run by torch because the call raised
         if graph_task_id() != -1:
@@ -301,7 +306,7 @@ class DebugUnderflowOverflow:
     def _forward_call(self, current, module, input, output, kwargs, recomputed, transformed, inputs=None):
         run = self._run
         if run.traced:
-            run.traced.absorb(run, current, self.model)  # a compiled region ran before this call
+            run.traced.absorb(run, current, self.model, inputs)  # a compiled region ran before this call
         if current.stop_pending:
             return  # this rank reported; it stops with the others when the pass ends
         entries, tensors, dtypes = entries_of(forward_items(module, input, output, kwargs, self.containers),
@@ -311,7 +316,7 @@ class DebugUnderflowOverflow:
             self._gradients.watch_outputs(module, entries, tensors)
         if inputs is not None:  # find_op: what a replay of this call needs
             inputs.output = output
-            if not recomputed and torch.is_grad_enabled():
+            if torch.is_grad_enabled():  # a reentrant checkpoint's recompute too: its backward follows
                 run.kept_forward.append(inputs)
         run.add(current, call, module, entries, dtypes, tensors, FORWARD, inputs=inputs)
         if recomputed:

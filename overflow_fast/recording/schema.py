@@ -20,6 +20,12 @@ Field kinds:
 - ``frac``: a number in [0, 1];
 - ``strlist``: a list of at most ``hi`` strings.
 
+With ``find_op``, a detection record also carries ``op`` (an object: ``op``, ``file``, ``line``,
+``phase``, ``what``, ``module``, ``reproduced``, as ``detection["op"]``) and ``transient`` (true: the
+replay of the call on its very inputs gave finite values where the run's were not, a transient
+fault; false: the replay made the nan/inf again; null: it could not tell); with ``repro``, ``repro``
+(the reproducer's path). The report's readers pass over them.
+
 Lines that do not fit (not JSON, not an object, an unknown ``record``, a field missing or of the
 wrong type or out of range, a line longer than ``MAX_LINE_BYTES``) are malformed.
 """
