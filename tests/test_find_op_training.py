@@ -387,3 +387,62 @@ def test_a_reproducer_of_classes_defined_in_the_training_script_replays_in_a_fre
     assert replayed.returncode == 0, replayed.stdout + replayed.stderr
     assert replayed.stdout.splitlines()[-1] == op_line, replayed.stdout + ran.stdout
     assert "trained" not in replayed.stdout  # the script's training never ran in the replay
+
+
+# -- data parallel: replays never run the wrapper, nor communicate -----------------------------------
+
+@pytest.fixture
+def one_rank(tmp_path):
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield dist
+    dist.destroy_process_group()
+
+
+class DropThenExpLarge(nn.Module):
+    def forward(self, x):
+        return torch.exp(F.dropout(x, 0.5) * 1000)
+
+
+DROP_EXP_LARGE_LINE = line_of(DropThenExpLarge.forward, 1)
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_under_ddp_the_wrapped_module_replays_the_runs_draws(one_rank, check):
+    # the RNG states are taken where the wrapped module's call starts: DDP's own forward (its
+    # reducer, its buffer broadcast) never runs again in a replay, and the next steps train on
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), DropThenExpLarge()))
+    watch(model, check=check, on_detect="skip")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        out, error = capture(lambda: model(torch.randn(4, 8)).sum().backward())
+        assert error is None
+        optimizer.step()
+        optimizer.zero_grad()
+        if step == 0:
+            line = next(line for line in out.splitlines() if line.startswith("Op: "))
+            assert line.startswith(f"Op: aten.exp at {HERE}:{DROP_EXP_LARGE_LINE}: inf from finite inputs"), line
+            assert line.endswith(SAME), line
+
+
+class Reduced(nn.Module):
+    def forward(self, x):
+        h = x * 2
+        torch.distributed.all_reduce(h)
+        return h
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_the_run_to_a_call_never_communicates(one_rank, check):
+    # the pass's run to the dropout's call would all_reduce: it stops there, and the replay draws
+    # afresh and says so
+    torch.manual_seed(0)
+    model = nn.Sequential(Reduced(), DropThenExpLarge())
+    watch(model, check=check)
+    out, error = capture(lambda: model(torch.full((8,), 1.0)))
+    line, op = op_of(out, error)
+    assert line.startswith(f"Op: aten.exp at {HERE}:{DROP_EXP_LARGE_LINE}: inf from finite inputs"), line
+    assert line.endswith("; reproduced with fresh random draws (aten.bernoulli_)"), line

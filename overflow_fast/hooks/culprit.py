@@ -37,12 +37,13 @@ class CallInputs:
     """One hooked call as its replay needs it: the module, its positional and keyword inputs
     (references), their versions when it started, the call it ran in, its grad mode, the autocast
     of its forward (``autocast_state``, taken once per forward) and its output. ``root`` is the
-    outermost call of its pass, which keeps the RNG states at its start (``rng``; None when the call
-    was seen only as it ended: ``started=False``); ``ordinal`` counts the module's earlier calls in
-    the pass (a replay from the root finds this one by it)."""
+    outermost call of its pass (below a data-parallel wrapper: the call of the module it wraps),
+    which keeps the RNG states at its start (``rng``; None when the call was seen only as it ended:
+    ``started=False``); ``ordinal`` counts the module's earlier calls under the root (a replay
+    from the root finds this one by it)."""
 
     __slots__ = ("module", "args", "kwargs", "versions", "parent", "grad_enabled", "autocast", "output",
-                 "root", "rng", "counts", "ordinal")
+                 "root", "rng", "counts", "ordinal", "wraps")
 
     def __init__(self, module, args, kwargs, parent, autocast, started=True):
         self.module = module
@@ -53,11 +54,12 @@ class CallInputs:
         self.grad_enabled = torch.is_grad_enabled()
         self.autocast = autocast
         self.output = None
-        if parent is None:
+        if parent is None or parent.wraps:
             self.root, self.counts = self, {}
             self.rng = _rng_state() if started else None
+            self.wraps = parent is None and is_wrapper(module)
         else:
-            self.root, self.counts, self.rng = parent.root, None, None
+            self.root, self.counts, self.rng, self.wraps = parent.root, None, None, False
         if parent is not None and parent.module is module:  # one call hooked twice (a module under two parents)
             self.ordinal = parent.ordinal
         else:
@@ -81,6 +83,15 @@ def _rng_state():
         return rng_state()
     except RuntimeError:  # a CUDA graph being captured: its generator's state cannot be read
         return None
+
+
+_WRAPPERS = frozenset({"DistributedDataParallel", "DataParallel", "FullyShardedDataParallel"})
+
+
+def is_wrapper(module):
+    """Whether ``module`` is one of torch's data-parallel wrappers, whose forward keeps state across
+    ranks (DDP's reducer, its buffer broadcast): a replay runs the module it wraps, never it."""
+    return any(cls.__name__ in _WRAPPERS and cls.__module__.startswith("torch.") for cls in type(module).__mro__)
 
 
 def autocast_state():
@@ -224,7 +235,8 @@ class _Culprit:
                 name = consumers[0]
                 starts = self._calls_of(name)
             else:  # the parent's own code (or several modules) used the output: the enclosing call
-                starts = list({id(c.parent): c.parent for c in self._calls_of(name) if c.parent is not None}.values())
+                starts = list({id(c.parent): c.parent for c in self._calls_of(name)
+                               if c.parent is not None and not is_wrapper(c.parent.module)}.values())
         else:
             starts = self._calls_of(name)
         if not starts:
@@ -322,12 +334,13 @@ class _Culprit:
         call = around
         while call is not None:
             outer = self.names.get(id(call.module))
-            if outer is not None and outer != name and (outer == "" or name.startswith(outer + ".")):
+            if (outer is not None and outer != name and (outer == "" or name.startswith(outer + "."))
+                    and not is_wrapper(call.module)):
                 return [call]
             call = call.parent
         while name:
             name = name.rpartition(".")[0]
-            calls = self._calls_of(name)
+            calls = [call for call in self._calls_of(name) if not is_wrapper(call.module)]
             if calls:
                 return calls
         return []

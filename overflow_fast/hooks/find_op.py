@@ -486,6 +486,11 @@ def _node_frames(node):
 # -- the dispatch mode ------------------------------------------------------------------------------
 
 _OUTSIDE = {"kind": "outside", "seq": 0}
+_COLLECTIVES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd"})
+
+
+class _Communicates(RuntimeError):
+    """A replayed op would communicate with other ranks: the replay stops, nothing sent."""
 
 
 class _Births(TorchDispatchMode):
@@ -513,6 +518,9 @@ class _Births(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if getattr(func, "namespace", None) in _COLLECTIVES:
+            # run on one rank alone, it would pair with the other ranks' next collective
+            raise _Communicates(f"the call communicates across ranks: {getattr(func, 'overloadpacket', func)}")
         if not self.reading:
             return func(*args, **kwargs)
         self.seq += 1
@@ -616,6 +624,8 @@ def _tensors_out(result):
 # -- the replays -------------------------------------------------------------------------------------
 
 def _failed(phase, error):
+    if isinstance(error, _Communicates):
+        return _why(phase, f"not replayed ({error})")
     message = str(error).strip().splitlines()
     return _why(phase, f"not replayed ({type(error).__name__}: {message[0] if message else ''})")
 
