@@ -297,6 +297,21 @@ def test_a_fault_that_the_same_inputs_do_not_reproduce_is_transient(check, tmp_p
     assert [r["transient"] for r in records if r.get("record") == "detection"] == [True]
 
 
+@pytest.mark.parametrize("check", CHECKS)
+def test_an_output_changed_in_place_after_the_call_cannot_tell(check):
+    # ReLU(inplace=True) rewrites the flipped call's output: decided when the pass ends, the
+    # replay cannot be compared with what the call returned
+    model = nn.Sequential(nn.Linear(4, 4), FlipsOnce(), nn.ReLU(inplace=True))
+    watch(model, check=check)
+    out, error = capture(lambda: model(torch.randn(2, 4, generator=torch.Generator().manual_seed(0))))
+    line, op = op_of(out, error)
+    if check == "module":  # decided in the call's hook, before the ReLU
+        assert line == TRANSIENT and error.detection["transient"] is True
+    else:
+        assert line == "Op: not reproduced on replay (no op made a nan/inf from finite inputs)"
+        assert error.detection["transient"] is None
+
+
 class Doubler(nn.Module):
     def forward(self, x):
         return x * 2

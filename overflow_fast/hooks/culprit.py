@@ -42,8 +42,8 @@ class CallInputs:
     ``started=False``); ``ordinal`` counts the module's earlier calls under the root (a replay
     from the root finds this one by it)."""
 
-    __slots__ = ("module", "args", "kwargs", "versions", "parent", "grad_enabled", "autocast", "output",
-                 "root", "rng", "counts", "ordinal", "wraps")
+    __slots__ = ("module", "args", "kwargs", "versions", "parent", "grad_enabled", "autocast", "_output",
+                 "output_versions", "root", "rng", "counts", "ordinal", "wraps")
 
     def __init__(self, module, args, kwargs, parent, autocast, started=True):
         self.module = module
@@ -53,7 +53,7 @@ class CallInputs:
         self.parent = parent
         self.grad_enabled = torch.is_grad_enabled()
         self.autocast = autocast
-        self.output = None
+        self._output = self.output_versions = None
         if parent is None or parent.wraps:
             self.root, self.counts = self, {}
             self.rng = _rng_state() if started else None
@@ -67,13 +67,31 @@ class CallInputs:
             self.ordinal = counts.get(id(module), 0)
             counts[id(module)] = self.ordinal + 1
 
+    @property
+    def output(self):
+        return self._output
+
+    @output.setter
+    def output(self, output):
+        """The call's output, as it returned (its tensors' versions then, one level deep)."""
+        self._output = output
+        self.output_versions = versions_of(_items(output), None)
+
     def changed(self):
         """Whether an input changed in place since the call started."""
         return versions_of(self.args, self.kwargs) != self.versions
 
+    def output_changed(self):
+        """Whether the output changed in place since the call returned."""
+        return versions_of(_items(self._output), None) != self.output_versions
+
     def call_state(self):
         """What the replay runs under (``find_op.call_state``'s form)."""
         return {"grad_enabled": self.grad_enabled, "autocast": self.autocast}
+
+
+def _items(output):
+    return (output,) if isinstance(output, torch.Tensor) else output if isinstance(output, (tuple, list)) else ()
 
 
 def _rng_state():
@@ -190,7 +208,8 @@ class _Culprit:
         if own is None:  # a compiled region: no call of its own was seen
             return self._inside(self._enclosing(frame.module_name, inputs), (module, "output"), "forward")
         replayed = self._replayed(own, lambda rng, args, kwargs: self.replay.replay_forward(
-            own.module, args, kwargs, rng=rng, call=own.call_state(), run_output=own.output))
+            own.module, args, kwargs, rng=rng, call=own.call_state(),
+            run_output=None if own.output_changed() else own.output))
         if replayed is None:
             return Explained(_why("forward", CHANGED))
         result, *replayed = replayed

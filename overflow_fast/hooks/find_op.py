@@ -65,8 +65,7 @@ TRANSIENT = ("not reproduced on the same inputs: a transient fault (hardware, a 
              "is likely")
 # the replay gave finite values, but not the run's elsewhere either: it did not run what the run ran
 NOT_THE_RUN = ("not reproduced on replay, whose finite values differ from the run's too (an input changed "
-               "unseen, e.g. a cache or a write that bypasses the version counter): a transient fault "
-               "cannot be told")
+               "unseen, e.g. a write that bypasses the version counter): a transient fault cannot be told")
 SAME_INPUTS = "on the same inputs"
 
 _TORCH_DIR = os.path.dirname(os.path.realpath(torch.__file__)) + os.sep
