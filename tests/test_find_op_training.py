@@ -266,6 +266,24 @@ def test_under_compile_the_source_line_says_finite_only_of_what_was_read(check):
     assert line.startswith("Op: SqrtBackward0 at "), line
 
 
+def test_a_compiled_gpt2s_tied_embedding_is_not_called_the_birthplace(check="batch"):
+    # the fp16 gradient of the logits overflows in lm_head's backward, into the weight it shares
+    # with wte; the gradients arriving at modules are not read under compile: no "finite" claim,
+    # and the replay of the model's own call names the matmul of lm_head's line
+    model = gpt2(attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0).train()
+    watch(model, check=check)
+    torch._dynamo.reset()
+    run = torch.compile(model, backend="aot_eager")
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    out, error = capture(lambda: (run(input_ids=ids).logits.float() * 3e4).sum().backward())
+    line, op = op_of(out, error)
+    assert out.splitlines()[-2] == ("Source: born in backward, first seen in transformer.wte (Embedding) weight.grad: "
+                                    "the gradient arriving at its outputs was not read (e.g. in a torch.compile "
+                                    "region), so which backward made it is not known")
+    assert op["op"] == "MmBackward0" and os.path.basename(op["file"]) == "modeling_gpt2.py", op
+    assert line.endswith(SAME)
+
+
 # -- transient or deterministic ---------------------------------------------------------------------
 
 class FlipsOnce(nn.Module):
