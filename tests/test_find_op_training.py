@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 
 import pytest
 import torch
@@ -64,7 +63,8 @@ def test_a_random_op_never_makes_a_deterministic_nan_look_transient(check):
             continue  # dropped: finite
         seen += 1
         line, op = op_of(out, error)
-        assert line.startswith(f"Op: aten.exp at {HERE}:{DROP_EXP_LINE}: inf from finite inputs") and line.endswith(SAME)
+        assert line.startswith(f"Op: aten.exp at {HERE}:{DROP_EXP_LINE}: inf from finite inputs"), line
+        assert line.endswith(SAME), line
         assert error.detection["transient"] is False
     assert seen >= 2
 

@@ -22,7 +22,10 @@ Which call:
   enclosing call that ran eagerly is replayed, eagerly.
 Random ops replay exactly: the replay starts from the RNG states the call started with, found by
 running the pass again from its start (where the states were taken) up to that call, nothing read.
-Where that cannot be done, they draw afresh and the line says so.
+The same run brings back inputs that changed in place since the call, or that hold objects which
+may have changed unseen (a transformers cache the call appended to). Where that cannot be done,
+random ops draw afresh and the line says so. A data-parallel wrapper's call (DDP) is never
+replayed: the pass starts at the call of the module it wraps.
 """
 
 import torch
