@@ -70,6 +70,24 @@ def test_a_random_op_never_makes_a_deterministic_nan_look_transient(check):
     assert seen >= 2
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("check", CHECKS)
+def test_a_cuda_dropout_replays_the_runs_very_draws(check):
+    # CUDA's generator (Philox: a seed and an offset) is taken once per forward as the CPU one is
+    for seed in range(4):
+        model = nn.Sequential(nn.Linear(64, 64), DropThenExp()).cuda()
+        with torch.no_grad():
+            model[0].weight.copy_(torch.eye(64))
+            model[0].bias.zero_()
+        watch(model, check=check)
+        torch.manual_seed(seed)
+        x = torch.rand(2, 64, device="cuda") * 30  # some elements overflow, where the mask kept them
+        out, error = capture(lambda: model(x))
+        line, op = op_of(out, error)
+        assert line.startswith(f"Op: aten.exp at {HERE}:{DROP_EXP_LINE}: inf from finite inputs"), line
+        assert line.endswith(SAME), line
+
+
 def gpt2(**config):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
