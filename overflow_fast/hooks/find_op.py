@@ -918,7 +918,9 @@ class _ScriptPickling:
 
         class Pickler(pickle.Pickler):
             def reducer_override(self, obj):
-                if isinstance(obj, (type, types.FunctionType)) and getattr(obj, "__module__", None) == "__main__":
+                # (a lambda or a class defined inside a function cannot be referred to: pickle says so)
+                if (isinstance(obj, (type, types.FunctionType)) and getattr(obj, "__module__", None) == "__main__"
+                        and "<" not in obj.__qualname__):
                     if obj.__qualname__ not in pickling.names:
                         pickling.names.append(obj.__qualname__)
                     if pickling.script is not None:
