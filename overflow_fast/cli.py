@@ -313,8 +313,8 @@ def run_replay(args):
     result = find_op.replay_repro(payload)
     recorded = detection.get("op") or {}
     if result.get("op") is not None and result.get("file") is None and result["op"] == recorded.get("op"):
-        # the module alone runs only torch's code: the line is where the run called it
-        result = {**result, "file": recorded.get("file"), "line": recorded.get("line")}
+        # no line of code outside torch ran it: the module whose torch code did, as the run named it
+        result = {**result, "module": recorded.get("module")}
     print(find_op.op_line(result))
     return 0
 

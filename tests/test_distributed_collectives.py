@@ -444,9 +444,9 @@ def _sharded_replays_worker(rank, repro):
     line = Block.forward.__code__.co_firstlineno + 1
     assert ranks == [0, 1] and len(ops) == 1, (ranks, ops)
     where = re.escape(f"{__file__}:{line}")
-    assert re.fullmatch(rf"\[rank {rank}/2\] Op: not replayed \(the call communicates across ranks: "
-                        rf"_c10d_functional\.all_reduce at {where}\); before it, aten\.exp at {where} "
-                        r"made inf from finite inputs \(input abs max [^)]*\), which it reads", ops[0]), ops
+    # the nan/inf is in out's input: the replay of Block ends at out's call, before its all_reduce
+    assert re.fullmatch(rf"\[rank {rank}/2\] Op: aten\.exp at {where}: inf from finite inputs "
+                        r"\(input abs max [^)]*\); reproduced on the same inputs", ops[0]), ops
 
     # FSDP2: the parameters are sharded again after each call; the line says why there is no replay,
     # and with reshard_after_forward=False the call replays

@@ -16,6 +16,7 @@ from compat import capture
 from overflow_fast import DebugUnderflowOverflow, OverflowDetected, watch
 
 CHECKS = ["module", "batch"]
+SAME = "; reproduced on the same inputs"
 HERE = os.path.abspath(__file__)
 ROOT = os.path.dirname(os.path.dirname(HERE))
 
@@ -67,9 +68,11 @@ def test_an_exp_that_overflows_inside_a_custom_module(check):
     out, error = capture(lambda: run(model, torch.full((2, 4), 7.5, dtype=torch.float16)))
     line, op = op_of(out, error)
     # 4 * 30 = 120: exp(120) overflows fp16 (its largest finite is 65504 = exp(11.09))
-    assert line == f"Op: aten.exp at {HERE}:{EXP_LINE}: inf from finite inputs (input abs max 1.2e+02)"
+    assert line == f"Op: aten.exp at {HERE}:{EXP_LINE}: inf from finite inputs (input abs max 1.2e+02){SAME}"
     assert op == {"op": "aten.exp", "file": HERE, "line": EXP_LINE, "phase": "forward",
-                  "what": "inf from finite inputs (input abs max 1.2e+02)"}
+                  "what": "inf from finite inputs (input abs max 1.2e+02)", "module": None,
+                  "reproduced": "on the same inputs"}
+    assert error.detection["transient"] is False
     assert out.splitlines()[-2] == "Source: born in forward of 1 (SoftplusByHand): output from finite inputs and weights"
 
 
@@ -106,12 +109,14 @@ def test_a_linear_whose_product_overflows_is_named_at_the_line_that_calls_it(che
     assert out.splitlines()[-2] == "Source: born in forward of 0.fc (Linear): output from finite inputs and weights"
     assert op["op"] == "aten.addmm" and (op["file"], op["line"]) == (HERE, FC_LINE), op
     assert op["what"].startswith("inf from finite inputs (input abs max 3.0e+02"), op
-    # torch's own modules all the way up: the line that called the model
+    # torch's own modules all the way up: no line of code ran it but torch's, and the line says so
+    # (never the line that called the model, as if that were the op's)
     model = nn.Sequential(overflowing_linear(), nn.ReLU()).half()
     watch(model, check=check)
     out, error = capture(lambda: run(model, torch.full((2, 4), 300.0, dtype=torch.float16)))
     line, op = op_of(out, error)
-    assert line == f"Op: aten.addmm at {HERE}:{RUN_LINE}: inf from finite inputs (input abs max 3.0e+02)"
+    assert line == f"Op: aten.addmm in 0 (Linear), torch's own code: inf from finite inputs (input abs max 3.0e+02){SAME}"
+    assert (op["file"], op["line"], op["module"]) == (None, None, "0 (Linear)")
 
 
 class Attention(nn.Module):
@@ -194,7 +199,7 @@ def test_a_log_of_zero(check):
     watch(model, check=check)
     out, error = capture(lambda: run(model, torch.ones(2, 4)))
     line, op = op_of(out, error)
-    assert line == f"Op: aten.log at {HERE}:{LOG_LINE}: inf from finite inputs (input abs max 0.0e+00)"
+    assert line == f"Op: aten.log at {HERE}:{LOG_LINE}: inf from finite inputs (input abs max 0.0e+00){SAME}"
 
 
 class ScaledInParent(nn.Module):
@@ -233,7 +238,7 @@ def test_under_autocast_the_replay_runs_as_the_call_did(check):
             return run(model, torch.full((2, 4), 300.0))
     out, error = capture(step)
     line, op = op_of(out, error)
-    assert op["op"] == "aten.addmm" and op["line"] == RUN_LINE, op
+    assert op["op"] == "aten.addmm" and op["module"] == "0 (Linear)" and op["reproduced"] == "on the same inputs", op
 
 
 # -- where the replay cannot show it, the line says why --------------------------------------------
@@ -256,8 +261,9 @@ def test_inputs_changed_in_place_after_the_hook_are_said_not_guessed():
     out, error = capture(lambda: run(model, x.clone()))
     line, op = op_of(out, error)
     assert line == "Op: not reproduced on replay (the module's inputs changed in place after its hook)"
-    assert op == {"op": None, "file": None, "line": None, "phase": "forward",
+    assert op == {"op": None, "file": None, "line": None, "phase": "forward", "module": None, "reproduced": None,
                   "what": "not reproduced on replay (the module's inputs changed in place after its hook)"}
+    assert error.detection["transient"] is None
     model = nn.Sequential(nn.Identity(), ChangesItsInputAfter())
     watch(model, check="module")  # decided in the hook, before the change
     out, error = capture(lambda: run(model, x.clone()))
@@ -270,15 +276,20 @@ class DropThenExp(nn.Module):
         return torch.exp(F.dropout(x, 0.5, training=True) * 4)
 
 
+DROP_EXP_LINE = first_line_of(DropThenExp.forward, 1)
+
+
 @pytest.mark.parametrize("check", CHECKS)
-def test_random_ops_before_the_nan_are_said_not_guessed(check):
+def test_a_random_op_before_the_nan_replays_its_very_draws(check):
+    # the replay runs the pass again from its start (where the RNG states were taken) up to this
+    # call, nothing read, then the call from there: the same mask, the same exp
     torch.manual_seed(0)
     model = nn.Sequential(nn.Identity(), DropThenExp())
     watch(model, check=check)
     out, error = capture(lambda: run(model, torch.full((64,), 30.0, dtype=torch.float16)))
     line, op = op_of(out, error)
-    assert line.startswith("Op: not reproduced on replay (random ops: aten."), line
-    assert op["op"] is None
+    assert line == f"Op: aten.exp at {HERE}:{DROP_EXP_LINE}: inf from finite inputs (input abs max 2.4e+02){SAME}"
+    assert error.detection["transient"] is False
 
 
 @pytest.mark.parametrize("check", CHECKS)
@@ -304,7 +315,7 @@ def test_the_drop_in_prints_no_op_line_unless_asked(check):
     model = nn.Sequential(SoftplusByHand())
     DebugUnderflowOverflow(model, check=check, find_op=True)
     out, error = capture(lambda: run(model, x))
-    assert out.splitlines()[-1] == f"Op: aten.exp at {HERE}:{EXP_LINE}: inf from finite inputs (input abs max 3.0e+01)"
+    assert out.splitlines()[-1] == f"Op: aten.exp at {HERE}:{EXP_LINE}: inf from finite inputs (input abs max 3.0e+01){SAME}"
     model = nn.Sequential(SoftplusByHand())
     watch(model, check=check, find_op=False)
     out, error = capture(lambda: run(model, x))

@@ -30,9 +30,11 @@ class Traced:
         rows = tensor_stats(tensors, backend).values if tensors else None
         self.records.append((module, entries, dtypes, rows))
 
-    def absorb(self, passes, current, model):
+    def absorb(self, passes, current, model, around=None):
         """Queue the records of a compiled region into the pass ``current``: one host read per
-        device for all of them."""
+        device for all of them. ``around``: with find_op, the eager call whose hook absorbs them
+        (``culprit.CallInputs``; the region ran inside it or inside one of its parents), for a
+        replay of the region's calls, which kept no inputs of their own."""
         records = list(self.records)
         self.records.clear()
         host = {}
@@ -44,4 +46,5 @@ class Traced:
                 return
             sources = current.reads.host([next(host[rows.device]) for _ in dtypes]) if rows is not None else NO_ROWS
             call = passes.decisions.state.count(module is model)
-            passes.queue(current, Pending(call, module, entries, dtypes, sources, FORWARD, None), passes.decides_now(call))
+            passes.queue(current, Pending(call, module, entries, dtypes, sources, FORWARD, None, inputs=around),
+                         passes.decides_now(call))

@@ -1,37 +1,59 @@
 """Which call a detection's replay runs (``find_op``), and what it finds.
 
 With ``find_op`` each hooked call keeps references (never copies) to its inputs, until its pass
-ends, or, for a forward with autograd on, until the backward pass that follows it ends (the
-backward's replay runs that forward again). A detection born in a module's forward or backward is
-then replayed: that one call alone, every op's outputs checked (``find_op``), and the first op that
-made a nan/inf from finite inputs is named with the line of code that ran it.
+ends, or, for a forward with autograd on (the recompute of a reentrant checkpoint too), until the
+backward pass that follows it ends (the backward's replay runs that forward again). The outermost
+call of a pass also keeps the RNG states at its start, once per pass. A detection born in a module's
+forward or backward is then replayed: that one call alone, every op's outputs checked
+(``find_op``), and the first op that made a nan/inf from finite inputs is named with the line of
+code that ran it.
 
-The line: the innermost frame of the user's code (outside torch and this package). A module
-whose ``forward`` is torch's own (``nn.Linear``) has no such frame in its own replay, so the call
-replayed is that of its nearest enclosing module whose ``forward`` is someone else's code: the
-op's frame is then the line that calls the module. Without such an ancestor the line is where the
-model was called (the stack at the detection, or at the outermost call).
+Which call:
+- born in a module's forward: that call. Its replay runs on the very inputs of the run, so it also
+  tells a deterministic nan/inf (``reproduced``) from a transient fault (finite where the run's
+  was not, and the run's values everywhere else). Where its ``forward`` is torch's own
+  (``nn.Linear``), the line is found by replaying the nearest enclosing call whose ``forward`` is
+  someone else's code, up to that module's call: the op's frame is the line that calls the module.
+  Without one, the line names no line of code but the module whose torch code ran it.
+- in the code between two modules (``before``): the enclosing call, up to the module's call.
+- in backward: the consumer's call with the gradient that arrived at its outputs; where no single
+  module consumes the gradient (the parent's own code does), the enclosing call's.
+- a module inside a ``torch.compile`` region keeps no inputs (its hooks are traced): the nearest
+  enclosing call that ran eagerly is replayed, eagerly.
+Random ops replay exactly: the replay starts from the RNG states the call started with, found by
+running the pass again from its start (where the states were taken) up to that call, nothing read.
+The same run brings back inputs that changed in place since the call, or that hold objects which
+may have changed unseen (a transformers cache the call appended to). Where that cannot be done,
+random ops draw afresh and the line says so. A data-parallel wrapper's call (DDP) is never
+replayed: the pass starts at the call of the module it wraps.
 
 Under no_grad (and inference mode) autograd keeps nothing, and neither does a call once it
 returned (``release``): only the calls still running keep their inputs, so a pass holds no more
 than it would without find_op. A released call is replayed through its nearest enclosing call
-that kept its inputs (the outermost one, at the end of a pass).
+that kept its inputs (the outermost one, at the end of a pass), up to that call.
 """
 
 import torch
 
+from .frames import class_name
 
 _AUTOCAST_DEVICES = ("cpu", "cuda")
+CHANGED = "not reproduced on replay (the module's inputs changed in place after its hook)"
 
 
 class CallInputs:
     """One hooked call as its replay needs it: the module, its positional and keyword inputs
     (references), their versions when it started, the call it ran in, its grad mode, the autocast
-    of its forward (``autocast_state``, taken once per forward) and its output."""
+    of its forward (``autocast_state``, taken once per forward) and its output. ``root`` is the
+    outermost call of its pass (below a data-parallel wrapper: the call of the module it wraps),
+    which keeps the RNG states at its start (``rng``; None when the call was seen only as it ended:
+    ``started=False``); ``ordinal`` counts the module's earlier calls under the root (a replay
+    from the root finds this one by it)."""
 
-    __slots__ = ("module", "args", "kwargs", "versions", "parent", "grad_enabled", "autocast", "output", "kept")
+    __slots__ = ("module", "args", "kwargs", "versions", "parent", "grad_enabled", "autocast", "_output",
+                 "output_versions", "_root", "rng", "counts", "ordinal", "wraps", "kept")
 
-    def __init__(self, module, args, kwargs, parent, autocast):
+    def __init__(self, module, args, kwargs, parent, autocast, started=True):
         self.module = module
         self.args = args
         self.kwargs = kwargs
@@ -39,21 +61,73 @@ class CallInputs:
         self.parent = parent
         self.grad_enabled = torch.is_grad_enabled()
         self.autocast = autocast
-        self.output = None
+        self._output = self.output_versions = None
         self.kept = True  # False once released
+        if parent is None or parent.wraps:
+            self._root, self.counts = None, {}  # (not itself: no reference cycle keeps a call alive)
+            self.rng = _rng_state() if started else None
+            self.wraps = parent is None and is_wrapper(module)
+        else:
+            self._root, self.counts, self.rng, self.wraps = parent.root, None, None, False
+        if parent is not None and parent.module is module:  # one call hooked twice (a module under two parents)
+            self.ordinal = parent.ordinal
+        else:
+            counts = self.root.counts
+            self.ordinal = counts.get(id(module), 0)
+            counts[id(module)] = self.ordinal + 1
+
+    @property
+    def root(self):
+        return self if self._root is None else self._root
+
+    @property
+    def output(self):
+        return self._output
+
+    @output.setter
+    def output(self, output):
+        """The call's output, as it returned (its tensors' versions then, one level deep)."""
+        self._output = output
+        self.output_versions = versions_of(_items(output), None)
 
     def release(self):
-        """Let go of the inputs: a replay runs the nearest enclosing call that kept them."""
-        self.args = self.kwargs = self.output = None
+        """Let go of the inputs and output: a replay runs the nearest enclosing call that kept them."""
+        self.args = self.kwargs = self._output = self.output_versions = None
         self.kept = False
 
     def changed(self):
         """Whether an input changed in place since the call started."""
         return versions_of(self.args, self.kwargs) != self.versions
 
+    def output_changed(self):
+        """Whether the output changed in place since the call returned."""
+        return versions_of(_items(self._output), None) != self.output_versions
+
     def call_state(self):
         """What the replay runs under (``find_op.call_state``'s form)."""
         return {"grad_enabled": self.grad_enabled, "autocast": self.autocast}
+
+
+def _items(output):
+    return (output,) if isinstance(output, torch.Tensor) else output if isinstance(output, (tuple, list)) else ()
+
+
+def _rng_state():
+    from .find_op import rng_state
+
+    try:
+        return rng_state()
+    except RuntimeError:  # a CUDA graph being captured: its generator's state cannot be read
+        return None
+
+
+_WRAPPERS = frozenset({"DistributedDataParallel", "DataParallel", "FullyShardedDataParallel"})
+
+
+def is_wrapper(module):
+    """Whether ``module`` is one of torch's data-parallel wrappers, whose forward keeps state across
+    ranks (DDP's reducer, its buffer broadcast): a replay runs the module it wraps, never it."""
+    return any(cls.__name__ in _WRAPPERS and cls.__module__.startswith("torch.") for cls in type(module).__mro__)
 
 
 def autocast_state():
@@ -75,123 +149,292 @@ def user_code(module, replay):
     return bool(filename) and replay.in_user_code(filename)
 
 
+class Explained:
+    """What ``find_op`` found: ``result`` (``find_op.replay_*``'s dict, with ``module`` naming the
+    module whose torch code ran an op that no line of code outside torch did), ``transient`` (True:
+    not reproduced on the run's very inputs; False: reproduced; None: it cannot tell), and what the
+    reproducer needs: the call replayed (None when none was), the RNG states and the inputs it
+    replayed from, its incoming gradients (None for a forward), and the ``target`` submodule and
+    side."""
+
+    __slots__ = ("result", "transient", "call", "rng", "args", "kwargs", "grads", "target")
+
+    def __init__(self, result, transient=None, call=None, rng=None, args=None, kwargs=None, grads=None,
+                 target=None):
+        self.result, self.transient, self.call, self.rng = result, transient, call, rng
+        self.args, self.kwargs, self.grads, self.target = args, kwargs, grads, target
+
+    def record(self):
+        """The detection's ``op``: ``{"op", "file", "line", "phase", "what", "module", "reproduced"}``
+        (``op`` None and ``what`` the reason where there is no op)."""
+        result = self.result
+        return {"op": result.get("op"), "file": result.get("file"), "line": result.get("line"),
+                "phase": result.get("phase"), "what": result.get("what") or result.get("why"),
+                "module": result.get("module"), "reproduced": result.get("reproduced")}
+
+    def write_repro(self, directory, rank, step, detection):
+        """The reproducer file of the call replayed (``find_op.write_repro``); its path."""
+        from .find_op import write_repro
+
+        call, target = self.call, None
+        if self.target is not None:
+            submodule, side = self.target
+            names = {id(m): name for name, m in call.module.named_modules(remove_duplicate=False)}
+            target = (names.get(id(submodule)), side)
+        return write_repro(directory, rank, step, call.module, self.args, self.kwargs, self.grads, detection,
+                           rng=self.rng, call=call.call_state(), target=target)
+
+
+def failed(phase, error):
+    """What a detection carries when looking for its op raised."""
+    return Explained({"op": None, "phase": phase, "why": f"not replayed ({type(error).__name__}: {error})"})
+
+
 def find_op(found, kept_forward, kept_gradients, modules_by_name):
-    """The op of a detection (``decisions.Found``) born in a module's forward or backward, as
-    ``find_op.replay_*`` gives it (``{"op", "file", "line", "phase", "what"}`` or ``{"op": None,
-    "phase", "why"}``), with the call replayed (``CallInputs``) and its incoming gradients (None
-    for a forward); or None when the detection was not born in a module (a weight already
-    non-finite, an input from outside, the loss's gradient)."""
+    """The op of a detection (``decisions.Found``) born in a module's forward or backward, or in
+    the code between two modules: an ``Explained``; or None when the detection was not born there
+    (a weight already non-finite, an input from outside, the loss's gradient)."""
     from . import find_op as replay
     from .policy import origin
 
-    kind = origin(found.first_frame, found.bad)
+    frame = found.first_frame
+    kind = origin(frame, found.bad)
+    culprit = _Culprit(replay, kept_forward, kept_gradients, modules_by_name)
     if kind == "forward":
-        return _forward(found.inputs, replay)
-    if kind == "before":  # made in the enclosing call's own code, before this module ran
-        parent = found.inputs.parent if found.inputs is not None else None
-        if parent is None:
-            return None, None, None
-        result, call, grads = _forward(parent, replay)
-        if result.get("op") is None and result["why"].startswith(replay.ALREADY_IN):
-            return None, None, None  # it came into the parent from outside: the Source line says so
-        return result, call, grads
-    if kind == "backward":
-        return _backward(_calls_of(kept_forward, found.first_frame.module_name, modules_by_name), kept_gradients,
-                         replay)
-    if kind == "gradient":
-        consumers = found.first_frame.consumers or []
-        if len(consumers) != 1:
-            return {"op": None, "phase": "backward", "why": f"not replayed ({len(consumers)} modules consume "
-                    "that gradient)"}, None, None
-        return _backward(_calls_of(kept_forward, consumers[0], modules_by_name), kept_gradients, replay)
-    return None, None, None
+        return culprit.forward(frame, found.inputs)
+    if kind == "before":
+        return culprit.before(frame, found.inputs)
+    if kind in ("backward", "gradient"):
+        return culprit.backward(frame, kind)
+    return None
 
 
-def _calls_of(kept_forward, name, modules_by_name):
-    module = modules_by_name.get(name)
-    return [inputs for inputs in kept_forward if inputs.module is module and module is not None]
+class _Culprit:
+    def __init__(self, replay, kept_forward, kept_gradients, modules_by_name):
+        self.replay = replay
+        self.kept_forward = kept_forward
+        self.kept_gradients = kept_gradients
+        self.modules_by_name = modules_by_name
+        self.names = {id(module): name for name, module in modules_by_name.items()}
 
+    # -- the cases --------------------------------------------------------------------------------
 
-def _user_ancestors(inputs, replay):
-    """The calls whose replay may show the line: the nearest enclosing call whose forward is user
-    code (its replay runs the op from the line that called the module), then the call itself."""
-    chain = []
-    outer = inputs
-    while outer is not None and not user_code(outer.module, replay):
-        outer = outer.parent
-    if outer is not None and outer is not inputs:
-        chain.append(outer)
-    chain.append(inputs)
-    return chain
+    def forward(self, frame, inputs):
+        """Born in the forward of the frame's module, from finite inputs and weights."""
+        module = self.modules_by_name.get(frame.module_name)
+        own = inputs if inputs is not None and inputs.module is module else None
+        if own is None:  # a compiled region: no call of its own was seen
+            return self._inside(self._enclosing(frame.module_name, inputs), (module, "output"), "forward")
+        if not own.kept:  # let go of when it returned (no_grad): the nearest enclosing call that kept its inputs
+            outer = _holding(own.parent)
+            return self._inside([outer] if outer is not None else [], (module, "output"), "forward")
+        replayed = self._replayed(own, lambda rng, args, kwargs: self.replay.replay_forward(
+            own.module, args, kwargs, rng=rng, call=own.call_state(),
+            run_output=None if own.output_changed() else own.output))
+        if replayed is None:
+            return Explained(_why("forward", CHANGED))
+        result, *replayed = replayed
+        if _transient(result, self.replay):
+            return Explained(_why("forward", self.replay.TRANSIENT), True, own, *replayed)
+        if not self.replay.reproduced(result) or not result.get("file"):
+            # the line that calls the module, from the enclosing call that is someone else's code
+            outer = self._user_ancestor(own)
+            if outer is not None:
+                located = self._inside([outer], (module, "output"), "forward")
+                if self.replay.reproduced(located.result) and located.result.get("file"):
+                    located.transient = False
+                    return located
+        if self.replay.reproduced(result):
+            return Explained(self._named(result, module), False, own, *replayed)
+        if result.get("same") is False:
+            result = _why("forward", self.replay.NOT_THE_RUN)
+        return Explained(result, None, own, *replayed)
 
+    def before(self, frame, inputs):
+        """Born in the code between modules: the enclosing call, up to the frame's module's call
+        (None when it came into that call from outside it: the Source line says so)."""
+        module = self.modules_by_name.get(frame.module_name)
+        if inputs is not None and inputs.module is module:
+            outer = _holding(inputs.parent)
+            calls = [outer] if outer is not None else []
+        else:
+            calls = self._enclosing(frame.module_name, inputs)
+        if not calls:
+            return None
+        explained = self._inside(calls, (module, "input"), "forward")
+        if explained.result.get("why", "").startswith(self.replay.ALREADY_IN):
+            return None
+        return explained
 
-def _forward(inputs, replay):
-    """Replay the forward of ``inputs``' call (or first of its nearest user-code ancestor): the
-    result, the call replayed (for the reproducer; the call itself when no replay showed it) and
-    None (no incoming gradients)."""
-    if inputs is None:
-        return {"op": None, "phase": "forward", "why": "no inputs kept"}, None, None
-    calls = _kept(_user_ancestors(inputs, replay))
-    if not calls:
-        return {"op": None, "phase": "forward", "why": "no inputs kept"}, None, None
-    result = None
-    for call in calls:
-        if call.changed():
-            continue
-        result = replay.replay_forward(call.module, call.args, call.kwargs, call=call.call_state())
-        if result.get("op") is not None:
-            return _located(result, replay), call, None
-    if result is None:
-        return {"op": None, "phase": "forward",
-                "why": "not reproduced on replay (the module's inputs changed in place after its hook)"}, None, None
-    return result, inputs if inputs.kept else call, None
+    def backward(self, frame, kind):
+        """Born in a backward: the module's own (its gradient came in finite), or the consumers'
+        of an output whose incoming gradient is the first non-finite one."""
+        name = frame.module_name
+        if kind == "gradient":
+            consumers = frame.consumers or []
+            if len(consumers) == 1:
+                name = consumers[0]
+                starts = self._calls_of(name)
+            else:  # the parent's own code (or several modules) used the output: the enclosing call
+                starts = list({id(c.parent): c.parent for c in self._calls_of(name)
+                               if c.parent is not None and not is_wrapper(c.parent.module)}.values())
+        else:
+            starts = self._calls_of(name)
+        if not starts:
+            starts = self._enclosing(name)
+        if not starts:
+            return Explained(_why("backward", "no inputs kept"))
+        best = None
+        changed = False
+        for start in reversed(starts):  # the latest call whose outputs got a gradient
+            for call in self._with_user_ancestor(start):
+                grads = [self.kept_gradients.get(id(t)) for t in self.replay.floating_outputs(call.output)]
+                if not any(g is not None for g in grads):
+                    continue
+                replayed = self._replayed(call, lambda rng, args, kwargs: self.replay.replay_backward(
+                    call.module, args, kwargs, grads, rng=rng, call=call.call_state()))
+                if replayed is None:
+                    changed = True
+                    continue
+                result, *replayed = replayed
+                explained = Explained(self._named(result, call.module), _transient(result, self.replay), call,
+                                      *replayed, grads=grads)
+                if self.replay.reproduced(result) and result.get("file"):
+                    return explained
+                best = _better(best, explained, self.replay)
+        if best is None:
+            return Explained(_why("backward", CHANGED if changed else "no incoming gradient kept"))
+        return best
 
+    # -- replays ----------------------------------------------------------------------------------
 
-def _kept(chain):
-    """The calls of ``chain``, each released one (``CallInputs.release``) replaced by its nearest
-    enclosing call that kept its inputs, once each."""
-    found = []
-    for call in chain:
-        while call is not None and not call.kept:
+    def _inside(self, calls, target, phase):
+        """Replay each of ``calls`` (enclosing the target's) up to ``target``'s first call whose
+        inputs or outputs hold a nan/inf; the first that shows it, with a line where one does."""
+        best = None
+        for call in calls:
+            for outer in self._with_user_ancestor(call):
+                replayed = self._replayed(outer, lambda rng, args, kwargs: self.replay.replay_forward(
+                    outer.module, args, kwargs, rng=rng, call=outer.call_state(), target=target))
+                if replayed is None:
+                    continue
+                result, *replayed = replayed
+                explained = Explained(self._named(result, target[0]), _transient(result, self.replay), outer,
+                                      *replayed, target=target)
+                if self.replay.reproduced(result) and result.get("file"):
+                    return explained
+                best = _better(best, explained, self.replay)
+        if best is None:
+            return Explained(_why(phase, CHANGED if calls else "no inputs kept"))
+        return best
+
+    def _replayed(self, call, replay_from):
+        """``replay_from(rng, args, kwargs)`` for ``call``: ``(result, rng, args, kwargs)``, what it
+        returned and what it replayed from; None where the call's inputs changed in place since it
+        started and cannot be brought back. Inside a pass, where the call's inputs changed, or hold
+        objects that may have changed unseen (a cache it appends to), or its random ops mattered,
+        they are those it had at its start, brought back by running the pass again from its root
+        (whose RNG states were taken) up to it; elsewhere the inputs kept, random ops drawn afresh."""
+        root = call.root
+        changed = call.changed()
+        if call is root:
+            return None if changed else (replay_from(root.rng, call.args, call.kwargs), root.rng, call.args,
+                                         call.kwargs)
+        arrived = None
+        if changed or self.replay.holds_objects(call.args, call.kwargs):
+            arrived = self._arrive(call)
+            if arrived is None and changed:
+                return None
+        if arrived is None:
+            result = replay_from(None, call.args, call.kwargs)
+            if not result.get("random"):
+                return result, None, call.args, call.kwargs
+            arrived = self._arrive(call)
+            if arrived is None:
+                return result, None, call.args, call.kwargs
+        rng, args, kwargs = arrived
+        return (replay_from(rng, args, kwargs), rng, args, kwargs)
+
+    def _arrive(self, call):
+        root = call.root
+        if root.rng is None or not root.kept or root.changed():
+            return None
+        return self.replay.arrive_at(root.module, root.args, root.kwargs, root.rng, root.call_state(), call.module,
+                                     call.ordinal)
+
+    # -- calls ------------------------------------------------------------------------------------
+
+    def _calls_of(self, name):
+        module = self.modules_by_name.get(name)
+        return [inputs for inputs in self.kept_forward if inputs.module is module and module is not None]
+
+    def _enclosing(self, name, around=None):
+        """The calls enclosing the module named ``name`` (its hooks were traced, so it kept none):
+        the nearest among ``around`` and its parents (the eager call that absorbed the compiled
+        region), or else the kept calls of the nearest enclosing module that has some."""
+        call = around
+        while call is not None:
+            outer = self.names.get(id(call.module))
+            if (outer is not None and outer != name and (outer == "" or name.startswith(outer + "."))
+                    and not is_wrapper(call.module)):
+                held = _holding(call)
+                return [held] if held is not None else []
             call = call.parent
-        if call is not None and call not in found:
-            found.append(call)
-    return found
+        while name:
+            name = name.rpartition(".")[0]
+            calls = [call for call in self._calls_of(name) if not is_wrapper(call.module)]
+            if calls:
+                return calls
+        return []
+
+    def _with_user_ancestor(self, call):
+        """``call``, then, where its forward is torch's own, the nearest enclosing call whose
+        forward is someone else's code (its replay shows the line that calls the module)."""
+        if user_code(call.module, self.replay):
+            return [call]
+        outer = self._user_ancestor(call)
+        return [call] if outer is None else [call, outer]
+
+    def _user_ancestor(self, call):
+        """The nearest call enclosing ``call`` whose forward is someone else's code (or, where that
+        one let go of its inputs, the nearest enclosing it that kept them), or None."""
+        outer = call.parent
+        while outer is not None and not user_code(outer.module, self.replay):
+            outer = outer.parent
+        return _holding(outer)
+
+    def _named(self, result, module):
+        """A result whose op no line outside torch ran names the module whose torch code did."""
+        if result.get("op") is not None and not result.get("file"):
+            name = self.names.get(id(module))
+            if name is not None:
+                result = {**result, "module": f"{name or '(model)'} ({class_name(module)})"}
+        return result
 
 
-def _backward(calls, kept_gradients, replay):
-    """Replay the backward of the latest call among ``calls`` (the module's forward calls whose
-    outputs received a gradient) that shows where the nan/inf came from; returned as ``_forward``
-    does, with the call's incoming gradients."""
-    if not calls:
-        return {"op": None, "phase": "backward", "why": "no inputs kept"}, None, None
-    result = tried = None
-    changed = False
-    for inputs in reversed(calls):
-        for call in _user_ancestors(inputs, replay):
-            grads = [kept_gradients.get(id(t)) for t in replay.floating_outputs(call.output)]
-            if not any(g is not None for g in grads):
-                continue
-            if call.changed():
-                changed = True
-                continue
-            result = replay.replay_backward(call.module, call.args, call.kwargs, grads, call=call.call_state())
-            if result.get("op") is not None:
-                return _located(result, replay), call, grads
-            if tried is None or call is inputs:
-                tried = call, grads
-    if result is None:
-        why = ("not reproduced on replay (the module's inputs changed in place after its hook)" if changed
-               else "no incoming gradient kept")
-        return {"op": None, "phase": "backward", "why": why}, None, None
-    return result, tried[0], tried[1]
+def _holding(call):
+    """``call``, or where it let go of its inputs (``CallInputs.release``) the nearest call enclosing
+    it that kept them; None when none did."""
+    while call is not None and not call.kept:
+        call = call.parent
+    return call
 
 
-def _located(result, replay):
-    """A result without a line (torch's own code alone ran it): the innermost user frame of the
-    stack now, where the model was called."""
-    if result.get("file") is None:
-        filename, line = replay.location(replay.live_frames())
-        if filename is not None:
-            result = {**result, "file": filename, "line": line}
-    return result
+def _why(phase, why):
+    return {"op": None, "phase": phase, "why": why}
+
+
+def _transient(result, replay):
+    """False where the replay made the nan/inf again; True where it ran on the run's very inputs,
+    every random op from the run's RNG states, and gave the run's values wherever those were
+    finite and finite ones where they were not; None where it cannot tell."""
+    if replay.reproduced(result):
+        return False
+    return True if result.get("why") == replay.NOT_REPRODUCED and result.get("same") is True else None
+
+
+def _better(best, explained, replay):
+    """The result to keep of two that named no line: one that reproduced over one that did not."""
+    if best is None or (replay.reproduced(explained.result) and not replay.reproduced(best.result)):
+        return explained
+    return best

@@ -326,6 +326,11 @@ class DebugUnderflowOverflow:
         # no entry of its own: its pre hook did not run (another one before it raised, or the
         # detector was attached during the call)
         _, ambient, inputs = calls.pop() if calls and calls[-1][0] is module else (None, None, None)
+        if inputs is None and module is self.model and not calls and self.options.keeps_calls:
+            # a compiled model: its pre hook was traced; its call as seen at its end, for find_op
+            with run.lock:
+                run.kept_forward = []
+            inputs = CallInputs(module, input, kwargs, None, autocast_state(), started=False)
         if not calls:
             run.thread.outer = None  # (it holds the call's inputs and result)
         error = sys.exc_info()[1]
@@ -354,7 +359,7 @@ class DebugUnderflowOverflow:
     def _forward_call(self, current, module, input, output, kwargs, recomputed, transformed, inputs=None):
         run = self._run
         if run.traced:
-            run.traced.absorb(run, current, self.model)  # a compiled region ran before this call
+            run.traced.absorb(run, current, self.model, inputs)  # a compiled region ran before this call
         if current.stop_pending:
             return  # this rank reported; it stops with the others when the pass ends
         entries, tensors, dtypes = entries_of(forward_items(module, input, output, kwargs, self.containers),
@@ -362,10 +367,10 @@ class DebugUnderflowOverflow:
         call = self.decisions.state.count(module is self.model, recomputed)
         if self._gradients is not None and not transformed:  # torch.func takes gradients functionally
             self._gradients.watch_outputs(module, entries, tensors)
-        if inputs is not None and inputs.grad_enabled and self._gradients is not None:  # the backward's replay
+        if inputs is not None:  # find_op: the run's output, which a replay compares with its own
             inputs.output = output
-            if not recomputed:
-                run.kept_forward.append(inputs)
+            if inputs.grad_enabled and self._gradients is not None:
+                run.kept_forward.append(inputs)  # the backward's replay (a reentrant checkpoint's recompute's too)
         run.add(current, call, module, entries, dtypes, tensors, FORWARD, inputs=inputs)
         if inputs is not None and not inputs.grad_enabled and run.thread.calls:
             inputs.release()  # autograd keeps nothing here: neither does a call that returned (culprit)

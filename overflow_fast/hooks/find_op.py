@@ -8,41 +8,52 @@ autograd on, then its backward with the call's incoming gradients. An op whose o
 nan/inf while everything it read was finite *made* that nan/inf; an op that read one passes on where
 it came from (kept per storage, so writes through views count). The answer is where the nan/inf in
 the replayed call's result came from, so an inf made and then dropped on the way (the ``exp`` of a
-hand-written softplus in the branch that ``where`` does not take) is not blamed.
+hand-written softplus in the branch that ``where`` does not take) is not blamed. With ``target``
+the answer is about one submodule's call inside the replayed one instead (the first whose inputs or
+outputs hold a nan/inf), and the replay stops there.
 
-Each returns a dict: ``{"op", "file", "line", "phase", "what"}``, e.g. ``{"op": "aten.exp", "file":
-"/home/me/model.py", "line": 42, "phase": "forward", "what": "inf from finite inputs (input abs max
-8.9e+01)"}``. In backward ``op`` is the autograd node that ran the op (``SqrtBackward0``) and the
-line is that of its forward op. ``file:line`` is the innermost frame of the replayed call that lies
-outside torch's package and this one, or None when there is none (an ``nn.Linear`` replayed alone
-runs only torch's code: the caller knows the line that called the module). Where the replay cannot
-show it: ``{"op": None, "phase", "why"}``, the reason in words; it never guesses. ``op_line(result)``
-is the report's line.
+Each returns a dict: ``{"op", "file", "line", "phase", "what", "reproduced"}``, e.g. ``{"op":
+"aten.exp", "file": "/home/me/model.py", "line": 42, "phase": "forward", "what": "inf from finite
+inputs (input abs max 8.9e+01)", "reproduced": "on the same inputs"}``. In backward ``op`` is the
+autograd node that ran the op (``SqrtBackward0``) and the line is that of its forward op.
+``file:line`` is the innermost frame of the replayed call that lies outside torch's package and this
+one, or None when there is none (an ``nn.Linear`` replayed alone runs only torch's code: the caller
+knows which module that was, ``"module"``). ``reproduced`` says how: on the same inputs, or with
+fresh random draws (a random op ran before it and no RNG state was given). Where the replay cannot
+show it: ``{"op": None, "phase", "why"}``, the reason in words; it never guesses. Every result also
+carries ``random`` (the random ops that ran before the nan/inf, or in the whole replay when it did
+not reproduce one), ``exact`` (whether they drew from a given RNG state) and, with ``run_output``,
+``same`` (whether the replay's result equals the run's wherever the run's is finite).
+``op_line(result)`` is the report's line.
 
 The replay leaves the run as it was: the module's buffers are replaced by copies for the replay
 (BatchNorm's running statistics in train mode), its attributes and its parameters' and inputs'
-contents are untouched (inputs are copied), no ``.grad`` is written (``torch.autograd.grad``), the
-CPU and CUDA RNG states are restored, no autograd graph outlives it, no forward or backward hook
-of the module, its submodules or the global ones runs (but tensor parallelism's, which hold no
-state), and nothing is sent to other ranks: a collective stops the replay before it runs
-(``_never_communicates``). The memory it takes while it runs: a copy of
-the call's inputs and of the module's buffers, the replayed call's activations, and for backward its
-gradients; nothing is kept after.
+contents are untouched (inputs are copied, and so are the objects they hold: a cache the call
+appends to), no ``.grad`` is written (``torch.autograd.grad``), the CPU and CUDA RNG states are
+restored, no autograd graph outlives it, no forward or backward hook of the module, its
+submodules or the global ones runs (but tensor parallelism's, which hold no state), and nothing is
+sent to other ranks: a collective stops the replay before it runs (``_never_communicates``). The
+memory it takes while it runs: a copy of the call's inputs and of the module's buffers, the
+replayed call's activations, and for backward its gradients; nothing is kept after.
 """
 
+import ast
 import contextlib
 import copy
 import functools
 import math
 import os
+import pickle
 import re
 import sys
+import types
 import warnings
 from collections import OrderedDict
 
 import torch
 import torch.nn.modules.module as _torch_module
 import torch.utils._pytree as pytree
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..distributed import NoCommunication, active_guard, communicating, holds_sharded_parameters, local_shard
@@ -52,6 +63,14 @@ REPRO_VERSION = 1
 
 NOT_REPRODUCED = "not reproduced on replay (no op made a nan/inf from finite inputs)"
 ALREADY_IN = "not reproduced on replay (the nan/inf was already in"
+# the replay ran on the run's very inputs and gave the run's values, but finite ones where the run's
+# were not
+TRANSIENT = ("not reproduced on the same inputs: a transient fault (hardware, a race, memory corruption) "
+             "is likely")
+# the replay gave finite values, but not the run's elsewhere either: it did not run what the run ran
+NOT_THE_RUN = ("not reproduced on replay, whose finite values differ from the run's too (an input changed "
+               "unseen, e.g. a write that bypasses the version counter): a transient fault cannot be told")
+SAME_INPUTS = "on the same inputs"
 
 _TORCH_DIR = os.path.dirname(os.path.realpath(torch.__file__)) + os.sep
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
@@ -86,16 +105,29 @@ _UPCAST = frozenset(getattr(torch, name) for name in (
 # -- the result -------------------------------------------------------------------------------------
 
 def op_line(result):
-    """``Op: aten.exp at /home/me/model.py:42: inf from finite inputs (input abs max 8.9e+01)``;
-    without a location ``Op: aten.addmm: inf from ...``; where there is no answer ``Op: <why>``."""
+    """``Op: aten.exp at /home/me/model.py:42: inf from finite inputs (input abs max 8.9e+01);
+    reproduced on the same inputs``; where no line of code outside torch ran it, the module whose
+    torch code did (``"module"``: ``Op: aten.addmm in 0 (Linear), torch's own code: inf ...``);
+    where there is no op, ``Op: <why>`` (with how it was reproduced, if it was)."""
+    how = f"; reproduced {result['reproduced']}" if result.get("reproduced") else ""
     if result.get("op") is None:
-        return f"Op: {result['why']}"
-    where = f" at {result['file']}:{result['line']}" if result.get("file") else ""
-    return f"Op: {result['op']}{where}: {result['what']}"
+        return f"Op: {result['why']}{how}"
+    if result.get("file"):
+        where = f" at {result['file']}:{result['line']}"
+    elif result.get("module"):
+        where = f" in {result['module']}, torch's own code"
+    else:
+        where = ""
+    return f"Op: {result['op']}{where}: {result['what']}{how}"
 
 
 def _why(phase, why):
     return {"op": None, "phase": phase, "why": why}
+
+
+def reproduced(result):
+    """Whether the replay made the nan/inf again (an op, a non-finite constant, uninitialized memory)."""
+    return bool(result.get("reproduced"))
 
 
 # -- what the replay keeps as it was -----------------------------------------------------------------
@@ -272,25 +304,46 @@ _ATOMS = (int, float, complex, bool, str, bytes, type(None), torch.dtype, torch.
 
 def _copied(value, requires_grad=True):
     """A copy of ``value`` (args, kwargs, gradients) for a replay or a file: tensors detached and
-    cloned (``requires_grad`` as they had, with ``requires_grad``), shared ones still shared; other
-    objects deep-copied (a cache the call appends to), modules and plain values as they are."""
+    cloned (``requires_grad`` as they had, with ``requires_grad``), shared ones still shared, in the
+    objects that hold them too (a transformers cache holding a graph's tensors); other objects
+    deep-copied (a cache the call appends to), modules and plain values as they are."""
     memo = {}
+
+    def tensor_copy(tensor):
+        clone = memo.get(id(tensor))
+        if clone is None:
+            with torch.no_grad():
+                clone = tensor.detach().clone()
+            if requires_grad and tensor.requires_grad:
+                clone.requires_grad_(True)
+            memo[id(tensor)] = clone
+        return clone
+
     leaves, spec = pytree.tree_flatten(value)
     copies = []
-    with torch.no_grad():
+    with _TensorsCloned(tensor_copy):
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor):
-                if id(leaf) not in memo:
-                    clone = leaf.detach().clone()
-                    if requires_grad and leaf.requires_grad:
-                        clone.requires_grad_(True)
-                    memo[id(leaf)] = clone
-                copies.append(memo[id(leaf)])
+                copies.append(tensor_copy(leaf))
             elif isinstance(leaf, _ATOMS) or callable(leaf):
                 copies.append(leaf)
             else:
                 copies.append(copy.deepcopy(leaf, memo))
     return pytree.tree_unflatten(copies, spec)
+
+
+class _TensorsCloned(TorchFunctionMode):
+    """Inside, ``copy.deepcopy`` copies a tensor as ``tensor_copy`` does: deepcopy refuses a tensor
+    that is not a leaf of autograd's graph (the keys and values of a cache, under grad mode)."""
+
+    def __init__(self, tensor_copy):
+        super().__init__()
+        self.tensor_copy = tensor_copy
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.__deepcopy__:
+            return self.tensor_copy(args[0])
+        return func(*args, **(kwargs or {}))
 
 
 # -- reading tensors --------------------------------------------------------------------------------
@@ -471,10 +524,13 @@ _OUTSIDE = {"kind": "outside", "seq": 0}
 
 class _Births(TorchDispatchMode):
     """Reads every op's inputs and outputs; notes, for each storage holding a nan/inf, where it
-    came from (``origins``), and which random ops ran (``random_ops``, with their order)."""
+    came from (``origins``), and which random ops ran (``random_ops``, with their order). With
+    ``reading`` False (or while ``paused``) ops run as they are, unread: a replay that only needs
+    to get somewhere still runs under the mode, and its refusals."""
 
-    def __init__(self):
+    def __init__(self, reading=True):
         super().__init__()
+        self.reading = reading
         self.phase = "forward"
         self.seq = 0
         self.origins = {}
@@ -482,6 +538,15 @@ class _Births(TorchDispatchMode):
         self.guard = active_guard() or NoCommunication()  # the replay's
         if self.guard.on_refuse is None:
             self.guard.on_refuse = self._refused
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Ops run unread inside (this package's own reads, in a hook of the replay)."""
+        reading, self.reading = self.reading, False
+        try:
+            yield
+        finally:
+            self.reading = reading
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         # a replay never communicates: a collective is stopped before it runs, here, and by the
@@ -494,6 +559,8 @@ class _Births(TorchDispatchMode):
 
     def _dispatch(self, func, types, args, kwargs):
         kwargs = kwargs or {}
+        if not self.reading:
+            return func(*args, **kwargs)
         self.seq += 1
         name = str(getattr(func, "overloadpacket", func))
         short = name.rsplit(".", 1)[-1]
@@ -579,24 +646,27 @@ class _Births(TorchDispatchMode):
         randoms = list(dict.fromkeys(name for _, name in self.random_ops))
         bad = [t for t in results if not _is_finite(_abs_max(t))]
         if not bad:
+            why = NOT_REPRODUCED
             if randoms and not exact_random:
-                return _why(phase, f"not reproduced on replay (random ops: {', '.join(randoms)})")
-            return _why(phase, NOT_REPRODUCED)
+                why = f"not reproduced on replay (random ops: {', '.join(randoms)}, drawn afresh)"
+            return {**_why(phase, why), "random": randoms, "exact": exact_random}
         origin = min((self.origins.get(_storage_key(t), _OUTSIDE) for t in bad), key=lambda o: o["seq"])
         if origin["kind"] == "outside":
             made_from = ("its inputs, parameters, buffers or incoming gradients" if phase == "backward"
                          else "its inputs, parameters or buffers")
-            return _why(phase, f"{ALREADY_IN} {made_from})")
+            return {**_why(phase, f"{ALREADY_IN} {made_from})"), "random": [], "exact": exact_random}
         earlier = list(dict.fromkeys(name for seq, name in self.random_ops if seq < origin["seq"]))
-        if earlier and not exact_random:
-            return _why(origin["phase"], f"not reproduced on replay (random ops: {', '.join(earlier)})")
+        how = (SAME_INPUTS if exact_random or not earlier
+               else f"with fresh random draws ({', '.join(earlier)})")
         where = f" at {origin['file']}:{origin['line']}" if origin["file"] else ""
         if origin["kind"] == "constant":
-            return _why(origin["phase"], f"the nan/inf comes from a non-finite constant ({origin['op']}{where})")
-        if origin["kind"] == "uninitialized":
-            return _why(origin["phase"], f"the nan/inf comes from uninitialized memory ({origin['op']}{where})")
-        return {"op": origin["op"], "file": origin["file"], "line": origin["line"],
-                "phase": origin["phase"], "what": origin["what"]}
+            result = _why(origin["phase"], f"the nan/inf comes from a non-finite constant ({origin['op']}{where})")
+        elif origin["kind"] == "uninitialized":
+            result = _why(origin["phase"], f"the nan/inf comes from uninitialized memory ({origin['op']}{where})")
+        else:
+            result = {"op": origin["op"], "file": origin["file"], "line": origin["line"],
+                      "phase": origin["phase"], "what": origin["what"]}
+        return {**result, "reproduced": how, "random": earlier, "exact": exact_random}
 
 
 def _tensors_out(result):
@@ -608,6 +678,64 @@ def _tensors_out(result):
 def _failed(phase, error):
     message = str(error).strip().splitlines()
     return _why(phase, f"not replayed ({type(error).__name__}: {message[0] if message else ''})")
+
+
+class _Reached(BaseException):
+    """Ends a replay where it got what it came for (user code's ``except Exception`` lets it by)."""
+
+
+def _stop_at(target, births, stopped):
+    """A hook on ``target = (submodule, "input" | "output")``, for the replay's duration: at the
+    submodule's first call whose inputs (outputs) hold a nan/inf, keep its floating tensors in
+    ``stopped`` and end the replay. Returns the hook's handle."""
+    submodule, side = target
+
+    def check(values):
+        tensors = floating_outputs(values)
+        with births.paused():
+            if any(not _is_finite(_abs_max(t)) for t in tensors):
+                stopped.extend(tensors)
+                raise _Reached
+
+    if side == "input":
+        return submodule.register_forward_pre_hook(lambda m, args, kwargs: check((args, kwargs)), with_kwargs=True)
+    return submodule.register_forward_hook(lambda m, args, output: check(output))
+
+
+def _agrees(run, replayed):
+    """Whether ``replayed`` (tensors) equals ``run`` wherever ``run`` is finite; None when they cannot
+    be compared (another structure, shape or dtype, or no finite value in the run's)."""
+    if len(run) != len(replayed):
+        return None
+    compared = 0
+    try:
+        for ran, again in zip(run, replayed):
+            if ran.shape != again.shape or ran.dtype != again.dtype:
+                return None
+            if ran.dtype in _UPCAST:
+                ran, again = ran.float(), again.float()
+            finite = torch.isfinite(ran)
+            if not torch.equal(ran[finite], again.to(ran.device)[finite]):
+                return False
+            compared += int(finite.sum())
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+    return True if compared else None
+
+
+def _replaying(stack, module, rng, call, without_hooks=replay_hooks, backward=False):
+    """Enter what every replay runs inside: no hook of the module runs (``without_hooks``), its
+    buffers (and for a ``backward`` its parameters) are stand-ins, the RNG as ``rng`` says and
+    restored after, grad mode (a backward's: on) and autocast as ``call`` says."""
+    stack.enter_context(without_hooks(module))
+    stack.enter_context(_module_kept(module, fresh_parameters=backward))
+    stack.enter_context(_rng_kept(rng))
+    if call is not None:
+        _autocast_as(stack, call.get("autocast") or {})
+        if not backward:
+            stack.enter_context(torch.set_grad_enabled(call["grad_enabled"]))
+    if backward:
+        stack.enter_context(torch.enable_grad())
 
 
 def _never_communicates(phase):
@@ -640,32 +768,79 @@ def _never_communicates(phase):
 
 
 @_never_communicates("forward")
-def replay_forward(module, args=(), kwargs=None, *, rng=None, call=None, without_hooks=replay_hooks):
+def replay_forward(module, args=(), kwargs=None, *, rng=None, call=None, target=None, run_output=None,
+                   without_hooks=replay_hooks):
     """Replay ``module(*args, **kwargs)`` alone with every op checked; the result as the module's
     docstring says (phase "forward").
 
     ``rng``: the RNG states taken just before the call (``rng_state()``); with it random ops
-    (dropout) replay exactly, without it a nan/inf made after a random op is not reported (the
-    replay drew other numbers). ``call``: ``call_state()`` taken at the call (grad mode, autocast);
-    None runs under the current ones. ``without_hooks(module)``: a context manager inside which no
-    hook of the module runs (default ``replay_hooks``: all of them set aside but tensor
-    parallelism's)."""
+    (dropout) replay exactly, without it they draw afresh and the result says so. ``call``:
+    ``call_state()`` taken at the call (grad mode, autocast); None runs under the current ones.
+    ``target``: ``(submodule, "input" | "output")``: the answer is about that submodule's first call
+    inside this one whose inputs (outputs) hold a nan/inf, and the replay ends there. ``run_output``:
+    the call's output in the run, to tell whether the replay computed the same (``same``).
+    ``without_hooks(module)``: a context manager inside which no hook of the module runs (default
+    ``replay_hooks``: all of them set aside but tensor parallelism's)."""
     kwargs = kwargs or {}
     try:
         with contextlib.ExitStack() as stack:
-            stack.enter_context(without_hooks(module))
-            stack.enter_context(_module_kept(module, fresh_parameters=False))
-            stack.enter_context(_rng_kept(rng))
-            if call is not None:
-                stack.enter_context(torch.set_grad_enabled(call["grad_enabled"]))
-                _autocast_as(stack, call.get("autocast") or {})
+            _replaying(stack, module, rng, call, without_hooks)
             args, kwargs = _copied((tuple(args), dict(kwargs)))
             births = _Births()
+            stopped = []
+            if target is not None:
+                stack.callback(_stop_at(target, births, stopped).remove)
+            output = None
             with births:
-                output = _call_module(module, args, kwargs)
-            return births.verdict(floating_outputs(output), "forward", exact_random=rng is not None)
+                try:
+                    output = _call_module(module, args, kwargs)
+                except _Reached:
+                    pass
+            result = births.verdict(stopped if target is not None else floating_outputs(output), "forward",
+                                    exact_random=rng is not None)
+            if run_output is not None and target is None:
+                result["same"] = _agrees(floating_outputs(run_output), floating_outputs(output))
+            return result
     except Exception as error:  # a replay must never break the run it explains
         return _failed("forward", error)
+
+
+def arrive_at(module, args, kwargs, rng, call, submodule, index):
+    """Run ``module(*args, **kwargs)`` again from ``rng`` (the RNG states at the start of that
+    call) under ``call``, nothing read, up to the start of the ``index``-th call (from 0) of
+    ``submodule`` inside it: ``(the RNG states there, that call's positional inputs, its keyword
+    inputs)``, as the run had them where it is deterministic (the objects a call changes in place
+    unseen, a cache, are as they were then); None where it does not get there."""
+    arrived = []
+    count = [0]
+
+    def arrive(m, a, k):
+        if count[0] == index:
+            arrived.append((rng_state(), a, k))
+            raise _Reached
+        count[0] += 1
+
+    try:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(NoCommunication())  # a collective on the way stops it: None
+            _replaying(stack, module, rng, call)
+            args, kwargs = _copied((tuple(args), dict(kwargs or {})))
+            stack.callback(submodule.register_forward_pre_hook(arrive, with_kwargs=True).remove)
+            with _Births(reading=False):
+                try:
+                    _call_module(module, args, kwargs)
+                except _Reached:
+                    pass
+    except Exception:  # noqa: BLE001 - not there: the replay runs from what the run kept
+        return None
+    return arrived[0] if arrived else None
+
+
+def holds_objects(args, kwargs):
+    """Whether a call's inputs hold objects other than tensors and plain values (a cache): those
+    may have changed in place since the call with no version counter to say so."""
+    return any(not (isinstance(leaf, (torch.Tensor, *_ATOMS)) or callable(leaf))
+               for leaf in pytree.tree_leaves((tuple(args), dict(kwargs or {}))))
 
 
 @_never_communicates("backward")
@@ -676,17 +851,12 @@ def replay_backward(module, args, kwargs, grad_outputs, *, rng=None, call=None, 
     checked. The gradients are taken with ``torch.autograd.grad`` over the module's parameters and
     the inputs that require one: no ``.grad`` is written. The result names the autograd node that
     made the first nan/inf and the line of its forward op (phase "backward"), or the forward op
-    when the nan/inf was already made in the forward. ``rng``, ``call``, ``without_hooks``: as for
-    ``replay_forward``; the backward runs without autocast, as training loops run it."""
+    when the nan/inf was already made in the forward. ``rng``, ``call``: as for ``replay_forward``;
+    the backward runs without autocast, as training loops run it."""
     kwargs = kwargs or {}
     try:
         with contextlib.ExitStack() as stack:
-            stack.enter_context(without_hooks(module))
-            stack.enter_context(_module_kept(module, fresh_parameters=True))
-            stack.enter_context(_rng_kept(rng))
-            if call is not None:
-                _autocast_as(stack, call.get("autocast") or {})
-            stack.enter_context(torch.enable_grad())
+            _replaying(stack, module, rng, call, without_hooks, backward=True)
             # each node keeps the stack of the forward op that made it
             stack.enter_context(torch.autograd.set_detect_anomaly(True, check_nan=False))
             args, kwargs = _copied((tuple(args), dict(kwargs)))
@@ -729,13 +899,17 @@ def repro_path(directory, rank, step):
 
 
 def write_repro(directory, rank, step, module, args, kwargs, grad_outputs, detection, *, rng=None,
-                call=None):
+                call=None, target=None):
     """Write ``repro_path(directory, rank, step)`` with ``torch.save``: the module (pickled; no
     hook goes with it), copies of the call's inputs and keyword inputs, ``grad_outputs`` for a
-    backward (None for a forward), ``rng`` (``rng_state()`` at the call) and ``call``
-    (``call_state()`` at the call; None: now), the versions of torch and of this package, and the
-    detection dict. Returns the path; raises ``ReproError`` naming it when it cannot be written
-    (nothing half-written is left)."""
+    backward (None for a forward), ``rng`` (``rng_state()`` at the call), ``call``
+    (``call_state()`` at the call; None: now), ``target`` (``(name of the submodule in module,
+    "input" | "output")`` as ``replay_forward`` takes it, or None), the versions of torch and of this
+    package, and the detection dict. Classes and functions of the training script itself
+    (``__main__``) are written as references to that script's definitions (``script_definitions``),
+    so the file replays in a fresh process; where that cannot work, a warning says so and names the
+    fix. Returns the path; raises ``ReproError`` naming it when it cannot be written (nothing
+    half-written is left)."""
     from .. import __version__
 
     path = repro_path(directory, rank, step)
@@ -743,25 +917,30 @@ def write_repro(directory, rank, step, module, args, kwargs, grad_outputs, detec
     distributed_reason = _held_across_ranks(module, args, kwargs)
     if distributed_reason is not None:
         raise ReproError(f"cannot write the reproducer {path}: {distributed_reason}")
+    pickling = _ScriptPickling()
     try:
         payload = {
             "format": REPRO_FORMAT, "format_version": REPRO_VERSION,
             "phase": "forward" if grad_outputs is None else "backward",
             "module": module, "args": _copied(tuple(args)), "kwargs": _copied(dict(kwargs or {})),
             "grad_outputs": None if grad_outputs is None else _copied(list(grad_outputs), requires_grad=False),
-            "rng": rng, "call": call if call is not None else call_state(),
+            "rng": rng, "call": call if call is not None else call_state(), "target": target,
             "torch_version": torch.__version__, "overflow_fast_version": __version__,
             "rank": rank, "step": step, "detection": detection,
         }
         os.makedirs(directory, exist_ok=True)
         with without_hooks(module):  # the detector's hooks are not the model's
-            torch.save(payload, partial)
+            torch.save(payload, partial, pickle_module=pickling)
         os.replace(partial, path)
     except Exception as error:
         with contextlib.suppress(OSError):
             os.remove(partial)
         reason = error.strerror if isinstance(error, OSError) and error.strerror else f"{type(error).__name__}: {error}"
         raise ReproError(f"cannot write the reproducer {path}: {reason}") from error
+    problem = pickling.problem()
+    if problem is not None:
+        warnings.warn(f"overflow_fast: the reproducer {path} will not replay in a fresh process: {problem}",
+                      RuntimeWarning, stacklevel=2)
     return path
 
 
@@ -802,4 +981,152 @@ def replay_repro(payload):
     options = {"rng": payload.get("rng"), "call": payload.get("call")}
     if payload["phase"] == "backward":
         return replay_backward(module, args, kwargs, payload["grad_outputs"], **options)
+    target = payload.get("target")
+    if target is not None:
+        name, side = target
+        options["target"] = (module.get_submodule(name), side)
     return replay_forward(module, args, kwargs, **options)
+
+
+# -- the training script's own classes in a reproducer -----------------------------------------------
+#
+# A class defined in the script being run lives in ``__main__``, which pickle writes by reference:
+# in another process ``__main__`` is another program. The file refers to the script instead, and a
+# fresh process runs the script's definitions alone (its imports, classes, functions and constant
+# assignments), never the training the rest of it runs.
+
+_SCRIPTS = {}  # (path, package) -> the module of a script's definitions, loaded once per process
+
+
+def _main_script():
+    """(path, package) of the script running as ``__main__``, or None (an interactive session)."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if not path or not path.endswith(".py") or not os.path.isfile(path):
+        return None
+    spec = getattr(main, "__spec__", None)
+    package = spec.parent if spec is not None and spec.parent else None
+    return os.path.abspath(path), package
+
+
+class _ScriptPickling:
+    """``torch.save``'s pickle module: writes the ``__main__`` classes and functions it meets as
+    ``script_definition(script, qualified name)``; ``problem()`` says why the file could still not
+    replay elsewhere (None when it can)."""
+
+    def __init__(self):
+        self.__name__ = "pickle"
+        self.script = _main_script()
+        self.names = []  # the qualified names of the __main__ objects written
+        pickling = self
+
+        class Pickler(pickle.Pickler):
+            def reducer_override(self, obj):
+                # (a lambda or a class defined inside a function cannot be referred to: pickle says so)
+                if (isinstance(obj, (type, types.FunctionType)) and getattr(obj, "__module__", None) == "__main__"
+                        and "<" not in obj.__qualname__):
+                    if obj.__qualname__ not in pickling.names:
+                        pickling.names.append(obj.__qualname__)
+                    if pickling.script is not None:
+                        return script_definition, (pickling.script, obj.__qualname__)
+                return NotImplemented
+
+        self.Pickler = Pickler
+
+    def problem(self):
+        if not self.names:
+            return None
+        defined = ", ".join(self.names)
+        if self.script is None:
+            return (f"{defined} are defined in an interactive session (__main__ has no file): define them in a "
+                    "module and import them")
+        try:
+            with open(self.script[0], encoding="utf-8") as source:
+                tree = ast.parse(source.read(), self.script[0])
+        except (OSError, SyntaxError, ValueError) as error:
+            return f"cannot read the script {self.script[0]} that defines {defined}: {error}"
+        missing = _not_defined(tree, self.names)
+        if missing:
+            return (f"{', '.join(missing)} in {self.script[0]} are not top-level definitions, or read names that "
+                    "the script sets by running code (a replay runs only its imports, classes, functions and "
+                    "assignments that call nothing): define them in a module and import them")
+        return None
+
+
+def _definitions(tree):
+    """The top-level statements of a script that only define: imports, classes, functions and
+    assignments that call nothing (``if __name__ == "__main__":`` and the training loop are left out)."""
+    kept = []
+    for statement in tree.body:
+        if isinstance(statement, (ast.Import, ast.ImportFrom, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            kept.append(statement)
+        elif isinstance(statement, (ast.Assign, ast.AnnAssign)) and statement.value is not None and not any(
+                isinstance(node, (ast.Call, ast.Await, ast.Yield, ast.YieldFrom, ast.NamedExpr))
+                for node in ast.walk(statement.value)):
+            kept.append(statement)
+    return kept
+
+
+def _bound_names(statement):
+    if isinstance(statement, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+        return {statement.name}
+    if isinstance(statement, (ast.Import, ast.ImportFrom)):
+        return {(alias.asname or alias.name).split(".")[0] for alias in statement.names}
+    targets = statement.targets if isinstance(statement, ast.Assign) else [getattr(statement, "target", None)]
+    return {node.id for target in targets if target is not None for node in ast.walk(target)
+            if isinstance(node, ast.Name)}
+
+
+def _not_defined(tree, names):
+    """Those of ``names`` (qualified) that the script's definitions do not give, or whose code
+    reads a top-level name that only the rest of the script sets."""
+    kept = _definitions(tree)
+    defined = {name for statement in kept for name in _bound_names(statement)}
+    run_only = {name for statement in tree.body if statement not in kept for name in _bound_names(statement)
+                if isinstance(statement, (ast.Assign, ast.AnnAssign, ast.AugAssign))} - defined
+    by_name = {statement.name: statement for statement in kept if hasattr(statement, "name")}
+    missing = []
+    for name in names:
+        top = name.split(".")[0]
+        statement = by_name.get(top)
+        if top not in defined or (statement is not None and any(
+                isinstance(node, ast.Name) and node.id in run_only for node in ast.walk(statement))):
+            missing.append(name)
+    return missing
+
+
+def script_definition(script, qualname):
+    """The class or function ``qualname`` of a training script, from its definitions alone (what a
+    reproducer refers to instead of ``__main__``). ``script``: (path, package)."""
+    module = _SCRIPTS.get(script)
+    if module is None:
+        module = _SCRIPTS[script] = _load_definitions(*script)
+    value = module
+    for part in qualname.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _load_definitions(path, package):
+    try:
+        with open(path, encoding="utf-8") as source:
+            tree = ast.parse(source.read(), path)
+    except (OSError, SyntaxError, ValueError) as error:
+        raise ReproError(f"cannot read the training script {path} whose classes the reproducer holds: {error}") \
+            from error
+    name = f"__overflow_fast_script_{len(_SCRIPTS)}__"
+    module = types.ModuleType(name)
+    module.__file__ = path
+    module.__package__ = package
+    sys.modules[name] = module  # dataclasses and pickle look classes' modules up there
+    folder = os.path.dirname(path)
+    added = folder not in sys.path
+    if added:
+        sys.path.insert(0, folder)  # the script's own imports of its neighbours
+    try:
+        code = compile(ast.Module(body=_definitions(tree), type_ignores=[]), path, "exec")
+        exec(code, module.__dict__)  # noqa: S102 - the definitions of a script the user trusts, as a pickle is
+    finally:
+        if added:
+            sys.path.remove(folder)
+    return module

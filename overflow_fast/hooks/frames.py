@@ -20,7 +20,7 @@ class Frame:
     """One hook call: the module, its entries, and their statistics rows (raw, not text)."""
 
     __slots__ = ("lead", "module_name", "class_name", "entries", "dtypes", "rows", "phase", "consumers",
-                 "bad_shards", "inputs", "tensors")
+                 "bad_shards", "inputs", "tensors", "incoming_read")
 
     def __init__(self, module_name, class_name, entries, dtypes, phase=FORWARD, consumers=None):
         self.lead = ()  # lines the reference had waiting in `self.frame` (batch markers)
@@ -34,6 +34,9 @@ class Frame:
         self.bad_shards = None  # row index -> ranks whose DTensor shard of it holds a nan/inf
         self.inputs = None  # find_op: the call's inputs (culprit.CallInputs), for its replay
         self.tensors = None  # a call decided in its hook that detects: its tensors, for the Where line
+        # a detection in parameters' gradients: whether the gradient arriving at the module's
+        # outputs was read before (None: not asked)
+        self.incoming_read = None
 
     def tensor_entries(self):
         """``(ctx, row, dtype)`` of every tensor entry."""

@@ -30,6 +30,9 @@ class GradientHooks:
         # id(output tensor) -> (weakref, [module, ctx]): a tensor several modules return (a
         # block's last layer and the block itself) gets one hook, named after the outermost
         self._owners = {}
+        # ids of the modules whose outputs' gradients are hooked in this forward: the gradient
+        # arriving at them is read before their parameters' (not under torch.compile: traced hooks)
+        self._incoming = set()
         seen = set()
         for module in model.modules():
             for parameter, name in own_parameters(module):
@@ -54,6 +57,12 @@ class GradientHooks:
 
     def new_forward(self):
         self._owners.clear()
+        self._incoming.clear()
+
+    def incoming_read(self, module):
+        """Whether the gradient arriving at ``module``'s outputs is read (so a nan/inf first seen in
+        its parameters' gradients came from a finite one), as the last forward hooked them."""
+        return id(module) in self._incoming
 
     def watch_outputs(self, module, entries, tensors):
         """Hook the gradients of a forward call's output tensors that require one, and note the
@@ -63,6 +72,7 @@ class GradientHooks:
             return
         if len(self._owners) > 1 << 16:  # submodules driven alone never start a new forward
             self._owners.clear()
+            self._incoming.clear()
         for kind, ctx, payload in entries:
             if kind != TENSOR:
                 continue
@@ -74,6 +84,7 @@ class GradientHooks:
                 if known is not None and module not in known[1][2]:
                     known[1][2].append(module)
             elif ctx.startswith("output") and tensor.requires_grad:
+                self._incoming.add(id(module))
                 if known is not None:
                     known[1][:2] = [module, f"{ctx}.grad"]  # hooks run inner first: the outer one wins
                     continue

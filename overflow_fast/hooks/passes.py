@@ -120,6 +120,8 @@ class Passes:
         self.kept_gradients = {}
         self.autocast = {}  # find_op: the autocast the current forward runs under
         self.collective_writes = None  # held from the first pass under torch.distributed
+        # whether the gradient arriving at a module's outputs is read (the Source line's claim)
+        self.incoming_read = lambda module: detector._gradients is None or detector._gradients.incoming_read(module)
         # gradient checks: which backwards a GradScaler scaled, and when its backoff is a detection
         self.backoffs = Backoffs(options.min_loss_scale, options.max_backoffs) if options.backward else None
         if self.sync_wanted():
@@ -237,6 +239,9 @@ class Passes:
     def _act(self, current, found):
         """What the strategy does with a detection the replay found."""
         decisions = self.decisions
+        frame = found.first_frame
+        if frame.phase == BACKWARD and found.bad and not any(ctx.startswith("output") for ctx in found.bad):
+            frame.incoming_read = self.incoming_read(decisions.modules_by_name().get(frame.module_name))
         if found.bad:  # where in the tensor the Source line names
             found.detection["where"] = where.facts(
                 found.first_frame, policy.source_entry(found.first_frame, found.bad),
@@ -271,28 +276,26 @@ class Passes:
         decisions.state.frames.clear()
 
     def _explain(self, found):
-        """find_op: the op and the line that made the detection's first nan/inf (its replay), into
-        the detection; repro: the reproducer file of that call. Never fails the run it explains."""
+        """find_op: the op and the line that made the detection's first nan/inf (its replay), and
+        whether it is transient, into the detection; repro: the reproducer file of that call.
+        Never fails the run it explains."""
         try:
-            result, call, grads = culprit.find_op(found, self.kept_forward, self.kept_gradients,
-                                                  self.decisions.modules_by_name())
+            explained = culprit.find_op(found, self.kept_forward, self.kept_gradients,
+                                        self.decisions.modules_by_name())
         except Exception as error:  # noqa: BLE001 - a replay must never break training
-            result, call, grads = {"op": None, "phase": found.first_frame.phase,
-                                   "why": f"not replayed ({type(error).__name__}: {error})"}, None, None
-        if result is None:
+            explained = culprit.failed(found.first_frame.phase, error)
+        if explained is None:
             return
         if self.options.find_op:
-            found.detection["op"] = {"op": result.get("op"), "file": result.get("file"), "line": result.get("line"),
-                                     "phase": result.get("phase"), "what": result.get("what") or result.get("why")}
-        if self.options.repro is not None and call is not None:
-            from . import find_op
+            found.detection["op"] = explained.record()
+            found.detection["transient"] = explained.transient
+        if self.options.repro is not None and explained.call is not None:
+            from .find_op import ReproError
 
-            step = self.decisions.step_of(found.batch)
             try:
-                path = find_op.write_repro(self.options.repro, distributed.rank(), step, call.module, call.args,
-                                           call.kwargs, grads, found.detection, call=call.call_state())
-                found.detection["repro"] = path
-            except find_op.ReproError as error:
+                found.detection["repro"] = explained.write_repro(
+                    self.options.repro, distributed.rank(), self.decisions.step_of(found.batch), found.detection)
+            except ReproError as error:
                 warnings.warn(f"overflow_fast: {error}", RuntimeWarning, stacklevel=2)
 
     # -- the end of a pass -------------------------------------------------------------------------

@@ -208,10 +208,17 @@ def source_line(frame, bad):
     if kind == "loss":
         return "Source: the gradient of the model's output came in non-finite (the loss or its scaling)"
     if kind == "gradient":
-        consumers = ", ".join(name or "(model)" for name in frame.consumers or []) or "the modules that consume it"
+        consumers = ", ".join(name or "(model)" for name in frame.consumers or [])
+        if not consumers:
+            return (f"Source: born in backward, in the gradient arriving at {where} {bad[0]}: made by the backward "
+                    "of code outside any hooked module that used it (the enclosing module's own code, or a "
+                    "torch.compile region)")
         return (f"Source: born in backward, in the gradient arriving at {where} {bad[0]}: "
                 f"made by the backward of {consumers}")
     if kind == "backward":
+        if frame.incoming_read is False:
+            return (f"Source: born in backward, first seen in {where} {bad[0]}: the gradient arriving at its "
+                    "outputs was not read (e.g. in a torch.compile region), so which backward made it is not known")
         return f"Source: born in backward of {where}: {bad[0]} from a finite incoming gradient"
     if kind == "weight":
         weights = [ctx for ctx in bad if not ctx.startswith(("input", "output"))]

@@ -71,7 +71,7 @@ class StepLog:
         self._held = []
         record = detection_record(detection["batch_number"], detection["phase"], detection["module"],
                                   detection["class"], detection["entries"], distributed.rank(), global_step, mode)
-        for field in ("op", "repro", "where", "scaler"):  # fields the report's readers pass over
+        for field in ("op", "transient", "repro", "where", "scaler"):  # fields the report's readers pass over
             if field in detection:
                 record[field] = detection[field]
         for recorder in self.recorders:

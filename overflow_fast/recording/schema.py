@@ -32,6 +32,12 @@ non-finite element, row-major), ``token`` (its position along the sequence, or n
 (the dataset indices of ``rows``, or null), and the counts ``nan``, ``posinf``, ``neginf``,
 ``numel``.
 
+With ``find_op``, a detection record also carries ``op`` (an object: ``op``, ``file``, ``line``,
+``phase``, ``what``, ``module``, ``reproduced``, as ``detection["op"]``) and ``transient`` (true: the
+replay of the call on its very inputs gave finite values where the run's were not, a transient
+fault; false: the replay made the nan/inf again; null: it could not tell); with ``repro``, ``repro``
+(the reproducer's path). The report's readers pass over them.
+
 Lines that do not fit (not JSON, not an object, an unknown ``record``, a field missing or of the
 wrong type or out of range, a line longer than ``MAX_LINE_BYTES``) are malformed.
 """
