@@ -1400,7 +1400,8 @@ def _host_pass(ctx, hp, model, run, hooks, what, repeats, inner, deadline, suffi
         check_ms = f" ({state.check_ms:.1f} ms)" if state is not None and state.check_ms is not None else ""
         ctx.report.add(f"launch path {name}{suffix}", launch,
                        f"check='batch' launched {label}; {path}; self-check {check}{check_ms}; the line of "
-                       f"`overflow-fast info` (the launcher's own predicate)")
+                       f"`overflow-fast info` (the launcher's own predicate)"
+                       + ("; the dry run's count driver launches without a self-check" if ctx.tiny else ""))
     return label, per_hook
 
 
@@ -1435,16 +1436,15 @@ def _counted_forward(hp, model, run, hooks, variant):
             run()
             before, called = _launcher_launches(), dict(calls)
             run()
-            after = _launcher_launches()
+            after, called = _launcher_launches(), {name: calls[name] - called[name] for name in calls}
         finally:
             detach()
         counts = hp.counted(model, run, variant, passes=1)
     finally:
         for name, real in wrapped.items():
             setattr(triton_be, name, real)
-    return {"direct": after[0] - before[0],
-            "ordinary": after[1] - before[1] + calls["_launch_read"] - called["_launch_read"],
-            "table": 2 * (calls["_launch"] - called["_launch"]),
+    return {"direct": after[0] - before[0], "ordinary": after[1] - before[1] + called["_launch_read"],
+            "table": 2 * called["_launch"],
             "engine_calls": counts.get("compute_calls", 0), "engine_us": counts.get("compute_s", 0.0) / hooks * 1e6}
 
 

@@ -6,6 +6,7 @@ dry run."""
 import csv
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -318,7 +319,14 @@ def test_the_dry_run_measures_every_phase(tmp_path):
         assert rows[f"host us/hook {variant}, ordinary launch"].endswith(" us"), rows  # the count driver, then Triton's
     assert rows["launch path cpu, ordinary launch"] == "ordinary (OVERFLOW_FAST_DIRECT_LAUNCH=0)", rows
     assert rows["host us/hook direct vs ordinary launch"].startswith("batch "), rows
-    assert "Not measured" not in table_text(tmp_path)
+    text = table_text(tmp_path)
+    assert "Not measured" not in text
+    # one counted forward each: the same per-hook launches on either path, defer's one table call (two launches)
+    lines = {line.split(" | ")[0][2:]: line for line in text.splitlines() if line.startswith("| host us/hook ")}
+    direct = re.search(r"per forward: (\d+) direct and 0 ordinary per-hook launches, 0 table", lines["host us/hook batch"])
+    assert direct and int(direct.group(1)) > 0, lines["host us/hook batch"]
+    assert f"per forward: 0 direct and {direct.group(1)} ordinary" in lines["host us/hook batch, ordinary launch"]
+    assert "per forward: 0 direct and 0 ordinary per-hook launches, 2 table-kernel" in lines["host us/hook defer"]
     with open(tmp_path / "gpu_check.csv") as f:
         assert all(row["run"].startswith("dry-run") for row in csv.DictReader(f))  # every figure marked
 
