@@ -262,9 +262,12 @@ def patched(obj, name, value):
 
 
 def _count_driver(device):
-    """The launcher's driver on these CPU tensors: "count", the stand-in for the GPU's driver call."""
+    """The launcher's driver on these CPU tensors: "count", the stand-in for the GPU's driver call
+    (or, as on a GPU, "ordinary" under OVERFLOW_FAST_DIRECT_LAUNCH=0)."""
     if triton_backend._EXTENSION is None:
         return None, "the C++ extension is unavailable"
+    if os.environ.get("OVERFLOW_FAST_DIRECT_LAUNCH", "1") == "0":
+        return "ordinary", "OVERFLOW_FAST_DIRECT_LAUNCH=0"
     return "count", None
 
 

@@ -3,8 +3,13 @@
 It measures the kernels and the detector's cost in training, and always returns what it measured.
 
     python3 benchmarks/gpu_check.py              # from the repository root, no install step; --budget 330 s
-    python3 benchmarks/gpu_check.py --phases compiled-host-bound,compiled-large   # a second run
+    python3 benchmarks/gpu_check.py --phases compiled-host-bound,compiled-large   # the second run
     python3 benchmarks/gpu_check.py --dry-run    # no GPU: every phase on CPU tensors, TRITON_INTERPRET=1
+
+A run on a GPU leaves two phases to a second run (a cold inductor compile each, which the first
+run's budget cannot hold), and says so at its start with the command. Whatever a run did not
+measure (left out, skipped for the budget, stopped by a time box or the watchdog, not reached) is
+named in ``gpu_check.md`` with the exact command of a second run, from the first row on.
 
 It puts this checkout (and its tests/ folder, for the float64 oracle) first on ``sys.path``: nothing
 is installed. The C++ kernel builds on first use, inside the budget.
@@ -22,16 +27,25 @@ watchdog thread writes the table and ends the process when the budget is spent, 
 leaves room for a second run within 15 minutes of device time.
 
 Exit status: 0 every phase ran (or was skipped for the budget) and every check passed; 1 an
-exactness mismatch or a failed self-check; 2 nothing to measure (no CUDA device without
+exactness mismatch, a failed self-check or a failed direct launch; 2 nothing to measure (no CUDA device without
 ``--dry-run``, no torch); 3 a phase failed; 4 the watchdog (or a SIGTERM) stopped the run. The first that applies
 in the order 1, 2, 4, 3.
 
 Phases, in order (``--phases`` picks some, ``--skip`` drops some):
+- ``direct-launch`` (first on a GPU whatever ``--phases`` says, unless skipped or
+  OVERFLOW_FAST_DIRECT_LAUNCH=0 is set): the per-hook read's direct launch (cuLaunchKernel on
+  Triton's compiled kernel, from C++) has its first go in a child process, bounded by the time box,
+  since a wrong argument layout can kill the CUDA context and every phase after with it: a
+  device's first use (the self-check: each variant through Triton's launch, then directly), then
+  reads of 1 to 17 tensors, twice each, on torch's stream and a side stream, against the torch
+  backend. If the child dies, hangs or fails, its error output is the row and the rest of the run
+  has OVERFLOW_FAST_DIRECT_LAUNCH=0 (every launch Triton's; a second run's command sets it too).
 - ``exactness``: the triton backend bit for bit against the torch backend, the CPU backend (host
   copies) and the float64 oracle (tests/oracle.py, the small tensors), every dtype: random bit
   patterns, special values, tails, views, empty, 0-dim, mixed-dtype batches, and one tensor over
   2**31 elements; the per-hook kernel against the table kernels on the same tensors.
-- ``self-check``: the per-hook kernel's self-check, at first use and again with its kernels compiled.
+- ``self-check``: the per-hook kernel's self-check, at first use and again with its kernels compiled,
+  its time and its launches (direct, ordinary), and the launch path.
 - ``bandwidth``: ``dst.copy_(src)`` on 1 GiB, then the per-hook kernel, the torch backend and the
   reference's per-tensor ops (``triton.testing.do_bench`` medians) at 4K..1G elements, fp32 and
   bf16, and the table kernels on 300 mixed tensors of 256..270K elements.
@@ -43,16 +57,21 @@ Phases, in order (``--phases`` picks some, ``--skip`` drops some):
   host-bound: GPT-2 small, batch 1 x 512; large: 4 Llama-style layers, hidden 4096, batch 2 x 1024.
 - ``host-per-hook``: GPT-2 small's hook sequence (bf16, 8 x 1024, no grad) recorded on the meta
   device and replayed on zero-filled device tensors with bench_host_path.py's machinery, synced
-  after each forward: (replay time - replay time without hooks) / hooks, and launches per forward.
+  after each forward, through the real path (each hook's one C++ call, the launcher with the CUDA
+  driver): (replay time - replay time without hooks) / hooks, launches per forward (direct,
+  ordinary, table kernels), and each device's launch path and self-check as ``overflow-fast info``
+  names them. Where the launches were direct, the same again with OVERFLOW_FAST_DIRECT_LAUNCH=0
+  (Triton's own launch) if the time box allows: host us per hook, direct against ordinary.
 - ``compiled-gpu-bound``, ``compiled-host-bound``, ``compiled-large``: the same steps under
   ``torch.compile`` (inductor) with ``check="batch"``, and without the detector when the budget
   allows, timed against the eager step without one; the compile is in the warm-up.
 - ``sweep``: GB/s of a few (BLOCK_SIZE, NUM_WARPS) at 256M elements, if budget is left.
 - ``e2e`` (only when asked): ``benchmarks/bench_end_to_end.py --device cuda --quick``.
 
-``--dry-run`` runs the same code on CPU tensors: the kernels through Triton's interpreter, the
-host-per-hook phase with the launches stubbed, tiny models (1-2 layers, a few tokens), every row
-marked "dry-run" (not GPU figures).
+``--dry-run`` runs the same code on CPU tensors, every phase by default: the kernels through
+Triton's interpreter (the direct-launch child's too: no direct launch there), the host-per-hook
+phase with the driver call stubbed (bench_host_path's count driver), tiny models (1-2 layers, a
+few tokens), every row marked "dry-run" (not GPU figures).
 """
 
 import time
@@ -65,6 +84,7 @@ import copy  # noqa: E402
 import csv  # noqa: E402
 import faulthandler  # noqa: E402
 import io  # noqa: E402
+import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
 import platform  # noqa: E402
@@ -84,20 +104,27 @@ for _path in (HERE, os.path.join(ROOT, "tests"), ROOT):  # this checkout's packa
     sys.path.insert(0, _path)
 
 PHASES = (  # name, share of the budget, what it needs besides torch
+    ("direct-launch", 0.15, ("triton",)),  # its Triton compiles are cached for the phases after it
     ("exactness", 0.12, ("triton",)),
-    ("self-check", 0.05, ("triton",)),
-    ("bandwidth", 0.07, ("triton",)),
-    ("step-gpu-bound", 0.09, ("transformers",)),
+    ("self-check", 0.03, ("triton",)),
+    ("bandwidth", 0.08, ("triton",)),
+    ("step-gpu-bound", 0.07, ("transformers",)),
     ("step-host-bound", 0.05, ("transformers",)),
-    ("step-large", 0.09, ("transformers",)),
-    ("host-per-hook", 0.06, ("transformers",)),
-    ("compiled-gpu-bound", 0.15, ("transformers",)),
-    ("compiled-host-bound", 0.10, ("transformers",)),
-    ("compiled-large", 0.15, ("transformers",)),
-    ("sweep", 0.06, ("triton",)),
+    ("step-large", 0.08, ("transformers",)),
+    ("host-per-hook", 0.07, ("transformers",)),
+    ("compiled-gpu-bound", 0.25, ("transformers",)),
+    ("compiled-host-bound", 0.15, ("transformers",)),
+    ("compiled-large", 0.20, ("transformers",)),
+    ("sweep", 0.05, ("triton",)),
     ("e2e", 0.10, ("transformers",)),
 )
+PHASE_NAMES = tuple(name for name, _, _ in PHASES)
 OPT_IN = ("e2e",)
+# left to a second run on a GPU: a cold inductor compile each, which the first run's budget cannot hold
+SECOND_RUN = ("compiled-host-bound", "compiled-large")
+PROBE = "direct-launch"  # runs first wherever the direct launch may run (module docstring)
+DIRECT_LAUNCH = "OVERFLOW_FAST_DIRECT_LAUNCH"
+COMMAND = "python3 benchmarks/gpu_check.py"
 DEFAULT_BUDGET = 330.0
 RESERVE = 2.0  # seconds kept after the last phase's time box, for the table
 MIN_PHASE = 2.0  # a phase that would get less is skipped
@@ -118,9 +145,15 @@ def parse_args(argv=None):
     parser.add_argument("--max-numel", type=float, default=2**30, help="largest tensor timed in bandwidth")
     parser.add_argument("--steps", type=int, default=None,
                         help="timed round-robin training steps per variant (default 6; dry run 2)")
+    parser.add_argument("--direct-launch-child", action="store_true", help=argparse.SUPPRESS)  # the probe's child
     args = parser.parse_args(argv)
-    names = [name for name, _, _ in PHASES]
-    chosen = [p for p in args.phases.split(",") if p] if args.phases else [n for n in names if n not in OPT_IN]
+    names = list(PHASE_NAMES)
+    if args.phases:
+        chosen = [p for p in args.phases.split(",") if p]
+        if not args.dry_run and PROBE not in chosen:
+            chosen.append(PROBE)  # before anything launches on the device (it sorts first)
+    else:  # the dry run has no inductor compile to leave out: every phase
+        chosen = [n for n in names if n not in OPT_IN and (args.dry_run or n not in SECOND_RUN)]
     if args.e2e and "e2e" not in chosen:
         chosen.append("e2e")
     skipped = [p for p in args.skip.split(",") if p]
@@ -128,6 +161,7 @@ def parse_args(argv=None):
     if unknown:
         parser.error(f"unknown phase(s) {', '.join(unknown)}; the phases: {', '.join(names)}")
     args.selected = [n for n in names if n in chosen and n not in skipped]
+    args.left_out = [n for n in SECOND_RUN if not args.phases and not args.dry_run and n not in skipped]
     return args
 
 
@@ -179,6 +213,10 @@ class Report:
         self.nothing_to_measure = None
         self.stopped = None  # the watchdog's line
         self.notes = []  # blocks printed after the table (the kernel table, the sweep)
+        self.planned = []  # this run's phases
+        self.left_out = []  # phases left to a second run from the start
+        self.finished = set()  # phases that ran to their end (or failed for a reason a rerun keeps)
+        self.env_prefix = ""  # what a second run sets first (the direct launch off, when its probe failed)
         self.lock = threading.RLock()
 
     def add(self, measure, value, detail=""):
@@ -208,13 +246,25 @@ class Report:
             parts.append(self.stopped)
         return "gpu_check: " + "; ".join(parts)
 
+    def second_run(self):
+        """The command that measures what this run has not (yet): the phases left out, skipped for
+        the budget, stopped by their time box or the watchdog, or not reached; None when none."""
+        rest = [name for name in PHASE_NAMES if name != PROBE and (
+            name in self.left_out or (name in self.planned and name not in self.finished))]
+        if not rest:
+            return None
+        return f"{self.env_prefix}{COMMAND} --phases {','.join(rest)}" + (" --dry-run" if self.dry_run else "")
+
     def table(self):
         lines = ["| measure | value | detail | run |", "|---|---|---|---|"]
         lines += [f"| {m} | {v} | {d} | {self.source} |" for m, v, d in self.rows]
         return "\n".join(lines)
 
     def markdown(self):
-        text = self.headline() + "\n\n" + self.table() + "\n"
+        text = self.headline() + "\n\n"
+        if self.second_run():
+            text += f"Not measured (yet), for a second run: `{self.second_run()}`\n\n"
+        text += self.table() + "\n"
         for title, block in self.notes:
             text += f"\n{title}:\n\n" + "".join(f"    {line}\n" for line in block.splitlines())
         return text
@@ -246,6 +296,8 @@ class Report:
             for title, block in self.notes:
                 print(f"{title}:\n{block}\n")
             print(self.headline())
+            if self.second_run():
+                print(f"not measured, for a second run: {self.second_run()}")
             print()
             print(self.table(), flush=True)
 
@@ -290,7 +342,11 @@ class Watchdog:
             self.stop_run(f"the watchdog at {self.deadline - STARTED:.0f} s (the budget was spent)")
 
     def stop_run(self, why):
-        """Write the table with a row for the phase that was running, and end the process."""
+        """Write the table with a row for the phase that was running, and end the process (and the
+        child processes it started)."""
+        for child in CHILDREN:
+            with contextlib.suppress(OSError):
+                child.kill()
         frame = sys._current_frames().get(self.main)
         where = "".join(traceback.format_stack(frame)[-2:]).strip().replace("\n", " ") if frame else "?"
         acquired = self.report.lock.acquire(timeout=2.0)
@@ -313,6 +369,8 @@ class Watchdog:
 
 # --------------------------------------------------------------------------- the run's state
 
+CHILDREN = []  # child processes, ended with the run
+
 torch = None  # imported by startup(), inside the budget
 triton_be = torch_be = cpu_be = StatsBatch = None
 random_bits = reference_stats = same_stats = special_values = None
@@ -328,6 +386,7 @@ class Context:
         self.regimes = {}  # regime -> what its step phase built, for its compiled phase
         self.copy_gbps = None
         self.kernel_rows = []
+        self.direct = None  # the direct-launch phase's outcome: "passed", "not taken", "failed", "off"
 
 
 def startup(ctx):
@@ -408,6 +467,8 @@ def environment(ctx):
     parts.append("C++ kernel loaded" if reason is None else f"no C++ kernel ({reason})")
     if ctx.missing.get("triton"):
         parts.append(f"no triton backend ({ctx.missing['triton']})")
+    else:
+        parts.append(f"per-hook launch {triton_be.launch_path()}")  # overflow-fast info's, before any device
     if ctx.missing.get("transformers"):
         parts.append(f"no transformers ({ctx.missing['transformers']})")
     commit = git_commit()
@@ -445,6 +506,160 @@ def _free(device):
     gc.collect()
     if device is not None and device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+# --------------------------------------------------------------------------- the direct launch, first in a child
+
+def probe_command(args):
+    """The child process of the direct-launch phase: this script, in its child mode."""
+    return [sys.executable, os.path.abspath(__file__), "--direct-launch-child"] + (["--dry-run"] if args.dry_run else [])
+
+
+def direct_launch(ctx, deadline):
+    """The per-hook read's direct launch (cuLaunchKernel on Triton's compiled kernel, from C++) tried
+    first in a child process, bounded by the time box: a wrong argument layout there can kill the
+    CUDA context, and with it every phase after. Until the child has passed, and for the rest of
+    the run when it has not, OVERFLOW_FAST_DIRECT_LAUNCH=0 keeps every launch Triton's."""
+    report = ctx.report
+    if os.environ.get(DIRECT_LAUNCH, "1") == "0":
+        ctx.direct = "off"
+        report.add("direct launch", f"not tried: {DIRECT_LAUNCH}=0", "every per-hook launch of this run is Triton's")
+        return
+    previous = os.environ.get(DIRECT_LAUNCH)
+    os.environ[DIRECT_LAUNCH] = "0"  # off until the child passed: a time box or the watchdog meanwhile leaves it off
+    child_env = {name: value for name, value in os.environ.items() if name != DIRECT_LAUNCH}
+    timeout = max(deadline - time.perf_counter(), 1.0)
+    started = time.perf_counter()
+    print(f"  the per-hook self-check and reads through the direct launch, in a child process ({timeout:.0f} s at most)",
+          flush=True)
+    process = subprocess.Popen(probe_command(ctx.args), cwd=ROOT, env=child_env, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    CHILDREN.append(process)
+    try:
+        output, errors = process.communicate(timeout=timeout)
+        ended = None
+    except subprocess.TimeoutExpired:
+        process.kill()
+        output, errors = process.communicate()
+        ended = f"ran past its {timeout:.0f} s and was killed"
+    except BaseException:  # the time box or an interrupt: the child goes with the phase
+        process.kill()
+        process.wait()
+        raise
+    finally:
+        CHILDREN.remove(process)
+    seconds = time.perf_counter() - started
+    print(output + errors, end="", flush=True)
+    result = next((json.loads(line[len("PROBE "):]) for line in reversed(output.splitlines())
+                   if line.startswith("PROBE ")), None)
+    if ended is None and process.returncode:
+        code = process.returncode
+        ended = f"died of {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals() else f"ended with exit status {code}"
+    if ended is None and result is not None and result.get("passed"):
+        if previous is None:
+            del os.environ[DIRECT_LAUNCH]
+        else:
+            os.environ[DIRECT_LAUNCH] = previous
+        direct = result["direct_launches"]
+        ctx.direct = "passed" if direct else "not taken"
+        value = f"passed: {direct} direct launches in a child process" if direct else f"not taken: {result['launch']}"
+        report.add("direct launch", value,
+                   f"self-check {result['self_check']} in {result['check_ms']:.0f} ms (first use: its kernels "
+                   f"compiled), then {result['reads']} reads exact ({result['read_launches']}); launch "
+                   f"{result['launch']}; {direct} direct and {result['ordinary_launches']} ordinary launches; "
+                   f"{seconds:.0f} s with the child's start")
+        return
+    ctx.direct = "failed"
+    report.checks_failed.append(PROBE)
+    report.env_prefix = f"{DIRECT_LAUNCH}=0 "
+    why = ended or (result or {}).get("error") or "no result"
+    tail = " ".join((errors or output).strip().splitlines()[-12:])[-700:]
+    report.add("direct launch", f"failed: the child {why}" if ended else f"failed: {why}",
+               f"{DIRECT_LAUNCH}=0 for the rest of the run; launch {(result or {}).get('launch', '?')}; "
+               f"the child's last output: {tail or '(none)'}")
+
+
+def direct_launch_child(dry_run):
+    """The child's side of the direct-launch phase: a device's first use (its self-check: every
+    variant through Triton's launch, then directly), then reads of 1 to 17 tensors (one to three
+    launches) through the hooks' entry on torch's stream and on a side stream, each against the
+    torch backend, and a sync. One ``PROBE <json>`` line; exit status 0 passed, 1 not."""
+    global torch, triton_be, torch_be
+    result = {"passed": False}
+    if dry_run:  # the interpreter is chosen when the backend is imported
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    try:
+        import torch as _torch
+
+        from overflow_fast.stats import torch_backend as _torch_be
+        from overflow_fast.stats import triton_backend as _triton_be
+
+        torch, triton_be, torch_be = _torch, _triton_be, _torch_be
+        if triton_be.unavailable_reason() is not None:
+            raise RuntimeError(f"the triton backend is unavailable: {triton_be.unavailable_reason()}")
+        device = torch.device("cpu") if dry_run else torch.device("cuda", torch.cuda.current_device())
+        state = triton_be.check_device(device, read=None if device.type == "cuda" else triton_be._read)
+        result.update(self_check=state.self_check, check_ms=state.check_ms or 0.0, launch=state.launch)
+        if state.self_check != "passed":
+            raise RuntimeError(f"the self-check {state.self_check}")
+        reads, launches = _direct_reads(device)
+        _sync(device)
+        launcher = state.launcher
+        result.update(reads=reads, read_launches=launches, launch=state.launch, passed=True,
+                      direct_launches=launcher.direct_launches if launcher is not None else 0,
+                      ordinary_launches=launcher.ordinary_launches if launcher is not None else 0)
+    except Exception as error:  # noqa: BLE001 - the parent reports it
+        traceback.print_exc()
+        message = str(error).strip().splitlines()
+        result["error"] = f"{type(error).__name__}: {message[0][:300] if message else ''}"
+    print("PROBE " + json.dumps(result), flush=True)
+    return 0 if result["passed"] else 1
+
+
+def _direct_reads(device):
+    """Reads of 1, 3, 9 and 17 fp32 and bf16 tensors (one to three launches, of 1, 4 and 8 slots; an
+    unaligned view, a transposed one, a strided slice read through a copy) through ``read_into``,
+    each twice (the first launch of a variant is Triton's, which compiles it; the second direct),
+    on torch's stream and, on CUDA, on a side stream, each against the torch backend: (reads, what
+    they launched)."""
+    import random
+
+    from oracle import random_bits
+
+    gen = torch.Generator().manual_seed(1)
+    rng = random.Random(1)
+    streams = [None] + ([torch.cuda.Stream(device)] if device.type == "cuda" else [])
+    reads = 0
+    for stream in streams:
+        for count in (1, 3, 9, 17):
+            tensors = []
+            for i in range(count):
+                tensor = random_bits((torch.bfloat16, torch.float32)[i % 2], (40 * rng.randint(1, 80),), gen).to(device)
+                kind = i % 4
+                if kind == 1:
+                    tensor = tensor[1:]  # unaligned
+                elif kind == 2:
+                    tensor = tensor.view(40, -1).t()  # transposed: dense, read in place
+                elif kind == 3:
+                    tensor = tensor[::3]  # strided: read through a flat copy
+                tensors.append(tensor)
+            want = torch_be.compute(tensors).cpu()
+            where = "a side stream" if stream is not None else "torch's stream"
+            for attempt in ("first", "second"):
+                rows = torch.full((count, 8), -1, dtype=torch.int64, device=device)
+                if stream is not None:
+                    stream.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                    taken = triton_be.read_into(tensors, rows)
+                if stream is not None:
+                    stream.synchronize()
+                if taken is not True:
+                    raise RuntimeError(f"read_into did not take {count} tensors on {where}")
+                problem = triton_be._row_difference(rows.cpu(), want, tensors)
+                if problem is not None:
+                    raise RuntimeError(f"the {attempt} read of {count} tensors on {where}: {problem}")
+                reads += 1
+    return reads, "1 to 17 tensors, 1 to 3 launches each" + (", on two streams" if len(streams) > 1 else "")
 
 
 # --------------------------------------------------------------------------- exactness
@@ -622,10 +837,12 @@ def self_check(ctx, deadline):
     passed = state.path == triton_be.PER_HOOK
     if not passed:
         ctx.report.checks_failed.append("self-check")
+    launcher = state.launcher
+    launches = ("no C++ launcher" if launcher is None else
+                f"{launcher.direct_launches} direct and {launcher.ordinary_launches} ordinary launches")
     ctx.report.add("self-check", state.self_check if passed else f"failed: {state.self_check}",
                    f"{state.check_ms:.1f} ms" + ("" if ctx.tiny else " with its kernels compiled (target <= 50 ms)")
-                   + f"; path {state.path}; "
-                   f"launch {state.launch}")
+                   + f" ({launches}); path {state.path}; launch {state.launch}")
 
 
 # --------------------------------------------------------------------------- kernel timings
@@ -1075,8 +1292,10 @@ def _zero_storages(values, seen):
 
 
 def host_per_hook(ctx, deadline):
-    """GPT-2 small's hook sequence replayed with bench_host_path.py's machinery: us per hook,
-    engine calls and launches per forward, for each variant."""
+    """GPT-2 small's hook sequence replayed with bench_host_path.py's machinery on device tensors,
+    through the path the run takes (the C++ launcher and the real driver): us per hook, launches per
+    forward by kind, the launch path of each device and its self-check. Where the direct launch
+    passed its probe and the time box allows, the same again with every launch Triton's."""
     import transformers
 
     import bench_host_path as hp
@@ -1102,56 +1321,137 @@ def host_per_hook(ctx, deadline):
             _zero_storages((args, kwargs, output), seen)
         _zero_storages(list(model.parameters()) + list(model.buffers()), seen)
     hooks = sum(1 for event in events if event[0] == "post")
-    print(f"  {hooks} hooks, {ops} ATen ops per forward ({config.n_layer} layers, n_embd {config.n_embd}, "
-          f"batch {batch} x {seq}, bf16)" + (" (triton launches stubbed)" if tiny else ""), flush=True)
+    what = (f"{hooks} hooks, {ops} ATen ops per forward ({config.n_layer} layers, n_embd {config.n_embd}, "
+            f"batch {batch} x {seq}, bf16, no grad)" + ("; the count driver: launches counted, no kernel" if tiny else ""))
+    print(f"  {what}", flush=True)
 
     def run():
         hp.replay(model, events)
         _sync(device)
 
-    # the dry run: CPU tensors through the triton backend's host path, launches stubbed
+    # the dry run: CPU tensors through the triton backend's host path, the driver call stubbed
     routing = hp.triton_on_cpu() if device.type != "cuda" else contextlib.nullcontext()
     with routing:
-        times = {v: [] for v in HOST_VARIANTS}
-        for round_ in range(repeats):  # round-robin rounds, stopped by the time box after the first
-            if round_ and time.perf_counter() > deadline:
-                print(f"  time box spent after {round_} rounds", flush=True)
-                break
-            for variant, seconds in hp.measure(model, run, HOST_VARIANTS, 1, inner).items():
-                times[variant].append(seconds)
-        medians = {v: statistics.median(t) for v, t in times.items()}
-        for variant in HOST_VARIANTS[1:]:
-            counts, launches = _counted_launches(hp, model, run, variant, device)
-            per_hook = (medians[variant] - medians["none"]) / hooks * 1e6
-            ctx.report.add(f"host us/hook {variant}", f"{per_hook:.1f} us",
-                           f"{hooks} hooks, batch {batch} x {seq}, synced replay (no hooks: {medians['none'] * 1e3:.2f} ms); "
-                           f"{counts.get('compute_calls', '?')} engine calls and {launches} launches per forward, "
-                           f"{counts.get('compute_s', 0) / hooks * 1e6:.1f} us/hook inside the engine")
+        started = time.perf_counter()
+        label, direct = _host_pass(ctx, hp, model, run, hooks, what, repeats, inner, deadline, "")
+        spent = time.perf_counter() - started
+        if label != "direct":  # no direct launch to compare with Triton's
+            return
+        if time.perf_counter() + spent > deadline:
+            ctx.report.add("host us/hook, ordinary launch", "skipped (time box)",
+                           f"the direct launch's pass took {spent:.0f} s; the time box had "
+                           f"{max(deadline - time.perf_counter(), 0):.0f} s left")
+            return
+        with ordinary_launch():
+            _, ordinary = _host_pass(ctx, hp, model, run, hooks, what, repeats, inner, deadline, ", ordinary launch")
+    ctx.report.add("host us/hook direct vs ordinary launch",
+                   "; ".join(f"{v} {direct[v]:.1f} vs {ordinary[v]:.1f} us" for v in ("batch", "watch", "module")),
+                   ("the count driver's launches (no kernel)" if ctx.tiny else "the direct launch (cuLaunchKernel from C++)")
+                   + f" against Triton's own launch ({DIRECT_LAUNCH}=0), the same replays one after the other")
 
 
-def _counted_launches(hp, model, run, variant, device):
-    """bench_host_path's counters of one replayed forward, and its kernel launches (counted at the
-    backend's launch functions on a GPU, where they are real)."""
-    launches = [0]
-    wrapped = []
-    if device.type == "cuda":
-        for name, per_call in (("_launch_read", 1), ("_launch", 2)):  # the table path launches twice
-            real = getattr(triton_be, name, None)
-            if real is None:
-                continue
+@contextlib.contextmanager
+def ordinary_launch():
+    """Every per-hook launch through Triton's own launch: OVERFLOW_FAST_DIRECT_LAUNCH=0, read when
+    a device is set up, so the devices are set up afresh (self-check included) under it, and again
+    after it."""
+    from overflow_fast.stats import dispatch
 
-            def counting(*a, real=real, per_call=per_call, **k):
-                launches[0] += per_call
-                return real(*a, **k)
-
-            wrapped.append((name, real))
-            setattr(triton_be, name, counting)
+    previous = os.environ.get(DIRECT_LAUNCH)
+    os.environ[DIRECT_LAUNCH] = "0"
+    triton_be.forget_devices()
+    dispatch._READERS.clear()
     try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(DIRECT_LAUNCH, None)
+        else:
+            os.environ[DIRECT_LAUNCH] = previous
+        triton_be.forget_devices()
+        dispatch._READERS.clear()
+
+
+def _host_pass(ctx, hp, model, run, hooks, what, repeats, inner, deadline, suffix):
+    """Round-robin replays of every variant, then one counted forward of each: a row per variant,
+    and the launch path of each device set up (``overflow-fast info``'s line). Returns how
+    check="batch" launched ("direct", "ordinary", "direct and ordinary" or "none") and the us per
+    hook of each variant."""
+    times = {v: [] for v in HOST_VARIANTS}
+    for round_ in range(repeats):  # round-robin rounds, stopped by the time box after the first
+        if round_ and time.perf_counter() > deadline:
+            print(f"  time box spent after {round_} rounds", flush=True)
+            break
+        for variant, seconds in hp.measure(model, run, HOST_VARIANTS, 1, inner).items():
+            times[variant].append(seconds)
+    medians = {v: statistics.median(t) for v, t in times.items()}
+    counts = {variant: _counted_forward(hp, model, run, hooks, variant) for variant in HOST_VARIANTS[1:]}
+    label = _launch_label(counts["batch"])
+    per_hook = {v: (medians[v] - medians["none"]) / hooks * 1e6 for v in HOST_VARIANTS[1:]}
+    for variant in HOST_VARIANTS[1:]:
+        c = counts[variant]
+        ctx.report.add(f"host us/hook {variant}{suffix}", f"{per_hook[variant]:.1f} us",
+                       f"{what}; wall time of synced replays, medians of {len(times[variant])} rounds of {inner} "
+                       f"(no hooks: {medians['none'] * 1e3:.2f} ms); per forward: {c['direct']} direct and "
+                       f"{c['ordinary']} ordinary per-hook launches, {c['table']} table-kernel launches, "
+                       f"{c['engine_calls']} Python engine calls ({c['engine_us']:.1f} us/hook in them)")
+    for name, (path, check, launch) in triton_be.device_report().items():
+        state = triton_be._DEVICES.get((torch.device(name).type, torch.device(name).index))
+        check_ms = f" ({state.check_ms:.1f} ms)" if state is not None and state.check_ms is not None else ""
+        ctx.report.add(f"launch path {name}{suffix}", launch,
+                       f"check='batch' launched {label}; {path}; self-check {check}{check_ms}; the line of "
+                       f"`overflow-fast info` (the launcher's own predicate)"
+                       + ("; the dry run's count driver launches without a self-check" if ctx.tiny else ""))
+    return label, per_hook
+
+
+def _launcher_launches():
+    """(direct, ordinary) launches of the C++ launchers of every device set up so far."""
+    direct = ordinary = 0
+    for state in triton_be._DEVICES.values():
+        for launcher in [state.launcher] + [known[0] for known in state.shapes.values()]:
+            if launcher is not None:
+                direct += launcher.direct_launches
+                ordinary += launcher.ordinary_launches
+    return direct, ordinary
+
+
+def _counted_forward(hp, model, run, hooks, variant):
+    """One replayed forward of ``variant`` after a warm one: its launches by kind (the C++ launchers'
+    direct and ordinary ones, the Python read's, the table kernels' two per call), and
+    bench_host_path's count of the Python-side engine calls and the time in them."""
+    calls = {"_launch": 0, "_launch_read": 0}
+    wrapped = {}
+    for name in calls:  # counted, then the real function
+        real = wrapped[name] = getattr(triton_be, name)
+
+        def counting(*args, real=real, name=name, **kwargs):
+            calls[name] += 1
+            return real(*args, **kwargs)
+
+        setattr(triton_be, name, counting)
+    try:
+        detach = hp.attach(variant, model)
+        try:
+            run()
+            before, called = _launcher_launches(), dict(calls)
+            run()
+            after, called = _launcher_launches(), {name: calls[name] - called[name] for name in calls}
+        finally:
+            detach()
         counts = hp.counted(model, run, variant, passes=1)
     finally:
-        for name, real in wrapped:
+        for name, real in wrapped.items():
             setattr(triton_be, name, real)
-    return counts, max(counts.get("launches", 0), launches[0])
+    return {"direct": after[0] - before[0], "ordinary": after[1] - before[1] + called["_launch_read"],
+            "table": 2 * called["_launch"],
+            "engine_calls": counts.get("compute_calls", 0), "engine_us": counts.get("compute_s", 0.0) / hooks * 1e6}
+
+
+def _launch_label(counts):
+    if counts["direct"] and counts["ordinary"]:
+        return "direct and ordinary"
+    return "direct" if counts["direct"] else "ordinary" if counts["ordinary"] else "none"
 
 
 # --------------------------------------------------------------------------- bench_end_to_end
@@ -1175,6 +1475,7 @@ def end_to_end(ctx, deadline):
 # --------------------------------------------------------------------------- main
 
 RUNNERS = {
+    "direct-launch": direct_launch,
     "exactness": exactness,
     "self-check": self_check,
     "bandwidth": bandwidth,
@@ -1197,6 +1498,7 @@ def run_phase(ctx, watchdog, name, box):
     missing = [f"{need} ({ctx.missing[need]})" for need in needs if ctx.missing.get(need)]
     if missing:
         report.phases_failed.append(name)
+        report.finished.add(name)  # a second run lacks the same package
         report.add(name, "failed: needs " + ", ".join(missing), "")
         return
     if name == "sweep" and ctx.tiny is False and box < 10:
@@ -1209,11 +1511,13 @@ def run_phase(ctx, watchdog, name, box):
         # the phase's own checks stop at the box; the signal stops what overruns it
         with time_box(box + min(10.0, 0.25 * box), name):
             RUNNERS[name](ctx, started + box)
+        report.finished.add(name)
     except TimeBoxSpent as error:
         report.phases_failed.append(name)
         report.add(name, f"failed: time box: {error}", f"stopped after {time.perf_counter() - started:.0f} s")
     except Exception as error:  # noqa: BLE001 - a failing phase is a row, and the next phase runs
         traceback.print_exc()
+        report.finished.add(name)  # an error is the figure: rerunning asks for the same one
         report.phases_failed.append(name)
         message = str(error).strip().splitlines()
         report.add(name, f"failed: {type(error).__name__}: {message[0][:300] if message else ''}",
@@ -1233,10 +1537,14 @@ def main(args):
         sys.stdout = Tee(sys.__stdout__, log)
         sys.stderr = Tee(sys.__stderr__, log)
     report = Report(args.out, args.budget, args.dry_run)
+    report.planned, report.left_out = list(args.selected), list(args.left_out)
     ctx = Context(args, report)
     watchdog = Watchdog(report, args.budget, log)
     print(f"gpu_check: phases {', '.join(args.selected)}; budget {args.budget:.0f} s"
           + ("; DRY RUN on CPU tensors (TRITON_INTERPRET=1)" if args.dry_run else ""), flush=True)
+    if args.left_out:
+        print(f"gpu_check: left to a second run (a cold inductor compile each): "
+              f"{COMMAND} --phases {','.join(args.left_out)}", flush=True)
     report.write()
     try:
         ok = startup(ctx)
@@ -1252,7 +1560,11 @@ def main(args):
             # a share of what is left, in proportion to the shares of the phases still to run
             box = left * shares[name] / sum(shares[n] for n in args.selected[i:])
             if box < MIN_PHASE:
-                report.add(name, "skipped (budget)", f"{max(left, 0):.0f} s of the budget left")
+                untried = ""
+                if name == PROBE:  # never untried on the device
+                    os.environ[DIRECT_LAUNCH] = "0"
+                    untried = f"; {DIRECT_LAUNCH}=0 for the rest of the run"
+                report.add(name, "skipped (budget)", f"{max(left, 0):.0f} s of the budget left{untried}")
                 continue
             run_phase(ctx, watchdog, name, box)
     elif not report.nothing_to_measure:
@@ -1270,7 +1582,8 @@ def main(args):
 def cli(argv=None):
     """Run, then leave at once: nothing at interpreter exit (compile workers, CUDA teardown) can hang
     past the budget."""
-    status = main(parse_args(argv))
+    args = parse_args(argv)
+    status = direct_launch_child(args.dry_run) if args.direct_launch_child else main(args)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)

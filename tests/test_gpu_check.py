@@ -4,7 +4,9 @@ phase, a phase past its time box, a hang, a kill, a wrong kernel. Most tests giv
 dry run."""
 
 import csv
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -159,6 +161,119 @@ gpu_check.RUNNERS["sweep"] = hangs("sweep", swallow=True)
     assert elapsed < budget + 10, elapsed  # the interpreter's start, then the budget
 
 
+# the direct-launch phase's child, stood in for (the real one runs in the slow dry run), and a
+# phase after it that says what the run's later phases see
+DIRECT_LAUNCH_STAND_INS = STAND_INS + """
+import os
+
+def child(code):
+    gpu_check.probe_command = lambda args: [sys.executable, "-c", code]
+
+def sees_direct_launch(ctx, deadline):
+    ctx.report.add("later phase sees", os.environ.get("OVERFLOW_FAST_DIRECT_LAUNCH", "unset"), "")
+    ctx.report.add("second run", ctx.report.second_run() or "none", "")
+
+gpu_check.RUNNERS["bandwidth"] = gpu_check.RUNNERS["compiled-gpu-bound"] = sees_direct_launch
+"""
+
+
+def table_text(out):
+    with open(os.path.join(out, "gpu_check.md")) as f:
+        return f.read()
+
+
+def test_a_direct_launch_that_kills_its_child_is_a_row_and_the_rest_runs_without_it(tmp_path):
+    process = launch(["--dry-run", "--phases", "direct-launch,bandwidth", "--out", str(tmp_path)],
+                     DIRECT_LAUNCH_STAND_INS + """
+child("import os, sys; print('CUDA error: an illegal memory access was encountered', file=sys.stderr, flush=True); "
+      "os.abort()")
+""")
+    status, output = finish(process)
+    rows, headline = table(tmp_path)
+    assert status == 1, output
+    assert rows["direct launch"] == "failed: the child died of SIGABRT", rows
+    assert "an illegal memory access was encountered" in table_text(tmp_path)  # its error output, in the row
+    assert rows["later phase sees"] == "0", rows
+    assert rows["second run"] == "OVERFLOW_FAST_DIRECT_LAUNCH=0 python3 benchmarks/gpu_check.py --phases bandwidth --dry-run"
+    assert "checks failed: direct-launch" in headline
+
+
+def test_a_direct_launch_child_that_hangs_is_killed_at_its_time_box(tmp_path):
+    started = time.monotonic()
+    # compiled-gpu-bound's large share leaves it time after the child's box
+    process = launch(["--dry-run", "--phases", "direct-launch,compiled-gpu-bound", "--out", str(tmp_path), "--budget", "8"],
+                     DIRECT_LAUNCH_STAND_INS + """
+child("import time; print('launching', flush=True); time.sleep(3600)")
+""")
+    status, output = finish(process, timeout=60)
+    rows, _ = table(tmp_path)
+    assert status == 1, output
+    assert rows["direct launch"].startswith("failed: the child ran past its "), rows
+    assert rows["later phase sees"] == "0", rows
+    assert time.monotonic() - started < 30
+
+
+def test_a_direct_launch_left_untried_for_the_budget_stays_off(tmp_path):
+    # the budget gives the child's phase less than a phase's least: skipped, and nothing launches directly
+    process = launch(["--dry-run", "--phases", "direct-launch,compiled-gpu-bound", "--out", str(tmp_path), "--budget",
+                      "5.5"], DIRECT_LAUNCH_STAND_INS + """
+child("raise SystemExit('the child must not run')")
+""")
+    status, output = finish(process)
+    rows, _ = table(tmp_path)
+    assert status == 0, output
+    assert rows["direct-launch"] == "skipped (budget)", rows
+    assert rows["later phase sees"] == "0", rows
+
+
+def test_a_direct_launch_that_passes_in_its_child_stays_on(tmp_path):
+    result = {"passed": True, "self_check": "passed", "check_ms": 812.0, "launch": "direct (cuLaunchKernel from C++)",
+              "reads": 16, "read_launches": "1 to 17 tensors", "direct_launches": 37, "ordinary_launches": 20}
+    process = launch(["--dry-run", "--phases", "direct-launch,bandwidth", "--out", str(tmp_path)],
+                     DIRECT_LAUNCH_STAND_INS + f"child({'print(' + repr('PROBE ' + json.dumps(result)) + ')'!r})")
+    status, output = finish(process)
+    rows, _ = table(tmp_path)
+    assert status == 0, output
+    assert rows["direct launch"] == "passed: 37 direct launches in a child process", rows
+    assert rows["later phase sees"] == "unset", rows
+    assert rows["second run"] == "python3 benchmarks/gpu_check.py --phases bandwidth --dry-run", rows
+
+
+def test_a_gpu_run_names_its_second_run_from_the_start(tmp_path):
+    # every phase of the first run skipped: what is left is the second run's, named at once
+    first_run = [name for name in ("direct-launch", "exactness", "self-check", "bandwidth", "step-gpu-bound",
+                                   "step-host-bound", "step-large", "host-per-hook", "compiled-gpu-bound", "sweep")]
+    process = launch(["--out", str(tmp_path), "--skip", ",".join(first_run)], STAND_INS)
+    status, output = finish(process)
+    command = "python3 benchmarks/gpu_check.py --phases compiled-host-bound,compiled-large"
+    assert status == 0, output
+    assert output.splitlines()[1] == f"gpu_check: left to a second run (a cold inductor compile each): {command}"
+    assert f"Not measured (yet), for a second run: `{command}`" in table_text(tmp_path)
+
+
+def test_the_phases_of_a_run():
+    code = f"""
+import sys
+sys.path.insert(0, {BENCHMARKS!r})
+import gpu_check
+for argv in ([], ["--phases", "compiled-large,exactness"], ["--phases", "exactness", "--skip", "direct-launch"],
+             ["--dry-run"], ["--dry-run", "--phases", "exactness"]):
+    args = gpu_check.parse_args(argv)
+    print(",".join(args.selected), ",".join(args.left_out), sep="|")
+"""
+    output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    every = ("direct-launch,exactness,self-check,bandwidth,step-gpu-bound,step-host-bound,step-large,host-per-hook,"
+             "compiled-gpu-bound,compiled-host-bound,compiled-large,sweep")
+    assert output.splitlines() == [
+        "direct-launch,exactness,self-check,bandwidth,step-gpu-bound,step-host-bound,step-large,host-per-hook,"
+        "compiled-gpu-bound,sweep|compiled-host-bound,compiled-large",
+        "direct-launch,exactness,compiled-large|",  # the direct launch first on a GPU, whatever --phases says
+        "exactness|",
+        f"{every}|",  # the dry run: every phase but the opt-in one
+        "exactness|",
+    ]
+
+
 @pytest.mark.slow
 def test_a_wrong_kernel_is_a_row_and_the_measuring_goes_on(tmp_path):
     # the per-hook read off by one: exactness and the self-check say so, and the bandwidth is
@@ -192,6 +307,8 @@ def test_the_dry_run_measures_every_phase(tmp_path):
     rows, headline = table(tmp_path)
     assert status == 0, output
     assert "0 mismatches" in rows["exactness"] and rows["self-check"] == "passed", rows
+    # the real child: no direct launch under the interpreter, its self-check and reads exact
+    assert rows["direct launch"] == "not taken: ordinary (the interpreter runs the kernels (TRITON_INTERPRET=1))", rows
     for regime in ("gpu-bound", "host-bound", "large"):
         assert rows[f"step {regime} none"].endswith(" ms"), rows
         for variant in ("reference", "batch", "watch"):
@@ -199,6 +316,17 @@ def test_the_dry_run_measures_every_phase(tmp_path):
         assert rows[f"step {regime} compiled"].endswith(")"), rows
     for variant in ("module", "batch", "watch"):
         assert rows[f"host us/hook {variant}"].endswith(" us"), rows
+        assert rows[f"host us/hook {variant}, ordinary launch"].endswith(" us"), rows  # the count driver, then Triton's
+    assert rows["launch path cpu, ordinary launch"] == "ordinary (OVERFLOW_FAST_DIRECT_LAUNCH=0)", rows
+    assert rows["host us/hook direct vs ordinary launch"].startswith("batch "), rows
+    text = table_text(tmp_path)
+    assert "Not measured" not in text
+    # one counted forward each: the same per-hook launches on either path, defer's one table call (two launches)
+    lines = {line.split(" | ")[0][2:]: line for line in text.splitlines() if line.startswith("| host us/hook ")}
+    direct = re.search(r"per forward: (\d+) direct and 0 ordinary per-hook launches, 0 table", lines["host us/hook batch"])
+    assert direct and int(direct.group(1)) > 0, lines["host us/hook batch"]
+    assert f"per forward: 0 direct and {direct.group(1)} ordinary" in lines["host us/hook batch, ordinary launch"]
+    assert "per forward: 0 direct and 0 ordinary per-hook launches, 2 table-kernel" in lines["host us/hook defer"]
     with open(tmp_path / "gpu_check.csv") as f:
         assert all(row["run"].startswith("dry-run") for row in csv.DictReader(f))  # every figure marked
 
