@@ -265,3 +265,31 @@ def test_watch_lists_every_option_in_its_signature():
     assert set(inspect.signature(watch).parameters) - {"model", "unknown"} == options == set(detector) - {"model", "unknown"}
     for name in options - set(WATCH_DEFAULTS):  # watch's own defaults aside, the drop-in's
         assert inspect.signature(watch).parameters[name].default == detector[name].default, name
+
+
+def test_the_signatures_defaults_are_the_declared_ones():
+    import inspect
+
+    from overflow_fast.hooks.options import Options
+
+    detector = inspect.signature(DebugUnderflowOverflow).parameters
+    watched = inspect.signature(watch).parameters
+    for field in dataclasses.fields(Options):
+        assert detector[field.name].default == field.default, field.name
+        assert watched[field.name].default == WATCH_DEFAULTS.get(field.name, field.default), field.name
+    assert set(WATCH_DEFAULTS) <= {field.name for field in dataclasses.fields(Options)}
+    # the defaults pass their own checks unchanged (trace_batch_nums' None is the reference's empty list)
+    assert Options.of() == dataclasses.replace(Options(), trace_batch_nums=[])
+
+
+def test_the_detectors_options_are_read_only():
+    # a changed copy that nothing reads would mislead: the options cannot be changed after the fact
+    detector = watch(nn.Linear(2, 2))
+    try:
+        assert detector.options.check == detector.check == "batch" and detector.backward is True
+        with pytest.raises(AttributeError):
+            detector.check = "module"
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            detector.options.check = "module"
+    finally:
+        detector.remove()

@@ -206,18 +206,19 @@ def test_ignore_keeps_a_mask_of_minus_inf_in_the_frame_but_out_of_detection(chec
 
 
 def test_ignore_patterns_treat_brackets_literally():
-    from overflow_fast.hooks.policy import Policy
-    policy = Policy(ignore=["*.attn:input[attention_mask]", "decoder.*"])
-    assert policy.ignored("h.0.attn", "input[attention_mask]")
-    assert not policy.ignored("h.0.attn", "input[a]")
-    assert policy.ignored("decoder.block.0", "output")
-    assert not policy.ignored("encoder", "output")
+    from overflow_fast.hooks.counting import Counting
+    from overflow_fast.hooks.options import Options
+    counting = Counting("every", None, Options.of(ignore=["*.attn:input[attention_mask]", "decoder.*"]).ignore)
+    assert counting.ignored("h.0.attn", "input[attention_mask]")
+    assert not counting.ignored("h.0.attn", "input[a]")
+    assert counting.ignored("decoder.block.0", "output")
+    assert not counting.ignored("encoder", "output")
     with pytest.raises(ValueError):
-        Policy(on_detect="shout")
+        Options.of(on_detect="shout")
     with pytest.raises(ValueError):
-        Policy(warn_above=2.0)
+        Options.of(warn_above=2.0)
     with pytest.raises(TypeError):
-        Policy(ignore=[3])
+        Options.of(ignore=[3])
 
 
 @pytest.mark.parametrize("check", CHECKS)

@@ -195,7 +195,7 @@ def find_op(found, kept_forward, kept_gradients, modules_by_name):
     the code between two modules: an ``Explained``; or None when the detection was not born there
     (a weight already non-finite, an input from outside, the loss's gradient)."""
     from . import find_op as replay
-    from .policy import origin
+    from .source import origin
 
     frame = found.first_frame
     kind = origin(frame, found.bad)

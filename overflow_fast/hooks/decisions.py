@@ -1,10 +1,10 @@
 """The replay: hook calls whose rows are on the host go through the reference's state machine in
-hook order, each as a frame; the policy says which of its entries count, and a frame that counts
+hook order, each as a frame; ``counting`` says which of its entries count, and a frame that counts
 is a detection, which this reports (the reference's text, then the lines beyond it).
 
 What a detection does next (raise, go on, skip) is the strategy's (``on_detect``), which the
 passes ask: this module only finds and reports. It holds what a copy of the detector carries:
-the ring, the counters, the policy's memory, the detections so far.
+the ring, the counters, what counting and the early warnings remember, the detections so far.
 """
 
 import collections
@@ -13,7 +13,7 @@ from . import text
 from .errors import say
 from ..recording.flight import timeline_step
 from .frames import BACKWARD, Frame, class_name
-from .policy import source_line
+from .source import source_line
 from .where import line as where_line
 from .scaling import backoff_line, scaler_line
 
@@ -35,15 +35,16 @@ Pending = collections.namedtuple("Pending", ("call", "module", "entries", "dtype
 
 # A detection found by the replay, for the strategy to act on.
 # ``frame``: where it was found; ``first_frame`` and ``bad``: the first frame that counted and its
-# entries; ``frames``: the ring as data; ``report_due``: whether the policy wants it reported.
+# entries; ``frames``: the ring as data; ``report_due``: whether counting wants it reported.
 Found = collections.namedtuple("Found", ("detection", "frames", "frame", "first_frame", "bad", "batch",
                                          "shown_batch", "report_due", "inputs", "tensors"))
 
 
 class Decisions:
-    def __init__(self, state, policy, log, module_names, explain, rewinds):
+    def __init__(self, state, counting, early_warnings, log, module_names, explain, rewinds):
         self.state = state  # reference.ReferenceState
-        self.policy = policy
+        self.counting = counting  # counting.Counting
+        self.early_warnings = early_warnings  # early_warnings.EarlyWarnings, or None without warn_above
         self.log = log  # flight.StepLog or None
         self.module_names = module_names
         self.explain = explain  # beyond the drop-in: the Source line
@@ -66,13 +67,13 @@ class Decisions:
     def quiet(self, queue):
         """Whether a queue whose rows count no nan/inf may take ``replay_finite``: nothing to trace,
         warn or log, and no detection pending."""
-        return not (self.log is not None or self.policy.warn_above is not None or self.state.detected_overflow
+        return not (self.log is not None or self.early_warnings is not None or self.state.detected_overflow
                     or any(pending.call.trace_mode for pending in queue))
 
     def replay(self, pass_key, reads, pending, scaling=None):
         """The reference's bookkeeping for one call whose rows are on the host: a ``Found`` when it
         detects (reported already), else None. ``pass_key(batch)``: which pass it belongs to;
-        ``scaling``: a GradScaler's backward (``Policy.check``)."""
+        ``scaling``: a GradScaler's backward (``Counting.check``)."""
         call = pending.call
         frame = self.frame(reads, pending)
         state = self.state
@@ -112,7 +113,9 @@ class Decisions:
         ``inputs`` (with find_op, the call's) and ``tensors`` (a call decided in its hook) are kept
         on a frame that counts until its detection; ``scaling``: a GradScaler's backward, whose
         backoff this reports."""
-        lines, detected = self.policy.check(frame, batch, self.step_of(batch), pass_key, scaling)
+        lines, detected = self.counting.check(frame, batch, self.step_of(batch), pass_key, scaling)
+        if self.early_warnings is not None:
+            lines.extend(self.early_warnings.lines(frame, batch, self.step_of(batch)))
         backoff = scaling.take_backoff() if scaling is not None else None
         if backoff is not None:
             self.backoff(backoff, batch)
@@ -138,7 +141,7 @@ class Decisions:
 
     def found(self, frame, batch, shown_batch, pass_key):
         """A nan/inf counted in ``frame`` (or earlier, in a traced batch): recorded, reported when due."""
-        detection, first_frame, bad, report_due = self.policy.conclude(frame, batch, self.step_of(batch), pass_key)
+        detection, first_frame, bad, report_due = self.counting.conclude(frame, batch, self.step_of(batch), pass_key)
         if self.global_step is not None:
             detection["global_step"] = self.global_step
         if self.mode is not None:

@@ -11,7 +11,6 @@ the ``on_detect`` strategy's (``on_detect``).
 """
 
 import copy
-import operator
 import os
 import sys
 import warnings
@@ -28,10 +27,11 @@ from .culprit import CallInputs, autocast_state
 from ..recording.flight import StepLog
 from .frames import BACKWARD, FORWARD, entries_of, forward_items, graph_task_id, transform_level
 from .gradients import GradientHooks
-from .options import (DEFAULT_BUFFER_ROWS, DEFAULT_DEFER_BYTES, DEFAULT_MAX_BACKOFFS, DEFAULT_MAX_SKIPS,
-                      DEFAULT_MIN_LOSS_SCALE, Options)
+from .options import WATCH_DEFAULTS, integer, of_arguments  # noqa: F401 - WATCH_DEFAULTS: the integrations'
 from .passes import Passes, on_stack
-from .policy import Policy
+from .counting import Counting
+from .early_warnings import EarlyWarnings
+from .on_detect import kind as on_detect_kind
 from .reference import ReferenceState
 from .text import NONE, NOT_A_TENSOR, UNREADABLE
 from ..stats import cpu_backend, tensor_stats, unreadable_reason
@@ -50,48 +50,64 @@ class DebugUnderflowOverflow:
     which takes the hooks off again."""
 
     def __init__(self, model, max_frames_to_save=21, trace_batch_nums=None, abort_after_batch_num=None,
-                 check="module", backend=None, buffer_rows=DEFAULT_BUFFER_ROWS, reuse_stats=True,
+                 check="module", backend=None, buffer_rows=1 << 16, reuse_stats=True,
                  kwargs=False, containers=False, backward=False, on_detect="raise", ignore=(),
                  warn_above=None, sync=True, sync_timeout=None, log=None, log_every=1,
-                 defer=False, stage_bytes=DEFAULT_DEFER_BYTES, max_skips=DEFAULT_MAX_SKIPS,
-                 warn_gradients=False, find_op=False, repro=None, min_loss_scale=DEFAULT_MIN_LOSS_SCALE,
-                 max_backoffs=DEFAULT_MAX_BACKOFFS, **unknown):
-        # every argument but the model is an option, validated once (a misspelled one is named
-        # with the nearest option)
-        options = Options.of(**{name: value for name, value in locals().items()
-                                if name not in ("self", "model", "unknown")}, **unknown)
+                 defer=False, stage_bytes=256 << 20, max_skips=10,
+                 warn_gradients=False, find_op=False, repro=None, min_loss_scale=1.0,
+                 max_backoffs=64, **unknown):
+        # every parameter but the model is an option, as options.Options declares it (defaults too:
+        # tests/test_options.py holds them equal)
+        self._attach(model, of_arguments(locals(), unknown))
+
+    @classmethod
+    def from_options(cls, model, options):
+        """The detector of ``options``, an ``options.Options`` validated already (``watch()`` and the
+        trainer integrations build one)."""
+        detector = cls.__new__(cls)
+        detector._attach(model, options)
+        return detector
+
+    def _attach(self, model, options):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         # The C++ extension (the CPU kernel, and the hooks' bookkeeping on every device) is loaded
         # now, or built once for this torch and CPU (about a minute, its progress on stderr), rather
         # than inside the first forward.
         cpu_backend.extension()
-        self.options = options
-        self.model = model
+        self.options = options  # frozen: every option, as validated
         # the reference's attributes
+        self.model = model
         self.trace_batch_nums = options.trace_batch_nums
         self.abort_after_batch_num = options.abort_after_batch_num
         self.prefix = text.PREFIX
-        # the options' as attributes, as they always were
-        for name in ("check", "reuse_stats", "kwargs", "containers", "backward", "max_skips", "sync", "sync_timeout"):
-            setattr(self, name, getattr(options, name))
-        self.backend = _usable_backend(options.backend)
-        self.defer = options.defer and options.check == "batch"
-        self._abort_after = None if abort_after_batch_num is None else int(abort_after_batch_num)
+        self.backend = _usable_backend(options.backend)  # the backend the hooks ask for (None: each device's)
+        self._abort_after = None if options.abort_after_batch_num is None else int(options.abort_after_batch_num)
         self._handles = []
         self._gradients = None
         self.analyse_model()
         log = StepLog(options.log, options.log_every) if options.log is not None else None
+        # the Where and Source lines only where the frames already go beyond the reference's: the
+        # drop-in without kwargs, containers or backward prints the reference's text alone
+        beyond_reference = options.kwargs or options.containers or options.backward
+        strategy = on_detect_kind(options.on_detect)
         self.decisions = Decisions(
             ReferenceState(options.max_frames_to_save, options.trace_batch_nums),
-            Policy(options.on_detect, options.ignore, options.warn_above, options.warn_gradients),
-            log, self.module_names, options.explain, rewinds=options.on_detect == "raise")
+            Counting(strategy.reports, strategy.once_per, options.ignore),
+            EarlyWarnings(options.warn_above, options.warn_gradients) if options.warn_above is not None else None,
+            log, self.module_names, beyond_reference, rewinds=strategy.rewinds)
         self._run = Passes(self)
         self._made_at = _caller()
         self._removed = False
         _warn_if_hooked(self)
         self.register_forward_hook()
         _ATTACHED.add(self)
+
+    # the options the hooks read, read-only (``options`` holds them all)
+    check = property(lambda self: self.options.check)
+    kwargs = property(lambda self: self.options.kwargs)
+    containers = property(lambda self: self.options.containers)
+    backward = property(lambda self: self.options.backward)
 
     detections = property(lambda self: self.decisions.detections)
     global_step = property(lambda self: self.decisions.global_step)
@@ -262,7 +278,7 @@ class DebugUnderflowOverflow:
                 ids = ids.detach().cpu().tolist()  # a host copy: later writes to the user's tensor do not count
             elif isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
                 raise TypeError(f"set_batch takes a sequence of integer indices or None, got {type(ids).__name__}")
-            ids = tuple(_integer(i, "each id", "an int") for i in ids)
+            ids = tuple(integer(i, "set_batch", "a sequence of integer indices or None") for i in ids)
         with self._run.lock:
             self.decisions.samples = ids
 
@@ -270,9 +286,9 @@ class DebugUnderflowOverflow:
         """What runs next belongs to the trainer's optimizer step ``global_step`` (an int) and to
         ``mode`` ("train" or "eval"); detections, errors and records carry them. None: unknown."""
         if global_step is not None:
-            global_step = _integer(global_step, "global_step", "an int or None")
+            global_step = integer(global_step, "global_step", "an int >= 0 or None")
             if global_step < 0:
-                raise ValueError(f"global_step must be >= 0, got {global_step}")
+                raise ValueError(f"global_step takes an int >= 0 or None, got {global_step}")
         if mode not in (None, "train", "eval"):
             raise ValueError(f"mode must be 'train', 'eval' or None, got {mode!r}")
         with self._run.lock:
@@ -469,13 +485,6 @@ def _warn_if_hooked(detector):
         return
 
 
-def _integer(value, name, expected):
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be {expected}, got {type(value).__name__}") from None
-
-
 def _usable_backend(backend):
     """The backend the detector will ask for: a named backend that cannot run here warns once
     and gives way to the default choice, rather than failing every hook into a slow fallback."""
@@ -528,25 +537,17 @@ def detect_overflow(var, ctx):
     return bool(lines)
 
 
-WATCH_DEFAULTS = dict(check="batch", kwargs=True, containers=True, backward=True, find_op=True)
-
-
 def watch(model, *, max_frames_to_save=21, trace_batch_nums=None, abort_after_batch_num=None, check="batch",
-          backend=None, buffer_rows=DEFAULT_BUFFER_ROWS, reuse_stats=True, kwargs=True, containers=True,
+          backend=None, buffer_rows=1 << 16, reuse_stats=True, kwargs=True, containers=True,
           backward=True, on_detect="raise", ignore=(), warn_above=None, sync=True, sync_timeout=None, log=None,
-          log_every=1, defer=False, stage_bytes=DEFAULT_DEFER_BYTES, max_skips=DEFAULT_MAX_SKIPS,
-          warn_gradients=False, find_op=True, repro=None, min_loss_scale=DEFAULT_MIN_LOSS_SCALE,
-          max_backoffs=DEFAULT_MAX_BACKOFFS, **unknown):
-    """The detector with the recommended modern defaults: no host sync in any hook
-    (``check="batch"``), keyword inputs, tensors inside model outputs and containers, and
+          log_every=1, defer=False, stage_bytes=256 << 20, max_skips=10,
+          warn_gradients=False, find_op=True, repro=None, min_loss_scale=1.0,
+          max_backoffs=64, **unknown):
+    """The detector with the recommended modern defaults (``options.WATCH_DEFAULTS``): no host sync
+    in any hook (``check="batch"``), keyword inputs, tensors inside model outputs and containers,
     gradient checks in backward (a nan/inf there raises before ``backward()`` returns, so the
-    optimizer never applies it; under a GradScaler, one it recovers from is its backoff, a line).
+    optimizer never applies it; under a GradScaler, one it recovers from is its backoff, a line),
+    and the op and the line of a detection (``find_op``).
     Every option is ``DebugUnderflowOverflow``'s (``docs/options.md``).
     Returns the detector: ``remove()`` it, or use it as a context manager."""
-    return DebugUnderflowOverflow(
-        model, max_frames_to_save=max_frames_to_save, trace_batch_nums=trace_batch_nums,
-        abort_after_batch_num=abort_after_batch_num, check=check, backend=backend, buffer_rows=buffer_rows,
-        reuse_stats=reuse_stats, kwargs=kwargs, containers=containers, backward=backward, on_detect=on_detect,
-        ignore=ignore, warn_above=warn_above, sync=sync, sync_timeout=sync_timeout, log=log, log_every=log_every,
-        defer=defer, stage_bytes=stage_bytes, max_skips=max_skips, warn_gradients=warn_gradients,
-        find_op=find_op, repro=repro, min_loss_scale=min_loss_scale, max_backoffs=max_backoffs, **unknown)
+    return DebugUnderflowOverflow.from_options(model, of_arguments(locals(), unknown))

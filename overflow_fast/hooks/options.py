@@ -1,9 +1,12 @@
-"""Every option of the detector, validated once, in one frozen object.
+"""Every option of the detector, declared once: its name, its default and its check, in one frozen
+``Options``.
 
 ``Options.of(**options)`` checks each value and raises a TypeError or ValueError that names the
 option and what it takes. The detector, ``watch()`` and the trainer callbacks build it when they
-are constructed, so a bad option fails there, never at the first hook. ``docs/options.md`` says
-what each option does and costs.
+are constructed, so a bad option fails there, never at the first hook; nothing checks it again.
+The detector's and ``watch()``'s signatures list every option for help() and IDEs, with the
+defaults declared here (``WATCH_DEFAULTS``: ``watch()``'s own): tests/test_options.py holds them
+equal. ``docs/options.md`` says what each option does and costs.
 """
 
 import dataclasses
@@ -17,87 +20,17 @@ from ..stats import BACKEND_NAMES
 
 CHECK_MODES = ("module", "batch")
 ON_DETECT = ("raise", "warn", "record", "skip")
-DEFAULT_BUFFER_ROWS = 1 << 16
-DEFAULT_DEFER_BYTES = 256 << 20
-DEFAULT_MAX_SKIPS = 10
-# A GradScaler halves its scale at each backoff: from init_scale=1e12 it reaches 1.0 in 40 backoffs.
-DEFAULT_MAX_BACKOFFS = 64
-DEFAULT_MIN_LOSS_SCALE = 1.0
 
 
-@dataclasses.dataclass(frozen=True)
-class Options:
-    # the reference's
-    max_frames_to_save: Optional[int] = 21
-    trace_batch_nums: Any = None
-    abort_after_batch_num: Optional[int] = None
-    # when tensors are read and decided
-    check: str = "module"
-    backend: Optional[str] = None
-    buffer_rows: int = DEFAULT_BUFFER_ROWS
-    reuse_stats: bool = True
-    defer: bool = False
-    stage_bytes: int = DEFAULT_DEFER_BYTES
-    # what a frame holds
-    kwargs: bool = False
-    containers: bool = False
-    backward: bool = False
-    # what a detection does
-    on_detect: Union[str, Callable] = "raise"
-    ignore: tuple = ()
-    warn_above: Optional[float] = None
-    warn_gradients: bool = False
-    max_skips: int = DEFAULT_MAX_SKIPS
-    # under a GradScaler: where its backoff is a detection (``scaling``)
-    min_loss_scale: float = DEFAULT_MIN_LOSS_SCALE
-    max_backoffs: int = DEFAULT_MAX_BACKOFFS
-    # beyond the module: the op and the line that made the first nan/inf
-    find_op: bool = False
-    repro: Any = None
-    # torch.distributed
-    sync: bool = True
-    sync_timeout: Optional[datetime.timedelta] = None
-    # the flight recorder
-    log: Any = None
-    log_every: int = 1
-
-    @classmethod
-    def of(cls, **options):
-        """The options, validated (an unknown name is a TypeError naming the nearest option)."""
-        check_names(options)
-        merged = {field.name: options.get(field.name, field.default) for field in dataclasses.fields(cls)}
-        for name, check in _CHECKS.items():
-            merged[name] = check(name, merged[name])
-        return cls(**merged)
-
-    def changed(self, **options):
-        """These options with some replaced (validated again)."""
-        return Options.of(**{**dataclasses.asdict(self), **options})
-
-    @property
-    def keeps_calls(self):
-        """Whether each call's inputs are kept for a detection's replay (``find_op``, ``repro``)."""
-        return self.find_op or self.repro is not None
-
-    @property
-    def explain(self):
-        """Beyond the drop-in, a report ends with the lines saying where the values were born."""
-        return self.kwargs or self.containers or self.backward
-
-
-def check_names(options, also=()):
-    """Raise a TypeError for any name in ``options`` that is neither an option nor in ``also``
-    (a caller's own arguments), suggesting the nearest known name of each."""
-    known = [field.name for field in dataclasses.fields(Options)] + list(also)
-    unknown = [name for name in options if name not in known]
-    if not unknown:
-        return
-    described = []
-    for name in unknown:
-        near = difflib.get_close_matches(str(name), known, n=1, cutoff=0.6)
-        described.append(f"{name!r} (did you mean {near[0]!r}?)" if near else repr(name))
-    raise TypeError(f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(described)}; every option is "
-                    "listed in docs/options.md")
+def integer(value, name, what):
+    """``value`` as an int (numpy integers and 0-dim integer tensors too), else a TypeError saying
+    that ``name`` takes ``what``; a bool is not an integer here."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} takes {what}, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} takes {what}, got {type(value).__name__} {value!r}") from None
 
 
 def validated_flag(name, value):
@@ -107,18 +40,9 @@ def validated_flag(name, value):
     return value
 
 
-def _integer(value, name, what):
-    if isinstance(value, bool):
-        raise TypeError(f"{name} takes {what}, got {value!r}")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} takes {what}, got {type(value).__name__} {value!r}") from None
-
-
 def _at_least(least):
     def check(name, value):
-        if isinstance(value, bool) or not isinstance(value, int):  # a ValueError, as it always was
+        if isinstance(value, bool) or not isinstance(value, int):  # a ValueError, like a number below the least
             raise ValueError(f"{name} takes an int >= {least}, got {type(value).__name__} {value!r}")
         if value < least:
             raise ValueError(f"{name} takes an int >= {least}, got {value}")
@@ -131,7 +55,7 @@ def _max_frames(name, value):
     # 0-dim integer tensors
     if value is None:
         return None
-    value = _integer(value, name, "an int >= 0 or None")
+    value = integer(value, name, "an int >= 0 or None")
     if value < 0:
         raise ValueError(f"{name} takes an int >= 0 or None, got {value}")
     return value
@@ -149,17 +73,18 @@ def _batch_numbers(name, value):
 def _optional_integer(name, value):
     # kept as given: the reference's message prints it as it was passed
     if value is not None:
-        _integer(value, name, "an int or None")
+        integer(value, name, "an int or None")
     return value
 
 
-def _choice(choices):
+def _choice(choices, or_else=""):
+    what = f"one of {', '.join(map(repr, choices))}{or_else}"
+
     def check(name, value):
         if not isinstance(value, str):
-            raise TypeError(f"{name} takes one of {', '.join(map(repr, choices))}, got {type(value).__name__} "
-                            f"{value!r}")
+            raise TypeError(f"{name} takes {what}, got {type(value).__name__} {value!r}")
         if value not in choices:
-            raise ValueError(f"{name} takes one of {', '.join(map(repr, choices))}, got {value!r}")
+            raise ValueError(f"{name} takes {what}, got {value!r}")
         return value
     return check
 
@@ -171,14 +96,7 @@ def _backend(name, value):
 
 
 def _on_detect(name, value):
-    if callable(value):
-        return value
-    if not isinstance(value, str):
-        raise TypeError(f"{name} takes one of {', '.join(map(repr, ON_DETECT))} or a callable, got "
-                        f"{type(value).__name__} {value!r}")
-    if value not in ON_DETECT:
-        raise ValueError(f"{name} takes one of {', '.join(map(repr, ON_DETECT))} or a callable, got {value!r}")
-    return value
+    return value if callable(value) else _choice(ON_DETECT, " or a callable")(name, value)
 
 
 def _patterns(name, value):
@@ -257,35 +175,91 @@ def _log(name, value):
     return tuple(targets) if isinstance(value, (list, tuple)) else value
 
 
-_CHECKS = {
-    "max_frames_to_save": _max_frames,
-    "trace_batch_nums": _batch_numbers,
-    "abort_after_batch_num": _optional_integer,
-    "check": _choice(CHECK_MODES),
-    "backend": _backend,
-    "buffer_rows": _at_least(1),
-    "reuse_stats": validated_flag,
-    "defer": validated_flag,
-    "stage_bytes": _at_least(0),
-    "kwargs": validated_flag,
-    "containers": validated_flag,
-    "backward": validated_flag,
-    "on_detect": _on_detect,
-    "ignore": _patterns,
-    "warn_above": _fraction,
-    "warn_gradients": validated_flag,
-    "max_skips": _at_least(0),
-    "min_loss_scale": _scale_floor,
-    "max_backoffs": _at_least(0),
-    "find_op": validated_flag,
-    "repro": _directory,
-    "sync": validated_flag,
-    "sync_timeout": _timeout,
-    "log": _log,
-    "log_every": _at_least(1),
-}
+def option(default, check):
+    """A field of ``Options``: its default, and the check that validates a value given for it
+    (``check(name, value)`` returns the value to keep, or raises naming the option)."""
+    return dataclasses.field(default=default, metadata={"check": check})
 
 
-def validated(name, value):
-    """One option's value, checked as ``Options.of`` checks it."""
-    return _CHECKS[name](name, value)
+@dataclasses.dataclass(frozen=True)
+class Options:
+    # the reference's
+    max_frames_to_save: Optional[int] = option(21, _max_frames)
+    trace_batch_nums: Any = option(None, _batch_numbers)
+    abort_after_batch_num: Optional[int] = option(None, _optional_integer)
+    # when tensors are read and decided
+    check: str = option("module", _choice(CHECK_MODES))
+    backend: Optional[str] = option(None, _backend)
+    buffer_rows: int = option(1 << 16, _at_least(1))
+    reuse_stats: bool = option(True, validated_flag)
+    defer: bool = option(False, validated_flag)
+    stage_bytes: int = option(256 << 20, _at_least(0))
+    # what a frame holds
+    kwargs: bool = option(False, validated_flag)
+    containers: bool = option(False, validated_flag)
+    backward: bool = option(False, validated_flag)
+    # what a detection does
+    on_detect: Union[str, Callable] = option("raise", _on_detect)
+    ignore: tuple = option((), _patterns)
+    warn_above: Optional[float] = option(None, _fraction)
+    warn_gradients: bool = option(False, validated_flag)
+    max_skips: int = option(10, _at_least(0))
+    # under a GradScaler: where its backoff is a detection (``scaling``); a GradScaler halves its
+    # scale at each backoff: from init_scale=1e12 it reaches 1.0 in 40 backoffs
+    min_loss_scale: float = option(1.0, _scale_floor)
+    max_backoffs: int = option(64, _at_least(0))
+    # beyond the module: the op and the line that made the first nan/inf
+    find_op: bool = option(False, validated_flag)
+    repro: Any = option(None, _directory)
+    # torch.distributed
+    sync: bool = option(True, validated_flag)
+    sync_timeout: Optional[datetime.timedelta] = option(None, _timeout)
+    # the flight recorder
+    log: Any = option(None, _log)
+    log_every: int = option(1, _at_least(1))
+
+    @classmethod
+    def of(cls, **options):
+        """The options, validated (an unknown name is a TypeError naming the nearest option)."""
+        check_names(options)
+        return cls(**{field.name: field.metadata["check"](field.name, options.get(field.name, field.default))
+                      for field in dataclasses.fields(cls)})
+
+    def changed(self, **options):
+        """These options with some replaced, the new values validated."""
+        check_names(options)
+        checks = {field.name: field.metadata["check"] for field in dataclasses.fields(self)}
+        return dataclasses.replace(self, **{name: checks[name](name, value) for name, value in options.items()})
+
+    @property
+    def keeps_calls(self):
+        """Whether each call's inputs are kept for a detection's replay (``find_op``, ``repro``)."""
+        return self.find_op or self.repro is not None
+
+
+NAMES = tuple(field.name for field in dataclasses.fields(Options))
+
+# watch()'s defaults where they are not the drop-in's: the recommended modern ones
+WATCH_DEFAULTS = dict(check="batch", kwargs=True, containers=True, backward=True, find_op=True)
+
+
+def of_arguments(arguments, unknown):
+    """The options a signature that lists every option received: ``arguments`` its parameters by
+    name (``locals()``), ``unknown`` what its ``**unknown`` caught (each misspelled name is named
+    with the nearest option)."""
+    return Options.of(**unknown, **{name: arguments[name] for name in NAMES})
+
+
+def check_names(options, also=()):
+    """Raise a TypeError for any name in ``options`` that is neither an option nor in ``also``
+    (a caller's own arguments), suggesting the nearest known name of each."""
+    known = list(NAMES) + list(also)
+    unknown = [name for name in options if name not in known]
+    if not unknown:
+        return
+    described = []
+    for name in unknown:
+        near = difflib.get_close_matches(str(name), known, n=1, cutoff=0.6)
+        described.append(f"{name!r} (did you mean {near[0]!r}?)" if near else repr(name))
+    raise TypeError(f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(described)}; every option is "
+                    "listed in docs/options.md")

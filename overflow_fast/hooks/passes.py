@@ -30,7 +30,7 @@ import warnings
 
 import torch
 
-from . import culprit, policy, where
+from . import culprit, source, where
 from .. import distributed
 from .compiled import Traced
 from .decisions import NO_ROWS, Pending
@@ -244,7 +244,7 @@ class Passes:
             frame.incoming_read = self.incoming_read(decisions.modules_by_name().get(frame.module_name))
         if found.bad:  # where in the tensor the Source line names
             found.detection["where"] = where.facts(
-                found.first_frame, policy.source_entry(found.first_frame, found.bad),
+                found.first_frame, source.source_entry(found.first_frame, found.bad),
                 where.Held(found.tensors, found.inputs, self.kept_forward, self.kept_gradients,
                            decisions.modules_by_name(), self.options.kwargs, self.options.containers,
                            decisions.samples))

@@ -39,7 +39,6 @@ from ..stats.layout import NAN, NEGINF, NUM_COLUMNS, POSINF, host_bytes
 
 
 MAX_REMEMBERED = 1 << 16  # tensors whose rows a pass remembers for reuse; past it the table starts over
-DEFAULT_DEFER_BYTES = 256 << 20
 
 CHANGED_AFTER_HOOK = ("changed after this hook (in place, or its memory freed or swapped) before its deferred "
                       "read; read in its hook from now on")
@@ -58,7 +57,7 @@ class Reads:
     returns its sources; ``read`` brings every row to the host; ``resolve`` gives a frame its rows;
     ``reset`` frees every row (after the calls that use them are replayed)."""
 
-    def __init__(self, backend, capacity, reuse=True, defer_bytes=DEFAULT_DEFER_BYTES):
+    def __init__(self, backend, capacity, reuse, defer_bytes):
         self.backend = backend
         self.capacity = capacity
         self._core = new_core(capacity, defer_bytes, MAX_REMEMBERED if reuse else 0)

@@ -11,8 +11,8 @@ checks, each backward pass), so a nan is reported at the step that made it. Dete
 records carry the trainer's ``global_step`` and ``"train"`` or ``"eval"``.
 """
 
-from ..hooks.detector import WATCH_DEFAULTS, DebugUnderflowOverflow
-from ..hooks.options import Options
+from ..hooks.detector import DebugUnderflowOverflow
+from ..hooks.options import WATCH_DEFAULTS, Options
 
 try:
     import lightning.pytorch as pl
@@ -33,13 +33,12 @@ class DetectorCallback(pl.Callback):
     detector is ``callback.detector`` while it is attached."""
 
     def __init__(self, **options):
-        self.options = {**WATCH_DEFAULTS, **options}
-        Options.of(**self.options)  # a bad option fails here, not when fit() starts
+        self.options = Options.of(**{**WATCH_DEFAULTS, **options})  # a bad option fails here, not in fit()
         self.detector = None
 
     def on_fit_start(self, trainer, pl_module):
         self._detach(quiet=False)
-        self.detector = DebugUnderflowOverflow(pl_module, **self.options)
+        self.detector = DebugUnderflowOverflow.from_options(pl_module, self.options)
 
     def _batch_start(self, trainer, mode):
         if self.detector is not None:

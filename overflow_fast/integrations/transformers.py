@@ -31,8 +31,8 @@ except ImportError as missing:
                       f"transformers (import transformers failed: {missing})") from missing
 
 from . import samples
-from ..hooks.detector import WATCH_DEFAULTS, DebugUnderflowOverflow
-from ..hooks.options import Options, check_names, validated_flag
+from ..hooks.detector import DebugUnderflowOverflow
+from ..hooks.options import WATCH_DEFAULTS, Options, check_names, validated_flag
 
 __all__ = ["DetectorCallback", "TrainerPatch", "use_in_trainer"]
 
@@ -191,8 +191,7 @@ class DetectorCallback(TrainerCallback):
 
     def __init__(self, report_to=False, **detector_kwargs):
         check_names(detector_kwargs, also=("report_to",))  # a misspelled one names the nearest
-        self.detector_kwargs = {**WATCH_DEFAULTS, **detector_kwargs}
-        Options.of(**self.detector_kwargs)  # a bad option fails here, not when train() starts
+        self.options = Options.of(**{**WATCH_DEFAULTS, **detector_kwargs})  # a bad one fails here, not in train()
         self.report_to = validated_flag("report_to", report_to)
         self.detector = None
         self._steps = None
@@ -203,14 +202,14 @@ class DetectorCallback(TrainerCallback):
         if model is None:
             raise ValueError("DetectorCallback: the Trainer passed no model to on_train_begin")
         trainer = _current_trainer()
-        options = dict(self.detector_kwargs)
+        options = self.options
         if self.report_to and trainer is not None:
-            log = options.get("log")
+            log = options.log
             sinks = ([] if log is None else list(log) if isinstance(log, (list, tuple)) else [log])
             sinks += _reporters(trainer)
             if sinks:
-                options["log"] = sinks
-        self.detector = DebugUnderflowOverflow(model, **options)
+                options = options.changed(log=sinks)
+        self.detector = DebugUnderflowOverflow.from_options(model, options)
         if trainer is not None:
             self._steps = _Follower(self.detector, trainer)
             self._steps.follow_samples(train_dataloader, state.global_step > 0)
@@ -244,14 +243,17 @@ class TrainerPatch:
 
     def __init__(self, detector_kwargs):
         self.detector_kwargs = dict(detector_kwargs)
-        Options.of(**{**WATCH_DEFAULTS, **self.detector_kwargs})  # a bad option fails here
+        self.options = Options.of(**{**WATCH_DEFAULTS, **self.detector_kwargs})  # a bad option fails here
         self.detectors = []
         self._module = _trainer_module()
         _ensure_train_wrapper()
 
         def build(model, *args, **kwargs):
-            # the Trainer calls DebugUnderflowOverflow(self.model): our options fill the rest
-            detector = DebugUnderflowOverflow(model, *args, **{**WATCH_DEFAULTS, **self.detector_kwargs, **kwargs})
+            # the Trainer calls DebugUnderflowOverflow(self.model): our options are the rest
+            if args or kwargs:
+                detector = DebugUnderflowOverflow(model, *args, **{**WATCH_DEFAULTS, **self.detector_kwargs, **kwargs})
+            else:
+                detector = DebugUnderflowOverflow.from_options(model, self.options)
             self.detectors.append(detector)
             stack = getattr(_calls, "stack", None)
             if stack:
