@@ -32,7 +32,7 @@ class Frame:
         self.phase = phase
         self.consumers = consumers  # an output gradient's frame: the modules whose backward produced it
         self.bad_shards = None  # row index -> ranks whose DTensor shard of it holds a nan/inf
-        self.inputs = None  # find_op: the call's inputs (culprit.CallInputs), for its replay
+        self.inputs = None  # find_op: the call's inputs (culprit.KeptCall), for its replay
         self.tensors = None  # a call decided in its hook that detects: its tensors, for the Where line
         # a detection in parameters' gradients: whether the gradient arriving at the module's
         # outputs was read before (None: not asked)
