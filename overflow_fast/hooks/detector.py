@@ -27,7 +27,7 @@ from ..recording.flight import StepLog
 from .frames import BACKWARD, FORWARD, entries_of, forward_items, graph_task_id, transform_level
 from .gradients import GradientHooks
 from .options import WATCH_DEFAULTS, integer, of_arguments  # noqa: F401 - WATCH_DEFAULTS: the integrations'
-from .passes import Passes
+from .passes import Passes, PassState
 from .counting import Counting
 from .early_warnings import EarlyWarnings
 from .on_detect import kind as on_detect_kind
@@ -326,11 +326,11 @@ class DebugUnderflowOverflow:
         if graph_task_id() != -1:
             # recomputed in backward (activation checkpointing): the backward pass decides it
             if not raised:
-                with run.lock, _FunctorchOff() as transformed:
+                with run.lock, _functorch_off() as transformed:
                     self._forward_call(run.backward_pass(), module, input, output, kwargs, True, transformed,
                                        inputs)
             return
-        with run.lock, _FunctorchOff() as transformed:
+        with run.lock, _functorch_off() as transformed:
             current = run.forward_pass()
             try:
                 if not raised:
@@ -348,7 +348,7 @@ class DebugUnderflowOverflow:
         run = self._passes
         if run.traced:
             run.traced.absorb(run, current, self.model, inputs)  # a compiled region ran before this call
-        if current.stopping:
+        if current.state is _STOPPING:
             return  # this rank reported; it stops with the others when the pass ends
         entries, tensors, dtypes = entries_of(forward_items(module, input, output, kwargs, self.containers),
                                               transformed)
@@ -374,9 +374,9 @@ class DebugUnderflowOverflow:
 
     def _gradient_hook(self, module, items, consumers):
         run = self._passes
-        with run.lock, _FunctorchOff() as transformed:
+        with run.lock, _functorch_off() as transformed:
             current = run.backward_pass()
-            if current.stopping:
+            if current.state is _STOPPING:
                 return
             entries, tensors, dtypes = entries_of(items, transformed)
             run.add(current, self.decisions.state.count_backward(), module, entries, dtypes, tensors, BACKWARD,
@@ -393,20 +393,39 @@ _compat.never_a_compiled_frame(DebugUnderflowOverflow._before, DebugUnderflowOve
 class _FunctorchOff:
     """Inside a torch.func transform, the hook's own work runs with functorch's dispatch off: what
     it allocates stays a plain tensor, and it reads the values under the wrappers
-    (``frames.untransformed``). ``as`` gives whether a transform is active."""
+    (``frames.untransformed``). ``as`` gives True: a transform is active."""
 
     __slots__ = ("guard",)
 
     def __enter__(self):
-        self.guard = torch._C._DisableFuncTorch() if transform_level() is not None else None
-        if self.guard is not None:
-            self.guard.__enter__()
-        return self.guard is not None
+        self.guard = torch._C._DisableFuncTorch()
+        self.guard.__enter__()
+        return True
 
     def __exit__(self, *exc):
-        if self.guard is not None:
-            self.guard.__exit__(*exc)
+        self.guard.__exit__(*exc)
         return False
+
+
+class _OutsideTransforms:
+    """``_functorch_off()`` outside any torch.func transform (nearly every hook): nothing to turn off."""
+
+    __slots__ = ()
+
+    def __enter__(self):
+        return False
+
+    def __exit__(self, *exc):
+        return False
+
+
+_OUTSIDE_TRANSFORMS = _OutsideTransforms()
+_STOPPING = PassState.STOPPING
+
+
+def _functorch_off():
+    """The context a hook's own work runs in: functorch's dispatch off inside a transform."""
+    return _OUTSIDE_TRANSFORMS if transform_level() is None else _FunctorchOff()
 
 
 # Detectors whose hooks are on a model (not removed), to warn when a second one joins them.

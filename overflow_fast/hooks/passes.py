@@ -51,6 +51,9 @@ except ImportError:
     _STOP_RECOMPUTATION = ()
 
 
+_pending = Pending._make  # without namedtuple's Python-level __new__ (it runs at every hook)
+
+
 class PassState(enum.Enum):
     """Where a pass is. RUNNING, then ENDING, then CLOSED; STOPPING from RUNNING or ENDING;
     ABANDONED from RUNNING or STOPPING; every pass ends CLOSED."""
@@ -138,6 +141,10 @@ class Passes:
         self.decisions = decisions
         self.model = model
         self.gradients = gradients
+        # the options the hooks ask at every call, read once
+        self.keeps_calls = options.keeps_calls
+        self.decides_each_call = options.check == "module"
+        self.may_defer = options.defer and options.check == "batch"
         self.sync_timeout = options.sync_timeout
         self.strategy = strategy(options.on_detect, model, options.max_skips)
         self.lock = threading.RLock()  # hooks may run on several threads
@@ -223,7 +230,7 @@ class Passes:
                 with self.lock:
                     self._forward_begins(module is self.model)
         kept = (KeptCall(module, args, kwargs, calls[-1][2] if calls else None, self.autocast)
-                if self.options.keeps_calls else None)
+                if self.keeps_calls else None)
         calls.append((module, sys.exc_info()[1], kept))
 
     def _forward_begins(self, by_the_model):
@@ -231,7 +238,7 @@ class Passes:
             self.abandon_backward()
         self.spent = None
         self.kept_forward = []  # what an earlier forward kept for its backward's replay
-        if self.options.keeps_calls:
+        if self.keeps_calls:
             self.autocast = autocast_state()
         if by_the_model and self.gradients is not None:
             self.gradients.new_forward()
@@ -243,7 +250,7 @@ class Passes:
         # no entry of its own: its pre hook did not run (another one before it raised, or the
         # detector was attached during the call)
         _, ambient, kept = calls.pop() if calls and calls[-1][0] is module else (None, None, None)
-        if kept is None and module is self.model and not calls and self.options.keeps_calls:
+        if kept is None and module is self.model and not calls and self.keeps_calls:
             # a compiled model: its pre hook was traced; its call as seen at its end, for find_op
             with self.lock:
                 self.kept_forward = []
@@ -283,26 +290,30 @@ class Passes:
 
     def decides_now(self, call):
         """Whether a call is decided at once: with check="module", in a traced batch, after a detection."""
-        return self.options.check == "module" or call.trace_mode or self.decisions.state.detected_overflow
+        return self.decides_each_call or call.trace_mode or self.decisions.state.detected_overflow
 
     def add(self, current, call, module, entries, dtypes, tensors, phase, consumers=None, inputs=None):
         """Read a call's tensors (or let them wait, see ``reads``) and queue the call; decide now
-        with check="module", in a traced batch and after a detection."""
-        now = self.decides_now(call)
+        with check="module", in a traced batch and after a detection (``decides_now``, inlined:
+        this runs at every hook)."""
+        now = self.decides_each_call or call.trace_mode or self.decisions.state.detected_overflow
         if not tensors:
             sources = NO_ROWS
         else:
             reads = current.reads
-            defer = self.options.defer and self.options.check == "batch" and not now
-            site = id(module) if may_wait(defer, phase, call.trace_mode, tensors) else -1
+            site = (id(module) if self.may_defer and may_wait(not now, phase, call.trace_mode, tensors)
+                    else -1)
             sources = reads.add(tensors, site)
             if sources is None:  # the buffer is full: what waits is decided now
                 self.flush(current)
                 reads.reset()
                 sources = reads.add(tensors, site)
         # decided now: its tensors stay referenced until then, for a detection's Where line
-        self.queue(current, Pending(call, module, entries, dtypes, sources, phase, consumers, inputs,
-                                    tensors if now else None), now)
+        queue = current.queue
+        queue.append(_pending((call, module, entries, dtypes, sources, phase, consumers, inputs,
+                               tensors if now else None)))
+        if now or len(queue) >= self.options.buffer_rows:
+            self.flush(current)
 
     def queue(self, current, pending, now=False):
         current.queue.append(pending)
@@ -465,7 +476,7 @@ class Passes:
     def decide_when_backward_ends(self):
         """Decide the backward pass when this backward ends, before ``backward()`` returns and so
         before the optimizer step."""
-        if not (self.options.check == "batch" or self.options.keeps_calls or self.sync_wanted()):
+        if not (not self.decides_each_call or self.keeps_calls or self.sync_wanted()):
             return
         task = graph_task_id()
         if self.flush_task == task:
