@@ -138,8 +138,10 @@ def autocast_state():
 
 def versions_of(args, kwargs):
     """Each input tensor's version counter, in order (positional, then keyword; one level deep)."""
-    values = list(args) + (list(kwargs.values()) if kwargs else [])
-    return tuple(v._version for v in values if isinstance(v, torch.Tensor) and not v.is_inference())
+    versions = [v._version for v in args if isinstance(v, torch.Tensor) and not v.is_inference()]
+    if kwargs:
+        versions.extend(v._version for v in kwargs.values() if isinstance(v, torch.Tensor) and not v.is_inference())
+    return tuple(versions)
 
 
 def user_code(module, replay):

@@ -305,18 +305,18 @@ class DebugUnderflowOverflow:
             return
         self._passes.call_starts(module, sys._getframe(1), args, kwargs)
 
-    def _after(self, module, input, output):
-        self._after_with_kwargs(module, input, None, output)
+    def _after_with_kwargs(self, module, input, kwargs, output):
+        self._after(module, input, output, kwargs)
 
     @torch.compiler.disable
     def _after_model(self, module, input, output):
-        self._after_with_kwargs(module, input, None, output)
+        self._after(module, input, output)
 
     @torch.compiler.disable
     def _after_model_with_kwargs(self, module, input, kwargs, output):
-        self._after_with_kwargs(module, input, kwargs, output)
+        self._after(module, input, output, kwargs)
 
-    def _after_with_kwargs(self, module, input, kwargs, output):
+    def _after(self, module, input, output, kwargs=None):
         run = self._passes
         if is_compiling():
             return run.traced.record(module, input, output, kwargs, self.containers, self.backend)
@@ -346,7 +346,7 @@ class DebugUnderflowOverflow:
 
     def _forward_call(self, current, module, input, output, kwargs, recomputed, transformed, inputs=None):
         run = self._passes
-        if run.traced:
+        if run.traced.records:
             run.traced.absorb(run, current, self.model, inputs)  # a compiled region ran before this call
         if current.state is _STOPPING:
             return  # this rank reported; it stops with the others when the pass ends
