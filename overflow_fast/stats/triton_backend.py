@@ -183,6 +183,15 @@ def unavailable_reason():
     return "no CUDA device, and TRITON_INTERPRET=1 was not set before overflow_fast loaded the backend"
 
 
+def table_words(device: torch.device) -> dict:
+    """{dtype: format word} of the dtypes whose table of plain tensors on ``device`` this backend
+    builds in one C++ loop (``scan``); empty without the extension."""
+    if _TRITON_TABLE is None:
+        return {}
+    # supports() looks only at the device, dtype and layout: an empty probe answers for all
+    return {dtype: word for dtype, word in _FORMAT_WORD.items() if supports(torch.empty(0, dtype=dtype, device=device))}
+
+
 def supports(tensor: torch.Tensor) -> bool:
     # The interpreter reads the pointer table as host addresses, so it takes CPU tensors only;
     # compiled kernels take CUDA tensors only.
