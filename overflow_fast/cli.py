@@ -296,11 +296,11 @@ def run_diff(args):
 
 
 def run_replay(args):
-    from .hooks import find_op
+    from .hooks import op_replay
 
     try:
-        payload = find_op.load_repro(args.file, map_location=args.map_location)
-    except find_op.ReproError as error:
+        payload = op_replay.load_repro(args.file, map_location=args.map_location)
+    except op_replay.ReproError as error:
         print(f"overflow-fast: {error}", file=sys.stderr)
         return 1
     detection = payload.get("detection") or {}
@@ -310,12 +310,12 @@ def run_replay(args):
           f"overflow_fast {payload.get('overflow_fast_version')}")
     if payload.get("torch_version") != torch_version():
         print(f"note: this is torch {torch_version()}: the replay may differ", file=sys.stderr)
-    result = find_op.replay_repro(payload)
+    result = op_replay.replay_repro(payload)
     recorded = detection.get("op") or {}
     if result.get("op") is not None and result.get("file") is None and result["op"] == recorded.get("op"):
         # no line of code outside torch ran it: the module whose torch code did, as the run named it
         result = {**result, "module": recorded.get("module")}
-    print(find_op.op_line(result))
+    print(op_replay.op_line(result))
     return 0
 
 
