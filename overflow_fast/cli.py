@@ -4,9 +4,9 @@ its own ``--help``.
 
 ``report RUN.jsonl [RUN.rank1.jsonl ...] [--png OUT.png]`` reads the records (every line checked
 against ``schema.py``; bounded memory: aggregates per module and per step bin, never the records
-themselves; ``logsummary.py``) and prints a summary; ``--png`` draws headroom per module over steps
+themselves; ``report/summary.py``) and prints a summary; ``--png`` draws headroom per module over steps
 (matplotlib, ``overflow_fast[plot]``). With DuckDB installed (``overflow_fast[fast-report]``) the
-files are scanned by DuckDB (``logsummary_duckdb.py``), all at once; without it, by plain Python.
+files are scanned by DuckDB (``report/duckdb_summary.py``), all at once; without it, by plain Python.
 Both give the same summary. Logs compressed with gzip, bzip2 or xz are read as they are (told by
 their first bytes, whatever their names); one cut or damaged is read up to the damage, which counts
 as a malformed line; a zstd one is refused (exit 1).

@@ -1,6 +1,6 @@
 """The ``report --png`` picture (matplotlib, Agg backend): headroom per module over steps, the
 curves of the modules closest to overflow, and the underflow hot spots' fractions. What is drawn
-comes from ``logsummary.Picture`` (plain data, tested there); this module only draws it.
+comes from ``summary.Picture`` (plain data, tested there); this module only draws it.
 
 Importing this module raises ImportError when matplotlib is missing (the CLI turns that into a
 message naming ``pip install overflow_fast[plot]``).
