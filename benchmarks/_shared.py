@@ -1,4 +1,5 @@
-"""What the benchmark scripts share: the small GPT-2 they build and the loop that times variants.
+"""What the benchmark scripts share: the small GPT-2 they build, the loop that times variants, and
+the measured run of a command in a child process.
 
 ``gpt2(...)`` is transformers' GPT2LMHeadModel from a config, random weights (nothing downloaded),
 seeded so that every variant of a script starts from the same weights.
@@ -7,16 +8,22 @@ seeded so that every variant of a script starts from the same weights.
 the variants take turns within each round (the order reversed every other round, so none always
 runs after the same neighbour), the first rounds only warm up (allocator, lazy init), and each
 variant's median is returned. Only figures from the same call compare.
+
+``command_measured(args)`` runs ``python -m overflow_fast ARGS`` in a child process: its wall and CPU
+time and its peak resident memory.
 """
 
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
-
-import torch
 
 
 def gpt2(layers, width, heads, vocab, positions, seed=0, **config):
     """A GPT2LMHeadModel of ``layers`` blocks of ``width``, random weights from ``seed``."""
+    import torch
     import transformers
 
     torch.manual_seed(seed)
@@ -41,3 +48,21 @@ def round_robin(steps, repeats, warm_up=2, synchronize=None):
             if index >= warm_up:
                 times[name].append(time.perf_counter() - start)
     return {name: statistics.median(values) for name, values in times.items()}
+
+
+def command_measured(args):
+    """(seconds, peak RSS in MB, stdout, CPU seconds) of one ``python -m overflow_fast ARGS`` run
+    of this checkout, in a child process (its resources from wait4()); a failed run raises."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        start = time.perf_counter()
+        child = subprocess.Popen([sys.executable, "-m", "overflow_fast", *args], stdout=out, stderr=err, env=env)
+        _, status, usage = os.wait4(child.pid, 0)
+        seconds = time.perf_counter() - start
+        code = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        if code != 0:
+            raise RuntimeError(f"{' '.join(args)} failed ({code}): {err.read().decode()[-2000:]}")
+        return seconds, usage.ru_maxrss / 1024, out.read().decode(), usage.ru_utime + usage.ru_stime
