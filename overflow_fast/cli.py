@@ -244,13 +244,7 @@ def run_report(args):
         if not summary.entries:
             print("overflow-fast: no tensor entries to draw", file=sys.stderr)
             return 1
-        try:
-            size = plot.draw(summary, args.png, size=args.size, curves=args.curves,
-                             title_source=", ".join(os.path.basename(p) for p in paths))
-        except OSError as error:
-            print(f"overflow-fast: cannot write {args.png}: {error.strerror or error}", file=sys.stderr)
-            return 1
-        print(f"\npicture: {args.png} ({size[0]}x{size[1]} pixels)")
+        return _draw(plot, summary, args, ", ".join(os.path.basename(p) for p in paths))
     return 0
 
 
@@ -285,13 +279,18 @@ def run_diff(args):
         if not diff.modules:
             print("overflow-fast: no aligned entries to draw", file=sys.stderr)
             return 1
-        try:
-            size = plot.draw(diff, args.png, size=args.size, curves=args.curves,
-                             title_source=" vs ".join(os.path.basename(p) for p in paths))
-        except OSError as error:
-            print(f"overflow-fast: cannot write {args.png}: {error.strerror or error}", file=sys.stderr)
-            return 1
-        print(f"\npicture: {args.png} ({size[0]}x{size[1]} pixels)")
+        return _draw(plot, diff, args, " vs ".join(os.path.basename(p) for p in paths))
+    return 0
+
+
+def _draw(plot, drawn, args, title_source):
+    """``--png``: ``plot`` draws ``drawn`` (a summary or a diff); the exit status."""
+    try:
+        size = plot.draw(drawn, args.png, size=args.size, curves=args.curves, title_source=title_source)
+    except OSError as error:
+        print(f"overflow-fast: cannot write {args.png}: {error.strerror or error}", file=sys.stderr)
+        return 1
+    print(f"\npicture: {args.png} ({size[0]}x{size[1]} pixels)")
     return 0
 
 
