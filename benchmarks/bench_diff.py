@@ -23,8 +23,9 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import _results  # noqa: E402
 import _shared  # noqa: E402
-from bench_report import _LINE, cpu_name  # noqa: E402
+from bench_report import _LINE  # noqa: E402
 
 MODULES = 150
 ENTRIES = ("weight", "output", "weight.grad")
@@ -94,7 +95,7 @@ def main(argv=None):
             write_pair(b_extra + ".a", b_extra, args.mb << 20, extra=True)
             os.remove(b_extra + ".a")  # the same A as above
         pairs.append(("B: one module more", a, b_extra))
-    name, level = cpu_name()
+    name, level = _results.cpu_model(), _results.avx_level()
     try:
         import duckdb
         duck = duckdb.__version__

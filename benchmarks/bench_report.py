@@ -20,6 +20,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _results  # noqa: E402
 import _shared  # noqa: E402
 
 _LINE = ('{{"record":"entry","step":{step},"phase":"{phase}","call":{call},"module":"{module}",'
@@ -89,19 +90,6 @@ def measured(files, engine, png=None):
                                      *(["--png", png] if png else [])])
 
 
-def cpu_name():
-    try:
-        with open("/proc/cpuinfo") as f:
-            text = f.read()
-    except OSError:
-        return "unknown CPU", ""
-    name = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")),
-                "unknown CPU")
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    level = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
-    return name, level
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "overflow_fast_bench"))
@@ -113,7 +101,7 @@ def main(argv=None):
     if args.quick:
         args.runs, args.python_1gb = 1, True
     logs = ensure_logs(args.dir, quick=args.quick)
-    name, level = cpu_name()
+    name, level = _results.cpu_model(), _results.avx_level()
     try:
         import duckdb
         duck = duckdb.__version__
