@@ -268,6 +268,7 @@ def test_accelerate():
 
 def test_hf_trainer(tmp_path):
     transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")  # transformers' Trainer refuses to start without it
     import models
     from overflow_fast.integrations.transformers import DetectorCallback
 
