@@ -465,5 +465,6 @@ def _sharded_replays_worker(rank, repro):
             assert len(ops) == 1 and ops[0].startswith(f"[rank 1/2] Op: aten.exp at {__file__}:"), ops
 
 
+@pytest.mark.one_path  # find_op's replay on shards; the reads that lead to it: the tests above
 def test_under_tensor_parallelism_and_fsdp2_a_replay_runs_on_local_shards_or_says_why_not(tmp_path):
     run_ranks(_sharded_replays_worker, str(tmp_path), timeout=120)
