@@ -372,6 +372,7 @@ def _replays_worker(rank):
         assert total.item() == 3.0, (op, total)
 
 
+@pytest.mark.one_path  # find_op's replay and the ranks' agreement; the reads before them: the tests above
 def test_a_replay_never_communicates_and_every_rank_stops_together():
     run_ranks(_replays_worker, timeout=120)
 

@@ -28,8 +28,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 # (Python, torch, the transformers versions run with it): the floor (torch 2.7, the oldest tested,
-# which passes all but its compile tests), the lent GPU machine's torch on Python 3.12, the pinned CI torch, and the newest
-# torch the project's registry serves; transformers' last 4.x and a recent 5.x.
+# which passes all but its compile tests), the lent GPU machine's torch on Python 3.12, the pinned
+# CI torch, and the newest torch the project's registry serves; transformers' last 4.x and a
+# recent 5.x.
 MATRIX = (
     ("3.11", "2.7.1", ("4.57.6",)),
     ("3.12", "2.11.0", ("4.57.6", "5.18.0")),
