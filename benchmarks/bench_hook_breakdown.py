@@ -69,7 +69,7 @@ def pieces(model, run, hooks, forwards):
 
     Detector = DebugUnderflowOverflow
     samples = []
-    with timed(Detector, "_after_with_kwargs", "whole hook"), timed(detector_module, "entries_of", "entries_of"), \
+    with timed(Detector, "_after", "whole hook"), timed(detector_module, "entries_of", "entries_of"), \
             timed(reads_module.Reads, "add", "Reads.add"), timed(reads_module.Reads, "_stats", "tensor_stats"), \
             timed(Passes, "flush", "flush"), timed(Detector, "_before", "pre hook"):
         detector = Detector(model, check="batch")

@@ -484,6 +484,38 @@ def test_pickling_and_copying_a_model_carries_no_device_buffer(check):
         assert str(got_error) == OVERFLOW_ERROR and got_out == want_out, route
 
 
+
+@pytest.mark.parametrize("check", CHECKS)
+@pytest.mark.parametrize("route", ["deepcopy", "pickle"])
+def test_copying_a_model_mid_pass_is_refused_clearly(check, route):
+    model = make(Scaled, depth=2)
+    DebugUnderflowOverflow(model, check=check, backward=True)
+    x = batches(1)[0]
+    copy_now = {"deepcopy": copy.deepcopy, "pickle": pickle.dumps}[route]
+
+    def copies_inside_the_forward(module, args, output):  # the model's first call is still running
+        copy_now(model)
+
+    handle = model.layers[0].register_forward_hook(copies_inside_the_forward)
+    with pytest.raises(RuntimeError, match="cannot be copied or pickled while a forward or backward pass runs"):
+        model(x)
+    handle.remove()
+    if check == "batch":  # a gradient hook copying mid-backward, while the backward pass's calls wait
+        weight = next(module.weight for module in model.modules() if isinstance(module, nn.Linear))
+        handle = weight.register_post_accumulate_grad_hook(lambda parameter: copy_now(model) and None)
+        with pytest.raises(RuntimeError, match="cannot be copied or pickled while a forward or backward pass runs"):
+            model(x).sum().backward()
+        handle.remove()
+    # between steps it copies, and the copy and the original go on checking
+    model.zero_grad()
+    model(x).sum().backward()
+    clone = copy.deepcopy(model) if route == "deepcopy" else pickle.loads(pickle.dumps(model))
+    bad = with_value([x], 0, NAN)[0]
+    for watched in (model, clone):
+        out, error = capture(lambda: watched(bad))
+        assert str(error) == OVERFLOW_ERROR and "input[0] has nans" in out
+
+
 _FLUSH_CHILD = """
 import os, signal, sys
 import torch

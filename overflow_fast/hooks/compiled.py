@@ -33,7 +33,7 @@ class Traced:
     def absorb(self, passes, current, model, around=None):
         """Queue the records of a compiled region into the pass ``current``: one host read per
         device for all of them. ``around``: with find_op, the eager call whose hook absorbs them
-        (``culprit.CallInputs``; the region ran inside it or inside one of its parents), for a
+        (``culprit.KeptCall``; the region ran inside it or inside one of its parents), for a
         replay of the region's calls, which kept no inputs of their own."""
         records = list(self.records)
         self.records.clear()
@@ -42,7 +42,7 @@ class Traced:
             host[device] = iter(torch.cat([rows for *_, rows in records
                                            if rows is not None and rows.device == device]).tolist())
         for module, entries, dtypes, rows in records:
-            if current.stop_pending:
+            if current.stopping:
                 return
             sources = current.reads.host([next(host[rows.device]) for _ in dtypes]) if rows is not None else NO_ROWS
             call = passes.decisions.state.count(module is model)

@@ -41,7 +41,7 @@ _AUTOCAST_DEVICES = ("cpu", "cuda")
 CHANGED = "not reproduced on replay (the module's inputs changed in place after its hook)"
 
 
-class CallInputs:
+class KeptCall:
     """One hooked call as its replay needs it: the module, its positional and keyword inputs
     (references), their versions when it started, the call it ran in, its grad mode, the autocast
     of its forward (``autocast_state``, taken once per forward) and its output. ``root`` is the
@@ -138,8 +138,10 @@ def autocast_state():
 
 def versions_of(args, kwargs):
     """Each input tensor's version counter, in order (positional, then keyword; one level deep)."""
-    values = list(args) + (list(kwargs.values()) if kwargs else [])
-    return tuple(v._version for v in values if isinstance(v, torch.Tensor) and not v.is_inference())
+    versions = [v._version for v in args if isinstance(v, torch.Tensor) and not v.is_inference()]
+    if kwargs:
+        versions.extend(v._version for v in kwargs.values() if isinstance(v, torch.Tensor) and not v.is_inference())
+    return tuple(versions)
 
 
 def user_code(module, replay):
@@ -413,7 +415,7 @@ class _Culprit:
 
 
 def _holding(call):
-    """``call``, or where it let go of its inputs (``CallInputs.release``) the nearest call enclosing
+    """``call``, or where it let go of its inputs (``KeptCall.release``) the nearest call enclosing
     it that kept them; None when none did."""
     while call is not None and not call.kept:
         call = call.parent

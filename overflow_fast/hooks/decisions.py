@@ -27,7 +27,7 @@ NO_ROWS = (None, [], None)  # the sources of a call without tensors
 
 # A hook call waiting for its rows: what the reference's counters said (``call``), its module,
 # entries and dtypes, where its rows are (``sources``), its phase, for an output gradient the
-# modules whose backward produced it, with find_op its inputs (``culprit.CallInputs``), and for a
+# modules whose backward produced it, with find_op its inputs (``culprit.KeptCall``), and for a
 # call decided in its own hook its tensors (for a detection's Where line; like the inputs, kept
 # with the last clean pass's calls until the next pass begins).
 Pending = collections.namedtuple("Pending", ("call", "module", "entries", "dtypes", "sources", "phase", "consumers",
@@ -122,7 +122,7 @@ class Decisions:
         for line in lines:
             say(line)
         if detected:
-            self.state.detected_overflow = True
+            self.state.set_detected_overflow(True)
             frame.inputs, frame.tensors = inputs, tensors
         self.state.save(frame)
 

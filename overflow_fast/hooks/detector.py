@@ -21,14 +21,13 @@ from torch.compiler import is_compiling
 
 from . import text
 from .. import _compat
-from .decisions import NO_ROWS, Decisions
+from .decisions import Decisions
 from .errors import OverflowDetected, OverflowDetectedOnRanks, say  # noqa: F401 - the package's names
-from .culprit import CallInputs, autocast_state
 from ..recording.flight import StepLog
 from .frames import BACKWARD, FORWARD, entries_of, forward_items, graph_task_id, transform_level
 from .gradients import GradientHooks
 from .options import WATCH_DEFAULTS, integer, of_arguments  # noqa: F401 - WATCH_DEFAULTS: the integrations'
-from .passes import Passes, on_stack
+from .passes import Passes, PassState
 from .counting import Counting
 from .early_warnings import EarlyWarnings
 from .on_detect import kind as on_detect_kind
@@ -84,7 +83,6 @@ class DebugUnderflowOverflow:
         self.backend = _usable_backend(options.backend)  # the backend the hooks ask for (None: each device's)
         self._abort_after = None if options.abort_after_batch_num is None else int(options.abort_after_batch_num)
         self._handles = []
-        self._gradients = None
         self.analyse_model()
         log = StepLog(options.log, options.log_every) if options.log is not None else None
         # the Where and Source lines only where the frames already go beyond the reference's: the
@@ -96,12 +94,19 @@ class DebugUnderflowOverflow:
             Counting(strategy.reports, strategy.once_per, options.ignore),
             EarlyWarnings(options.warn_above, options.warn_gradients) if options.warn_above is not None else None,
             log, self.module_names, beyond_reference, rewinds=strategy.rewinds)
-        self._run = Passes(self)
+        # gradient frames: each parameter's gradient, and the gradient arriving at module outputs
+        self._gradients = (GradientHooks(model, self.module_names, self._gradient_hook,
+                                         self._kept_gradient if options.keeps_calls else None)
+                           if options.backward else None)
+        self._passes = self._new_passes()
         self._made_at = _caller()
         self._removed = False
         _warn_if_hooked(self)
         self.register_forward_hook()
         _ATTACHED.add(self)
+
+    def _new_passes(self):
+        return Passes(self.options, self.decisions, self.model, self.backend, self._gradients)
 
     # the options the hooks read, read-only (``options`` holds them all)
     check = property(lambda self: self.options.check)
@@ -123,7 +128,7 @@ class DebugUnderflowOverflow:
     total_calls = property(lambda self: self._state.total_calls,
                            lambda self, value: setattr(self._state, "total_calls", value))
     detected_overflow = property(lambda self: self._state.detected_overflow,
-                                 lambda self, value: setattr(self._state, "detected_overflow", value))
+                                 lambda self, value: self._state.set_detected_overflow(value))
 
     # -- the reference's methods ------------------------------------------------------------
 
@@ -177,19 +182,10 @@ class DebugUnderflowOverflow:
     def create_frame(self, module, input, output):
         """Build, check and save the frame of one hook call right away (one host read)."""
         entries, tensors, dtypes = entries_of(forward_items(module, input, output))
-        run = self._run
-        with run.lock:
-            if run.apart is None:
-                run.apart = run.new_reads()
-            sources = run.apart.read_apart(tensors) if tensors else NO_ROWS
-            frame = self.decisions.frame(run.apart, _Call(module, entries, dtypes, sources))
-            self.decisions.save(frame)
+        self._passes.decide_apart(module, entries, dtypes, tensors)
 
     def register_forward_hook(self):
         self.model.apply(self._register_forward_hook)
-        if self.backward:
-            self._gradients = GradientHooks(self.model, self.module_names, self._gradient_hook,
-                                            self._kept_gradient if self.options.keeps_calls else None)
 
     def _register_forward_hook(self, module):
         # A module shared by two parents is visited twice and so hooked twice, like the reference.
@@ -216,14 +212,14 @@ class DebugUnderflowOverflow:
         is done then: to watch the model again, make a new one."""
         _ATTACHED.discard(self)
         self._removed = True
-        with self._run.lock:
+        with self._passes.lock:
             handles, self._handles = self._handles, []
             for handle in handles:
                 handle.remove()
             if self._gradients is not None:
                 self._gradients.remove()
             try:
-                self._run.close()
+                self._passes.close()
             finally:
                 if self.decisions.log is not None:
                     self.decisions.log.close()
@@ -246,24 +242,30 @@ class DebugUnderflowOverflow:
 
     def __getstate__(self):
         # deepcopy(model) and torch.save(model) reach the detector through the model's hooks:
-        # carry the configuration and the ring, not device buffers, pending calls or a lock; a
-        # copy does not write into the original's log
-        state = {name: value for name, value in self.__dict__.items() if name != "_run"}
+        # carry the configuration and the ring, not device buffers or a lock; a copy does not
+        # write into the original's log. Calls waiting for their decision cannot be carried (their
+        # rows are in the device buffers): mid-pass, refuse, as GradScaler does mid-iteration.
+        if self._passes.waiting():
+            raise RuntimeError(f"overflow_fast: the detector made at {self._made_at} cannot be copied or pickled "
+                               "while a forward or backward pass runs (its calls wait for their decision, "
+                               "which a copy cannot carry): copy the model between steps, outside its "
+                               "forward and after backward() returns")
+        state = {name: value for name, value in self.__dict__.items() if name != "_passes"}
         state["decisions"] = copy.copy(self.decisions)
         state["decisions"].log = None
         return state
 
     def __setstate__(self, state):
         self.__dict__.update(state)
-        self._run = Passes(self)
+        self._passes = self._new_passes()
         if not getattr(self, "_removed", False):
             _ATTACHED.add(self)  # a copied model carries the copy's hooks
 
     def flush(self):
         """Read the pending statistics of every pass (one host read per device) and replay their
         calls in order. Raises the reference's ValueError if one of them holds a nan/inf."""
-        with self._run.lock:
-            self._run.flush_all()
+        with self._passes.lock:
+            self._passes.flush_all()
 
     def set_batch(self, ids=None):
         """The rows of the batch that runs next are these samples: ``ids`` holds one dataset index
@@ -279,7 +281,7 @@ class DebugUnderflowOverflow:
             elif isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
                 raise TypeError(f"set_batch takes a sequence of integer indices or None, got {type(ids).__name__}")
             ids = tuple(integer(i, "set_batch", "a sequence of integer indices or None") for i in ids)
-        with self._run.lock:
+        with self._passes.lock:
             self.decisions.samples = ids
 
     def set_step(self, global_step=None, mode=None):
@@ -291,9 +293,9 @@ class DebugUnderflowOverflow:
                 raise ValueError(f"global_step takes an int >= 0 or None, got {global_step}")
         if mode not in (None, "train", "eval"):
             raise ValueError(f"mode must be 'train', 'eval' or None, got {mode!r}")
-        with self._run.lock:
+        with self._passes.lock:
             if global_step is not None and global_step != self.decisions.global_step:
-                self._run.strategy.new_step()
+                self._passes.strategy.new_step()
             self.decisions.global_step, self.decisions.mode = global_step, mode
 
     # -- the hooks ----------------------------------------------------------------------------
@@ -301,82 +303,52 @@ class DebugUnderflowOverflow:
     def _before(self, module, args, kwargs=None):
         if is_compiling():
             return
-        run = self._run
-        thread = run.thread
-        calls = thread.calls
-        if calls and (module is calls[0][0] or module is self.model) and not on_stack(thread.outer):
-            with run.lock:  # the calls running never returned: a BaseException left their forward
-                run.abandon_forward()
-        if not calls:
-            thread.outer = sys._getframe(1)  # torch's frame running this call, until it returns
-            if graph_task_id() == -1:  # a forward pass begins
-                with run.lock:
-                    if run.flush_task is not None:  # the last backward failed before its end
-                        run.abandon_backward()
-                    run.spent = None
-                    run.kept_forward = []  # what an earlier forward kept for its backward's replay
-                    if self.options.keeps_calls:
-                        run.autocast = autocast_state()
-                    if module is self.model and self._gradients is not None:
-                        self._gradients.new_forward()
-        inputs = (CallInputs(module, args, kwargs, calls[-1][2] if calls else None, run.autocast)
-                  if self.options.keeps_calls else None)
-        calls.append((module, sys.exc_info()[1], inputs))
+        self._passes.call_starts(module, sys._getframe(1), args, kwargs)
 
-    def _after(self, module, input, output):
-        self._after_with_kwargs(module, input, None, output)
+    def _after_with_kwargs(self, module, input, kwargs, output):
+        self._after(module, input, output, kwargs)
 
     @torch.compiler.disable
     def _after_model(self, module, input, output):
-        self._after_with_kwargs(module, input, None, output)
+        self._after(module, input, output)
 
     @torch.compiler.disable
     def _after_model_with_kwargs(self, module, input, kwargs, output):
-        self._after_with_kwargs(module, input, kwargs, output)
+        self._after(module, input, output, kwargs)
 
-    def _after_with_kwargs(self, module, input, kwargs, output):
-        run = self._run
+    def _after(self, module, input, output, kwargs=None):
+        run = self._passes
         if is_compiling():
             return run.traced.record(module, input, output, kwargs, self.containers, self.backend)
-        calls = run.thread.calls
-        # no entry of its own: its pre hook did not run (another one before it raised, or the
-        # detector was attached during the call)
-        _, ambient, inputs = calls.pop() if calls and calls[-1][0] is module else (None, None, None)
-        if inputs is None and module is self.model and not calls and self.options.keeps_calls:
-            # a compiled model: its pre hook was traced; its call as seen at its end, for find_op
-            with run.lock:
-                run.kept_forward = []
-            inputs = CallInputs(module, input, kwargs, None, autocast_state(), started=False)
-        if not calls:
-            run.thread.outer = None  # (it holds the call's inputs and result)
+        ambient, inputs, outermost = run.call_returns(module, input, kwargs)
         error = sys.exc_info()[1]
         raised = error is not None and error is not ambient  # run by torch because the call raised
         if graph_task_id() != -1:
             # recomputed in backward (activation checkpointing): the backward pass decides it
             if not raised:
-                with run.lock, _FunctorchOff() as transformed:
+                with run.lock, _functorch_off() as transformed:
                     self._forward_call(run.backward_pass(), module, input, output, kwargs, True, transformed,
                                        inputs)
             return
-        with run.lock, _FunctorchOff() as transformed:
+        with run.lock, _functorch_off() as transformed:
             current = run.forward_pass()
             try:
                 if not raised:
                     self._forward_call(current, module, input, output, kwargs, False, transformed, inputs)
             except BaseException as failure:
-                if not calls:
+                if outermost:
                     run.end(current, FORWARD, failure)
                 raise
-            if not calls:
+            if outermost:
                 run.end(current, FORWARD, error if raised else None)
                 if inputs is not None and not inputs.grad_enabled:
                     inputs.release()  # decided: an evaluation keeps nothing
 
     def _forward_call(self, current, module, input, output, kwargs, recomputed, transformed, inputs=None):
-        run = self._run
-        if run.traced:
+        run = self._passes
+        if run.traced.records:
             run.traced.absorb(run, current, self.model, inputs)  # a compiled region ran before this call
-        if current.stop_pending:
+        if current.state is _STOPPING:
             return  # this rank reported; it stops with the others when the pass ends
         entries, tensors, dtypes = entries_of(forward_items(module, input, output, kwargs, self.containers),
                                               transformed)
@@ -386,9 +358,9 @@ class DebugUnderflowOverflow:
         if inputs is not None:  # find_op: the run's output, which a replay compares with its own
             inputs.output = output
             if inputs.grad_enabled and self._gradients is not None:
-                run.kept_forward.append(inputs)  # the backward's replay (a reentrant checkpoint's recompute's too)
+                run.keep_call(inputs)  # the backward's replay (a reentrant checkpoint's recompute's too)
         run.add(current, call, module, entries, dtypes, tensors, FORWARD, inputs=inputs)
-        if inputs is not None and not inputs.grad_enabled and run.thread.calls:
+        if inputs is not None and not inputs.grad_enabled and run.calls_running():
             inputs.release()  # autograd keeps nothing here: neither does a call that returned (culprit)
         if recomputed:
             run.decide_when_backward_ends()
@@ -398,13 +370,13 @@ class DebugUnderflowOverflow:
 
     def _kept_gradient(self, tensor_id, grad):
         """find_op: the gradient arriving at a forward output (its id), kept for the backward's replay."""
-        self._run.kept_gradients[tensor_id] = grad
+        self._passes.keep_gradient(tensor_id, grad)
 
     def _gradient_hook(self, module, items, consumers):
-        run = self._run
-        with run.lock, _FunctorchOff() as transformed:
+        run = self._passes
+        with run.lock, _functorch_off() as transformed:
             current = run.backward_pass()
-            if current.stop_pending:
+            if current.state is _STOPPING:
                 return
             entries, tensors, dtypes = entries_of(items, transformed)
             run.add(current, self.decisions.state.count_backward(), module, entries, dtypes, tensors, BACKWARD,
@@ -418,33 +390,42 @@ _compat.never_a_compiled_frame(DebugUnderflowOverflow._before, DebugUnderflowOve
                                DebugUnderflowOverflow._after_with_kwargs, DebugUnderflowOverflow.forward_hook)
 
 
-class _Call:
-    """A hook call read on its own (``create_frame``), as ``decisions.frame`` takes it."""
-
-    __slots__ = ("module", "entries", "dtypes", "sources", "phase", "consumers")
-
-    def __init__(self, module, entries, dtypes, sources):
-        self.module, self.entries, self.dtypes, self.sources = module, entries, dtypes, sources
-        self.phase, self.consumers = FORWARD, None
-
-
 class _FunctorchOff:
     """Inside a torch.func transform, the hook's own work runs with functorch's dispatch off: what
     it allocates stays a plain tensor, and it reads the values under the wrappers
-    (``frames.untransformed``). ``as`` gives whether a transform is active."""
+    (``frames.untransformed``). ``as`` gives True: a transform is active."""
 
     __slots__ = ("guard",)
 
     def __enter__(self):
-        self.guard = torch._C._DisableFuncTorch() if transform_level() is not None else None
-        if self.guard is not None:
-            self.guard.__enter__()
-        return self.guard is not None
+        self.guard = torch._C._DisableFuncTorch()
+        self.guard.__enter__()
+        return True
 
     def __exit__(self, *exc):
-        if self.guard is not None:
-            self.guard.__exit__(*exc)
+        self.guard.__exit__(*exc)
         return False
+
+
+class _OutsideTransforms:
+    """``_functorch_off()`` outside any torch.func transform (nearly every hook): nothing to turn off."""
+
+    __slots__ = ()
+
+    def __enter__(self):
+        return False
+
+    def __exit__(self, *exc):
+        return False
+
+
+_OUTSIDE_TRANSFORMS = _OutsideTransforms()
+_STOPPING = PassState.STOPPING
+
+
+def _functorch_off():
+    """The context a hook's own work runs in: functorch's dispatch off inside a transform."""
+    return _OUTSIDE_TRANSFORMS if transform_level() is None else _FunctorchOff()
 
 
 # Detectors whose hooks are on a model (not removed), to warn when a second one joins them.

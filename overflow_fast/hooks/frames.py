@@ -32,7 +32,7 @@ class Frame:
         self.phase = phase
         self.consumers = consumers  # an output gradient's frame: the modules whose backward produced it
         self.bad_shards = None  # row index -> ranks whose DTensor shard of it holds a nan/inf
-        self.inputs = None  # find_op: the call's inputs (culprit.CallInputs), for its replay
+        self.inputs = None  # find_op: the call's inputs (culprit.KeptCall), for its replay
         self.tensors = None  # a call decided in its hook that detects: its tensors, for the Where line
         # a detection in parameters' gradients: whether the gradient arriving at the module's
         # outputs was read before (None: not asked)
@@ -120,8 +120,9 @@ def forward_items(module, input, output, kwargs=None, containers=False):
                 items.append((x, _OUTPUT_NAMES[i] if i < len(_OUTPUT_NAMES) else f"output[{i}]"))
     else:
         items.append((output, "output"))
-    if containers:
-        items = [leaf for var, ctx in items for leaf in _open(var, ctx)]
+    if containers:  # (a tensor or None is its own one leaf: no call for it)
+        items = [leaf for var, ctx in items
+                 for leaf in (((var, ctx),) if var is None or isinstance(var, _Tensor) else _open(var, ctx))]
     return items
 
 
@@ -187,11 +188,12 @@ def entries_of(items, transformed=False):
     entries = []
     tensors = []
     dtypes = []
+    entry, tensor, dtype_of = entries.append, tensors.append, dtypes.append  # (this runs at every hook)
     for var, ctx in items:
         if transformed and isinstance(var, _Tensor):
             var = untransformed(var)
             if isinstance(var, str):
-                entries.append((UNREADABLE, ctx, var))
+                entry((UNREADABLE, ctx, var))
                 continue
         if isinstance(var, _Tensor):
             dtype = var.dtype
@@ -200,13 +202,13 @@ def entries_of(items, transformed=False):
                     and not var.is_meta and not var.is_nested):
                 reason = unreadable_reason(var)
                 if reason is not None:
-                    entries.append((UNREADABLE, ctx, reason))
+                    entry((UNREADABLE, ctx, reason))
                     continue
-            entries.append((TENSOR, ctx, len(tensors)))
-            tensors.append(var)
-            dtypes.append(dtype)
+            entry((TENSOR, ctx, len(tensors)))
+            tensor(var)
+            dtype_of(dtype)
         elif var is None:
-            entries.append((NONE, ctx, None))
+            entry((NONE, ctx, None))
         else:
-            entries.append((NOT_A_TENSOR, ctx, None))
+            entry((NOT_A_TENSOR, ctx, None))
     return entries, tensors, dtypes

@@ -77,13 +77,16 @@ class GradientHooks:
             if kind != TENSOR:
                 continue
             tensor = tensors[payload]
+            is_input = ctx.startswith("input")
+            if not is_input and not (ctx.startswith("output") and tensor.requires_grad):
+                continue  # a parameter, or an output without a gradient
             known = self._owners.get(id(tensor))
             if known is not None and known[0]() is not tensor:
                 known = None
-            if ctx.startswith("input"):
+            if is_input:
                 if known is not None and module not in known[1][2]:
                     known[1][2].append(module)
-            elif ctx.startswith("output") and tensor.requires_grad:
+            else:
                 self._incoming.add(id(module))
                 if known is not None:
                     known[1][:2] = [module, f"{ctx}.grad"]  # hooks run inner first: the outer one wins

@@ -19,10 +19,14 @@ strategy), nothing of it is kept, and the next forward is checked afresh. Notici
 hot path two identity tests: a forward's calls are abandoned when its outermost module (or the
 model) is called again while the frame that called it is no longer running.
 
-``Passes`` is made fresh for a detector and for each copy or pickle of it: it holds the lock,
-device buffers, waiting calls and the strategy's state, none of which a copy may share.
+``Passes`` owns all of this: each pass's state (``PassState``), the calls running on each thread,
+what find_op keeps for a replay; the detector's hooks only call its methods. It is made fresh for a
+detector and for each copy or pickle of it: it holds the lock, device buffers and the strategy's
+state, none of which a copy may share, and a detector whose calls wait for their decision refuses
+to be copied (``waiting``).
 """
 
+import enum
 import itertools
 import sys
 import threading
@@ -33,6 +37,7 @@ import torch
 from . import culprit, source, where
 from .. import distributed
 from .compiled import Traced
+from .culprit import KeptCall, autocast_state
 from .decisions import NO_ROWS, Pending
 from .errors import OverflowDetected, OverflowDetectedOnRanks, overflow_error, say
 from .frames import BACKWARD, FORWARD, graph_task_id
@@ -46,24 +51,59 @@ except ImportError:
     _STOP_RECOMPUTATION = ()
 
 
+_pending = Pending._make  # without namedtuple's Python-level __new__ (it runs at every hook)
+
+
+class PassState(enum.Enum):
+    """Where a pass is. RUNNING, then ENDING, then CLOSED; STOPPING from RUNNING or ENDING;
+    ABANDONED from RUNNING or STOPPING; every pass ends CLOSED."""
+
+    RUNNING = "running"  # its calls are read and queued as they return
+    ENDING = "ending"  # its end decides its calls: a detection now waits for the agreement
+    STOPPING = "stopping"  # this rank detected: later calls never happened; the error waits for the agreement
+    ABANDONED = "abandoned"  # its calls never returned (see the module): its end stops nothing
+    CLOSED = "closed"  # decided, its rows freed: a thread that still holds it opens a new one
+
+
 class Pass:
     """The calls of one pass waiting for their decision, and the rows that hold their statistics."""
 
-    __slots__ = ("reads", "queue", "serial", "stop_pending", "deciding", "abandoned", "task", "scaling")
+    __slots__ = ("reads", "queue", "serial", "state", "stop", "task", "scaling")
 
     def __init__(self, reads, serial):
-        self.reads = reads  # None once the pass is closed
+        self.reads = reads  # None once CLOSED
         self.queue = []  # Pending calls, in hook order
         self.serial = serial  # None for the backward pass
-        self.stop_pending = None  # (detection, frames): this rank detected; the error waits for the agreement
-        self.deciding = False  # the pass is ending: a detection now waits for its agreement
-        self.abandoned = False  # its calls never returned: it ends at the next forward (see the module)
+        self.state = PassState.RUNNING
+        self.stop = None  # STOPPING: (detection, frames), raised at the agreement
         self.task = -1  # a backward pass: the graph task whose end was to decide it
         self.scaling = None  # a backward pass: its GradScaler's (scaling.Scaling), for the graph task it names
 
     def key(self, batch):
         """Which pass a detection belongs to (later frames of the same pass only pass the values on)."""
         return ("forward", self.serial) if self.serial is not None else ("backward", batch)
+
+    @property
+    def stopping(self):
+        return self.state is PassState.STOPPING
+
+    def stop_at_agreement(self, detection, frames):
+        self.state, self.stop = PassState.STOPPING, (detection, frames)
+
+    def begin_ending(self):
+        if self.state is PassState.RUNNING:
+            self.state = PassState.ENDING
+
+    def abandon(self):
+        if self.state is PassState.STOPPING:  # the calls after its detection never happened
+            self.queue, self.stop = [], None
+        self.state = PassState.ABANDONED
+
+    def close(self):
+        """CLOSED; returns the detection it stops with at the agreement, if any."""
+        stop, self.stop = self.stop, None
+        self.reads, self.state = None, PassState.CLOSED
+        return stop
 
 
 class _ThreadState(threading.local):
@@ -73,7 +113,7 @@ class _ThreadState(threading.local):
     forward pass."""
 
     def __init__(self):
-        self.calls = []
+        self.calls = []  # (module, exception being handled when it started, its KeptCall or None)
         self.outer = None
         self.forward = None
 
@@ -93,19 +133,27 @@ def on_stack(frame):
 
 
 class Passes:
-    def __init__(self, detector):
-        options = detector.options
+    """A detector's passes (``options``, ``decisions``, its ``model``, the ``backend`` its hooks ask
+    for, its ``gradients.GradientHooks`` or None)."""
+
+    def __init__(self, options, decisions, model, backend, gradients):
         self.options = options
-        self.decisions = detector.decisions
+        self.decisions = decisions
+        self.model = model
+        self.gradients = gradients
+        # the options the hooks ask at every call, read once
+        self.keeps_calls = options.keeps_calls
+        self.decides_each_call = options.check == "module"
+        self.may_defer = options.defer and options.check == "batch"
         self.sync_timeout = options.sync_timeout
-        self.strategy = strategy(options.on_detect, detector.model, options.max_skips)
+        self.strategy = strategy(options.on_detect, model, options.max_skips)
         self.lock = threading.RLock()  # hooks may run on several threads
         self.thread = _ThreadState()
         self.backward = None  # the backward pass, while it has calls
         self.open = []  # every pass with calls (close() decides them)
         self.idle_reads = []  # rows of ended passes, reused by the next ones
         self.serials = itertools.count()
-        self.new_reads = lambda: Reads(detector.backend, options.buffer_rows, options.reuse_stats, options.stage_bytes)
+        self.new_reads = lambda: Reads(backend, options.buffer_rows, options.reuse_stats, options.stage_bytes)
         self.apart = None  # the Reads of calls read on their own (create_frame)
         self.traced = Traced()  # hooks traced by torch.compile, replayed by the next eager hook
         # the last clean pass's calls, freed when the next pass begins (not between a forward's
@@ -120,8 +168,6 @@ class Passes:
         self.kept_gradients = {}
         self.autocast = {}  # find_op: the autocast the current forward runs under
         self.collective_writes = None  # held from the first pass under torch.distributed
-        # whether the gradient arriving at a module's outputs is read (the Source line's claim)
-        self.incoming_read = lambda module: detector._gradients is None or detector._gradients.incoming_read(module)
         # gradient checks: which backwards a GradScaler scaled, and when its backoff is a detection
         self.backoffs = Backoffs(options.min_loss_scale, options.max_backoffs) if options.backward else None
         if self.sync_wanted():
@@ -143,7 +189,7 @@ class Passes:
     def forward_pass(self):
         """This thread's forward pass (opened by its first call)."""
         current = self.thread.forward
-        if current is None or current.reads is None:
+        if current is None or current.state is PassState.CLOSED:
             current = self.thread.forward = self._open_pass(next(self.serials))
         return current
 
@@ -153,43 +199,121 @@ class Passes:
         return self.backward
 
     def _close(self, ended):
-        """Free an ended pass's rows (after its calls were replayed)."""
-        if ended.reads is None:
-            return
+        """Free an ended pass's rows (after its calls were replayed); returns the detection it stops
+        with at the agreement, if any."""
+        if ended.state is PassState.CLOSED:
+            return None
         ended.reads.reset()
         if ended in self.open:
             self.open.remove(ended)
             self.idle_reads.append(ended.reads)
-        ended.reads = None  # closed: a thread that still holds it opens a new one
         if self.thread.forward is ended:
             self.thread.forward = None
         if self.backward is ended:
             self.backward = None
+        return ended.close()
+
+    # -- the hooked calls on this thread -------------------------------------------------------------
+
+    def call_starts(self, module, caller, args, kwargs):
+        """A hooked call starts (its pre hook; ``caller``: torch's frame running it): the first of a
+        forward pass begins it; a call of the outermost module (or the model) while the frame that
+        called it is no longer running abandons the calls before it (see the module)."""
+        thread = self.thread
+        calls = thread.calls
+        if calls and (module is calls[0][0] or module is self.model) and not on_stack(thread.outer):
+            with self.lock:
+                self.abandon_forward()
+        if not calls:
+            thread.outer = caller  # on the stack until that call returns
+            if graph_task_id() == -1:
+                with self.lock:
+                    self._forward_begins(module is self.model)
+        kept = (KeptCall(module, args, kwargs, calls[-1][2] if calls else None, self.autocast)
+                if self.keeps_calls else None)
+        calls.append((module, sys.exc_info()[1], kept))
+
+    def _forward_begins(self, by_the_model):
+        if self.flush_task is not None:  # the last backward failed before its end
+            self.abandon_backward()
+        self.spent = None
+        self.kept_forward = []  # what an earlier forward kept for its backward's replay
+        if self.keeps_calls:
+            self.autocast = autocast_state()
+        if by_the_model and self.gradients is not None:
+            self.gradients.new_forward()
+
+    def call_returns(self, module, args, kwargs):
+        """A hooked call returned or raised (its post hook): ``(exception being handled when it
+        started, its KeptCall or None, whether it was the outermost)``."""
+        calls = self.thread.calls
+        # no entry of its own: its pre hook did not run (another one before it raised, or the
+        # detector was attached during the call)
+        _, ambient, kept = calls.pop() if calls and calls[-1][0] is module else (None, None, None)
+        if kept is None and module is self.model and not calls and self.keeps_calls:
+            # a compiled model: its pre hook was traced; its call as seen at its end, for find_op
+            with self.lock:
+                self.kept_forward = []
+            kept = KeptCall(module, args, kwargs, None, autocast_state(), started=False)
+        if not calls:
+            self.thread.outer = None  # (it holds the call's inputs and result)
+        return ambient, kept, not calls
+
+    def calls_running(self):
+        """Whether a hooked call is running on this thread."""
+        return bool(self.thread.calls)
+
+    def keep_call(self, kept):
+        """find_op: a forward call with autograd on, kept until its backward pass ends (that
+        backward's replay runs it again)."""
+        self.kept_forward.append(kept)
+
+    def keep_gradient(self, tensor_id, grad):
+        """find_op: the gradient arriving at a forward output (its id), kept for the backward's replay."""
+        self.kept_gradients[tensor_id] = grad
+
+    def decide_apart(self, module, entries, dtypes, tensors):
+        """A hook call read and decided on its own (``create_frame``): one host read, its frame saved."""
+        with self.lock:
+            if self.apart is None:
+                self.apart = self.new_reads()
+            sources = self.apart.read_apart(tensors) if tensors else NO_ROWS
+            frame = self.decisions.frame(self.apart, Pending(None, module, entries, dtypes, sources, FORWARD))
+            self.decisions.save(frame)
+
+    def waiting(self):
+        """Whether calls wait for their decision (a pass is running): a copy would not carry them."""
+        return (bool(self.traced) or bool(self.thread.calls)
+                or any(open_pass.queue for open_pass in self.open))
 
     # -- calls -----------------------------------------------------------------------------------
 
     def decides_now(self, call):
         """Whether a call is decided at once: with check="module", in a traced batch, after a detection."""
-        return self.options.check == "module" or call.trace_mode or self.decisions.state.detected_overflow
+        return self.decides_each_call or call.trace_mode or self.decisions.state.detected_overflow
 
     def add(self, current, call, module, entries, dtypes, tensors, phase, consumers=None, inputs=None):
         """Read a call's tensors (or let them wait, see ``reads``) and queue the call; decide now
-        with check="module", in a traced batch and after a detection."""
-        now = self.decides_now(call)
+        with check="module", in a traced batch and after a detection (``decides_now``, inlined:
+        this runs at every hook)."""
+        now = self.decides_each_call or call.trace_mode or self.decisions.state.detected_overflow
         if not tensors:
             sources = NO_ROWS
         else:
             reads = current.reads
-            defer = self.options.defer and self.options.check == "batch" and not now
-            site = id(module) if may_wait(defer, phase, call.trace_mode, tensors) else -1
+            site = (id(module) if self.may_defer and may_wait(not now, phase, call.trace_mode, tensors)
+                    else -1)
             sources = reads.add(tensors, site)
             if sources is None:  # the buffer is full: what waits is decided now
                 self.flush(current)
                 reads.reset()
                 sources = reads.add(tensors, site)
         # decided now: its tensors stay referenced until then, for a detection's Where line
-        self.queue(current, Pending(call, module, entries, dtypes, sources, phase, consumers, inputs,
-                                    tensors if now else None), now)
+        queue = current.queue
+        queue.append(_pending((call, module, entries, dtypes, sources, phase, consumers, inputs,
+                               tensors if now else None)))
+        if now or len(queue) >= self.options.buffer_rows:
+            self.flush(current)
 
     def queue(self, current, pending, now=False):
         current.queue.append(pending)
@@ -211,12 +335,12 @@ class Passes:
             return
         scaling = self._scaling(current)
         for pending in queue:
-            if current.stop_pending:
+            if current.stopping:
                 break  # this rank reported; the calls after the detection never happened
             found = decisions.replay(current.key, current.reads, pending, scaling)
             if found is not None:
                 self._act(current, found)  # raises at the first bad call: those after it never happened
-                if current.abandoned:
+                if current.state is PassState.ABANDONED:
                     break
 
     def _scaling(self, current):
@@ -233,15 +357,17 @@ class Passes:
         return current.scaling
 
     def flush_all(self):
-        for pending in list(self.open):
-            self.flush(pending)
+        for open_pass in list(self.open):
+            self.flush(open_pass)
 
     def _act(self, current, found):
         """What the strategy does with a detection the replay found."""
         decisions = self.decisions
         frame = found.first_frame
         if frame.phase == BACKWARD and found.bad and not any(ctx.startswith("output") for ctx in found.bad):
-            frame.incoming_read = self.incoming_read(decisions.modules_by_name().get(frame.module_name))
+            # whether the gradient arriving at the module's outputs was read (the Source line's claim)
+            frame.incoming_read = (self.gradients is None or self.gradients.incoming_read(
+                decisions.modules_by_name().get(frame.module_name)))
         if found.bad:  # where in the tensor the Source line names
             found.detection["where"] = where.facts(
                 found.first_frame, source.source_entry(found.first_frame, found.bad),
@@ -254,22 +380,23 @@ class Passes:
         if self.options.keeps_calls:
             self._explain(found)
         decisions.log_detection(found)
-        if current.abandoned:  # reported, and the next forward is checked afresh
+        if current.state is PassState.ABANDONED:  # reported, and the next forward is checked afresh
             decisions.dump(found)
-            decisions.state.detected_overflow = False
+            decisions.state.set_detected_overflow(False)
             say("overflow_fast: that report is of a pass that an exception interrupted before its end (a "
                 "KeyboardInterrupt in a forward, any exception in a backward); it stops nothing, and what "
                 "runs next is checked afresh")
             return
         if self.strategy.stops():
             decisions.dump(found)
-            if self.sync_wanted() and (self.thread.calls or current.deciding or graph_task_id() != -1):
+            if self.sync_wanted() and (self.thread.calls or current.state is PassState.ENDING
+                                       or graph_task_id() != -1):
                 # the other ranks are mid-pass, inside their own collectives (DDP, FSDP2, tensor
                 # parallel): stop with them when this pass ends, not here
-                current.stop_pending = (found.detection, found.frames)
+                current.stop_at_agreement(found.detection, found.frames)
                 return
             raise overflow_error(found.detection, found.frames)
-        decisions.state.detected_overflow = False  # go on: later batches are checked afresh
+        decisions.state.set_detected_overflow(False)  # go on: later batches are checked afresh
         if found.report_due:
             decisions.dump(found)
         self.strategy.went_on(found.detection, found.frames, found.first_frame, found.bad, found.report_due)
@@ -303,7 +430,7 @@ class Passes:
     def end(self, ended, phase, error=None):
         """A pass ended (its outermost call returned or raised ``error``; its backward finished):
         decide on its calls, free its rows, then (under torch.distributed) agree with the other ranks."""
-        ended.deciding = True
+        ended.begin_ending()
         try:
             if isinstance(error, OverflowDetected):
                 ended.queue = []  # reported already, here or by another detector on this model
@@ -318,10 +445,10 @@ class Passes:
                         error.add_note("overflow_fast: an inf/nan was detected earlier in this forward; "
                                        "its report is printed above")
         finally:
-            ended.deciding = False
-            self._close(ended)
-            if self.sync_wanted() and not ended.abandoned:  # the other ranks are elsewhere by now
-                self._agree(ended, phase)
+            abandoned = ended.state is PassState.ABANDONED
+            stop = self._close(ended)
+            if self.sync_wanted() and not abandoned:  # the other ranks are elsewhere by now
+                self._agree(stop, phase)
 
     def abandon_forward(self):
         """This thread's hooked calls never returned (see the module): their pass ends now."""
@@ -329,8 +456,8 @@ class Passes:
         del thread.calls[:]  # (the pre hook holds this list)
         thread.outer = None
         abandoned = thread.forward
-        if abandoned is not None and abandoned.reads is not None:
-            abandoned.abandoned = True
+        if abandoned is not None and abandoned.state is not PassState.CLOSED:
+            abandoned.abandon()
             self.end(abandoned, FORWARD, _Abandoned())
 
     def abandon_backward(self):
@@ -339,8 +466,8 @@ class Passes:
         task, self.flush_task = self.flush_task, None
         try:
             abandoned = self.backward
-            if abandoned is not None and abandoned.reads is not None:
-                abandoned.abandoned = True
+            if abandoned is not None and abandoned.state is not PassState.CLOSED:
+                abandoned.abandon()
                 abandoned.task = task
                 self.end(abandoned, BACKWARD, _Abandoned())
         finally:
@@ -349,7 +476,7 @@ class Passes:
     def decide_when_backward_ends(self):
         """Decide the backward pass when this backward ends, before ``backward()`` returns and so
         before the optimizer step."""
-        if not (self.options.check == "batch" or self.options.keeps_calls or self.sync_wanted()):
+        if not (not self.decides_each_call or self.keeps_calls or self.sync_wanted()):
             return
         task = graph_task_id()
         if self.flush_task == task:
@@ -378,21 +505,21 @@ class Passes:
         return (self.options.sync and self.strategy.agreed and distributed.world() is not None
                 and not distributed.is_local_only())
 
-    def _agree(self, ended, phase):
+    def _agree(self, stop, phase):
         """One small collective on a process group of its own: every rank learns which ranks
         detected; all raise together (with on_detect="skip": all skip the step together). Its
         sequence number counts the agreement points and tells a forward's from a backward's, so
         ranks that meet at different points (uneven forwards, a backward one rank skipped after
-        its forward raised) get an error naming them, never a decision."""
-        pending, ended.stop_pending = ended.stop_pending, None
+        its forward raised) get an error naming them, never a decision. ``stop``: this rank's
+        detection, (detection, frames), or None."""
         if self.agreement is None:
             self.agreement = distributed.Agreement(timeout=self.sync_timeout)
         self.agreements += 1
         seq = 2 * self.agreements + (phase == BACKWARD)
-        ranks = self.agreement.agree(bool(pending) or self.strategy.skipping(), seq=seq)
-        if ranks and (pending or not self.strategy.ranks_detected()):
-            self.decisions.state.detected_overflow = True
-            raise OverflowDetectedOnRanks(ranks, distributed.world()[1], *(pending or ()))
+        ranks = self.agreement.agree(bool(stop) or self.strategy.skipping(), seq=seq)
+        if ranks and (stop or not self.strategy.ranks_detected()):
+            self.decisions.state.set_detected_overflow(True)
+            raise OverflowDetectedOnRanks(ranks, distributed.world()[1], *(stop or ()))
 
     def close(self):
         """The hooks are off: decide what waits (its records and detection still reach the log),
@@ -407,7 +534,7 @@ class Passes:
         try:
             self.flush_all()
         finally:
-            for pending in list(self.open):
-                self._close(pending)
+            for open_pass in list(self.open):
+                self._close(open_pass)
             self.spent = None
 

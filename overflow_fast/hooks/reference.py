@@ -3,8 +3,8 @@ waiting for the next frame, the batch counter and the detection flag.
 
 transformers' ``DebugUnderflowOverflow.forward_hook`` advances its counters and decides in the same
 call. Here the two halves are apart, so that a hook can count its call at once and have its rows
-read later: ``count`` runs in the hook and returns a :class:`Call`; ``save`` replays it once the
-frame's rows are on the host, in hook order.
+read later: ``count`` runs in the hook and returns its :class:`CallCounters`; ``save`` replays it
+once the frame's rows are on the host, in hook order.
 """
 
 import collections
@@ -14,9 +14,9 @@ from .frames import FORWARD
 
 
 # One hook call as the reference's counters saw it when it ran.
-Call = collections.namedtuple("Call", ("trace_mode", "first_call", "last_frame_of_batch", "batch_before",
-                                       "batch_after", "total_calls"))
-_call = Call._make  # without namedtuple's Python-level __new__ (it runs at every hook)
+CallCounters = collections.namedtuple("CallCounters", ("trace_mode", "first_call", "last_frame_of_batch",
+                                                       "batch_before", "batch_after", "total_calls"))
+_counters = CallCounters._make  # without namedtuple's Python-level __new__ (it runs at every hook)
 
 
 class ReferenceState:
@@ -27,8 +27,18 @@ class ReferenceState:
         self.frame = []  # lines waiting for the next forward frame (batch markers)
         self.batch_number = 0
         self.total_calls = 0
-        self.detected_overflow = False
+        self._detected_overflow = False
         self.forward_batch = 0  # the batch of the last forward call (not one recomputed in backward)
+
+    @property
+    def detected_overflow(self):
+        """The reference's flag: a nan/inf was seen, and not acted on yet (every call is decided at
+        once until a strategy goes on)."""
+        return self._detected_overflow
+
+    def set_detected_overflow(self, detected):
+        """The one writer of the flag: a frame counted, another rank detected, a strategy went on."""
+        self._detected_overflow = detected
 
     def count(self, last_frame_of_batch, recomputed=False):
         """The counters of one forward hook call (``last_frame_of_batch``: the model's own).
@@ -43,7 +53,7 @@ class ReferenceState:
             self.forward_batch = batch_before
         if last_frame_of_batch:
             self.batch_number += 1
-        return _call((trace_mode, self.total_calls == 1, last_frame_of_batch, batch_before, self.batch_number,
+        return _counters((trace_mode, self.total_calls == 1, last_frame_of_batch, batch_before, self.batch_number,
                       self.total_calls))
 
     def count_backward(self):
@@ -51,7 +61,7 @@ class ReferenceState:
         own, or a submodule's run alone, as a LightningModule's inner network is) and moves no
         counter (after it, they are as they were: ``batch_after``)."""
         batch = self.forward_batch
-        return _call((batch in self.trace_batch_nums, False, False, batch, self.batch_number, self.total_calls))
+        return _counters((batch in self.trace_batch_nums, False, False, batch, self.batch_number, self.total_calls))
 
     def rewind(self, call):
         """The counters as they were right after ``call`` (the calls after it are not replayed)."""

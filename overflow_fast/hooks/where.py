@@ -125,7 +125,7 @@ def _tensor(frame, ctx, held):
 
 
 def _entry_tensor(call, ctx, held):
-    """The tensor a kept call (``culprit.CallInputs``) has under the entry name ``ctx``."""
+    """The tensor a kept call (``culprit.KeptCall``) has under the entry name ``ctx``."""
     items = forward_items(call.module, tuple(call.args), call.output, call.kwargs if held.kwargs else None,
                           held.containers)
     entries, tensors, _ = entries_of(items)
