@@ -279,10 +279,14 @@ def test_under_compile_the_source_line_says_finite_only_of_what_was_read(check):
     out, error = capture(lambda: run(torch.ones(2, 4)).sum().backward())
     line, op = op_of(out, error)
     # the gradient arriving at 0's output is not collected in a compiled region: no "finite" claim
-    # (torch versions accumulate the weight's or the bias's gradient first)
+    # (torch versions accumulate the weight's or the bias's gradient first); where dynamo leaves
+    # the nn.Sequential's hooks to run eagerly (torch 2.11 and older), that gradient was read, and
+    # its maker is named
     assert re.fullmatch(r"Source: born in backward, first seen in 0 \(Linear\) (weight|bias)\.grad: the gradient "
                         r"arriving at its outputs was not read \(e\.g\. in a torch\.compile region\), so which "
-                        r"backward made it is not known", out.splitlines()[-2]), out.splitlines()[-2]
+                        r"backward made it is not known", out.splitlines()[-2]) or \
+        out.splitlines()[-2] == "Source: born in backward, in the gradient arriving at 0 (Linear) output.grad: made by " \
+                                "the backward of 1", out.splitlines()[-2]
     assert line.startswith("Op: SqrtBackward0 at "), line
 
 
@@ -471,17 +475,20 @@ def test_under_ddp_the_wrapped_module_replays_the_runs_draws(one_rank, check):
     # reducer, its buffer broadcast) never runs again in a replay, and the next steps train on
     torch.manual_seed(0)
     model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), DropThenExpLarge()))
-    watch(model, check=check, on_detect="skip")
+    detector = watch(model, check=check, on_detect="skip")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    for step in range(3):
-        out, error = capture(lambda: model(torch.randn(4, 8)).sum().backward())
-        assert error is None
-        optimizer.step()
-        optimizer.zero_grad()
-        if step == 0:
-            line = next(line for line in out.splitlines() if line.startswith("Op: "))
-            assert line.startswith(f"Op: aten.exp at {HERE}:{DROP_EXP_LARGE_LINE}: inf from finite inputs"), line
-            assert line.endswith(SAME), line
+    try:
+        for step in range(3):
+            out, error = capture(lambda: model(torch.randn(4, 8)).sum().backward())
+            assert error is None
+            optimizer.step()
+            optimizer.zero_grad()
+            if step == 0:
+                line = next(line for line in out.splitlines() if line.startswith("Op: "))
+                assert line.startswith(f"Op: aten.exp at {HERE}:{DROP_EXP_LARGE_LINE}: inf from finite inputs"), line
+                assert line.endswith(SAME), line
+    finally:
+        detector.remove()  # a detector holds the collectives' hooks until removed or collected
 
 
 class Reduced(nn.Module):
@@ -497,8 +504,11 @@ def test_the_run_to_a_call_never_communicates(one_rank, check):
     # afresh and says so
     torch.manual_seed(0)
     model = nn.Sequential(Reduced(), DropThenExpLarge())
-    watch(model, check=check)
-    out, error = capture(lambda: model(torch.full((8,), 1.0)))
+    detector = watch(model, check=check)
+    try:
+        out, error = capture(lambda: model(torch.full((8,), 1.0)))
+    finally:
+        detector.remove()
     line, op = op_of(out, error)
     assert line.startswith(f"Op: aten.exp at {HERE}:{DROP_EXP_LARGE_LINE}: inf from finite inputs"), line
     assert line.endswith("; reproduced with fresh random draws (aten.bernoulli_)"), line
