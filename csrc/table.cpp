@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <type_traits>
 #include <utility>
 
 namespace overflow_fast {
@@ -333,9 +334,28 @@ Launcher::Launcher(const std::string& driver, const c10::Device& device, const p
   }
 }
 
+// c10::Stream::native_handle (the CUDA stream the direct launch runs on) is absent from older
+// torches' headers (torch 2.7's): there the direct launch is off and Triton's own launch runs.
+template <typename S, typename = void>
+struct HasNativeHandle : std::false_type {};
+template <typename S>
+struct HasNativeHandle<S, std::void_t<decltype(std::declval<const S&>().native_handle())>> : std::true_type {};
+
+template <typename S>
+void* native_handle_of(const S& stream) {
+  if constexpr (HasNativeHandle<S>::value) {
+    return stream.native_handle();
+  } else {
+    return nullptr;
+  }
+}
+
 const char* launch_hooks_reason(PyObject* runtime_knobs, PyObject* hook_chain_type, PyObject* kernel) {
   if (runtime_knobs == Py_None) {
     return nullptr;
+  }
+  if (!HasNativeHandle<c10::Stream>::value) {
+    return "this torch's c10::Stream has no native_handle (as torch 2.7's): the direct launch needs it";
   }
   // A hook Triton calls around every launch (a profiler's): registered in a HookChain (Triton
   // >= 3.4: an empty chain is none), or set as the attribute itself (earlier Tritons' way).
@@ -392,7 +412,7 @@ void* Launcher::current_stream() const {
     return nullptr;
   }
   const c10::impl::DeviceGuardImplInterface* guard = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
-  return guard->getStream(rules_.device).native_handle();
+  return native_handle_of(guard->getStream(rules_.device));
 }
 
 std::string Launcher::add_variant(int64_t slots, int64_t formats, bool any_unaligned, int64_t function,

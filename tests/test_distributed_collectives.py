@@ -115,7 +115,7 @@ def test_no_communication_refuses_every_collective_before_it_runs(one_rank):
 
 
 def test_a_replay_of_a_call_that_communicates_says_so(one_rank):
-    from overflow_fast.hooks.find_op import replay_backward, replay_forward
+    from overflow_fast.hooks.op_replay import replay_backward, replay_forward
 
     class Reduces(torch.nn.Module):
         def forward(self, x):
@@ -372,6 +372,7 @@ def _replays_worker(rank):
         assert total.item() == 3.0, (op, total)
 
 
+@pytest.mark.one_path  # find_op's replay and the ranks' agreement; the reads before them: the tests above
 def test_a_replay_never_communicates_and_every_rank_stops_together():
     run_ranks(_replays_worker, timeout=120)
 
@@ -465,5 +466,6 @@ def _sharded_replays_worker(rank, repro):
             assert len(ops) == 1 and ops[0].startswith(f"[rank 1/2] Op: aten.exp at {__file__}:"), ops
 
 
+@pytest.mark.one_path  # find_op's replay on shards; the reads that lead to it: the tests above
 def test_under_tensor_parallelism_and_fsdp2_a_replay_runs_on_local_shards_or_says_why_not(tmp_path):
     run_ranks(_sharded_replays_worker, str(tmp_path), timeout=120)

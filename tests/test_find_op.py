@@ -405,7 +405,13 @@ def test_the_replay_leaves_no_autograd_graph_behind():
         assert error is None and len(seen) == 1 and ("op" in seen[0].detection) == find_op
         del seen, model
         gc.collect()
-        return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.grad_fn is not None)
+        return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor) and in_a_graph(o))
+
+    def in_a_graph(tensor):
+        try:
+            return tensor.grad_fn is not None
+        except RuntimeError:  # an undefined tensor that torch 2.7 leaves to gc: in no graph
+            return False
 
     assert graph_tensors_after(True) == graph_tensors_after(False)
 

@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from compat import capture
-from overflow_fast import OverflowDetected, watch
+from overflow_fast import OverflowDetected, _compat, watch
 
 CHECKS = ["module", "batch"]
 HERE = os.path.abspath(__file__)
@@ -279,13 +279,19 @@ def test_under_compile_the_source_line_says_finite_only_of_what_was_read(check):
     out, error = capture(lambda: run(torch.ones(2, 4)).sum().backward())
     line, op = op_of(out, error)
     # the gradient arriving at 0's output is not collected in a compiled region: no "finite" claim
-    # (torch versions accumulate the weight's or the bias's gradient first)
+    # (torch versions accumulate the weight's or the bias's gradient first); where dynamo leaves
+    # the nn.Sequential's hooks to run eagerly (torch 2.11 and older), that gradient was read, and
+    # its maker is named
     assert re.fullmatch(r"Source: born in backward, first seen in 0 \(Linear\) (weight|bias)\.grad: the gradient "
                         r"arriving at its outputs was not read \(e\.g\. in a torch\.compile region\), so which "
-                        r"backward made it is not known", out.splitlines()[-2]), out.splitlines()[-2]
+                        r"backward made it is not known", out.splitlines()[-2]) or \
+        out.splitlines()[-2] == "Source: born in backward, in the gradient arriving at 0 (Linear) output.grad: made by " \
+                                "the backward of 1", out.splitlines()[-2]
     assert line.startswith("Op: SqrtBackward0 at "), line
 
 
+@pytest.mark.skipif(not _compat.COMPILES_A_WATCHED_MODEL_WHOLE,
+                    reason="this torch runs a compiled model with a detector eagerly: no compiled region")
 def test_a_compiled_gpt2s_tied_embedding_is_not_called_the_birthplace(check="batch"):
     # the fp16 gradient of the logits overflows in lm_head's backward, into the weight it shares
     # with wte; the gradients arriving at modules are not read under compile: no "finite" claim,
@@ -471,17 +477,20 @@ def test_under_ddp_the_wrapped_module_replays_the_runs_draws(one_rank, check):
     # reducer, its buffer broadcast) never runs again in a replay, and the next steps train on
     torch.manual_seed(0)
     model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), DropThenExpLarge()))
-    watch(model, check=check, on_detect="skip")
+    detector = watch(model, check=check, on_detect="skip")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    for step in range(3):
-        out, error = capture(lambda: model(torch.randn(4, 8)).sum().backward())
-        assert error is None
-        optimizer.step()
-        optimizer.zero_grad()
-        if step == 0:
-            line = next(line for line in out.splitlines() if line.startswith("Op: "))
-            assert line.startswith(f"Op: aten.exp at {HERE}:{DROP_EXP_LARGE_LINE}: inf from finite inputs"), line
-            assert line.endswith(SAME), line
+    try:
+        for step in range(3):
+            out, error = capture(lambda: model(torch.randn(4, 8)).sum().backward())
+            assert error is None
+            optimizer.step()
+            optimizer.zero_grad()
+            if step == 0:
+                line = next(line for line in out.splitlines() if line.startswith("Op: "))
+                assert line.startswith(f"Op: aten.exp at {HERE}:{DROP_EXP_LARGE_LINE}: inf from finite inputs"), line
+                assert line.endswith(SAME), line
+    finally:
+        detector.remove()  # a detector holds the collectives' hooks until removed or collected
 
 
 class Reduced(nn.Module):
@@ -497,8 +506,11 @@ def test_the_run_to_a_call_never_communicates(one_rank, check):
     # afresh and says so
     torch.manual_seed(0)
     model = nn.Sequential(Reduced(), DropThenExpLarge())
-    watch(model, check=check)
-    out, error = capture(lambda: model(torch.full((8,), 1.0)))
+    detector = watch(model, check=check)
+    try:
+        out, error = capture(lambda: model(torch.full((8,), 1.0)))
+    finally:
+        detector.remove()
     line, op = op_of(out, error)
     assert line.startswith(f"Op: aten.exp at {HERE}:{DROP_EXP_LARGE_LINE}: inf from finite inputs"), line
     assert line.endswith("; reproduced with fresh random draws (aten.bernoulli_)"), line

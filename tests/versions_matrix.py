@@ -27,22 +27,28 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# (Python, torch, the transformers versions run with it): the floor (torch 2.7, the oldest tested
-# that passes), the lent GPU machine's torch on Python 3.12, the pinned CI torch, and the newest
-# torch the project's registry serves; transformers' last 4.x and a recent 5.x.
+# (Python, torch, the transformers versions run with it): the floor (torch 2.7, the oldest tested,
+# which passes all but its compile tests), the lent GPU machine's torch on Python 3.12, the pinned
+# CI torch, and the newest torch the project's registry serves; transformers' last 4.x and a
+# recent 5.x.
 MATRIX = (
     ("3.11", "2.7.1", ("4.57.6",)),
     ("3.12", "2.11.0", ("4.57.6", "5.18.0")),
     ("3.11", "2.13.0", ("5.25.0",)),
     ("3.11", "2.14.1", ("4.57.6", "5.18.0")),
 )
-# what the tests need beside torch and transformers (numpy: torch warns at import without it)
-TOOLS = ("numpy", "pytest", "pytest-xdist", "hypothesis", "ninja")
+# what the tests need beside torch and transformers (numpy: torch warns at import without it;
+# accelerate: transformers' Trainer needs it)
+TOOLS = ("numpy", "pytest", "pytest-xdist", "hypothesis", "ninja", "accelerate")
 # the tests whose outcome depends on torch's or transformers' version: the drop-in's text against
-# the installed reference, the detector and watch(), torch.compile, find_op's replay, and the
+# the installed reference, the detector and watch(), torch.compile, find_op's replay (also in
+# training: dropout's random state, checkpointing, compiled models), torch's GradScaler, the
+# hooks' behaviour when a pass is interrupted or runs under no_grad, collectives (gloo), and the
 # engine on this torch (the torch backend; the C++ kernel built against this torch's headers)
 TESTS = ("tests/test_compat_rules.py", "tests/test_compat_transformers.py", "tests/test_compat_random.py",
          "tests/test_detector.py", "tests/test_watch.py", "tests/test_compile.py", "tests/test_find_op.py",
+         "tests/test_find_op_training.py", "tests/test_grad_scaler.py", "tests/test_interrupted_passes.py",
+         "tests/test_evaluation_memory.py", "tests/test_distributed_collectives.py",
          "tests/test_stats_torch.py", "tests/test_tensor_kinds.py", "tests/test_cpu_backend.py")
 # the kernel tests' quick half, as `make test-fast` runs it
 KERNEL_FILTER = ("not test_cpu_backend or ((random_bit or special_values or every_byte or empty_and_zero "

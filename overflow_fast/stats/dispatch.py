@@ -290,8 +290,8 @@ def rows_reader(backend, device):
 def _plain_cpu_stats(module, dtypes, tensors, out, zero3):
     """``_plain_stats`` on the CPU: one call to the C++ kernel, which checks every tensor itself
     (a plain strided CPU tensor of its dtypes, memory it owns, ``out`` apart from them) before it
-    writes anything. A hook's few tensors took 7 us more through the general path than the
-    kernel's whole call. None when a tensor is not such a tensor: the general path then runs."""
+    writes anything. For a hook's few tensors the general path costs more than the kernel's
+    whole call. None when a tensor is not such a tensor: the general path then runs."""
     if out is not None and type(out) not in PLAIN_TYPES:
         return None  # the general path says why
     seen = []
