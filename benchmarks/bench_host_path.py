@@ -6,9 +6,9 @@ hook's one C++ call (the reuse check, each tensor's checks and launch arguments,
 launches and uploads. This script runs that host work for real and stubs one thing, the driver
 call:
 
-- The path: CPU tensors are routed to the ``triton`` backend (``triton_backend.supports`` and
+- The path: CPU tensors are routed to the ``triton`` backend (``supports`` and
   ``unavailable_reason`` patched, ``dispatch._PREFERRED["cpu"] = "triton"``), and each device's
-  C++ launcher is made with the "count" driver (``triton_backend._launcher_driver`` patched):
+  C++ launcher is made with the "count" driver (``triton_launch._launcher_driver`` patched):
   everything before the driver call runs as on a GPU, the launch predicate included (it reads the
   installed Triton's real launch hooks); the driver call counts the launch and its programs and
   writes zero rows (finite: nothing detected). A non-dense tensor's flat copy (an ATen kernel on a
@@ -83,7 +83,8 @@ import overflow_fast.hooks.reads
 from overflow_fast import DebugUnderflowOverflow
 from overflow_fast.hooks.passes import Passes
 from overflow_fast.hooks.frames import forward_items
-from overflow_fast.stats import cpu_backend, dispatch, triton_backend
+from overflow_fast.stats import (cpu_backend, dispatch, triton_backend, triton_common, triton_devices, triton_kernels,
+                                 triton_launch, triton_read, triton_table)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _results  # noqa: E402
@@ -175,7 +176,7 @@ _LAUNCHER_COUNTERS = (("direct_launches", "launches"), ("ordinary_launches", "la
 def launcher_counters():
     """The C++ launchers' counters, summed over the devices set up so far (a CUDA device's too)."""
     totals = dict.fromkeys(("launches", "programs", "tensors", "bytes", "copies", "copy_bytes"), 0)
-    for state in triton_backend._DEVICES.values():
+    for state in triton_devices._DEVICES.values():
         for launcher in [state.launcher] + [known[0] for known in state.shapes.values()]:
             if launcher is not None:
                 for name, total in _LAUNCHER_COUNTERS:
@@ -224,17 +225,17 @@ def _counting_launch(real):
 
 
 def _flat_source(tensor):
-    """triton_backend._flat_source, except that the copy of a non-dense tensor (one ATen kernel on
+    """triton_table._flat_source, except that the copy of a non-dense tensor (one ATen kernel on
     a GPU) is counted and stands as an uninitialised tensor: its data are never read here."""
-    if tensor.is_neg() or tensor.is_contiguous() or triton_backend._is_dense(tensor):
-        return triton_backend._REAL_FLAT_SOURCE(tensor)
+    if tensor.is_neg() or tensor.is_contiguous() or triton_table._is_dense(tensor):
+        return triton_table._REAL_FLAT_SOURCE(tensor)
     COUNT.copies += 1
     COUNT.copy_bytes += tensor.numel() * tensor.element_size()
     return torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
 
 
 def _counting_table(real):
-    """triton_backend._table (the Python table) counting the tensors it describes."""
+    """triton_table._table (the Python table) counting the tensors it describes."""
     def table(sources, words, chunk):
         COUNT.described.append(sources)
         return real(sources, words, chunk)
@@ -264,7 +265,7 @@ def patched(obj, name, value):
 def _count_driver(device):
     """The launcher's driver on these CPU tensors: "count", the stand-in for the GPU's driver call
     (or, as on a GPU, "ordinary" under OVERFLOW_FAST_DIRECT_LAUNCH=0)."""
-    if triton_backend._EXTENSION is None:
+    if triton_common._EXTENSION is None:
         return None, "the C++ extension is unavailable"
     if os.environ.get("OVERFLOW_FAST_DIRECT_LAUNCH", "1") == "0":
         return "ordinary", "OVERFLOW_FAST_DIRECT_LAUNCH=0"
@@ -280,20 +281,24 @@ def triton_on_cpu():
         return (tensor.device.type == "cpu" and tensor.dtype in triton_backend.SUPPORTED_DTYPES
                 and tensor.layout == torch.strided)
 
-    triton_backend._REAL_FLAT_SOURCE = triton_backend._flat_source
+    triton_table._REAL_FLAT_SOURCE = triton_table._flat_source
     with contextlib.ExitStack() as stack:
         for obj, name, value in (
+            # the face's names are the dispatch's, the owners' the backend's own calls
             (triton_backend, "supports", supports),
+            (triton_common, "supports", supports),
             (triton_backend, "unavailable_reason", lambda: None),
-            (triton_backend, "_stats_partials_kernel", _StubKernel("partials")),
-            (triton_backend, "_stats_combine_kernel", _StubKernel("combine")),
-            (triton_backend, "_launch_read", _python_read_launch),  # the Python read (no extension)
-            (triton_backend, "_launcher_driver", _count_driver),
-            (triton_backend, "_ordinary_launch", _ordinary_launch),
-            (triton_backend, "_launch", _counting_launch(triton_backend._launch)),
-            (triton_backend, "_flat_source", _flat_source),
-            (triton_backend, "_table", _counting_table(triton_backend._table)),
+            (triton_common, "unavailable_reason", lambda: None),
+            (triton_kernels, "_stats_partials_kernel", _StubKernel("partials")),
+            (triton_kernels, "_stats_combine_kernel", _StubKernel("combine")),
+            (triton_read, "_launch_read", _python_read_launch),  # the Python read (no extension)
+            (triton_launch, "_launcher_driver", _count_driver),
+            (triton_launch, "_ordinary_launch", _ordinary_launch),
+            (triton_table, "_launch", _counting_launch(triton_table._launch)),
+            (triton_table, "_flat_source", _flat_source),
+            (triton_table, "_table", _counting_table(triton_table._table)),
             (triton_backend, "scan", _counting_scan(triton_backend.scan)),
+            (triton_table, "scan", _counting_scan(triton_table.scan)),
             (overflow_fast.hooks.reads, "CPU_AS_DEVICE", True),  # these CPU tensors stand for GPU ones
         ):
             stack.enter_context(patched(obj, name, value))
@@ -352,6 +357,8 @@ def instrumented():
     compute = timed(real_compute, 1)
     scan = timed(triton_backend.scan, 0)
     compute_scanned = timed(triton_backend.compute_scanned, 1)
+    own_scan = timed(triton_table.scan, 0)  # compute()'s own calls, in the table module
+    own_compute_scanned = timed(triton_table.compute_scanned, 1)
     real_read = triton_backend.read_into
 
     def read_into(tensors, out, *args, **kwargs):  # the per-hook kernel's Python entry: one engine call
@@ -373,6 +380,7 @@ def instrumented():
     with patched(triton_backend, "compute", compute), patched(triton_backend, "scan", scan), \
             patched(triton_backend, "read_into", read_into), \
             patched(triton_backend, "compute_scanned", compute_scanned), patched(Passes, "flush", flush), \
+            patched(triton_table, "scan", own_scan), patched(triton_table, "compute_scanned", own_compute_scanned), \
             patched(torch.Tensor, "cpu", cpu), patched(reads, "add", _per_read(reads.add)), \
             patched(reads, "read", _per_read(reads.read)):
         try:
@@ -985,9 +993,9 @@ def main(argv=None):
     args.seq = args.seq or (64 if quick else 1024)
     args.repeats = args.repeats or (3 if quick else 7)
     args.inner = args.inner or (1 if quick else 3)
-    if triton_backend.triton is None:
-        raise SystemExit(f"triton is needed for its kernels' constexpr types: {triton_backend._IMPORT_ERROR}")
-    if triton_backend._EXTENSION is None:
+    if triton_common.triton is None:
+        raise SystemExit(f"triton is needed for its kernels' constexpr types: {triton_common._IMPORT_ERROR}")
+    if triton_common._EXTENSION is None:
         print("the C++ extension is unavailable: the per-hook reads take the Python path (counted launches)")
     print(_results.machine_line(), flush=True)
     csv_rows = []

@@ -372,7 +372,7 @@ class Watchdog:
 CHILDREN = []  # child processes, ended with the run
 
 torch = None  # imported by startup(), inside the budget
-triton_be = torch_be = cpu_be = StatsBatch = None
+triton_be = triton_devices = triton_read = triton_table = torch_be = cpu_be = StatsBatch = None
 random_bits = reference_stats = same_stats = special_values = None
 
 
@@ -392,6 +392,7 @@ class Context:
 def startup(ctx):
     """Import torch, the package (which builds or loads the C++ kernel), Triton and transformers,
     each timed; pick the device. False when nothing can be measured."""
+    global triton_devices, triton_read, triton_table
     global torch, triton_be, torch_be, cpu_be, StatsBatch, random_bits, reference_stats, same_stats, special_values
     report, args = ctx.report, ctx.args
     if args.dry_run:
@@ -419,8 +420,12 @@ def startup(ctx):
     from overflow_fast.stats import StatsBatch as _StatsBatch
     from overflow_fast.stats import torch_backend as _torch_be
     from overflow_fast.stats import triton_backend as _triton_be
+    from overflow_fast.stats import triton_devices as _triton_devices
+    from overflow_fast.stats import triton_read as _triton_read
+    from overflow_fast.stats import triton_table as _triton_table
 
     StatsBatch, torch_be, triton_be = _StatsBatch, _torch_be, _triton_be
+    triton_devices, triton_read, triton_table = _triton_devices, _triton_read, _triton_table
     ctx.missing["triton"] = triton_be.unavailable_reason()
     timings.append(f"the triton backend {time.perf_counter() - started:.1f} s")
 
@@ -584,7 +589,7 @@ def direct_launch_child(dry_run):
     variant through Triton's launch, then directly), then reads of 1 to 17 tensors (one to three
     launches) through the hooks' entry on torch's stream and on a side stream, each against the
     torch backend, and a sync. One ``PROBE <json>`` line; exit status 0 passed, 1 not."""
-    global torch, triton_be, torch_be
+    global torch, triton_be, triton_devices, triton_read, triton_table, torch_be
     result = {"passed": False}
     if dry_run:  # the interpreter is chosen when the backend is imported
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -593,12 +598,16 @@ def direct_launch_child(dry_run):
 
         from overflow_fast.stats import torch_backend as _torch_be
         from overflow_fast.stats import triton_backend as _triton_be
+        from overflow_fast.stats import triton_devices as _triton_devices
+        from overflow_fast.stats import triton_read as _triton_read
+        from overflow_fast.stats import triton_table as _triton_table
 
         torch, triton_be, torch_be = _torch, _triton_be, _torch_be
+        triton_devices, triton_read, triton_table = _triton_devices, _triton_read, _triton_table
         if triton_be.unavailable_reason() is not None:
             raise RuntimeError(f"the triton backend is unavailable: {triton_be.unavailable_reason()}")
         device = torch.device("cpu") if dry_run else torch.device("cuda", torch.cuda.current_device())
-        state = triton_be.check_device(device, read=None if device.type == "cuda" else triton_be._read)
+        state = triton_be.check_device(device, read=None if device.type == "cuda" else triton_read._read)
         result.update(self_check=state.self_check, check_ms=state.check_ms or 0.0, launch=state.launch)
         if state.self_check != "passed":
             raise RuntimeError(f"the self-check {state.self_check}")
@@ -655,7 +664,7 @@ def _direct_reads(device):
                     stream.synchronize()
                 if taken is not True:
                     raise RuntimeError(f"read_into did not take {count} tensors on {where}")
-                problem = triton_be._row_difference(rows.cpu(), want, tensors)
+                problem = triton_devices._row_difference(rows.cpu(), want, tensors)
                 if problem is not None:
                     raise RuntimeError(f"the {attempt} read of {count} tensors on {where}: {problem}")
                 reads += 1
@@ -719,8 +728,8 @@ def check_batch(tensors, label, counts, oracle_dtypes, oracle_max=5000):
 def _read_rows(tensors):
     """The per-hook kernel's rows (whatever the device's self-check said)."""
     rows = torch.full((len(tensors), 8), -1, dtype=torch.int64, device=tensors[0].device)
-    state = triton_be._DEVICES.get((rows.device.type, rows.device.index)) or triton_be.check_device(rows.device)
-    if triton_be._read(tensors, rows, state) is False:
+    state = triton_devices._DEVICES.get((rows.device.type, rows.device.index)) or triton_be.check_device(rows.device)
+    if triton_read._read(tensors, rows, state) is False:
         raise Mismatch(f"the per-hook kernel did not take {len(tensors)} tensors")
     return rows
 
@@ -831,7 +840,7 @@ def self_check(ctx, deadline):
     # on a GPU the second check runs with its kernels compiled, the figure that counts
     for attempt in ("first use",) if ctx.tiny else ("first use", "warm"):
         triton_be.forget_devices()
-        state = triton_be.check_device(device, read=None if device.type == "cuda" else triton_be._read)
+        state = triton_be.check_device(device, read=None if device.type == "cuda" else triton_read._read)
         print(f"  self-check ({attempt}): {state.self_check}, {state.check_ms:.0f} ms; path {state.path}; "
               f"launch {state.launch}", flush=True)
     passed = state.path == triton_be.PER_HOOK
@@ -890,7 +899,7 @@ def fits(numel, dtype, device):
 
 def per_hook_path(device):
     """Whether ``device`` reads with the per-hook kernel (its self-check passed, or has not run)."""
-    state = triton_be._DEVICES.get((device.type, device.index))
+    state = triton_devices._DEVICES.get((device.type, device.index))
     return state is None or state.path == triton_be.PER_HOOK
 
 
@@ -1396,7 +1405,7 @@ def _host_pass(ctx, hp, model, run, hooks, what, repeats, inner, deadline, suffi
                        f"{c['ordinary']} ordinary per-hook launches, {c['table']} table-kernel launches, "
                        f"{c['engine_calls']} Python engine calls ({c['engine_us']:.1f} us/hook in them)")
     for name, (path, check, launch) in triton_be.device_report().items():
-        state = triton_be._DEVICES.get((torch.device(name).type, torch.device(name).index))
+        state = triton_devices._DEVICES.get((torch.device(name).type, torch.device(name).index))
         check_ms = f" ({state.check_ms:.1f} ms)" if state is not None and state.check_ms is not None else ""
         ctx.report.add(f"launch path {name}{suffix}", launch,
                        f"check='batch' launched {label}; {path}; self-check {check}{check_ms}; the line of "
@@ -1408,7 +1417,7 @@ def _host_pass(ctx, hp, model, run, hooks, what, repeats, inner, deadline, suffi
 def _launcher_launches():
     """(direct, ordinary) launches of the C++ launchers of every device set up so far."""
     direct = ordinary = 0
-    for state in triton_be._DEVICES.values():
+    for state in triton_devices._DEVICES.values():
         for launcher in [state.launcher] + [known[0] for known in state.shapes.values()]:
             if launcher is not None:
                 direct += launcher.direct_launches
@@ -1421,15 +1430,16 @@ def _counted_forward(hp, model, run, hooks, variant):
     direct and ordinary ones, the Python read's, the table kernels' two per call), and
     bench_host_path's count of the Python-side engine calls and the time in them."""
     calls = {"_launch": 0, "_launch_read": 0}
+    owners = {"_launch": triton_table, "_launch_read": triton_read}  # the modules whose code calls them
     wrapped = {}
     for name in calls:  # counted, then the real function
-        real = wrapped[name] = getattr(triton_be, name)
+        real = wrapped[name] = getattr(owners[name], name)
 
         def counting(*args, real=real, name=name, **kwargs):
             calls[name] += 1
             return real(*args, **kwargs)
 
-        setattr(triton_be, name, counting)
+        setattr(owners[name], name, counting)
     try:
         detach = hp.attach(variant, model)
         try:
@@ -1442,7 +1452,7 @@ def _counted_forward(hp, model, run, hooks, variant):
         counts = hp.counted(model, run, variant, passes=1)
     finally:
         for name, real in wrapped.items():
-            setattr(triton_be, name, real)
+            setattr(owners[name], name, real)
     return {"direct": after[0] - before[0], "ordinary": after[1] - before[1] + called["_launch_read"],
             "table": 2 * called["_launch"],
             "engine_calls": counts.get("compute_calls", 0), "engine_us": counts.get("compute_s", 0.0) / hooks * 1e6}

@@ -74,7 +74,7 @@ void compute_flat(const FlatTensor* tensors, int64_t count, int64_t* rows);
 const char* launch_hooks_reason(PyObject* runtime_knobs, PyObject* hook_chain_type, PyObject* kernel);
 
 // The per-hook read of one device: a call's tensors packed as the per-hook Triton kernel's
-// arguments (triton_backend._read_kernel: Out, Accumulators, then (address, numel, word) per slot)
+// arguments (triton_kernels._read_kernel: Out, Accumulators, then (address, numel, word) per slot)
 // and launched, at most kSlots tensors a launch. The driver is what differs:
 // - kCuda: cuLaunchKernel on the CUfunction Triton compiled for the launch's variant (libcuda
 //   loaded at run time), once the variant is registered and no Triton launch hook is set;

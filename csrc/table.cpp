@@ -1,5 +1,5 @@
 // What the Triton backend's kernels read of a list of tensors, in one loop: the table of its table
-// kernels (overflow_fast._C.triton_table, triton_backend.py's _table) and the per-hook launch
+// kernels (overflow_fast._C.triton_table, triton_table.py's _table) and the per-hook launch
 // (Launcher: the per-hook kernel's arguments, launched from here).
 //
 // On a GPU the host only issues kernels, so the per-tensor Python of describing tensors (a dozen
@@ -53,7 +53,7 @@ c10::DispatchKeySet unreadable_keys() {
   });
 }
 
-// The same rule as triton_backend._is_dense: the elements fill exactly numel slots from
+// The same rule as triton_table._is_dense: the elements fill exactly numel slots from
 // data_ptr() on, in some order (dims of size 1 aside, sorted strides 1, size0, size0*size1, ...).
 bool is_dense(const at::Tensor& tensor) {
   c10::SmallVector<std::pair<int64_t, int64_t>, 8> dims;  // (stride, size)

@@ -60,7 +60,7 @@ def _per_hook_paths():
     the launch would be made."""
     import torch
 
-    from .stats import triton_backend
+    from .stats import triton_backend, triton_devices
 
     if triton_backend.unavailable_reason() is not None:
         return {"gpu": "none here (the triton backend, which reads each hook's GPU tensors, is unavailable: "
@@ -68,7 +68,7 @@ def _per_hook_paths():
     if torch.cuda.is_available():
         for index in range(torch.cuda.device_count()):
             try:
-                triton_backend._state(torch.device("cuda", index))
+                triton_devices._state(torch.device("cuda", index))
             except Exception as error:  # noqa: BLE001 - info reports, it never fails
                 return {f"cuda:{index}": f"cannot be set up ({type(error).__name__}: {error})"}
     report = {device: f"{path}; self-check {check}; launch {launch}"

@@ -154,6 +154,7 @@ def test_a_launcher_that_fails_is_unbound_and_its_tensors_handed_back():
     its reason and unbinds it: this call's tensors and the next calls' come back to the caller. An
     interrupt is not a failure: it goes through."""
     from overflow_fast.stats import triton_backend as tb
+    from overflow_fast.stats import triton_common, triton_launch
 
     def failing(*args):
         raise RuntimeError("compiler exploded\nsecond line")
@@ -162,8 +163,9 @@ def test_a_launcher_that_fails_is_unbound_and_its_tensors_handed_back():
         raise KeyboardInterrupt
 
     def launcher(callback):
-        pool = torch.tensor(tb._IDENTITY_ROW).repeat(tb.STREAM_GROUPS * tb.MAX_SLOTS, 1)
-        return C.Launcher("ordinary", torch.device("cpu"), tb._PLAIN_TYPES, tb._FORMAT_WORD, tb._ALIGNED_BIT,
+        pool = torch.tensor(triton_launch._IDENTITY_ROW).repeat(tb.STREAM_GROUPS * tb.MAX_SLOTS, 1)
+        return C.Launcher("ordinary", torch.device("cpu"), triton_common._PLAIN_TYPES, triton_common._FORMAT_WORD,
+                          triton_common._ALIGNED_BIT,
                           tb.BLOCK_SIZE * tb.BLOCKS_PER_CHUNK, tb.MAX_READ_LAUNCHES, pool, tb.STREAM_GROUPS, None,
                           None, callback)
 

@@ -213,8 +213,8 @@ def test_compile_fullgraph_through_tensor_stats():
 
 _TRITON_CHILD = r'''
 import torch
-from overflow_fast.stats import ops, triton_backend as tb, torch_backend
-assert tb._INTERPRET and tb.unavailable_reason() is None
+from overflow_fast.stats import ops, triton_backend as tb, triton_common, torch_backend
+assert triton_common._INTERPRET and tb.unavailable_reason() is None
 op = torch.ops.overflow_fast.tensor_stats_triton
 op_out = torch.ops.overflow_fast.tensor_stats_triton_out
 base = torch.randn(6, 10)
@@ -289,9 +289,9 @@ print("TRITON OPS OK")
 
 
 def test_triton_ops_under_the_interpreter():
-    from overflow_fast.stats import triton_backend as tb
+    from overflow_fast.stats import triton_common
 
-    if tb.triton is None:
+    if triton_common.triton is None:
         pytest.skip("triton is not installed")
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(_TRITON_CHILD)], env=env,

@@ -19,10 +19,11 @@ from oracle import ALL_DTYPES, E8M0, assert_stats_equal, has_inf, random_bits, s
 from overflow_fast import tensor_stats
 from overflow_fast.stats import StatsBatch, dispatch
 from overflow_fast.stats import triton_backend as tb
+from overflow_fast.stats import triton_common, triton_devices, triton_kernels, triton_read, triton_table
 
 if tb.unavailable_reason() is not None:
     DEVICE = None
-elif tb._INTERPRET:
+elif triton_common._INTERPRET:
     DEVICE = "cpu"
 else:
     DEVICE = "cuda"
@@ -214,8 +215,8 @@ def test_one_launch_pair_and_one_table_per_call(monkeypatch):
                 return self.kernel[grid](*args, **kwargs)
             return launch
 
-    monkeypatch.setattr(tb, "_stats_partials_kernel", Counting(tb._stats_partials_kernel))
-    monkeypatch.setattr(tb, "_stats_combine_kernel", Counting(tb._stats_combine_kernel))
+    monkeypatch.setattr(triton_kernels, "_stats_partials_kernel", Counting(triton_kernels._stats_partials_kernel))
+    monkeypatch.setattr(triton_kernels, "_stats_combine_kernel", Counting(triton_kernels._stats_combine_kernel))
     gen = _gen(11)
     tensors = [random_bits(torch.bfloat16, (100,), gen), random_bits(torch.int64, (33,), gen)[1:],
                torch.empty(0, dtype=torch.bool), random_bits(torch.float32, (7,), gen),
@@ -223,11 +224,11 @@ def test_one_launch_pair_and_one_table_per_call(monkeypatch):
     _check(tensors, "launch count", **SMALL)
     partials, combine = launches
     assert partials[1] == (4 + 1 + 0 + 1 + 2,)  # chunks of 32 elements
-    assert partials[2]["FORMATS"] == sum(1 << (tb._FORMAT_WORD[d] & tb._CODE_MASK) for d in
+    assert partials[2]["FORMATS"] == sum(1 << (triton_common._FORMAT_WORD[d] & triton_common._CODE_MASK) for d in
                                          (torch.bfloat16, torch.int64, torch.bool, torch.float32))
     assert partials[2]["ANY_UNALIGNED"] and partials[2]["SEARCH_STEPS"] == 3
     assert combine[1] == (5,)
-    table, formats, any_unaligned, num_chunks = tb._table([tb._flat_source(t) for t in tensors], [tb._FORMAT_WORD[t.dtype] for t in tensors], 32)
+    table, formats, any_unaligned, num_chunks = triton_table._table([triton_table._flat_source(t) for t in tensors], [triton_common._FORMAT_WORD[t.dtype] for t in tensors], 32)
     assert len(table) == 4 * 5 + 1 and table[-6:] == [0, 4, 5, 5, 6, 8] and num_chunks == 8
     launches.clear()
     _check([torch.empty(0), torch.empty(0, dtype=torch.int8)], "only empty", **SMALL)
@@ -239,7 +240,7 @@ def test_cpp_table_and_python_table_give_the_same_rows(monkeypatch):
     """compute() and tensor_stats(out=) through the C++ table (dispatch's one loop), and through the
     Python table (no extension): the same rows, for dense, strided, expanded, negated, unaligned
     and empty tensors of several dtypes."""
-    if tb._TRITON_TABLE is None:
+    if triton_common._TRITON_TABLE is None:
         pytest.skip("overflow_fast._C is not loaded")
     gen = _gen(12)
     base = random_bits(torch.float32, (6, 40), gen).to(DEVICE)
@@ -249,7 +250,7 @@ def test_cpp_table_and_python_table_give_the_same_rows(monkeypatch):
     out = torch.full((len(tensors) + 1, 8), -1, dtype=torch.int64, device=DEVICE)[1:]
     native = tb.compute(tensors, **SMALL).tolist()
     dispatched = tensor_stats(tensors, backend="triton", out=out).values.tolist()
-    monkeypatch.setattr(tb, "_TRITON_TABLE", None)
+    monkeypatch.setattr(triton_common, "_TRITON_TABLE", None)
     monkeypatch.setattr(dispatch, "_choices", {})
     assert tb.compute(tensors, **SMALL).tolist() == native
     assert tensor_stats(tensors, backend="triton", out=out.fill_(-1)).values.tolist() == dispatched == native
@@ -275,7 +276,7 @@ def test_pinned_staging_reuses_only_buffers_no_copy_reads():
         def record(self):
             self.done = False  # a copy from the buffer is now pending
 
-    staging = tb._PinnedStaging(pinned_empty=lambda n: torch.empty(n, dtype=torch.int64), event=Event)
+    staging = triton_table._PinnedStaging(pinned_empty=lambda n: torch.empty(n, dtype=torch.int64), event=Event)
     first = staging.take(10)
     first[2].done = False  # its copy is pending
     second = staging.take(10)
@@ -296,7 +297,7 @@ def test_pinned_staging_reuses_only_buffers_no_copy_reads():
 
     # upload(): the table packed into a free buffer, copied to the front of the destination, and
     # the buffer marked pending until the copy has run (a CPU destination stands for the device)
-    staging = tb._PinnedStaging(pinned_empty=lambda n: torch.empty(n, dtype=torch.int64), event=Event)
+    staging = triton_table._PinnedStaging(pinned_empty=lambda n: torch.empty(n, dtype=torch.int64), event=Event)
     table = [2**47 + 16, -1, 0, 2**63 - 1, -(2**63)]
     device_buffer = torch.full((8,), 7, dtype=torch.int64)
     staging.upload(table, device_buffer)
@@ -383,7 +384,7 @@ def _compile_for_sm90(kernel, signature, constexprs, num_warps, **options):
         pytest.skip(f"triton's compiler API moved: {error}")
     signature = dict(signature, **{name: "constexpr" for name in constexprs})
     try:
-        return tb.triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32),
+        return triton_common.triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32),
                                  options={"num_warps": num_warps, **options})
     except FileNotFoundError as error:  # no ptxas in this triton install
         pytest.skip(str(error))
@@ -392,15 +393,15 @@ def _compile_for_sm90(kernel, signature, constexprs, num_warps, **options):
 def _compile_partials(formats, any_unaligned, search_steps=3):
     constexprs = dict(FORMATS=formats, ANY_UNALIGNED=any_unaligned, SEARCH_STEPS=search_steps,
                       BLOCK_SIZE=tb.BLOCK_SIZE, BLOCKS_PER_CHUNK=tb.BLOCKS_PER_CHUNK)
-    return _compile_for_sm90(tb._stats_partials_kernel, {"Table_ptr": "*i64", "num_tensors": "i32"}, constexprs,
-                             tb.NUM_WARPS, **tb._REGISTER_CAP)
+    return _compile_for_sm90(triton_kernels._stats_partials_kernel, {"Table_ptr": "*i64", "num_tensors": "i32"}, constexprs,
+                             tb.NUM_WARPS, **triton_common._REGISTER_CAP)
 
 
 def _vector_loads(ptx):
     return ptx.count("ld.global.v4.b32") + ptx.count("ld.global.v2.b64")
 
 
-@pytest.mark.skipif(tb.triton is None or tb._INTERPRET, reason="needs triton's compiler (not the interpreter)")
+@pytest.mark.skipif(triton_common.triton is None or triton_common._INTERPRET, reason="needs triton's compiler (not the interpreter)")
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e4m3fnuz,
                                    *E8M0, torch.int64, torch.bool], ids=str)
@@ -408,27 +409,27 @@ def test_compiles_for_sm90_without_a_gpu(dtype):
     """The interpreter accepts code the compiler rejects: compile both kernels for an H100-class
     target (no GPU needed) and check that full blocks use 16-byte vector loads, also in a launch
     that has unaligned tensors (their scalar loop must not take the hint from the aligned one)."""
-    code = tb._FORMAT_WORD[dtype] & tb._CODE_MASK
+    code = triton_common._FORMAT_WORD[dtype] & triton_common._CODE_MASK
     aligned_only = _compile_partials(1 << code, False).asm["ptx"]
     assert _vector_loads(aligned_only) > 0
     both = _compile_partials(1 << code, True).asm["ptx"]
     assert _vector_loads(both) == _vector_loads(aligned_only)
     scalar = {1: "ld.global.b8", 2: "ld.global.b16", 4: "ld.global.b32", 8: "ld.global.b64"}[dtype.itemsize]
     assert both.count(scalar) > aligned_only.count(scalar)  # the unaligned loop
-    _compile_for_sm90(tb._stats_combine_kernel, {"Table_ptr": "*i64", "Out_ptr": "*i64", "num_tensors": "i32"},
+    _compile_for_sm90(triton_kernels._stats_combine_kernel, {"Table_ptr": "*i64", "Out_ptr": "*i64", "num_tensors": "i32"},
                       {"BLOCK_SIZE": tb.COMBINE_BLOCK}, 2)
 
 
-@pytest.mark.skipif(tb.triton is None or tb._INTERPRET, reason="needs triton's compiler (not the interpreter)")
+@pytest.mark.skipif(triton_common.triton is None or triton_common._INTERPRET, reason="needs triton's compiler (not the interpreter)")
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
 def test_every_format_compiles_in_one_kernel(tmp_path):
     """Every format branch, aligned and unaligned, in one partials kernel (the largest variant)."""
-    every = (1 << len(tb._FORMATS)) - 1
+    every = (1 << len(triton_common._FORMATS)) - 1
     kernel = _compile_partials(every, True, search_steps=8)
-    assert _vector_loads(kernel.asm["ptx"]) >= len(tb._FORMATS)
+    assert _vector_loads(kernel.asm["ptx"]) >= len(triton_common._FORMATS)
     # the register cap holds without spills (cuobjdump ships with triton's CUDA backend)
-    cuobjdump = os.path.join(os.path.dirname(tb.triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    if os.path.exists(cuobjdump) and tb._REGISTER_CAP:
+    cuobjdump = os.path.join(os.path.dirname(triton_common.triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if os.path.exists(cuobjdump) and triton_common._REGISTER_CAP:
         cubin = os.path.join(str(tmp_path), "partials.cubin")
         with open(cubin, "wb") as f:
             f.write(kernel.asm["cubin"])
@@ -471,14 +472,14 @@ def test_launches_run_under_the_tensors_device(monkeypatch):
         def __exit__(self, *exc):
             entered.append(None)
 
-    real_launch = tb._launch
+    real_launch = triton_table._launch
 
     def launch(*args, **kwargs):
         launched_inside.append(bool(entered) and entered[-1] is not None)
         return real_launch(*args, **kwargs)
 
-    monkeypatch.setattr(tb, "on_device", Guard)
-    monkeypatch.setattr(tb, "_launch", launch)
+    monkeypatch.setattr(triton_table, "on_device", Guard)
+    monkeypatch.setattr(triton_table, "_launch", launch)
     tensors = [torch.arange(5.0, device=DEVICE), torch.tensor([1, -3], device=DEVICE)]
     got = _rows_to_dicts(tb.compute(tensors), tensors)
     assert got == tensor_stats(tensors, backend="torch").tolist()
@@ -507,8 +508,8 @@ def test_detector_reads_each_hook_or_with_defer_the_forward_at_once(monkeypatch,
     data = [torch.randn(2, 8) for _ in range(4)]
     data[3][0, 0] = float("inf")
     calls = []
-    real = tb._launch
-    real_read = tb._launch_read
+    real = triton_table._launch
+    real_read = triton_read._launch_read
 
     def counting(buffer, out, num_tensors, *args):
         # one per engine call through the table kernels: compute() or dispatch's C++ table
@@ -521,12 +522,12 @@ def test_detector_reads_each_hook_or_with_defer_the_forward_at_once(monkeypatch,
 
     def launcher_reads():
         """Launches of the per-hook kernel by the device's C++ launcher (at most 8 tensors here: one a call)."""
-        state = tb._DEVICES.get((torch.device(DEVICE).type, torch.device(DEVICE).index))
+        state = triton_devices._DEVICES.get((torch.device(DEVICE).type, torch.device(DEVICE).index))
         launcher = state.launcher if state is not None else None
         return 0 if launcher is None else launcher.direct_launches + launcher.ordinary_launches
 
-    monkeypatch.setattr(tb, "_launch", counting)
-    monkeypatch.setattr(tb, "_launch_read", counting_read)
+    monkeypatch.setattr(triton_table, "_launch", counting)
+    monkeypatch.setattr(triton_read, "_launch_read", counting_read)
     monkeypatch.setattr(overflow_fast.hooks.reads, "CPU_AS_DEVICE", True)  # the interpreter's tensors are on the CPU
     model = model.to(DEVICE)
     data = [x.to(DEVICE) for x in data]
@@ -561,4 +562,4 @@ def test_importing_the_engine_loads_no_extension():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     loads = os.environ.get("OVERFLOW_FAST_WITHOUT_EXTENSION", "") in ("", "0")
-    assert done.stdout.strip() == str(loads and tb.triton is not None)
+    assert done.stdout.strip() == str(loads and triton_common.triton is not None)

@@ -21,10 +21,11 @@ import torch
 from oracle import assert_stats_equal, random_bits, special_values
 from overflow_fast.stats import StatsBatch
 from overflow_fast.stats import triton_backend as tb
+from overflow_fast.stats import triton_common, triton_devices, triton_kernels, triton_launch, triton_read
 
 if tb.unavailable_reason() is not None:
     DEVICE = None
-elif tb._INTERPRET:
+elif triton_common._INTERPRET:
     DEVICE = "cpu"
 else:
     DEVICE = "cuda"
@@ -46,7 +47,7 @@ class Launches:
 
     def __init__(self, monkeypatch):
         self.grids = []
-        kernel = tb._read_kernel
+        kernel = triton_kernels._read_kernel
         launches = self
 
         class Counting:
@@ -54,7 +55,7 @@ class Launches:
                 launches.grids.append(grid[0])
                 return kernel[grid]
 
-        monkeypatch.setattr(tb, "_read_kernel", Counting())
+        monkeypatch.setattr(triton_kernels, "_read_kernel", Counting())
 
 
 @needs_backend
@@ -89,10 +90,10 @@ def test_accumulators_are_left_at_identity(monkeypatch):
     again = torch.empty(4, 8, dtype=torch.int64, device=DEVICE)
     assert tb.read_into([nan, torch.ones(1, device=DEVICE), big, ints], again, **SMALL)
     assert torch.equal(again[[2, 3, 0]], first)
-    state = tb._DEVICES[(torch.device(DEVICE).type, torch.device(DEVICE).index)]
-    identity = torch.tensor(tb._IDENTITY_ROW).expand(tb.STREAM_GROUPS * tb.MAX_SLOTS, 8)
+    state = triton_devices._DEVICES[(torch.device(DEVICE).type, torch.device(DEVICE).index)]
+    identity = torch.tensor(triton_launch._IDENTITY_ROW).expand(tb.STREAM_GROUPS * tb.MAX_SLOTS, 8)
     pools = [state.pool] + [pool for _, pool in state.shapes.values()]
-    assert len(pools) == (1 if tb._EXTENSION is None else 2)  # with the extension: SMALL's launcher's own
+    assert len(pools) == (1 if triton_common._EXTENSION is None else 2)  # with the extension: SMALL's launcher's own
     assert all(torch.equal(pool.cpu(), identity) for pool in pools)
 
 
@@ -152,11 +153,11 @@ def test_self_check_passes_and_a_wrong_result_keeps_the_table_kernels():
     try:
         assert tb.self_check(device) is None
 
-        state = tb.check_device(device, read=tb._read)
+        state = tb.check_device(device, read=triton_read._read)
         assert state.self_check == "passed" and state.path == tb.PER_HOOK
 
         def off_by_one(tensors, rows):
-            tb._read(tensors, rows)
+            triton_read._read(tensors, rows)
             if len(tensors) > 5:  # the first call: tensors[5] of the check's set
                 rows[5, 2] += 1  # a nan count
 
@@ -185,7 +186,7 @@ def test_self_check_passes_and_a_wrong_result_keeps_the_table_kernels():
         tb.forget_devices()
 
 
-needs_extension = pytest.mark.skipif(tb._EXTENSION is None, reason="the C++ extension is unavailable")
+needs_extension = pytest.mark.skipif(triton_common._EXTENSION is None, reason="the C++ extension is unavailable")
 
 
 @needs_backend
@@ -195,7 +196,7 @@ def test_the_hooks_reads_go_through_the_launcher_s_packing():
     where it cannot launch directly (here: the interpreter), hands each launch to Triton's
     ordinary call, arguments and constexprs as the kernel takes them."""
     device = torch.device(DEVICE)
-    state = tb._state(device)
+    state = triton_devices._state(device)
     launcher = state.launcher_for(*SMALL.values())
     before = launcher.ordinary_launches + launcher.direct_launches
     gen = _gen(3)
@@ -209,7 +210,7 @@ def test_the_hooks_reads_go_through_the_launcher_s_packing():
     assert tb.launch_path(state).startswith("ordinary (") or DEVICE == "cuda"
 
 
-@pytest.mark.skipif(tb.triton is None, reason="triton is not installed")
+@pytest.mark.skipif(triton_common.triton is None, reason="triton is not installed")
 @needs_extension
 def test_the_launch_hooks_predicate_reads_the_installed_triton(monkeypatch):
     """Triton's launch hooks decide each launch: none registered (the installed Triton's empty
@@ -226,17 +227,17 @@ def test_the_launch_hooks_predicate_reads_the_installed_triton(monkeypatch):
     def ordinary(grid, args, slots, formats, any_unaligned):
         calls.append((grid, len(args), slots, formats, any_unaligned))
 
-    pool = torch.tensor(tb._IDENTITY_ROW).repeat(tb.STREAM_GROUPS * tb.MAX_SLOTS, 1)
-    launcher = tb._EXTENSION.Launcher("count", torch.device("cpu"), tb._PLAIN_TYPES, tb._FORMAT_WORD, tb._ALIGNED_BIT,
+    pool = torch.tensor(triton_launch._IDENTITY_ROW).repeat(tb.STREAM_GROUPS * tb.MAX_SLOTS, 1)
+    launcher = triton_common._EXTENSION.Launcher("count", torch.device("cpu"), triton_common._PLAIN_TYPES, triton_common._FORMAT_WORD, triton_common._ALIGNED_BIT,
                                       tb.BLOCK_SIZE * tb.BLOCKS_PER_CHUNK, tb.MAX_READ_LAUNCHES, pool,
-                                      tb.STREAM_GROUPS, runtime, tb._read_kernel, ordinary)
+                                      tb.STREAM_GROUPS, runtime, triton_kernels._read_kernel, ordinary)
     x = torch.ones(3, dtype=torch.bfloat16)
     rows = torch.full((1, 8), -1, dtype=torch.int64)
 
     def path():
         launched = launcher.direct_launches, len(calls)
         assert launcher.read([x], rows)
-        reason = tb._EXTENSION.launch_hooks_reason(runtime, tb._read_kernel)
+        reason = triton_common._EXTENSION.launch_hooks_reason(runtime, triton_kernels._read_kernel)
         assert launcher.hooks_reason() == reason
         took = "direct" if launcher.direct_launches > launched[0] else "ordinary"
         assert (took == "direct") == (reason is None), (took, reason)
@@ -263,37 +264,37 @@ def test_the_launch_hooks_predicate_reads_the_installed_triton(monkeypatch):
     monkeypatch.setattr(runtime, "launch_enter_hook", None)
     assert path() == "direct"
     monkeypatch.undo()
-    tb._read_kernel.add_pre_run_hook(hook)
+    triton_kernels._read_kernel.add_pre_run_hook(hook)
     try:
         assert path() == "ordinary"
     finally:
-        tb._read_kernel.pre_run_hooks.remove(hook)
+        triton_kernels._read_kernel.pre_run_hooks.remove(hook)
     assert path() == "direct"
 
 
-@pytest.mark.skipif(tb.triton is None, reason="triton is not installed")
+@pytest.mark.skipif(triton_common.triton is None, reason="triton is not installed")
 def test_a_cuda_device_launches_directly_unless_told_not_to(monkeypatch):
     """Compiled kernels (no interpreter) on a CUDA device take the cuda driver with the installed
     Triton's knobs; OVERFLOW_FAST_DIRECT_LAUNCH=0 keeps every launch Triton's, and says so."""
-    monkeypatch.setattr(tb, "_INTERPRET", False)  # as on a GPU machine: the kernels compiled
+    monkeypatch.setattr(triton_common, "_INTERPRET", False)  # as on a GPU machine: the kernels compiled
     cuda = torch.device("cuda", 0)
-    if tb._EXTENSION is None:
-        assert tb._launcher_driver(cuda) == (None, "the C++ extension is unavailable")
+    if triton_common._EXTENSION is None:
+        assert triton_launch._launcher_driver(cuda) == (None, "the C++ extension is unavailable")
         return
-    assert tb._launcher_driver(cuda) == ("cuda", None)
-    assert tb._launcher_driver(torch.device("cpu")) == ("ordinary", "no direct launch on cpu")
+    assert triton_launch._launcher_driver(cuda) == ("cuda", None)
+    assert triton_launch._launcher_driver(torch.device("cpu")) == ("ordinary", "no direct launch on cpu")
     monkeypatch.setenv("OVERFLOW_FAST_DIRECT_LAUNCH", "0")
-    assert tb._launcher_driver(cuda) == ("ordinary", "OVERFLOW_FAST_DIRECT_LAUNCH=0")
+    assert triton_launch._launcher_driver(cuda) == ("ordinary", "OVERFLOW_FAST_DIRECT_LAUNCH=0")
 
 
-@pytest.mark.skipif(tb.triton is None, reason="triton is not installed")
+@pytest.mark.skipif(triton_common.triton is None, reason="triton is not installed")
 def test_info_s_launch_line_is_the_path_taken():
     """Before any device is used, ``launch_path`` says why this machine launches through Triton
     (here: the interpreter, or no CUDA device), never "direct" where no direct launch can run."""
     path = tb.launch_path()
-    if tb._EXTENSION is None:
+    if triton_common._EXTENSION is None:
         assert path == "ordinary (the C++ extension is unavailable)"
-    elif tb._INTERPRET:
+    elif triton_common._INTERPRET:
         assert path == "ordinary (the interpreter runs the kernels (TRITON_INTERPRET=1))"
     elif not torch.cuda.is_available():
         assert path == "ordinary (no direct launch on cpu)"
@@ -306,15 +307,15 @@ import re
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import triton
-from overflow_fast.stats import triton_backend as tb
-assert not tb._INTERPRET
-names = list(__import__("inspect").signature(tb._read_kernel.fn).parameters)
-code = tb._FORMAT_WORD[__import__("torch").bfloat16] & tb._CODE_MASK
+from overflow_fast.stats import triton_backend as tb, triton_common, triton_kernels
+assert not triton_common._INTERPRET
+names = list(__import__("inspect").signature(triton_kernels._read_kernel.fn).parameters)
+code = triton_common._FORMAT_WORD[__import__("torch").bfloat16] & triton_common._CODE_MASK
 constexprs = dict(K=8, FORMATS=1 << code, ANY_UNALIGNED=True, BLOCK_SIZE=tb.BLOCK_SIZE,
                   BLOCKS_PER_CHUNK=tb.BLOCKS_PER_CHUNK)
 signature = {name: ("constexpr" if name in constexprs else "i64") for name in names}
-kernel = triton.compile(ASTSource(tb._read_kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32),
-                        options={"num_warps": tb.NUM_WARPS, **tb._REGISTER_CAP})
+kernel = triton.compile(ASTSource(triton_kernels._read_kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32),
+                        options={"num_warps": tb.NUM_WARPS, **triton_common._REGISTER_CAP})
 ttir = kernel.asm["ttir"]
 offsets = re.findall(r"tt\.addptr[^\n]*:\s*tensor<\d+x!tt\.ptr<[^>]+>>,\s*tensor<\d+x(i\d+)", ttir)
 assert offsets and set(offsets) == {"i64"}, set(offsets)
@@ -328,10 +329,10 @@ assert atomics and len({line.split()[0] for line in atomics}) == 1 and atomics[0
 assert tb.metadata_mismatch(kernel) is None, tb.metadata_mismatch(kernel)
 params = tb.ptx_parameters(ptx, kernel.metadata.name)
 assert len(params) == 28 and params[26].startswith(".u64 .ptr"), params
-one = triton.compile(ASTSource(tb._read_kernel, signature, dict(constexprs, K=1, ANY_UNALIGNED=False)),
-                     target=GPUTarget("cuda", 90, 32), options={"num_warps": tb.NUM_WARPS, **tb._REGISTER_CAP})
+one = triton.compile(ASTSource(triton_kernels._read_kernel, signature, dict(constexprs, K=1, ANY_UNALIGNED=False)),
+                     target=GPUTarget("cuda", 90, 32), options={"num_warps": tb.NUM_WARPS, **triton_common._REGISTER_CAP})
 assert tb.metadata_mismatch(one) is None, tb.metadata_mismatch(one)  # unused slots stay parameters
-pdl = triton.compile(ASTSource(tb._read_kernel, signature, dict(constexprs, K=1, ANY_UNALIGNED=False)),
+pdl = triton.compile(ASTSource(triton_kernels._read_kernel, signature, dict(constexprs, K=1, ANY_UNALIGNED=False)),
                      target=GPUTarget("cuda", 90, 32), options={"num_warps": tb.NUM_WARPS, "launch_pdl": True})
 assert "launch_pdl=True" in tb.metadata_mismatch(pdl), tb.metadata_mismatch(pdl)
 assert tb.direct_mismatch(one) == "no CUfunction: not a compiled CUDA kernel"  # not loaded: no GPU here
@@ -339,7 +340,7 @@ print("COMPILED", len(offsets), ptx.count("atom."))
 '''
 
 
-@pytest.mark.skipif(tb.triton is None, reason="triton is not installed")
+@pytest.mark.skipif(triton_common.triton is None, reason="triton is not installed")
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
 def test_compiles_for_sm90_with_int64_offsets_and_an_acq_rel_counter():
     """Compiled for an H100-class target (no GPU needed): every pointer offset of the per-hook

@@ -13,28 +13,29 @@ import torch
 from overflow_fast import tensor_stats
 from overflow_fast.stats import dispatch
 from overflow_fast.stats import triton_backend as tb
+from overflow_fast.stats import triton_common, triton_kernels, triton_table
 
-pytestmark = pytest.mark.skipif(tb._TRITON_TABLE is None, reason="overflow_fast._C is not loaded")
+pytestmark = pytest.mark.skipif(triton_common._TRITON_TABLE is None, reason="overflow_fast._C is not loaded")
 
-DTYPES = sorted(tb._FORMAT_WORD, key=str)
+DTYPES = sorted(triton_common._FORMAT_WORD, key=str)
 CHUNK = 32
 
 
 def _python_table(tensors, sources, chunk):
-    words = [tb._FORMAT_WORD[t.dtype] for t in tensors]
-    return tb._table(sources, words, chunk)
+    words = [triton_common._FORMAT_WORD[t.dtype] for t in tensors]
+    return triton_table._table(sources, words, chunk)
 
 
 def _assert_same_table(tensors, chunk=CHUNK):
     """scan() gives _table's ints (with the flat copies scan made as the sources), FORMATS bitmask,
     unaligned flag and chunk count; the flat copies are of exactly the tensors _flat_source copies."""
-    scanned = tb.scan(tensors, tb._FORMAT_WORD, chunk)
+    scanned = tb.scan(tensors, triton_common._FORMAT_WORD, chunk)
     assert scanned is not None
     sources = list(tensors)
     for index, source in scanned.flat or ():
         sources[index] = source
     flat = {index for index, _ in scanned.flat or ()}
-    assert flat == {i for i, t in enumerate(tensors) if tb._flat_source(t) is not t}
+    assert flat == {i for i, t in enumerate(tensors) if triton_table._flat_source(t) is not t}
     table, formats, any_unaligned, num_chunks = _python_table(tensors, sources, chunk)
     n = 4 * len(tensors) + 1
     assert scanned.table[:n].tolist() == table
@@ -90,15 +91,15 @@ def test_mixed_dtypes_parameters_and_many_tensors():
     tensors.append(torch.nn.Parameter(torch.ones(33, 3)))
     tensors.append(torch.nn.Parameter(torch.ones(2, 33)).t())  # a view of a Parameter: a Tensor
     scanned = _assert_same_table(tensors)
-    assert scanned.formats == sum(1 << (tb._FORMAT_WORD[d] & tb._CODE_MASK) for d in {t.dtype for t in tensors})
+    assert scanned.formats == sum(1 << (triton_common._FORMAT_WORD[d] & triton_common._CODE_MASK) for d in {t.dtype for t in tensors})
 
 
 def test_a_table_in_a_larger_buffer_is_written_at_its_start():
     """As into a pinned staging buffer larger than the table (the CUDA path): the rest is untouched."""
     tensors = [torch.ones(40), torch.ones(3, dtype=torch.int8)[1:]]
     table = torch.full((20,), 7, dtype=torch.int64)
-    result = tb._TRITON_TABLE(tensors, tb._PLAIN_TYPES, torch.device("cpu"), tb._FORMAT_WORD, CHUNK, table,
-                              tb._ALIGNED_BIT, 0, 0, False)
+    result = triton_common._TRITON_TABLE(tensors, triton_common._PLAIN_TYPES, torch.device("cpu"), triton_common._FORMAT_WORD, CHUNK, table,
+                              triton_common._ALIGNED_BIT, 0, 0, False)
     assert result is not None
     want, formats, any_unaligned, num_chunks = _python_table(tensors, tensors, CHUNK)
     assert table[:9].tolist() == want and table[9:].tolist() == [7] * 11
@@ -138,14 +139,14 @@ def test_what_it_does_not_read_goes_to_python(label, odd):
     calls = ([odd], [torch.ones(3), odd], [odd, torch.ones(3)]) if isinstance(odd, torch.Tensor) else \
         ([torch.ones(3), odd],)  # scan() reads the device of the first: its callers' tensor
     for tensors in calls:
-        assert tb.scan(tensors, tb._FORMAT_WORD, CHUNK) is None, label
+        assert tb.scan(tensors, triton_common._FORMAT_WORD, CHUNK) is None, label
 
 
 def test_functorch_wrapped_tensors_go_to_python():
     seen = []
 
     def scan(x):
-        seen.append(tb.scan([torch.ones(2), x], tb._FORMAT_WORD, CHUNK))
+        seen.append(tb.scan([torch.ones(2), x], triton_common._FORMAT_WORD, CHUNK))
         return x
 
     torch.func.vmap(scan)(torch.ones(3, 2))
@@ -154,34 +155,34 @@ def test_functorch_wrapped_tensors_go_to_python():
 
 
 def test_a_dtype_missing_from_words_and_another_device_go_to_python():
-    words = {torch.float32: tb._FORMAT_WORD[torch.float32]}
+    words = {torch.float32: triton_common._FORMAT_WORD[torch.float32]}
     assert tb.scan([torch.ones(3), torch.ones(3, dtype=torch.float16)], words, CHUNK) is None
     assert tb.scan([torch.ones(3), torch.ones(3)], words, CHUNK) is not None
 
 
 def test_bad_arguments_raise():
     tensors = [torch.ones(3)]
-    args = (tensors, tb._PLAIN_TYPES, torch.device("cpu"), tb._FORMAT_WORD, CHUNK)
+    args = (tensors, triton_common._PLAIN_TYPES, torch.device("cpu"), triton_common._FORMAT_WORD, CHUNK)
     with pytest.raises(RuntimeError, match="table must be"):
-        tb._TRITON_TABLE(*args, torch.empty(4, dtype=torch.int64), tb._ALIGNED_BIT, 0, 0, False)  # too short
+        triton_common._TRITON_TABLE(*args, torch.empty(4, dtype=torch.int64), triton_common._ALIGNED_BIT, 0, 0, False)  # too short
     with pytest.raises(RuntimeError, match="table must be"):
-        tb._TRITON_TABLE(*args, torch.empty(5, dtype=torch.int32), tb._ALIGNED_BIT, 0, 0, False)
+        triton_common._TRITON_TABLE(*args, torch.empty(5, dtype=torch.int32), triton_common._ALIGNED_BIT, 0, 0, False)
     with pytest.raises(RuntimeError, match="chunk"):
-        tb._TRITON_TABLE(tensors, tb._PLAIN_TYPES, torch.device("cpu"), tb._FORMAT_WORD, 0,
-                         torch.empty(5, dtype=torch.int64), tb._ALIGNED_BIT, 0, 0, False)
+        triton_common._TRITON_TABLE(tensors, triton_common._PLAIN_TYPES, torch.device("cpu"), triton_common._FORMAT_WORD, 0,
+                         torch.empty(5, dtype=torch.int64), triton_common._ALIGNED_BIT, 0, 0, False)
     with pytest.raises(RuntimeError, match="words"):
-        tb._TRITON_TABLE(tensors, tb._PLAIN_TYPES, torch.device("cpu"), {"float32": 1}, CHUNK,
-                         torch.empty(5, dtype=torch.int64), tb._ALIGNED_BIT, 0, 0, False)
+        triton_common._TRITON_TABLE(tensors, triton_common._PLAIN_TYPES, torch.device("cpu"), {"float32": 1}, CHUNK,
+                         torch.empty(5, dtype=torch.int64), triton_common._ALIGNED_BIT, 0, 0, False)
 
 
 def test_overlaps_and_empties_are_listed():
     storage = torch.zeros(64)
     inside, empty_inside, outside = storage[8:16], storage[20:20], torch.ones(4)
     first = storage.untyped_storage().data_ptr()
-    scanned = tb.scan([outside, inside, empty_inside, torch.ones(0)], tb._FORMAT_WORD, CHUNK,
+    scanned = tb.scan([outside, inside, empty_inside, torch.ones(0)], triton_common._FORMAT_WORD, CHUNK,
                       out_storage=(first, first + storage.untyped_storage().nbytes()), list_empty=True)
     assert scanned.overlaps == [1] and scanned.empties == [2, 3]
-    scanned = tb.scan([outside, inside, empty_inside], tb._FORMAT_WORD, CHUNK)
+    scanned = tb.scan([outside, inside, empty_inside], triton_common._FORMAT_WORD, CHUNK)
     assert scanned.overlaps == [] and scanned.empties == []
 
 
@@ -210,12 +211,16 @@ def triton_on_cpu(monkeypatch):
         scans.append(real_scan(*args, **kwargs))
         return scans[-1]
 
-    monkeypatch.setattr(tb, "supports", lambda t: t.device.type == "cpu" and t.dtype in tb._FORMAT_WORD
-                        and t.layout == torch.strided)
-    monkeypatch.setattr(tb, "unavailable_reason", lambda: None)
-    monkeypatch.setattr(tb, "_stats_partials_kernel", _StubKernel(launches))
-    monkeypatch.setattr(tb, "_stats_combine_kernel", _StubKernel(launches))
+    def supports(t):
+        return t.device.type == "cpu" and t.dtype in triton_common._FORMAT_WORD and t.layout == torch.strided
+
+    for module in (tb, triton_common):  # where the dispatch reads them, and where the backend does
+        monkeypatch.setattr(module, "supports", supports)
+        monkeypatch.setattr(module, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(triton_kernels, "_stats_partials_kernel", _StubKernel(launches))
+    monkeypatch.setattr(triton_kernels, "_stats_combine_kernel", _StubKernel(launches))
     monkeypatch.setattr(tb, "scan", scan)
+    monkeypatch.setattr(triton_table, "scan", scan)
     monkeypatch.setattr(tb, "MAX_READ_LAUNCHES", 0)  # the table path: the per-hook kernel takes no call
     monkeypatch.setitem(dispatch._PREFERRED, "cpu", "triton")
     monkeypatch.delitem(dispatch._loaded, "triton", raising=False)

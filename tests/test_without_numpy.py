@@ -14,7 +14,7 @@ SCRIPT = textwrap.dedent("""
     from torch import nn
     from overflow_fast import DebugUnderflowOverflow, distributed
     from overflow_fast.hooks import reads
-    from overflow_fast.stats import triton_backend
+    from overflow_fast.stats import triton_backend, triton_table  # noqa: F401 - the whole backend imports
 
     # the detector on the accelerators' path (per-device buffers read to the host)
     reads.CPU_AS_DEVICE = True
@@ -32,7 +32,7 @@ SCRIPT = textwrap.dedent("""
         def record(self): pass
         def query(self): return True
         def synchronize(self): pass
-    staging = triton_backend._PinnedStaging(pinned_empty=lambda n: torch.empty(n, dtype=torch.int64), event=Event)
+    staging = triton_table._PinnedStaging(pinned_empty=lambda n: torch.empty(n, dtype=torch.int64), event=Event)
     device_buffer = torch.zeros(8, dtype=torch.int64)
     staging.upload([3, -1, 2 ** 62], device_buffer)
     assert device_buffer[:3].tolist() == [3, -1, 2 ** 62], device_buffer
