@@ -228,7 +228,8 @@ def test_one_launch_pair_and_one_table_per_call(monkeypatch):
                                          (torch.bfloat16, torch.int64, torch.bool, torch.float32))
     assert partials[2]["ANY_UNALIGNED"] and partials[2]["SEARCH_STEPS"] == 3
     assert combine[1] == (5,)
-    table, formats, any_unaligned, num_chunks = triton_table._table([triton_table._flat_source(t) for t in tensors], [triton_common._FORMAT_WORD[t.dtype] for t in tensors], 32)
+    table, formats, any_unaligned, num_chunks = triton_table._table(
+        [triton_table._flat_source(t) for t in tensors], [triton_common._FORMAT_WORD[t.dtype] for t in tensors], 32)
     assert len(table) == 4 * 5 + 1 and table[-6:] == [0, 4, 5, 5, 6, 8] and num_chunks == 8
     launches.clear()
     _check([torch.empty(0), torch.empty(0, dtype=torch.int8)], "only empty", **SMALL)
@@ -393,15 +394,16 @@ def _compile_for_sm90(kernel, signature, constexprs, num_warps, **options):
 def _compile_partials(formats, any_unaligned, search_steps=3):
     constexprs = dict(FORMATS=formats, ANY_UNALIGNED=any_unaligned, SEARCH_STEPS=search_steps,
                       BLOCK_SIZE=tb.BLOCK_SIZE, BLOCKS_PER_CHUNK=tb.BLOCKS_PER_CHUNK)
-    return _compile_for_sm90(triton_kernels._stats_partials_kernel, {"Table_ptr": "*i64", "num_tensors": "i32"}, constexprs,
-                             tb.NUM_WARPS, **triton_common._REGISTER_CAP)
+    return _compile_for_sm90(triton_kernels._stats_partials_kernel, {"Table_ptr": "*i64", "num_tensors": "i32"},
+                             constexprs, tb.NUM_WARPS, **triton_common._REGISTER_CAP)
 
 
 def _vector_loads(ptx):
     return ptx.count("ld.global.v4.b32") + ptx.count("ld.global.v2.b64")
 
 
-@pytest.mark.skipif(triton_common.triton is None or triton_common._INTERPRET, reason="needs triton's compiler (not the interpreter)")
+@pytest.mark.skipif(triton_common.triton is None or triton_common._INTERPRET,
+                    reason="needs triton's compiler (not the interpreter)")
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e4m3fnuz,
                                    *E8M0, torch.int64, torch.bool], ids=str)
@@ -416,11 +418,12 @@ def test_compiles_for_sm90_without_a_gpu(dtype):
     assert _vector_loads(both) == _vector_loads(aligned_only)
     scalar = {1: "ld.global.b8", 2: "ld.global.b16", 4: "ld.global.b32", 8: "ld.global.b64"}[dtype.itemsize]
     assert both.count(scalar) > aligned_only.count(scalar)  # the unaligned loop
-    _compile_for_sm90(triton_kernels._stats_combine_kernel, {"Table_ptr": "*i64", "Out_ptr": "*i64", "num_tensors": "i32"},
-                      {"BLOCK_SIZE": tb.COMBINE_BLOCK}, 2)
+    _compile_for_sm90(triton_kernels._stats_combine_kernel,
+                      {"Table_ptr": "*i64", "Out_ptr": "*i64", "num_tensors": "i32"}, {"BLOCK_SIZE": tb.COMBINE_BLOCK}, 2)
 
 
-@pytest.mark.skipif(triton_common.triton is None or triton_common._INTERPRET, reason="needs triton's compiler (not the interpreter)")
+@pytest.mark.skipif(triton_common.triton is None or triton_common._INTERPRET,
+                    reason="needs triton's compiler (not the interpreter)")
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
 def test_every_format_compiles_in_one_kernel(tmp_path):
     """Every format branch, aligned and unaligned, in one partials kernel (the largest variant)."""

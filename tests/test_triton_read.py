@@ -228,9 +228,10 @@ def test_the_launch_hooks_predicate_reads_the_installed_triton(monkeypatch):
         calls.append((grid, len(args), slots, formats, any_unaligned))
 
     pool = torch.tensor(triton_launch._IDENTITY_ROW).repeat(tb.STREAM_GROUPS * tb.MAX_SLOTS, 1)
-    launcher = triton_common._EXTENSION.Launcher("count", torch.device("cpu"), triton_common._PLAIN_TYPES, triton_common._FORMAT_WORD, triton_common._ALIGNED_BIT,
-                                      tb.BLOCK_SIZE * tb.BLOCKS_PER_CHUNK, tb.MAX_READ_LAUNCHES, pool,
-                                      tb.STREAM_GROUPS, runtime, triton_kernels._read_kernel, ordinary)
+    launcher = triton_common._EXTENSION.Launcher("count", torch.device("cpu"), triton_common._PLAIN_TYPES,
+                                                 triton_common._FORMAT_WORD, triton_common._ALIGNED_BIT,
+                                                 tb.BLOCK_SIZE * tb.BLOCKS_PER_CHUNK, tb.MAX_READ_LAUNCHES, pool,
+                                                 tb.STREAM_GROUPS, runtime, triton_kernels._read_kernel, ordinary)
     x = torch.ones(3, dtype=torch.bfloat16)
     rows = torch.full((1, 8), -1, dtype=torch.int64)
 
@@ -330,7 +331,8 @@ assert tb.metadata_mismatch(kernel) is None, tb.metadata_mismatch(kernel)
 params = tb.ptx_parameters(ptx, kernel.metadata.name)
 assert len(params) == 28 and params[26].startswith(".u64 .ptr"), params
 one = triton.compile(ASTSource(triton_kernels._read_kernel, signature, dict(constexprs, K=1, ANY_UNALIGNED=False)),
-                     target=GPUTarget("cuda", 90, 32), options={"num_warps": tb.NUM_WARPS, **triton_common._REGISTER_CAP})
+                     target=GPUTarget("cuda", 90, 32),
+                     options={"num_warps": tb.NUM_WARPS, **triton_common._REGISTER_CAP})
 assert tb.metadata_mismatch(one) is None, tb.metadata_mismatch(one)  # unused slots stay parameters
 pdl = triton.compile(ASTSource(triton_kernels._read_kernel, signature, dict(constexprs, K=1, ANY_UNALIGNED=False)),
                      target=GPUTarget("cuda", 90, 32), options={"num_warps": tb.NUM_WARPS, "launch_pdl": True})

@@ -91,15 +91,16 @@ def test_mixed_dtypes_parameters_and_many_tensors():
     tensors.append(torch.nn.Parameter(torch.ones(33, 3)))
     tensors.append(torch.nn.Parameter(torch.ones(2, 33)).t())  # a view of a Parameter: a Tensor
     scanned = _assert_same_table(tensors)
-    assert scanned.formats == sum(1 << (triton_common._FORMAT_WORD[d] & triton_common._CODE_MASK) for d in {t.dtype for t in tensors})
+    assert scanned.formats == sum(1 << (triton_common._FORMAT_WORD[d] & triton_common._CODE_MASK)
+                                  for d in {t.dtype for t in tensors})
 
 
 def test_a_table_in_a_larger_buffer_is_written_at_its_start():
     """As into a pinned staging buffer larger than the table (the CUDA path): the rest is untouched."""
     tensors = [torch.ones(40), torch.ones(3, dtype=torch.int8)[1:]]
     table = torch.full((20,), 7, dtype=torch.int64)
-    result = triton_common._TRITON_TABLE(tensors, triton_common._PLAIN_TYPES, torch.device("cpu"), triton_common._FORMAT_WORD, CHUNK, table,
-                              triton_common._ALIGNED_BIT, 0, 0, False)
+    result = triton_common._TRITON_TABLE(tensors, triton_common._PLAIN_TYPES, torch.device("cpu"),
+                                         triton_common._FORMAT_WORD, CHUNK, table, triton_common._ALIGNED_BIT, 0, 0, False)
     assert result is not None
     want, formats, any_unaligned, num_chunks = _python_table(tensors, tensors, CHUNK)
     assert table[:9].tolist() == want and table[9:].tolist() == [7] * 11
@@ -164,15 +165,16 @@ def test_bad_arguments_raise():
     tensors = [torch.ones(3)]
     args = (tensors, triton_common._PLAIN_TYPES, torch.device("cpu"), triton_common._FORMAT_WORD, CHUNK)
     with pytest.raises(RuntimeError, match="table must be"):
-        triton_common._TRITON_TABLE(*args, torch.empty(4, dtype=torch.int64), triton_common._ALIGNED_BIT, 0, 0, False)  # too short
+        triton_common._TRITON_TABLE(*args, torch.empty(4, dtype=torch.int64), triton_common._ALIGNED_BIT, 0, 0,
+                                    False)  # too short
     with pytest.raises(RuntimeError, match="table must be"):
         triton_common._TRITON_TABLE(*args, torch.empty(5, dtype=torch.int32), triton_common._ALIGNED_BIT, 0, 0, False)
     with pytest.raises(RuntimeError, match="chunk"):
-        triton_common._TRITON_TABLE(tensors, triton_common._PLAIN_TYPES, torch.device("cpu"), triton_common._FORMAT_WORD, 0,
-                         torch.empty(5, dtype=torch.int64), triton_common._ALIGNED_BIT, 0, 0, False)
+        triton_common._TRITON_TABLE(tensors, triton_common._PLAIN_TYPES, torch.device("cpu"), triton_common._FORMAT_WORD,
+                                    0, torch.empty(5, dtype=torch.int64), triton_common._ALIGNED_BIT, 0, 0, False)
     with pytest.raises(RuntimeError, match="words"):
         triton_common._TRITON_TABLE(tensors, triton_common._PLAIN_TYPES, torch.device("cpu"), {"float32": 1}, CHUNK,
-                         torch.empty(5, dtype=torch.int64), triton_common._ALIGNED_BIT, 0, 0, False)
+                                    torch.empty(5, dtype=torch.int64), triton_common._ALIGNED_BIT, 0, 0, False)
 
 
 def test_overlaps_and_empties_are_listed():

@@ -157,8 +157,9 @@ def _python_read(tensors, out, state, block_size=None, blocks_per_chunk=None):
 
 def _launch_read(programs, args, slots, formats, any_unaligned, block_size, blocks_per_chunk):
     """One launch of ``_read_kernel`` (Triton's ordinary call) of the Python read."""
-    triton_kernels._read_kernel[(programs,)](*args, K=slots, FORMATS=formats, ANY_UNALIGNED=any_unaligned, BLOCK_SIZE=block_size,
-                              BLOCKS_PER_CHUNK=blocks_per_chunk, num_warps=NUM_WARPS, **_REGISTER_CAP)
+    triton_kernels._read_kernel[(programs,)](*args, K=slots, FORMATS=formats, ANY_UNALIGNED=any_unaligned,
+                                             BLOCK_SIZE=block_size, BLOCKS_PER_CHUNK=blocks_per_chunk,
+                                             num_warps=NUM_WARPS, **_REGISTER_CAP)
 
 
 def _inside_storage(tensor):

@@ -20,8 +20,9 @@ def table_words(device: torch.device) -> dict:
     builds in one C++ loop (``scan``); empty without the extension."""
     if _triton_table() is None:
         return {}
-    # triton_common.supports() looks only at the device, dtype and layout: an empty probe answers for all
-    return {dtype: word for dtype, word in _FORMAT_WORD.items() if triton_common.supports(torch.empty(0, dtype=dtype, device=device))}
+    # supports() looks only at the device, dtype and layout: an empty probe answers for all
+    return {dtype: word for dtype, word in _FORMAT_WORD.items()
+            if triton_common.supports(torch.empty(0, dtype=dtype, device=device))}
 
 
 
@@ -172,7 +173,7 @@ def compute(tensors, out=None, block_size=None, blocks_per_chunk=None) -> torch.
         scanned = scan(tensors, _FORMAT_WORD, block_size * blocks_per_chunk)
         if scanned is not None:  # else some tensor is not plain: the Python path below decides
             return compute_scanned(scanned, out, block_size, blocks_per_chunk)
-    # triton_common.supports() for every tensor, with the device type checked once (a few attribute reads per
+    # supports() for every tensor, with the device type checked once (a few attribute reads per
     # tensor are most of the host cost of a call)
     words = [_FORMAT_WORD.get(t.dtype) for t in tensors]
     if not triton_common.supports(tensors[0]) or None in words or any(t.device != device or t.layout != torch.strided
@@ -282,5 +283,6 @@ def _launch(buffer, out, num_tensors, num_chunks, formats, any_unaligned, block_
             SEARCH_STEPS=(num_tensors - 1).bit_length(), BLOCK_SIZE=block_size,
             BLOCKS_PER_CHUNK=blocks_per_chunk, num_warps=NUM_WARPS, **_REGISTER_CAP,
         )
-    triton_kernels._stats_combine_kernel[(num_tensors,)](buffer, out, num_tensors, BLOCK_SIZE=COMBINE_BLOCK, num_warps=2)
+    triton_kernels._stats_combine_kernel[(num_tensors,)](buffer, out, num_tensors, BLOCK_SIZE=COMBINE_BLOCK,
+                                                         num_warps=2)
 
