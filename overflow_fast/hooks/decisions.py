@@ -11,7 +11,7 @@ import collections
 
 from . import text
 from .errors import say
-from ..recording.flight import timeline_step
+from .step_log import timeline_step
 from .frames import BACKWARD, Frame, class_name
 from .source import source_line
 from .where import line as where_line
@@ -45,7 +45,7 @@ class Decisions:
         self.state = state  # reference.ReferenceState
         self.counting = counting  # counting.Counting
         self.early_warnings = early_warnings  # early_warnings.EarlyWarnings, or None without warn_above
-        self.log = log  # flight.StepLog or None
+        self.log = log  # step_log.StepLog or None
         self.module_names = module_names
         self.explain = explain  # beyond the drop-in: the Source line
         self.rewinds = rewinds  # "raise": the calls after a detection never happened
