@@ -498,7 +498,7 @@ def test_detector_reads_each_hook_or_with_defer_the_forward_at_once(monkeypatch,
 
     from torch import nn
 
-    import overflow_fast.hooks.reads
+    import overflow_fast.stats.kinds
     from compat import ReferenceDetector, forward, run
     from overflow_fast import DebugUnderflowOverflow
 
@@ -527,7 +527,7 @@ def test_detector_reads_each_hook_or_with_defer_the_forward_at_once(monkeypatch,
 
     monkeypatch.setattr(tb, "_launch", counting)
     monkeypatch.setattr(tb, "_launch_read", counting_read)
-    monkeypatch.setattr(overflow_fast.hooks.reads, "CPU_AS_DEVICE", True)  # the interpreter's tensors are on the CPU
+    monkeypatch.setattr(overflow_fast.stats.kinds, "CPU_AS_DEVICE", True)  # the interpreter's tensors are on the CPU
     model = model.to(DEVICE)
     data = [x.to(DEVICE) for x in data]
     want = run(ReferenceDetector, copy.deepcopy(model), data, forward)[:2]

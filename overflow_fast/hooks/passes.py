@@ -42,7 +42,7 @@ from .decisions import NO_ROWS, Pending
 from .errors import OverflowDetected, OverflowDetectedOnRanks, overflow_error, say
 from .frames import BACKWARD, FORWARD, graph_task_id
 from .on_detect import strategy
-from .reads import Reads, may_wait
+from .reads import Reads
 from .scaling import Backoffs
 
 try:  # how non-reentrant activation checkpointing stops a recompute early: control flow, not an error
@@ -301,7 +301,7 @@ class Passes:
             sources = NO_ROWS
         else:
             reads = current.reads
-            site = (id(module) if self.may_defer and may_wait(not now, phase, call.trace_mode, tensors)
+            site = (id(module) if self.may_defer and reads.may_wait(not now, phase, call.trace_mode, tensors)
                     else -1)
             sources = reads.add(tensors, site)
             if sources is None:  # the buffer is full: what waits is decided now
