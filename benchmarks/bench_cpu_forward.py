@@ -19,15 +19,13 @@ medians:
 import argparse
 import copy
 import os
-import statistics
 import sys
-import time
 
 import torch
-import transformers
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _results  # noqa: E402
+import _shared  # noqa: E402
 
 from overflow_fast import DebugUnderflowOverflow, tensor_stats  # noqa: E402
 
@@ -35,9 +33,7 @@ VARIANTS = ("none", "noop hooks", "read-once floor", "module", "batch")
 
 
 def build():
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(vocab_size=2048, n_positions=512, n_embd=256, n_layer=4, n_head=4)
-    return transformers.GPT2LMHeadModel(config).eval()
+    return _shared.gpt2(layers=4, width=256, heads=4, vocab=2048, positions=512).eval()
 
 
 def attach(variant, model):
@@ -79,22 +75,14 @@ def main(argv=None):
         model = copy.deepcopy(base)
         after = attach(variant, model)
 
-        def step(model=model, after=after):
+        def step(index, model=model, after=after):
             with torch.no_grad():
                 model(input_ids=ids)
             if after is not None:
                 after()
 
-        step()
-        step()
         steps[variant] = step
-    times = {v: [] for v in VARIANTS}
-    for _ in range(args.repeats):
-        for variant, step in steps.items():
-            start = time.perf_counter()
-            step()
-            times[variant].append(time.perf_counter() - start)
-    medians = {v: statistics.median(t) for v, t in times.items()}
+    medians = _shared.round_robin(steps, args.repeats)
     none = medians["none"]
     print(f"GPT-2-style (4 layers, n_embd 256, vocab 2048), fp32, no_grad forward of {args.batch} x {args.seq} "
           f"tokens, {torch.get_num_threads()} threads; medians of {args.repeats} round-robin runs")

@@ -18,15 +18,14 @@ Run: python benchmarks/bench_diff.py [--dir /tmp/overflow_fast_bench] [--runs 3]
 import argparse
 import os
 import random
-import subprocess
 import sys
 import tempfile
-import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_report import _LINE, cpu_name  # noqa: E402
+import _results  # noqa: E402
+import _shared  # noqa: E402
+from bench_report import _LINE  # noqa: E402
 
 MODULES = 150
 ENTRIES = ("weight", "output", "weight.grad")
@@ -75,23 +74,6 @@ def write_pair(path_a, path_b, size, seed=0, extra=False):
     os.replace(path_b + ".part", path_b)
 
 
-def measured(args):
-    """(seconds, peak RSS in MB, stdout, CPU seconds) of one child run, from wait4()."""
-    command = [sys.executable, "-m", "overflow_fast", *args]
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        start = time.perf_counter()
-        child = subprocess.Popen(command, stdout=out, stderr=err, env=env)
-        _, status, usage = os.wait4(child.pid, 0)
-        seconds = time.perf_counter() - start
-        code = os.waitstatus_to_exitcode(status)
-        out.seek(0)
-        err.seek(0)
-        if code != 0:
-            raise RuntimeError(f"{' '.join(args)} failed ({code}): {err.read().decode()[-2000:]}")
-        return seconds, usage.ru_maxrss / 1024, out.read().decode(), usage.ru_utime + usage.ru_stime
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "overflow_fast_bench"))
@@ -113,7 +95,7 @@ def main(argv=None):
             write_pair(b_extra + ".a", b_extra, args.mb << 20, extra=True)
             os.remove(b_extra + ".a")  # the same A as above
         pairs.append(("B: one module more", a, b_extra))
-    name, level = cpu_name()
+    name, level = _results.cpu_model(), _results.avx_level()
     try:
         import duckdb
         duck = duckdb.__version__
@@ -134,7 +116,7 @@ def main(argv=None):
                                                           "--no-progress"]))
         outputs = []
         for case, command in cases:
-            results = sorted(measured(command) for _ in range(args.runs))
+            results = sorted(_shared.command_measured(command) for _ in range(args.runs))
             seconds, _, out, cpu = results[len(results) // 2]
             rss = max(r[1] for r in results)
             if case.startswith("diff"):

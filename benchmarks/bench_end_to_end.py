@@ -18,9 +18,7 @@ import contextlib
 import copy
 import os
 import tempfile
-import statistics
 import sys
-import time
 
 import torch
 import transformers
@@ -30,20 +28,18 @@ from overflow_fast import DebugUnderflowOverflow, watch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _results  # noqa: E402
+import _shared  # noqa: E402
 
 VARIANTS = ("none", "reference", "module", "batch", "watch", "watch-module")
 BREAKDOWN = ("module-noreuse",)  # --breakdown: what reading each tensor once per forward saves
 
 
 def gpt2(quick):
-    config = transformers.GPT2Config(
-        vocab_size=2048, n_positions=256, n_embd=256 if not quick else 128, n_layer=4, n_head=4
-    )
-    model = transformers.GPT2LMHeadModel(config)
+    model = _shared.gpt2(layers=4, width=256 if not quick else 128, heads=4, vocab=2048, positions=256)
     seq = 128 if not quick else 64
 
     def make_batch(device):
-        ids = torch.randint(0, config.vocab_size, (8, seq), device=device)
+        ids = torch.randint(0, model.config.vocab_size, (8, seq), device=device)
         return {"input_ids": ids, "labels": ids}
 
     return model, make_batch
@@ -105,7 +101,7 @@ def measure(name, quick, device, repeats, mode, variants):
         attach(variant, model)
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-4) if mode == "train" else None
 
-        def step(model=model, optimizer=optimizer, anomaly=variant == "anomaly"):
+        def step(index, model=model, optimizer=optimizer, anomaly=variant == "anomaly"):
             if optimizer is None:
                 with torch.no_grad():
                     model(**batch)
@@ -116,18 +112,7 @@ def measure(name, quick, device, repeats, mode, variants):
                 optimizer.step()
 
         runs[variant] = step
-    for step in runs.values():  # warm up every variant (allocator, backends, lazy init)
-        step()
-        step()
-    times = {variant: [] for variant in variants}
-    for _ in range(repeats):
-        for variant, step in runs.items():
-            synchronize(device)
-            start = time.perf_counter()
-            step()
-            synchronize(device)
-            times[variant].append(time.perf_counter() - start)
-    return {variant: statistics.median(values) for variant, values in times.items()}
+    return _shared.round_robin(runs, repeats, synchronize=lambda: synchronize(device))
 
 
 def main(argv=None):

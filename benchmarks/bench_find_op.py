@@ -27,13 +27,13 @@ import resource
 import statistics
 import subprocess
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _results  # noqa: E402
+import _shared  # noqa: E402
 
 from overflow_fast import watch  # noqa: E402
 
@@ -41,11 +41,7 @@ MMAP_THRESHOLD = str(64 << 10)
 
 
 def gpt2(layers, width, seed=0):
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(seed)
-    config = GPT2Config(n_layer=layers, n_embd=width, n_head=max(1, width // 64), n_positions=512, vocab_size=512)
-    return GPT2LMHeadModel(config)
+    return _shared.gpt2(layers, width, heads=max(1, width // 64), vocab=512, positions=512, seed=seed)
 
 
 def mlp(layers, width, seed=0):
@@ -103,15 +99,9 @@ class Variant:
 
 def step_times(args, mode):
     """Median ms per step with find_op on and off, stepped in alternation."""
-    variants = {find_op: Variant(args, mode, find_op) for find_op in (True, False)}
-    times = {True: [], False: []}
-    for index in range(args.steps + 2):
-        for find_op in ((True, False) if index % 2 else (False, True)):
-            start = time.perf_counter()
-            variants[find_op].step(index)
-            if index >= 2:  # the first steps warm up
-                times[find_op].append((time.perf_counter() - start) * 1e3)
-    return {find_op: statistics.median(values) for find_op, values in times.items()}
+    variants = {find_op: Variant(args, mode, find_op) for find_op in (False, True)}
+    medians = _shared.round_robin({find_op: variant.step for find_op, variant in variants.items()}, args.steps)
+    return {find_op: seconds * 1e3 for find_op, seconds in medians.items()}
 
 
 def kept_bytes(variant):

@@ -8,9 +8,7 @@ Prints, per detector, the median forward time and the cost per hook against no d
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import torch
 from torch import nn
@@ -20,6 +18,7 @@ from overflow_fast import DebugUnderflowOverflow
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _results  # noqa: E402
+import _shared  # noqa: E402
 
 DEPTH = 200
 
@@ -44,16 +43,9 @@ def main(argv=None):
     variants = ("none", "reference", "module", "module-noreuse", "batch")
     models = {v: build(v) for v in variants}
     x = torch.randn(2, 4)
-    times = {v: [] for v in variants}
     with torch.no_grad():
-        for model in models.values():
-            model(x)
-        for _ in range(args.repeats):
-            for variant, model in models.items():
-                start = time.perf_counter()
-                model(x)
-                times[variant].append(time.perf_counter() - start)
-    medians = {v: statistics.median(t) for v, t in times.items()}
+        medians = _shared.round_robin({v: lambda index, model=model: model(x) for v, model in models.items()},
+                                      args.repeats, warm_up=1)
     hooks = DEPTH + 1
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {hooks} hooks per forward, "
           f"medians of {args.repeats} round-robin runs")

@@ -17,11 +17,10 @@ kernel, built or cached), for the comparison.
 
 import argparse
 import copy
+import functools
 import os
-import statistics
 import sys
 import tempfile
-import time
 import warnings
 
 
@@ -41,7 +40,6 @@ if not ARGS.kernel:  # before overflow_fast reads them
     os.environ.pop("OVERFLOW_FAST_BACKEND", None)
 
 import torch  # noqa: E402
-import transformers  # noqa: E402
 from transformers.debug_utils import DebugUnderflowOverflow as ReferenceDetector  # noqa: E402
 
 import overflow_fast  # noqa: E402
@@ -49,6 +47,7 @@ from overflow_fast.stats import cpu_backend  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _results  # noqa: E402
+import _shared  # noqa: E402
 
 VARIANTS = ("none", "reference", "drop-in", "watch")
 
@@ -76,33 +75,24 @@ def main():
     print("C++ kernel: " + ("loaded" if reason is None else f"unavailable ({reason[:90]}...)"))
     for w in caught:
         print(f"warning: {str(w.message)[:160]}...")
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(vocab_size=2048, n_positions=128, n_embd=256, n_layer=4, n_head=4,
-                                      bos_token_id=0, eos_token_id=0)
-    base = transformers.GPT2LMHeadModel(config)
+    base = _shared.gpt2(layers=4, width=256, heads=4, vocab=2048, positions=128, bos_token_id=0, eos_token_id=0)
     base.train()
     setups = {}
     for variant in VARIANTS:
         model = copy.deepcopy(base)
         attach(variant, model)
         setups[variant] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4))
-    ids = torch.randint(0, config.vocab_size, (4, 128), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, base.config.vocab_size, (4, 128), generator=torch.Generator().manual_seed(1))
 
-    def step(variant):
+    def step(index, variant):
         model, optimizer = setups[variant]
         optimizer.zero_grad(set_to_none=True)
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         optimizer.step()
 
-    times = {variant: [] for variant in VARIANTS}
-    for round_ in range(2 + ARGS.steps):
-        for variant in VARIANTS:
-            start = time.perf_counter()
-            step(variant)
-            if round_ >= 2:
-                times[variant].append(time.perf_counter() - start)
-    median = {variant: statistics.median(values) for variant, values in times.items()}
+    median = _shared.round_robin({variant: functools.partial(step, variant=variant) for variant in VARIANTS},
+                                 ARGS.steps)
     over = {variant: median[variant] - median["none"] for variant in VARIANTS}
     print(f"GPT-2 (4 layers, n_embd 256, vocab 2048), seq 128, batch 4, fp32, AdamW training step; "
           f"kernel {'on' if ARGS.kernel else 'off'}; medians of {ARGS.steps} steps, variants taking turns")

@@ -16,12 +16,12 @@ Run: python benchmarks/bench_report.py [--dir /tmp/overflow_fast_bench] [--runs 
 import argparse
 import os
 import random
-import subprocess
 import sys
 import tempfile
-import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _results  # noqa: E402
+import _shared  # noqa: E402
 
 _LINE = ('{{"record":"entry","step":{step},"phase":"{phase}","call":{call},"module":"{module}",'
          '"class":"{cls}","entry":"{entry}","dtype":"{dtype}","numel":{numel},"abs_min":{amin},'
@@ -85,35 +85,9 @@ def ensure_logs(directory, quick=False):
 
 
 def measured(files, engine, png=None):
-    """(seconds, peak RSS in MB, stdout, CPU seconds) of one child run, from wait4()."""
-    command = [sys.executable, "-m", "overflow_fast", "report", *files, "--engine", engine, "--no-progress"]
-    if png:
-        command += ["--png", png]
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        start = time.perf_counter()
-        child = subprocess.Popen(command, stdout=out, stderr=err, env=env)
-        _, status, usage = os.wait4(child.pid, 0)
-        seconds = time.perf_counter() - start
-        child.returncode = os.waitstatus_to_exitcode(status)
-        out.seek(0)
-        err.seek(0)
-        if child.returncode != 0:
-            raise RuntimeError(f"report failed ({child.returncode}): {err.read().decode()[-2000:]}")
-        return seconds, usage.ru_maxrss / 1024, out.read().decode(), usage.ru_utime + usage.ru_stime
-
-
-def cpu_name():
-    try:
-        with open("/proc/cpuinfo") as f:
-            text = f.read()
-    except OSError:
-        return "unknown CPU", ""
-    name = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")),
-                "unknown CPU")
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    level = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
-    return name, level
+    """(seconds, peak RSS in MB, stdout, CPU seconds) of one ``report`` run in a child process."""
+    return _shared.command_measured(["report", *files, "--engine", engine, "--no-progress",
+                                     *(["--png", png] if png else [])])
 
 
 def main(argv=None):
@@ -127,7 +101,7 @@ def main(argv=None):
     if args.quick:
         args.runs, args.python_1gb = 1, True
     logs = ensure_logs(args.dir, quick=args.quick)
-    name, level = cpu_name()
+    name, level = _results.cpu_model(), _results.avx_level()
     try:
         import duckdb
         duck = duckdb.__version__

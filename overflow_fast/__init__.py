@@ -12,6 +12,7 @@ the ``overflow-fast report`` command, which only reads JSON, starts fast and sma
 import importlib
 
 # eager: it imports nothing heavy, and a lazy name would lose to the submodule of the same name
+from ._version import __version__
 from .info import info
 
 _EXPORTS = {
@@ -26,7 +27,6 @@ _EXPORTS = {
 }
 
 __all__ = sorted([*_EXPORTS, "info"])
-__version__ = "0.1.0"
 
 
 def __getattr__(name):

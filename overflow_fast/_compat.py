@@ -35,6 +35,13 @@ def dtensor_api():
 # The tests of tests/test_compile.py pass on every version below; the notes say which one needs it.
 
 
+# From torch 2.11 (the oldest tested that does; 2.8 to 2.10 untested) dynamo compiles a model with
+# a detector attached whole, without graph breaks, and no recompile from batch to batch. torch 2.7's
+# compiles no graph of it (the call runs eagerly) or, without never_a_compiled_frame, breaks at each
+# module: what the detector prints is the same, the speed is eager's.
+COMPILES_A_WATCHED_MODEL_WHOLE = torch.__version__ >= (2, 11)
+
+
 def is_dataclass_instance(value):
     """``dataclasses.is_dataclass(value)`` for an instance, written so that dynamo traces it on
     every version: torch 2.11's breaks the graph on ``hasattr`` of a builtin class (the type of

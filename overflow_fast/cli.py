@@ -4,9 +4,9 @@ its own ``--help``.
 
 ``report RUN.jsonl [RUN.rank1.jsonl ...] [--png OUT.png]`` reads the records (every line checked
 against ``schema.py``; bounded memory: aggregates per module and per step bin, never the records
-themselves; ``logsummary.py``) and prints a summary; ``--png`` draws headroom per module over steps
+themselves; ``report/summary.py``) and prints a summary; ``--png`` draws headroom per module over steps
 (matplotlib, ``overflow_fast[plot]``). With DuckDB installed (``overflow_fast[fast-report]``) the
-files are scanned by DuckDB (``logsummary_duckdb.py``), all at once; without it, by plain Python.
+files are scanned by DuckDB (``report/duckdb_summary.py``), all at once; without it, by plain Python.
 Both give the same summary. Logs compressed with gzip, bzip2 or xz are read as they are (told by
 their first bytes, whatever their names); one cut or damaged is read up to the damage, which counts
 as a malformed line; a zstd one is refused (exit 1).
@@ -244,13 +244,7 @@ def run_report(args):
         if not summary.entries:
             print("overflow-fast: no tensor entries to draw", file=sys.stderr)
             return 1
-        try:
-            size = plot.draw(summary, args.png, size=args.size, curves=args.curves,
-                             title_source=", ".join(os.path.basename(p) for p in paths))
-        except OSError as error:
-            print(f"overflow-fast: cannot write {args.png}: {error.strerror or error}", file=sys.stderr)
-            return 1
-        print(f"\npicture: {args.png} ({size[0]}x{size[1]} pixels)")
+        return _draw(plot, summary, args, ", ".join(os.path.basename(p) for p in paths))
     return 0
 
 
@@ -285,22 +279,27 @@ def run_diff(args):
         if not diff.modules:
             print("overflow-fast: no aligned entries to draw", file=sys.stderr)
             return 1
-        try:
-            size = plot.draw(diff, args.png, size=args.size, curves=args.curves,
-                             title_source=" vs ".join(os.path.basename(p) for p in paths))
-        except OSError as error:
-            print(f"overflow-fast: cannot write {args.png}: {error.strerror or error}", file=sys.stderr)
-            return 1
-        print(f"\npicture: {args.png} ({size[0]}x{size[1]} pixels)")
+        return _draw(plot, diff, args, " vs ".join(os.path.basename(p) for p in paths))
+    return 0
+
+
+def _draw(plot, drawn, args, title_source):
+    """``--png``: ``plot`` draws ``drawn`` (a summary or a diff); the exit status."""
+    try:
+        size = plot.draw(drawn, args.png, size=args.size, curves=args.curves, title_source=title_source)
+    except OSError as error:
+        print(f"overflow-fast: cannot write {args.png}: {error.strerror or error}", file=sys.stderr)
+        return 1
+    print(f"\npicture: {args.png} ({size[0]}x{size[1]} pixels)")
     return 0
 
 
 def run_replay(args):
-    from .hooks import find_op
+    from .hooks import op_replay
 
     try:
-        payload = find_op.load_repro(args.file, map_location=args.map_location)
-    except find_op.ReproError as error:
+        payload = op_replay.load_repro(args.file, map_location=args.map_location)
+    except op_replay.ReproError as error:
         print(f"overflow-fast: {error}", file=sys.stderr)
         return 1
     detection = payload.get("detection") or {}
@@ -310,12 +309,12 @@ def run_replay(args):
           f"overflow_fast {payload.get('overflow_fast_version')}")
     if payload.get("torch_version") != torch_version():
         print(f"note: this is torch {torch_version()}: the replay may differ", file=sys.stderr)
-    result = find_op.replay_repro(payload)
+    result = op_replay.replay_repro(payload)
     recorded = detection.get("op") or {}
     if result.get("op") is not None and result.get("file") is None and result["op"] == recorded.get("op"):
         # no line of code outside torch ran it: the module whose torch code did, as the run named it
         result = {**result, "module": recorded.get("module")}
-    print(find_op.op_line(result))
+    print(op_replay.op_line(result))
     return 0
 
 

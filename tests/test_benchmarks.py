@@ -76,17 +76,6 @@ def test_bench_all_csv_columns(tmp_path):
     assert all(r["cpu_model"] and r["threads"] and r["torch"] and r["date"] for r in rows)
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="the benchmark needs triton")
-def test_bench_triton_host_smoke():
-    result = _run([os.path.join(BENCH, "bench_triton_host.py"), "--counts", "1,8", "--calls", "3", "--rounds", "1"])
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    rows = [line.split(" | ") for line in result.stdout.splitlines() if re.match(r"^\| \d+ \|", line)]
-    assert [row[0] for row in rows] == ["| 1", "| 8"]
-    for row in rows:
-        assert row[3] == "2"  # launches per call: partials and combine
-
-
 def test_bench_report_quick(tmp_path):
     result = _run([os.path.join(BENCH, "bench_report.py"), "--quick", "--dir", str(tmp_path)], timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -116,3 +105,16 @@ def test_bench_find_op_prints_training_and_evaluation():
         number = r"[+-]\d+\.\d+"
         assert re.search(rf"^\| {mode} \| peak .* \| {number} \| {number} \| {number} \| {number} MiB \|$",
                          result.stdout, re.M), result.stdout
+
+
+def test_the_shared_timing_loop_warms_up_alternates_and_returns_each_variants_median():
+    spec = importlib.util.spec_from_file_location("bench_shared", os.path.join(BENCH, "_shared.py"))
+    shared = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(shared)
+    calls = []
+    medians = shared.round_robin({"a": lambda index: calls.append(("a", index)),
+                                  "b": lambda index: calls.append(("b", index))}, repeats=3, warm_up=2)
+    # two untimed rounds, then three timed; the order reversed every other round
+    assert calls == [("a", 0), ("b", 0), ("b", 1), ("a", 1), ("a", 2), ("b", 2), ("b", 3), ("a", 3),
+                     ("a", 4), ("b", 4)]
+    assert set(medians) == {"a", "b"} and all(seconds >= 0 for seconds in medians.values())

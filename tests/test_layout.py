@@ -15,8 +15,9 @@ ALLOWED = {
     "hooks": {"stats", "distributed", "recording"},
     "report": {"recording"},
 }
-# the differences between torch versions (it imports torch only): every folder may ask it
-EVERYWHERE = {"_compat"}
+# the differences between torch versions (it imports torch only) and the package's version: every
+# folder may ask them
+EVERYWHERE = {"_compat", "_version"}
 
 
 def imported_folders(path, folder):
@@ -44,13 +45,14 @@ def imported_folders(path, folder):
 def test_imports_flow_one_way(folder):
     for name in sorted(os.listdir(os.path.join(PACKAGE, folder))):
         if name.endswith(".py"):
-            used = imported_folders(os.path.join(PACKAGE, folder, name), folder) - {"__version__"}
+            used = imported_folders(os.path.join(PACKAGE, folder, name), folder)
             allowed = ALLOWED[folder] | EVERYWHERE
             assert used <= allowed, f"{folder}/{name} imports {sorted(used - allowed)}"
 
 
-def test_the_version_differences_import_nothing_of_the_package():
-    tree = ast.parse(open(os.path.join(PACKAGE, "_compat.py")).read())
+@pytest.mark.parametrize("module", sorted(EVERYWHERE))
+def test_what_every_folder_may_import_imports_nothing_of_the_package(module):
+    tree = ast.parse(open(os.path.join(PACKAGE, f"{module}.py")).read())
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
             assert not node.level and not (node.module or "").startswith("overflow_fast"), ast.dump(node)

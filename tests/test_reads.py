@@ -206,7 +206,7 @@ def engine_calls(monkeypatch):
     (with one bound, the core reads them itself: test_a_bound_launcher_reads_what_the_core_hands_out)."""
     calls = []
     real = reads_module.tensor_stats
-    monkeypatch.setattr(reads_module, "per_hook_launcher", lambda backend, device: None)
+    monkeypatch.setattr(reads_module, "rows_launcher", lambda backend, device: None)
 
     def counting(tensors, backend=None, *, out=None):
         calls.append(len(tensors))

@@ -547,3 +547,18 @@ def test_detector_reads_each_hook_or_with_defer_the_forward_at_once(monkeypatch,
     else:  # one engine call per hook with tensors not read before in this forward (ReLU's in place)
         assert len(calls) == 5, calls
     fresh.remove()
+
+
+def test_importing_the_engine_loads_no_extension():
+    """The C++ extension is loaded (and built if need be) where a caller first asks for it, never
+    by an import: a process that only imports the engine has no overflow_fast._C (ops.py, the torch
+    ops, loads it on import to register them; dispatch imports it only while tracing)."""
+    code = ("import sys\n"
+            "from overflow_fast.stats import dispatch, triton_backend\n"
+            "assert 'overflow_fast._C' not in sys.modules, 'imported'\n"
+            "triton_backend.table_words(__import__('torch').device('cpu'))\n"
+            "print('overflow_fast._C' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    loads = os.environ.get("OVERFLOW_FAST_WITHOUT_EXTENSION", "") in ("", "0")
+    assert done.stdout.strip() == str(loads and tb.triton is not None)

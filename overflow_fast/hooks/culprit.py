@@ -1,11 +1,11 @@
-"""Which call a detection's replay runs (``find_op``), and what it finds.
+"""With ``find_op``: which call a detection's replay runs (``op_replay`` replays it), and what it finds.
 
 With ``find_op`` each hooked call keeps references (never copies) to its inputs, until its pass
 ends, or, for a forward with autograd on (the recompute of a reentrant checkpoint too), until the
 backward pass that follows it ends (the backward's replay runs that forward again). The outermost
 call of a pass also keeps the RNG states at its start, once per pass. A detection born in a module's
 forward or backward is then replayed: that one call alone, every op's outputs checked
-(``find_op``), and the first op that made a nan/inf from finite inputs is named with the line of
+(``op_replay``), and the first op that made a nan/inf from finite inputs is named with the line of
 code that ran it.
 
 Which call:
@@ -104,7 +104,7 @@ class KeptCall:
         return versions_of(_items(self._output), None) != self.output_versions
 
     def call_state(self):
-        """What the replay runs under (``find_op.call_state``'s form)."""
+        """What the replay runs under (``op_replay.call_state``'s form)."""
         return {"grad_enabled": self.grad_enabled, "autocast": self.autocast}
 
 
@@ -113,7 +113,7 @@ def _items(output):
 
 
 def _rng_state():
-    from .find_op import rng_state
+    from .op_replay import rng_state
 
     try:
         return rng_state()
@@ -152,7 +152,7 @@ def user_code(module, replay):
 
 
 class Explained:
-    """What ``find_op`` found: ``result`` (``find_op.replay_*``'s dict, with ``module`` naming the
+    """What the replay found: ``result`` (``op_replay.replay_*``'s dict, with ``module`` naming the
     module whose torch code ran an op that no line of code outside torch did), ``transient`` (True:
     not reproduced on the run's very inputs; False: reproduced; None: it cannot tell), and what the
     reproducer needs: the call replayed (None when none was), the RNG states and the inputs it
@@ -175,8 +175,8 @@ class Explained:
                 "module": result.get("module"), "reproduced": result.get("reproduced")}
 
     def write_repro(self, directory, rank, step, detection):
-        """The reproducer file of the call replayed (``find_op.write_repro``); its path."""
-        from .find_op import write_repro
+        """The reproducer file of the call replayed (``op_replay.write_repro``); its path."""
+        from .op_replay import write_repro
 
         call, target = self.call, None
         if self.target is not None:
@@ -192,11 +192,11 @@ def failed(phase, error):
     return Explained({"op": None, "phase": phase, "why": f"not replayed ({type(error).__name__}: {error})"})
 
 
-def find_op(found, kept_forward, kept_gradients, modules_by_name):
+def op_of(found, kept_forward, kept_gradients, modules_by_name):
     """The op of a detection (``decisions.Found``) born in a module's forward or backward, or in
     the code between two modules: an ``Explained``; or None when the detection was not born there
     (a weight already non-finite, an input from outside, the loss's gradient)."""
-    from . import find_op as replay
+    from . import op_replay as replay
     from .source import origin
 
     frame = found.first_frame

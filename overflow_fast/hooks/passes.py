@@ -407,7 +407,7 @@ class Passes:
         whether it is transient, into the detection; repro: the reproducer file of that call.
         Never fails the run it explains."""
         try:
-            explained = culprit.find_op(found, self.kept_forward, self.kept_gradients,
+            explained = culprit.op_of(found, self.kept_forward, self.kept_gradients,
                                         self.decisions.modules_by_name())
         except Exception as error:  # noqa: BLE001 - a replay must never break training
             explained = culprit.failed(found.first_frame.phase, error)
@@ -417,7 +417,7 @@ class Passes:
             found.detection["op"] = explained.record()
             found.detection["transient"] = explained.transient
         if self.options.repro is not None and explained.call is not None:
-            from .find_op import ReproError
+            from .op_replay import ReproError
 
             try:
                 found.detection["repro"] = explained.write_repro(

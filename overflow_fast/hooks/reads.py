@@ -18,7 +18,7 @@ missed. Writes that bypass the version counter (``.data``, custom kernels) are r
 The bookkeeping (rows, reuse, what waits) is the C++ ``HookCore`` (csrc/hooks.cpp), or without
 the extension its Python twin (hook_core.py), which gives the same answers: the rows, their reuse
 and what waits are the same on both paths, and on an accelerator no hook reads to the host. Once a
-device's buffer exists, the backend's launcher (``per_hook_launcher``: the per-hook Triton kernel,
+device's buffer exists, the backend's launcher (``rows_launcher``: the per-hook Triton kernel,
 or the C++ kernel on the CPU) is bound to the C++ core, which then reads a hook's tensors itself:
 the hook's classification, reuse check, packing and launch are one C++ call, and only what the
 launcher declines comes back here.
@@ -33,7 +33,7 @@ from .. import distributed
 from .hook_core import HOOK_FULL, new_core
 from .frames import FORWARD, graph_task_id
 from ..stats import tensor_stats
-from ..stats.dispatch import per_hook_launcher, per_hook_reader
+from ..stats.dispatch import rows_launcher, rows_reader
 from ..stats.kinds import CPU_AS_DEVICE, PLAIN_TYPES, is_zero3_released, short_reason
 from ..stats.layout import NAN, NEGINF, NUM_COLUMNS, POSINF, host_bytes
 
@@ -161,8 +161,8 @@ class Reads:
                 buffer = torch.empty((self.capacity, NUM_COLUMNS), dtype=torch.int64, device=device)
             self._buffers[key] = buffer
             # from now on the core reads this device's tensors itself, in the hook's one call
-            self._readers[key] = per_hook_reader(self.backend, device)
-            launcher = per_hook_launcher(self.backend, device)
+            self._readers[key] = rows_reader(self.backend, device)
+            launcher = rows_launcher(self.backend, device)
             if launcher is not None:
                 self._core.bind(key, launcher, buffer)
         return buffer

@@ -28,7 +28,7 @@ import math
 
 from .entries import (ABS_MAX, ABS_MIN, CLASS, DTYPE, FIELDS, LINE, MODE, MODULE, NAME, NEGINF, NAN, NUMEL, PHASE,
                       POSINF, RANK, STEP, global_step_of, is_bad, key_of, magnitude)
-from .summary import printable, when
+from .summary import NOT_RECORDED, heatmap_columns, printable, when  # noqa: F401 - NOT_RECORDED: a kind of cell here too
 from .timeline import BATCH, OPTIMIZER, _merged, bin_width
 
 INF = float("inf")
@@ -656,7 +656,7 @@ DIFFERS = "differs"  # the largest divergence of the module's aligned entries th
 IDENTICAL = "identical"  # aligned entries there, all with equal statistics
 NONFINITE = "nan/inf in one run"  # a nan/inf that the other run did not have
 ONE_RUN = "one run only"  # entries there that only one run recorded, none aligned
-NOT_RECORDED = "not recorded"
+# NOT_RECORDED (the report's): no entry of the module there
 
 
 class Picture:
@@ -670,15 +670,8 @@ class Picture:
         self.rtol = diff.rtol
         self.width = width = grid.width
         self.modules = modules = diff.plot_modules()
-        used = set()
-        for table in (grid.cells, grid.one_sided):
-            for name in modules:
-                used.update(table.get(name, ()))
-        self.columns = columns = sorted(used)
-        self.centres = [c * width + (width - 1) / 2 for c in columns]
-        position = {c: j for j, c in enumerate(columns)}
-        self.values = [[None] * len(columns) for _ in modules]
-        self.kinds = [[NOT_RECORDED] * len(columns) for _ in modules]
+        self.columns, self.centres, position, self.values, self.kinds = heatmap_columns(
+            modules, (grid.cells, grid.one_sided), width)
         for i, name in enumerate(modules):
             values, kinds = self.values[i], self.kinds[i]
             for c in grid.one_sided.get(name, ()):

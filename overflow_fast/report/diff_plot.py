@@ -14,7 +14,7 @@ import numpy as np  # (a matplotlib dependency)
 from matplotlib import colors, patches, transforms
 
 from .diff import IDENTICAL, NONFINITE, ONE_RUN, Picture, printable
-from .plot import DPI, LINESTYLES, MAX_LABELS, NOT_RECORDED_HATCH, _edges, _place_end_labels, plt
+from .plot import DPI, LINESTYLES, MAX_LABELS, NOT_RECORDED_HATCH, _edges, _flat_cells, _place_end_labels, plt
 
 IDENTICAL_COLOR = "#d9ead3"
 NONFINITE_COLOR = "black"
@@ -69,13 +69,7 @@ def _draw_heatmap(fig, heat, picture, grid, kinds):
     rows, width = len(picture.modules), picture.width
     x = _edges([c * width for c in picture.columns], width) if picture.columns else [0, 1]
     y = np.arange(rows + 1) - 0.5
-    heat.add_patch(patches.Rectangle((0, 0), 1, 1, transform=heat.transAxes, zorder=0, **NOT_RECORDED_HATCH))
-    heat.set_facecolor("none")
-    for kind, colour in ((IDENTICAL, IDENTICAL_COLOR), (NONFINITE, NONFINITE_COLOR)):
-        mask = kinds == kind
-        if mask.any():
-            heat.pcolormesh(x, y, np.ma.masked_where(~mask, np.ones_like(grid)), shading="flat",
-                            cmap=colors.ListedColormap([colour]))
+    _flat_cells(heat, x, y, grid, kinds, ((IDENTICAL, IDENTICAL_COLOR), (NONFINITE, NONFINITE_COLOR)))
     one_run = kinds == ONE_RUN
     for i, j in zip(*np.nonzero(one_run)):
         heat.add_patch(patches.Rectangle((x[j], y[i]), x[j + 1] - x[j], 1.0, **ONE_RUN_STYLE))

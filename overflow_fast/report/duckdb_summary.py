@@ -290,7 +290,7 @@ def _aggregate(con, paths, candidates, summary):
 
 
 def read_files(paths, summary, progress=None):
-    """Fill ``summary`` from ``paths`` (in this order), as ``logsummary.read_files`` would."""
+    """Fill ``summary`` from ``paths`` (in this order), as ``summary.read_files`` would."""
     con = _connect()
     try:
         scannable = {i: _scannable(path) for i, path in enumerate(paths)}

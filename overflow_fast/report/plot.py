@@ -1,6 +1,6 @@
 """The ``report --png`` picture (matplotlib, Agg backend): headroom per module over steps, the
 curves of the modules closest to overflow, and the underflow hot spots' fractions. What is drawn
-comes from ``logsummary.Picture`` (plain data, tested there); this module only draws it.
+comes from ``summary.Picture`` (plain data, tested there); this module only draws it.
 
 Importing this module raises ImportError when matplotlib is missing (the CLI turns that into a
 message naming ``pip install overflow_fast[plot]``).
@@ -29,6 +29,18 @@ NONFINITE_COLOR = "black"
 EVAL_COLOR = "#1b7837"
 LINESTYLES = ("-", "--", "-.", ":", (0, (5, 1, 1, 1, 1, 1)))  # overlapping curves stay apart
 LABEL_FONT = 8  # points: the end-of-curve labels
+
+
+def _flat_cells(heat, x, y, grid, kinds, colours):
+    """The hatch of cells not recorded behind the heatmap, and the cells of each kind in
+    ``colours`` ((kind, colour) pairs) in that one colour."""
+    heat.add_patch(patches.Rectangle((0, 0), 1, 1, transform=heat.transAxes, zorder=0, **NOT_RECORDED_HATCH))
+    heat.set_facecolor("none")
+    for kind, colour in colours:
+        mask = kinds == kind
+        if mask.any():
+            heat.pcolormesh(x, y, np.ma.masked_where(~mask, np.ones_like(grid)), shading="flat",
+                            cmap=colors.ListedColormap([colour]))
 
 
 def _edges(starts, width):
@@ -196,13 +208,7 @@ def _draw_heatmap(fig, heat, picture, summary, grid, kinds):
     if picture.eval_x:
         x_lo, x_hi = min(x_lo, picture.eval_x[0] - width / 2), max(x_hi, picture.eval_x[-1] + width / 2)
     y = np.arange(rows + 1) - 0.5
-    heat.add_patch(patches.Rectangle((0, 0), 1, 1, transform=heat.transAxes, zorder=0, **NOT_RECORDED_HATCH))
-    heat.set_facecolor("none")
-    for kind, colour in ((ALL_ZERO, ALL_ZERO_COLOR), (INTEGER_ONLY, INTEGER_COLOR)):
-        mask = kinds == kind
-        if mask.any():
-            heat.pcolormesh(x, y, np.ma.masked_where(~mask, np.ones_like(grid)), shading="flat",
-                            cmap=colors.ListedColormap([colour]))
+    _flat_cells(heat, x, y, grid, kinds, ((ALL_ZERO, ALL_ZERO_COLOR), (INTEGER_ONLY, INTEGER_COLOR)))
     finite = grid[np.isfinite(grid)]
     vmax = max(float(np.percentile(finite, 99)) if finite.size else 16.0, 1.0)
     mesh = heat.pcolormesh(x, y, np.ma.masked_invalid(grid), cmap=plt.get_cmap("RdYlBu"),

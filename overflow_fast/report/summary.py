@@ -503,6 +503,21 @@ INTEGER_ONLY = "integer"  # only entries without headroom (integer or bool dtype
 NOT_RECORDED = "not recorded"  # no record of the module in that column
 
 
+def heatmap_columns(modules, tables, width):
+    """A heatmap's columns: the bins of ``width`` steps that ``tables`` (module name -> bins) hold
+    for ``modules``, sorted; their centres in steps; each bin's column; and, per module, a row of
+    values (None) and a row of kinds (NOT_RECORDED) for the caller to fill."""
+    used = set()
+    for table in tables:
+        for name in modules:
+            used.update(table.get(name, ()))
+    columns = sorted(used)
+    centres = [c * width + (width - 1) / 2 for c in columns]
+    position = {c: j for j, c in enumerate(columns)}
+    return (columns, centres, position, [[None] * len(columns) for _ in modules],
+            [[NOT_RECORDED] * len(columns) for _ in modules])
+
+
 class Picture:
     """What ``report --png`` draws, as plain data (``plot.py`` only draws it): the heatmap's rows
     (``modules``), columns (bins of ``width`` steps of ``unit``), and per cell ``values`` (headroom
@@ -517,15 +532,8 @@ class Picture:
         self.width = width = timeline.width
         self.modules = modules = summary.plot_modules()
         self.classes = [summary.modules[name][0] for name in modules]
-        used = set()
-        for table in (timeline.cells, timeline.bad_cells, timeline.quiet):
-            for name in modules:
-                used.update(table.get(name, ()))
-        self.columns = columns = sorted(used)
-        self.centres = [c * width + (width - 1) / 2 for c in columns]
-        position = {c: j for j, c in enumerate(columns)}
-        self.values = [[None] * len(columns) for _ in modules]
-        self.kinds = [[NOT_RECORDED] * len(columns) for _ in modules]
+        self.columns, self.centres, position, self.values, self.kinds = heatmap_columns(
+            modules, (timeline.cells, timeline.bad_cells, timeline.quiet), width)
         for i, name in enumerate(modules):
             values, kinds = self.values[i], self.kinds[i]
             for c, ratio in timeline.cells.get(name, {}).items():

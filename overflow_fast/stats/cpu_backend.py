@@ -48,13 +48,13 @@ def _check(module):
 
 
 def _fallback_message(reason):
-    """The one warning: why, what it costs (benchmarks/bench_no_compiler.py against the same run
-    with the kernel), and the fix for how the package was installed, unless the reason has it."""
+    """The one warning: why, where its cost is measured (the figures live there, not here), and
+    the fix for how the package was installed, unless the reason has it."""
     fix = cpu_build._fix_hint()
     return (f"overflow_fast: the 'cpu' backend is unavailable ({reason}); falling back to the slower "
             "'torch' backend: same numbers, but a watch() or DebugUnderflowOverflow training step "
-            "costs about twice its overhead with the kernel (watch() on a small GPT-2: about the "
-            "reference's overhead, against 0.45x with it)"
+            "costs more overhead than with the kernel (measured in benchmarks/RESULTS.md, "
+            "'Without a C++ compiler')"
             + ("" if fix in reason else f"; to have the kernel, {fix}"))
 
 

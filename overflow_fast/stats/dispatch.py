@@ -201,13 +201,9 @@ def _scan_plan(device, requested):
     if name != "triton":
         return None
     module, reason = _load(name)
-    if reason is not None or module._TRITON_TABLE is None:
+    if reason is not None:
         return None
-    words = {}
-    for dtype, word in module._FORMAT_WORD.items():
-        # supports() looks only at the device, dtype and layout: an empty probe answers for all
-        if dtype in kinds.SUPPORTED_DTYPES and module.supports(torch.empty(0, dtype=dtype, device=device)):
-            words[dtype] = word
+    words = {dtype: word for dtype, word in module.table_words(device).items() if dtype in kinds.SUPPORTED_DTYPES}
     return (module, words) if words else None
 
 
@@ -252,14 +248,14 @@ def _plain_stats(tensors, requested, out):
     return StatsBatch(scanned.dtypes, [(range(len(tensors)), module.compute_scanned(scanned, out))])
 
 
-_READERS = {}  # (requested backend, device) -> the per-hook read of that device, or None
+_READERS = {}  # (requested backend, device) -> that device's read into rows, or None
 
 
-def per_hook_launcher(backend, device):
-    """The C++ launcher that reads a hook's tensors on ``device`` for ``backend`` (as
-    ``tensor_stats`` takes it) inside the hook's one C++ call (``HookCore.bind``): the triton
-    backend's per-hook kernel, or on the CPU the C++ kernel; None where neither applies (the
-    torch backend, no extension, a device whose self-check failed)."""
+def rows_launcher(backend, device):
+    """The C++ launcher that writes the rows of a few tensors on ``device`` into a preallocated
+    buffer for ``backend`` (as ``tensor_stats`` takes it), called from C++ by whoever binds it:
+    the triton backend's per-hook kernel, or on the CPU the C++ kernel; None where neither applies
+    (the torch backend, no extension, a device whose self-check failed)."""
     requested, _ = requested_backend(backend)
     name = requested if requested is not None else _PREFERRED.get(device.type)
     if name not in ("triton", "cpu") or (name == "cpu" and device.type != "cpu"):
@@ -274,9 +270,9 @@ def per_hook_launcher(backend, device):
     return module.launcher(device)
 
 
-def per_hook_reader(backend, device):
-    """The backend's per-hook entry for tensors on ``device`` when ``backend`` (as
-    ``tensor_stats`` takes it) means the triton backend there: ``read_into(tensors, out)``,
+def rows_reader(backend, device):
+    """The backend's read of a few tensors on ``device`` into preallocated rows, when ``backend``
+    (as ``tensor_stats`` takes it) means the triton backend there: ``read_into(tensors, out)``,
     True when it wrote the rows, False when the caller must take ``tensor_stats``. Else None."""
     requested, _ = requested_backend(backend)
     key = (requested, device)
@@ -294,8 +290,8 @@ def per_hook_reader(backend, device):
 def _plain_cpu_stats(module, dtypes, tensors, out, zero3):
     """``_plain_stats`` on the CPU: one call to the C++ kernel, which checks every tensor itself
     (a plain strided CPU tensor of its dtypes, memory it owns, ``out`` apart from them) before it
-    writes anything. A hook's few tensors took 7 us more through the general path than the
-    kernel's whole call. None when a tensor is not such a tensor: the general path then runs."""
+    writes anything. For a hook's few tensors the general path costs more than the kernel's
+    whole call. None when a tensor is not such a tensor: the general path then runs."""
     if out is not None and type(out) not in PLAIN_TYPES:
         return None  # the general path says why
     seen = []

@@ -81,9 +81,37 @@ from .layout import NUM_COLUMNS, host_bytes
 
 NAME = "triton"
 
-# The table in one C++ loop (csrc/table.cpp) when the extension loads; else the Python _table.
-_EXTENSION = cpu_backend.extension()
-_TRITON_TABLE = _EXTENSION.triton_table if _EXTENSION is not None else None
+# The extension (the table in one C++ loop, csrc/table.cpp, and the C++ launcher) is loaded, and
+# built if need be, on first use, never at import: _extension() and _triton_table() (None where it
+# is unavailable: the Python _table then). Both are module globals once loaded, so a test or a
+# benchmark may set them.
+_UNLOADED = object()
+
+
+def _load_extension(name):
+    value = globals().get(name, _UNLOADED)
+    if value is _UNLOADED:
+        extension = cpu_backend.extension()
+        globals().setdefault("_EXTENSION", extension)
+        globals().setdefault("_TRITON_TABLE", extension.triton_table if extension is not None else None)
+        value = globals()[name]
+    return value
+
+
+def _extension():
+    return _load_extension("_EXTENSION")
+
+
+def _triton_table():
+    return _load_extension("_TRITON_TABLE")
+
+
+def __getattr__(name):
+    if name in ("_EXTENSION", "_TRITON_TABLE"):
+        return _load_extension(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 # Exact types the C++ loop reads (subclasses take the Python path).
 _PLAIN_TYPES = tuple(PLAIN_TYPES)
 _functorch_interpreter = torch._C._functorch.peek_interpreter_stack  # None outside vmap/grad
@@ -181,6 +209,15 @@ def unavailable_reason():
     if _INTERPRET or torch.cuda.is_available():
         return None
     return "no CUDA device, and TRITON_INTERPRET=1 was not set before overflow_fast loaded the backend"
+
+
+def table_words(device: torch.device) -> dict:
+    """{dtype: format word} of the dtypes whose table of plain tensors on ``device`` this backend
+    builds in one C++ loop (``scan``); empty without the extension."""
+    if _triton_table() is None:
+        return {}
+    # supports() looks only at the device, dtype and layout: an empty probe answers for all
+    return {dtype: word for dtype, word in _FORMAT_WORD.items() if supports(torch.empty(0, dtype=dtype, device=device))}
 
 
 def supports(tensor: torch.Tensor) -> bool:
@@ -803,7 +840,7 @@ def compute(tensors, out=None, block_size=None, blocks_per_chunk=None) -> torch.
     if not tensors:
         return torch.zeros((0, NUM_COLUMNS), dtype=torch.int64)
     device = tensors[0].device
-    if _TRITON_TABLE is not None and supports(tensors[0]):
+    if _triton_table() is not None and supports(tensors[0]):
         scanned = scan(tensors, _FORMAT_WORD, block_size * blocks_per_chunk)
         if scanned is not None:  # else some tensor is not plain: the Python path below decides
             return compute_scanned(scanned, out, block_size, blocks_per_chunk)
@@ -854,7 +891,7 @@ def scan(tensors, words, chunk, out_storage=None, list_empty=False):
         staged = None
         table = torch.empty(n, dtype=torch.int64)
     first, last = out_storage if out_storage is not None else (0, 0)
-    result = _TRITON_TABLE(tensors, _PLAIN_TYPES, device, words, chunk, table, _ALIGNED_BIT, first, last,
+    result = _triton_table()(tensors, _PLAIN_TYPES, device, words, chunk, table, _ALIGNED_BIT, first, last,
                            list_empty)
     if result is None:
         return None
@@ -992,7 +1029,7 @@ def _runtime_knobs():
 def _launcher_driver(device):
     """The C++ launcher's driver for ``device`` and, where it cannot launch directly, why:
     ("cuda", None), or ("ordinary", why) (every launch through Triton)."""
-    if _EXTENSION is None:
+    if _extension() is None:
         return None, "the C++ extension is unavailable"
     if _INTERPRET:
         return "ordinary", "the interpreter runs the kernels (TRITON_INTERPRET=1)"
@@ -1070,12 +1107,12 @@ def _new_launcher(state, pool, block_size, blocks_per_chunk):
         _ordinary_launch(known, known.launcher_for(*shape), grid, args, slots, formats, any_unaligned, *shape)
 
     try:
-        launcher = _EXTENSION.Launcher(driver, state.device, _PLAIN_TYPES, _FORMAT_WORD, _ALIGNED_BIT,
+        launcher = _extension().Launcher(driver, state.device, _PLAIN_TYPES, _FORMAT_WORD, _ALIGNED_BIT,
                                        block_size * blocks_per_chunk, MAX_READ_LAUNCHES, pool, STREAM_GROUPS,
                                        runtime, _read_kernel, ordinary)
     except Exception as error:  # noqa: BLE001 - e.g. no libcuda.so.1: Triton's own launches
         driver, reason = "ordinary", f"{type(error).__name__}: {error}"
-        launcher = _EXTENSION.Launcher(driver, state.device, _PLAIN_TYPES, _FORMAT_WORD, _ALIGNED_BIT,
+        launcher = _extension().Launcher(driver, state.device, _PLAIN_TYPES, _FORMAT_WORD, _ALIGNED_BIT,
                                        block_size * blocks_per_chunk, MAX_READ_LAUNCHES, pool, STREAM_GROUPS,
                                        runtime, _read_kernel, ordinary)
     return launcher, reason
@@ -1189,7 +1226,7 @@ def launch_path(state=None):
     driver, reason = _launcher_driver(device)
     if reason is None:
         runtime, _ = _runtime_knobs()
-        reason = _EXTENSION.launch_hooks_reason(runtime, _read_kernel)
+        reason = _extension().launch_hooks_reason(runtime, _read_kernel)
     return f"{DIRECT} after its self-check" if reason is None else f"ordinary ({reason})"
 
 

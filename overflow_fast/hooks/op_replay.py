@@ -910,7 +910,7 @@ def write_repro(directory, rank, step, module, args, kwargs, grad_outputs, detec
     so the file replays in a fresh process; where that cannot work, a warning says so and names the
     fix. Returns the path; raises ``ReproError`` naming it when it cannot be written (nothing
     half-written is left)."""
-    from .. import __version__
+    from .._version import __version__
 
     path = repro_path(directory, rank, step)
     partial = f"{path}.{os.getpid()}.partial"

@@ -1,0 +1,68 @@
+"""What the benchmark scripts share: the small GPT-2 they build, the loop that times variants, and
+the measured run of a command in a child process.
+
+``gpt2(...)`` is transformers' GPT2LMHeadModel from a config, random weights (nothing downloaded),
+seeded so that every variant of a script starts from the same weights.
+
+``round_robin(steps, repeats)`` times callables against each other on a shared, noisy machine:
+the variants take turns within each round (the order reversed every other round, so none always
+runs after the same neighbour), the first rounds only warm up (allocator, lazy init), and each
+variant's median is returned. Only figures from the same call compare.
+
+``command_measured(args)`` runs ``python -m overflow_fast ARGS`` in a child process: its wall and CPU
+time and its peak resident memory.
+"""
+
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def gpt2(layers, width, heads, vocab, positions, seed=0, **config):
+    """A GPT2LMHeadModel of ``layers`` blocks of ``width``, random weights from ``seed``."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=layers, n_embd=width, n_head=heads, vocab_size=vocab, n_positions=positions, **config))
+
+
+def round_robin(steps, repeats, warm_up=2, synchronize=None):
+    """Median seconds per call of each of ``steps`` (name -> callable taking the round's index),
+    over ``repeats`` rounds after ``warm_up`` untimed ones. ``synchronize``: called around each
+    timed call (a device's queue drained, so the time is the step's)."""
+    names = list(steps)
+    times = {name: [] for name in names}
+    for index in range(warm_up + repeats):
+        for name in (names if index % 2 == 0 else names[::-1]):
+            if synchronize is not None:
+                synchronize()
+            start = time.perf_counter()
+            steps[name](index)
+            if synchronize is not None:
+                synchronize()
+            if index >= warm_up:
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def command_measured(args):
+    """(seconds, peak RSS in MB, stdout, CPU seconds) of one ``python -m overflow_fast ARGS`` run
+    of this checkout, in a child process (its resources from wait4()); a failed run raises."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        start = time.perf_counter()
+        child = subprocess.Popen([sys.executable, "-m", "overflow_fast", *args], stdout=out, stderr=err, env=env)
+        _, status, usage = os.wait4(child.pid, 0)
+        seconds = time.perf_counter() - start
+        code = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        if code != 0:
+            raise RuntimeError(f"{' '.join(args)} failed ({code}): {err.read().decode()[-2000:]}")
+        return seconds, usage.ru_maxrss / 1024, out.read().decode(), usage.ru_utime + usage.ru_stime
