@@ -99,13 +99,11 @@ class Decisions:
         made."""
         state = self.state
         keep = state.frames.maxlen
-        first_kept = 0 if keep is None else len(queue) - keep
-        for index, pending in enumerate(queue):
+        first_kept = 0 if keep is None else max(len(queue) - keep, 0)
+        state.drop_calls(queue[:first_kept])
+        for pending in queue[first_kept:]:
             state.open(pending.call)
-            if index >= first_kept:
-                state.save(self.frame(reads, pending))
-            else:
-                state.drop(pending.phase)
+            state.save(self.frame(reads, pending))
             state.close(pending.call)
 
     def save(self, frame, batch=None, pass_key=None, inputs=None, tensors=None, scaling=None):

@@ -27,6 +27,7 @@ to be copied (``waiting``).
 """
 
 import enum
+import functools
 import itertools
 import sys
 import threading
@@ -51,7 +52,8 @@ except ImportError:
     _STOP_RECOMPUTATION = ()
 
 
-_pending = Pending._make  # without namedtuple's Python-level __new__ (it runs at every hook)
+# tuple.__new__ in C: namedtuple's own __new__ and _make are Python calls (this runs at every hook)
+_pending = functools.partial(tuple.__new__, Pending)
 
 
 class PassState(enum.Enum):
