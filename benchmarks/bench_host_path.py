@@ -80,6 +80,7 @@ import transformers
 
 import overflow_fast
 import overflow_fast.hooks.reads
+import overflow_fast.stats.kinds
 from overflow_fast import DebugUnderflowOverflow
 from overflow_fast.hooks.passes import Passes
 from overflow_fast.hooks.frames import forward_items
@@ -299,7 +300,7 @@ def triton_on_cpu():
             (triton_table, "_table", _counting_table(triton_table._table)),
             (triton_backend, "scan", _counting_scan(triton_backend.scan)),
             (triton_table, "scan", _counting_scan(triton_table.scan)),
-            (overflow_fast.hooks.reads, "CPU_AS_DEVICE", True),  # these CPU tensors stand for GPU ones
+            (overflow_fast.stats.kinds, "CPU_AS_DEVICE", True),  # these CPU tensors stand for GPU ones
         ):
             stack.enter_context(patched(obj, name, value))
         preferred = dict(dispatch._PREFERRED)

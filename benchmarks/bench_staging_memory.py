@@ -2,7 +2,7 @@
 tensors when it ends instead of in each hook (the sound default reads in each hook).
 
 Deferral is for accelerators (CPU tensors are read in their hooks); its memory does not depend on
-the device, so it is measured here on CPU tensors with ``reads.CPU_AS_DEVICE`` on.
+the device, so it is measured here on CPU tensors with ``kinds.CPU_AS_DEVICE`` on.
 Each variant runs in a fresh process: GPT-2 small (12 layers, n_embd 768, random weights) in
 fp32 on the CPU, one warm-up pass, then freed memory is returned to the OS (``malloc_trim``), the
 peak resident memory is reset (``/proc/self/clear_refs``) and one pass measured: the peak above
@@ -49,10 +49,10 @@ def child(options, mode, batch, seq):
     import torch
     import transformers
 
-    import overflow_fast.hooks.reads
+    import overflow_fast.stats.kinds
     from overflow_fast import DebugUnderflowOverflow
 
-    overflow_fast.hooks.reads.CPU_AS_DEVICE = True  # these CPU tensors stand for a GPU's
+    overflow_fast.stats.kinds.CPU_AS_DEVICE = True  # these CPU tensors stand for a GPU's
     libc = ctypes.CDLL("libc.so.6")
 
     torch.manual_seed(0)

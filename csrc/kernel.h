@@ -507,6 +507,100 @@ inline void keys_and_smalls<int32_t, Mode::Float>(const int32_t* p, int64_t n, c
 }
 #endif
 
+#if defined(CPU_CAPABILITY_AVX512)
+// keys_and_smalls for float32, float16 and bfloat16 on AVX-512, on y = k - 1 as in the AVX2
+// build's float32 one: per vector and, subtract, unsigned min, signed max, and the zero count
+// from y's sign bits (a shift and an add), 6 ops with no mask register, where the generic loop's
+// compares go through a mask register and back to a vector (compare, masked set, subtract). No
+// prefetch, as in keys_only's light loop. The lane counts cannot overflow: n is one block
+// (at most 256 elements per lane).
+template <typename L>
+struct Lanes512;
+template <>
+struct Lanes512<int32_t> {
+  static __m512i set1(int32_t x) { return _mm512_set1_epi32(x); }
+  static __m512i sub(__m512i a, __m512i b) { return _mm512_sub_epi32(a, b); }
+  static __m512i add(__m512i a, __m512i b) { return _mm512_add_epi32(a, b); }
+  static __m512i min_unsigned(__m512i a, __m512i b) { return _mm512_min_epu32(a, b); }
+  static __m512i max_signed(__m512i a, __m512i b) { return _mm512_max_epi32(a, b); }
+  static __m512i sign_bit(__m512i a) { return _mm512_srli_epi32(a, 31); }
+  static bool any_le_unsigned(__m512i a, __m512i b) { return _mm512_cmple_epu32_mask(a, b) != 0; }
+};
+template <>
+struct Lanes512<int16_t> {
+  static __m512i set1(int16_t x) { return _mm512_set1_epi16(x); }
+  static __m512i sub(__m512i a, __m512i b) { return _mm512_sub_epi16(a, b); }
+  static __m512i add(__m512i a, __m512i b) { return _mm512_add_epi16(a, b); }
+  static __m512i min_unsigned(__m512i a, __m512i b) { return _mm512_min_epu16(a, b); }
+  static __m512i max_signed(__m512i a, __m512i b) { return _mm512_max_epi16(a, b); }
+  static __m512i sign_bit(__m512i a) { return _mm512_srli_epi16(a, 15); }
+  static bool any_le_unsigned(__m512i a, __m512i b) { return _mm512_cmple_epu16_mask(a, b) != 0; }
+};
+
+template <typename L>
+inline void keys_and_smalls_512(const L* p, int64_t n, const VConsts<L>& v, Vectorized<L>& bmin,
+                                Vectorized<L>& bmax, Partial& acc) {
+  using O = Lanes512<L>;
+  constexpr int64_t W = Vectorized<L>::size();
+  const __m512i abs_mask = v.abs_mask;
+  const __m512i one = O::set1(1);
+  __m512i low0 = O::set1(-1), low1 = low0;  // unsigned: -1 is the largest
+  __m512i high0 = low0, high1 = low0;       // signed: -1 stands for key 0, the smallest
+  __m512i count0 = _mm512_setzero_si512(), count1 = count0;
+  auto load = [&](int64_t i) {
+    const __m512i x = _mm512_loadu_si512(p + i);
+    return O::sub(_mm512_and_si512(x, abs_mask), one);
+  };
+  int64_t i = 0;
+  for (; i + 2 * W <= n; i += 2 * W) {
+    const __m512i y0 = load(i);
+    const __m512i y1 = load(i + W);
+    low0 = O::min_unsigned(low0, y0);
+    high0 = O::max_signed(high0, y0);
+    count0 = O::add(count0, O::sign_bit(y0));
+    low1 = O::min_unsigned(low1, y1);
+    high1 = O::max_signed(high1, y1);
+    count1 = O::add(count1, O::sign_bit(y1));
+    in_registers(low0, high0, count0, low1, high1, count1);
+  }
+  if (i < n) {  // a lone last vector
+    const __m512i y = load(i);
+    low1 = O::min_unsigned(low1, y);
+    high1 = O::max_signed(high1, y);
+    count1 = O::add(count1, O::sign_bit(y));
+  }
+  int64_t zeros = lane_sum(Vectorized<L>(O::add(count0, count1)));
+  const __m512i low = O::min_unsigned(low0, low1);
+  // a lane with 0 <= y <= tiny - 2 (unsigned) saw a subnormal
+  if (O::any_le_unsigned(low, O::sub(v.tiny, O::set1(2)))) {
+    Partial counts;
+    count_small<L, Mode::Float>(p, n, v, counts);
+    acc.zero += counts.zero;
+    acc.small += counts.small;
+    zeros = counts.zero;
+  } else {
+    acc.zero += zeros;
+    acc.small += zeros;
+  }
+  bmin = zeros > 0 ? v.zero : Vectorized<L>(O::add(low, one));
+  bmax = Vectorized<L>(O::add(O::max_signed(high0, high1), one));
+}
+
+template <>
+inline void keys_and_smalls<int32_t, Mode::Float>(const int32_t* p, int64_t n, const VConsts<int32_t>& v,
+                                                  Vectorized<int32_t>& bmin, Vectorized<int32_t>& bmax,
+                                                  Partial& acc) {
+  keys_and_smalls_512<int32_t>(p, n, v, bmin, bmax, acc);
+}
+
+template <>
+inline void keys_and_smalls<int16_t, Mode::Float>(const int16_t* p, int64_t n, const VConsts<int16_t>& v,
+                                                  Vectorized<int16_t>& bmin, Vectorized<int16_t>& bmax,
+                                                  Partial& acc) {
+  keys_and_smalls_512<int16_t>(p, n, v, bmin, bmax, acc);
+}
+#endif
+
 // Keys' min and max and both counts (zeros, smalls) in one read: for a float block that
 // follows one that held subnormals, where keys_and_smalls would read the block twice. Two
 // vectors per step with their own min/max, the two counters shared (locals, as in keys_only).

@@ -21,3 +21,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _detectors_left_attached():
+    """A detector a test leaves on its model (watch() without remove(), a drop-in, as users write
+    it) must not reach the next test in this worker: its hooks, and the listeners it registered
+    (a GradScaler's backoffs, a skipped step), are process-wide. Take each off after the test."""
+    yield
+    detector = sys.modules.get("overflow_fast.hooks.detector")
+    if detector is None:
+        return
+    for left in list(detector._ATTACHED):
+        left.remove()

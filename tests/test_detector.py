@@ -10,8 +10,8 @@ from torch import nn
 
 from compat import HostReads, ReferenceDetector, run
 from compat import capture as compat_capture
-import overflow_fast.hooks.reads
 import overflow_fast.stats.kinds
+import overflow_fast.stats.torch_backend
 from overflow_fast import DebugUnderflowOverflow
 from test_compat_rules import Scaled, batches, make, with_value
 
@@ -131,8 +131,9 @@ def test_helpers_reject_non_tensors():
 
 def test_batch_mode_hooks_never_read_the_device(monkeypatch):
     # an accelerator's rows are read to the host; CPU rows are written in host memory already
-    monkeypatch.setattr(overflow_fast.hooks.reads, "CPU_AS_DEVICE", True)
-    monkeypatch.setattr(overflow_fast.stats.kinds, "CPU_AS_DEVICE", True)  # the engine's own host reads too
+    monkeypatch.setattr(overflow_fast.stats.kinds, "CPU_AS_DEVICE", True)  # asked as a detector is made
+    # the engine's own host reads too (the torch backend's, held as it loads)
+    monkeypatch.setattr(overflow_fast.stats.torch_backend, "HOST_DEVICE_TYPES", frozenset())
     reads = HostReads()
 
     def forwards(check, count):

@@ -433,10 +433,27 @@ def test_the_flight_record_carries_the_op(tmp_path):
     assert detections[-1]["op"]["op"] == "aten.exp"
 
 
-def replay_in_a_fresh_process(path):
+# one fresh process replays several files through the command's own entry, each followed by its exit code
+REPLAY_EACH = ("import sys\nfrom overflow_fast.cli import main\n"
+               "for path in sys.argv[1:]:\n    print('== exit', main(['replay', path]), flush=True)\n")
+
+
+def replays_in_one_fresh_process(paths):
+    """``[(exit code, stdout lines)]`` of ``overflow_fast replay`` on each path, in one process apart
+    from this one (the recording's), so each starts from an import rather than this process's state."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.dirname(HERE)])}
-    return subprocess.run([sys.executable, "-m", "overflow_fast", "replay", str(path)], capture_output=True,
-                          text=True, env=env, timeout=300)
+    done = subprocess.run([sys.executable, "-c", REPLAY_EACH, *map(str, paths)], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    results, lines = [], []
+    for text in done.stdout.splitlines():
+        if text.startswith("== exit "):
+            results.append((int(text.split()[-1]), lines))
+            lines = []
+        else:
+            lines.append(text)
+    assert len(results) == len(paths), done.stdout + done.stderr
+    return results, done.stderr
 
 
 @pytest.mark.one_path  # the replay in a fresh process; the detection on each path: the tests above
@@ -447,6 +464,7 @@ def test_a_reproducer_replays_the_same_op_line_in_a_fresh_process(check, tmp_pat
              ("backward", zero_input_norm(), lambda model: train(model, torch.ones(2, 4))),
              ("forward", nn.Sequential(overflowing_linear(), nn.ReLU()).half(),
               lambda model: run(model, torch.full((2, 4), 300.0, dtype=torch.float16)))]
+    recorded = []
     for index, (phase, model, step) in enumerate(cases):
         if phase == "forward" and index == 0:
             with torch.no_grad():
@@ -458,10 +476,12 @@ def test_a_reproducer_replays_the_same_op_line_in_a_fresh_process(check, tmp_pat
         line, op = op_of(out, error)
         path = error.detection["repro"]
         assert path == str(folder / "overflow-rank0-step0.pt") and os.path.exists(path)
-        replayed = replay_in_a_fresh_process(path)
-        assert replayed.returncode == 0, replayed.stdout + replayed.stderr
-        assert replayed.stdout.splitlines()[-1] == line, replayed.stdout
-        assert f"{phase} of " in replayed.stdout.splitlines()[0]
+        recorded.append((phase, line, path))
+    replayed, errors = replays_in_one_fresh_process([path for _, _, path in recorded])
+    for (phase, line, _), (code, lines) in zip(recorded, replayed):
+        assert code == 0, "\n".join(lines) + errors
+        assert lines[-1] == line, lines
+        assert f"{phase} of " in lines[0]
 
 
 @pytest.mark.one_path

@@ -13,6 +13,8 @@ import torch
 from torch import nn
 
 import overflow_fast
+import overflow_fast.stats.kinds
+import overflow_fast.stats.torch_backend
 from compat import HostReads, capture, read_back
 from overflow_fast import DebugUnderflowOverflow, OverflowDetected, watch
 
@@ -200,8 +202,8 @@ def test_a_scaler_subclass_with_its_own_scale_defined_after_the_detector():
 def test_recognising_the_scaler_adds_no_host_read(monkeypatch):
     # the scale is read only in a backward that found a nan/inf: a clean scaled step reads the
     # host exactly as a clean unscaled one does
-    monkeypatch.setattr(overflow_fast.hooks.reads, "CPU_AS_DEVICE", True)
     monkeypatch.setattr(overflow_fast.stats.kinds, "CPU_AS_DEVICE", True)
+    monkeypatch.setattr(overflow_fast.stats.torch_backend, "HOST_DEVICE_TYPES", frozenset())
 
     def reads_of_a_step(scaled):
         model = tiny()

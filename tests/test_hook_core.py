@@ -276,11 +276,12 @@ def test_without_the_extension_an_accelerator_s_pass_is_one_host_read(monkeypatc
     # Reads on the Python core: the rows stay on the device until the pass ends (no read per hook),
     # and unchanged tensors keep their rows (a Linear's output is the next module's input)
     import overflow_fast.hooks.reads as reads_module
+    from overflow_fast.stats import kinds
     from torch import nn
     from overflow_fast import DebugUnderflowOverflow
 
     monkeypatch.setattr(cpu_backend, "extension", lambda: None)  # the hook layer takes the Python core
-    monkeypatch.setattr(reads_module, "CPU_AS_DEVICE", True)
+    monkeypatch.setattr(kinds, "CPU_AS_DEVICE", True)
     calls, reads = [], []
     real_stats, real_cpu = reads_module.tensor_stats, torch.Tensor.cpu
 

@@ -63,3 +63,15 @@ def test_what_every_folder_may_import_imports_nothing_of_the_package(module):
 def test_at_most_ten_modules_at_the_top():
     modules = [name for name in os.listdir(PACKAGE) if name.endswith(".py")]
     assert len(modules) <= 10, sorted(modules)
+
+
+def test_the_hook_layers_frame_has_the_shape_the_recording_reads():
+    from typing import get_type_hints
+
+    from overflow_fast.hooks.frames import Frame
+    from overflow_fast.recording.schema import RecordedFrame
+
+    declared = set(get_type_hints(RecordedFrame))
+    assert declared and declared <= set(Frame.__slots__)
+    frame = Frame("fc", "Linear", [], [])
+    assert all(hasattr(frame, name) for name in declared)  # each set when a frame is made

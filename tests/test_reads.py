@@ -1,7 +1,7 @@
 """When a hook's tensors are read: in the hook, before anything can change them, so that check="batch"
 and watch() see what the reference sees, on the CPU path and on the accelerators' path
-(OVERFLOW_FAST_CPU_AS_DEVICE, here by its module flag); a pass ends when the outermost hooked call
-returns, whatever module it is; ``defer=True`` and its documented hole; the reuse of rows and its
+(OVERFLOW_FAST_CPU_AS_DEVICE, here by its module flag, which a detector asks as it is made); a pass
+ends when the outermost hooked call returns, whatever module it is; ``defer=True`` and its documented hole; the reuse of rows and its
 hole; and no hostile input can abort the process."""
 
 import os
@@ -18,7 +18,7 @@ import overflow_fast.hooks.reads as reads_module
 from compat import assert_identical, capture, forward, run
 from overflow_fast import DebugUnderflowOverflow, watch
 from overflow_fast.hooks.reads import CHANGED_AFTER_HOOK
-from overflow_fast.stats import cpu_backend
+from overflow_fast.stats import cpu_backend, kinds
 from test_compat_rules import Scaled, batches, make, with_value
 
 INF, NAN = float("inf"), float("nan")
@@ -28,7 +28,7 @@ CHECKS = ("module", "batch")
 @pytest.fixture(params=["cpu", "device"])
 def path(request, monkeypatch):
     """Each test twice: CPU tensors as CPU tensors, and as an accelerator's (deferral allowed)."""
-    monkeypatch.setattr(reads_module, "CPU_AS_DEVICE", request.param == "device")
+    monkeypatch.setattr(kinds, "CPU_AS_DEVICE", request.param == "device")
     return request.param
 
 
@@ -243,7 +243,7 @@ def test_a_bound_launcher_reads_what_the_core_hands_out(path):
 
 
 def test_defer_reads_a_forward_in_one_engine_call_after_the_first(engine_calls, monkeypatch):
-    monkeypatch.setattr(reads_module, "CPU_AS_DEVICE", True)
+    monkeypatch.setattr(kinds, "CPU_AS_DEVICE", True)
     model = seeded(nn.Sequential, nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
     DebugUnderflowOverflow(model, check="batch", defer=True)
     per_forward = []
@@ -257,7 +257,7 @@ def test_defer_reads_a_forward_in_one_engine_call_after_the_first(engine_calls, 
 
 
 def test_defer_is_only_for_accelerators(engine_calls, monkeypatch):
-    monkeypatch.setattr(reads_module, "CPU_AS_DEVICE", False)
+    monkeypatch.setattr(kinds, "CPU_AS_DEVICE", False)
     model = seeded(nn.Sequential, nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
     DebugUnderflowOverflow(model, check="batch", defer=True)
     for batch in batches(3):
@@ -270,7 +270,7 @@ def test_defer_is_only_for_accelerators(engine_calls, monkeypatch):
 def test_defer_reads_sites_changed_in_place_in_their_hooks(steps, monkeypatch):
     # learned on the first forward: the in-place ReLU, the residual add and dropout rewrite
     # outputs after their hooks; those are read in their hooks, the report is the reference's
-    monkeypatch.setattr(reads_module, "CPU_AS_DEVICE", True)
+    monkeypatch.setattr(kinds, "CPU_AS_DEVICE", True)
     model = seeded(nn.Sequential, Residual(), Residual()).train()
     assert_identical(model, big(4, 2, value=INF), steps=steps, check="batch", ours={"defer": True})
 
@@ -278,7 +278,7 @@ def test_defer_reads_sites_changed_in_place_in_their_hooks(steps, monkeypatch):
 def test_defer_hole_a_fix_up_only_on_the_bad_step_is_missed(monkeypatch):
     # the documented hole: the call site was clean when learned, then changed in place on the bad
     # step; its values at the hook are lost: the line says so and the inf is not detected
-    monkeypatch.setattr(reads_module, "CPU_AS_DEVICE", True)
+    monkeypatch.setattr(kinds, "CPU_AS_DEVICE", True)
     model = seeded(FixesUpOnTheBadStep)
     detector = DebugUnderflowOverflow(model, check="batch", defer=True, max_frames_to_save=10)
     data = big(4, 2)
@@ -328,7 +328,7 @@ def test_memory_freed_or_swapped_after_the_hook_is_never_read(path, how):
 
 
 def test_defer_bounds_what_only_it_keeps_alive(engine_calls, monkeypatch):
-    monkeypatch.setattr(reads_module, "CPU_AS_DEVICE", True)
+    monkeypatch.setattr(kinds, "CPU_AS_DEVICE", True)
 
     def chain():
         torch.manual_seed(0)
@@ -368,7 +368,7 @@ def test_nothing_is_kept_alive_after_the_forward(path, defer):
 
 def test_defer_reads_inference_tensors_in_their_hooks(monkeypatch):
     # without version counters nothing can be shown unchanged
-    monkeypatch.setattr(reads_module, "CPU_AS_DEVICE", True)
+    monkeypatch.setattr(kinds, "CPU_AS_DEVICE", True)
 
     def inference(model, batch):
         with torch.inference_mode():

@@ -105,14 +105,14 @@ def test_far_apart_steps_keep_few_bins():
     assert all(len(cells) <= 100 for cells in summary.timeline.cells.values())
 
 
-def test_300k_modules_keep_a_bounded_summary():
+def test_30k_modules_keep_a_bounded_summary():
     """The bound is on what is kept: however many modules, at most max_modules of them, and the
-    tables are still exact (checked against all of them)."""
+    tables are still exact (checked against all of them). 30k is about 30 times the bound."""
     summary = Summary(bins=True)
     rng = random.Random(0)
     truth = {}
     subnormal = {}
-    for i in range(300_000):
+    for i in range(30_000):
         name = f"m{i}"
         amax = rng.uniform(1.0, 60000.0)
         frac = rng.random() * 0.5 if i % 3 == 0 else 0.0
@@ -125,8 +125,8 @@ def test_300k_modules_keep_a_bounded_summary():
     assert len(summary.modules) <= logsummary.MAX_MODULES
     assert len(summary.timeline.cells) <= logsummary.MAX_MODULES
     assert len(summary.subnormal.items) <= logsummary.MAX_KEYS and len(summary.all_zero.items) <= logsummary.MAX_KEYS
-    assert summary.module_count == 300_000 and summary.modules_dropped > 0
-    assert summary.zero_keys.count == 60_000
+    assert summary.module_count == 30_000 and summary.modules_dropped > 0
+    assert summary.zero_keys.count == 6_000
     best = sorted(truth, key=truth.get)[:logsummary.TOP]
     assert [name for name, _, _ in summary.hottest()] == best
     assert [key for key, _, _ in summary.subnormal.best(logsummary.TOP)] == sorted(subnormal, key=subnormal.get)[:10]

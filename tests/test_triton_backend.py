@@ -171,8 +171,8 @@ def test_non_contiguous(dtype):
 def test_mixed_dtypes_in_one_call():
     gen = _gen(6)
     tensors = []
-    for i, dtype in enumerate(DTYPES * 2):
-        tensors.append(random_bits(dtype, (5 + 13 * i,), gen))
+    for i, dtype in enumerate(DTYPES * 2):  # 5 to 96 elements: one to four of SMALL's chunks
+        tensors.append(random_bits(dtype, (5 + 13 * (i % 8),), gen))
     tensors.insert(3, torch.empty(0, dtype=torch.float16))
     tensors.append(special_values(torch.float32))
     _check(tensors, "mixed", **SMALL)
@@ -502,7 +502,7 @@ def test_detector_reads_each_hook_or_with_defer_the_forward_at_once(monkeypatch,
 
     from torch import nn
 
-    import overflow_fast.hooks.reads
+    import overflow_fast.stats.kinds
     from compat import ReferenceDetector, forward, run
     from overflow_fast import DebugUnderflowOverflow
 
@@ -531,7 +531,7 @@ def test_detector_reads_each_hook_or_with_defer_the_forward_at_once(monkeypatch,
 
     monkeypatch.setattr(triton_table, "_launch", counting)
     monkeypatch.setattr(triton_read, "_launch_read", counting_read)
-    monkeypatch.setattr(overflow_fast.hooks.reads, "CPU_AS_DEVICE", True)  # the interpreter's tensors are on the CPU
+    monkeypatch.setattr(overflow_fast.stats.kinds, "CPU_AS_DEVICE", True)  # the interpreter's tensors are on the CPU
     model = model.to(DEVICE)
     data = [x.to(DEVICE) for x in data]
     want = run(ReferenceDetector, copy.deepcopy(model), data, forward)[:2]

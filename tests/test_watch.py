@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import models
-import overflow_fast.hooks.reads
+import overflow_fast.stats.kinds
 from compat import capture
 from overflow_fast import DebugUnderflowOverflow, OverflowDetected, watch
 
@@ -326,7 +326,7 @@ def test_batch_mode_reads_the_host_once_per_forward_and_once_per_backward(check,
     # host reads counted on torch.Tensor.cpu, the detector's one way to the host (a
     # TorchFunctionMode does not see what hooks do inside backward); on an accelerator's path:
     # CPU rows are written in host memory already
-    monkeypatch.setattr(overflow_fast.hooks.reads, "CPU_AS_DEVICE", True)
+    monkeypatch.setattr(overflow_fast.stats.kinds, "CPU_AS_DEVICE", True)
     reads = []
     real_cpu = torch.Tensor.cpu
     monkeypatch.setattr(torch.Tensor, "cpu", lambda self, *a, **k: reads.append(1) or real_cpu(self, *a, **k))

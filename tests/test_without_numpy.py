@@ -13,11 +13,11 @@ SCRIPT = textwrap.dedent("""
     import torch.distributed as dist
     from torch import nn
     from overflow_fast import DebugUnderflowOverflow, distributed
-    from overflow_fast.hooks import reads
+    from overflow_fast.stats import kinds
     from overflow_fast.stats import triton_backend, triton_table  # noqa: F401 - the whole backend imports
 
     # the detector on the accelerators' path (per-device buffers read to the host)
-    reads.CPU_AS_DEVICE = True
+    kinds.CPU_AS_DEVICE = True
     model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
     DebugUnderflowOverflow(model, check="batch")
     model(torch.ones(1, 2))

@@ -11,7 +11,7 @@ import collections
 
 from . import text
 from .errors import say
-from ..recording.flight import timeline_step
+from .step_log import timeline_step
 from .frames import BACKWARD, Frame, class_name
 from .source import source_line
 from .where import line as where_line
@@ -45,7 +45,7 @@ class Decisions:
         self.state = state  # reference.ReferenceState
         self.counting = counting  # counting.Counting
         self.early_warnings = early_warnings  # early_warnings.EarlyWarnings, or None without warn_above
-        self.log = log  # flight.StepLog or None
+        self.log = log  # step_log.StepLog or None
         self.module_names = module_names
         self.explain = explain  # beyond the drop-in: the Source line
         self.rewinds = rewinds  # "raise": the calls after a detection never happened
@@ -99,13 +99,11 @@ class Decisions:
         made."""
         state = self.state
         keep = state.frames.maxlen
-        first_kept = 0 if keep is None else len(queue) - keep
-        for index, pending in enumerate(queue):
+        first_kept = 0 if keep is None else max(len(queue) - keep, 0)
+        state.drop_calls(queue[:first_kept])
+        for pending in queue[first_kept:]:
             state.open(pending.call)
-            if index >= first_kept:
-                state.save(self.frame(reads, pending))
-            else:
-                state.drop(pending.phase)
+            state.save(self.frame(reads, pending))
             state.close(pending.call)
 
     def save(self, frame, batch=None, pass_key=None, inputs=None, tensors=None, scaling=None):

@@ -23,7 +23,7 @@ from . import text
 from .. import _compat
 from .decisions import Decisions
 from .errors import OverflowDetected, OverflowDetectedOnRanks, say  # noqa: F401 - the package's names
-from ..recording.flight import StepLog
+from .step_log import StepLog
 from .frames import BACKWARD, FORWARD, entries_of, forward_items, graph_task_id, transform_level
 from .gradients import GradientHooks
 from .options import WATCH_DEFAULTS, integer, of_arguments  # noqa: F401 - WATCH_DEFAULTS: the integrations'
@@ -330,19 +330,26 @@ class DebugUnderflowOverflow:
                     self._forward_call(run.backward_pass(), module, input, output, kwargs, True, transformed,
                                        inputs)
             return
-        with run.lock, _functorch_off() as transformed:
-            current = run.forward_pass()
-            try:
-                if not raised:
-                    self._forward_call(current, module, input, output, kwargs, False, transformed, inputs)
-            except BaseException as failure:
+        # _functorch_off() without a Python context manager outside transforms (this runs at every hook)
+        guard = None if transform_level() is None else _FunctorchOff()
+        transformed = guard is not None and guard.__enter__()
+        try:
+            with run.lock:
+                current = run.forward_pass()
+                try:
+                    if not raised:
+                        self._forward_call(current, module, input, output, kwargs, False, transformed, inputs)
+                except BaseException as failure:
+                    if outermost:
+                        run.end(current, FORWARD, failure)
+                    raise
                 if outermost:
-                    run.end(current, FORWARD, failure)
-                raise
-            if outermost:
-                run.end(current, FORWARD, error if raised else None)
-                if inputs is not None and not inputs.grad_enabled:
-                    inputs.release()  # decided: an evaluation keeps nothing
+                    run.end(current, FORWARD, error if raised else None)
+                    if inputs is not None and not inputs.grad_enabled:
+                        inputs.release()  # decided: an evaluation keeps nothing
+        finally:
+            if transformed:
+                guard.__exit__(None, None, None)
 
     def _forward_call(self, current, module, input, output, kwargs, recomputed, transformed, inputs=None):
         run = self._passes
@@ -350,8 +357,8 @@ class DebugUnderflowOverflow:
             run.traced.absorb(run, current, self.model, inputs)  # a compiled region ran before this call
         if current.state is _STOPPING:
             return  # this rank reported; it stops with the others when the pass ends
-        entries, tensors, dtypes = entries_of(forward_items(module, input, output, kwargs, self.containers),
-                                              transformed)
+        items = forward_items(module, input, output, kwargs, self.options.containers)
+        entries, tensors, dtypes = entries_of(items, transformed)
         call = self.decisions.state.count(module is self.model, recomputed)
         if self._gradients is not None and not transformed:  # torch.func takes gradients functionally
             self._gradients.watch_outputs(module, entries, tensors)

@@ -84,7 +84,10 @@ def own_parameters(module):
     """``(parameter, name)`` for ``module.named_parameters(recurse=False)``, as the reference lists
     them; without the generator machinery when the module does not override it (it runs per hook)."""
     if type(module).named_parameters is _named_parameters:
-        pairs = [(p, name) for name, p in module._parameters.items() if p is not None]
+        parameters = module._parameters
+        if not parameters:  # most modules (no list comprehension's call for them)
+            return []
+        pairs = [(p, name) for name, p in parameters.items() if p is not None]
         count = len(pairs)
         if count < 2 or (pairs[0][0] is not pairs[1][0] if count == 2 else len({id(p) for p, _ in pairs}) == count):
             return pairs
@@ -195,10 +198,11 @@ def entries_of(items, transformed=False):
             if isinstance(var, str):
                 entry((UNREADABLE, ctx, var))
                 continue
-        if isinstance(var, _Tensor):
+        plain = type(var) in PLAIN_TYPES  # (a tensor: asked first, it spares the isinstance)
+        if plain or isinstance(var, _Tensor):
             dtype = var.dtype
             # the common case without a call: a plain strided tensor of a supported dtype
-            if not (type(var) in PLAIN_TYPES and dtype in SUPPORTED_DTYPES and var.layout is _STRIDED
+            if not (plain and dtype in SUPPORTED_DTYPES and var.layout is _STRIDED
                     and not var.is_meta and not var.is_nested):
                 reason = unreadable_reason(var)
                 if reason is not None:

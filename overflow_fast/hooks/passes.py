@@ -27,6 +27,7 @@ to be copied (``waiting``).
 """
 
 import enum
+import functools
 import itertools
 import sys
 import threading
@@ -42,7 +43,7 @@ from .decisions import NO_ROWS, Pending
 from .errors import OverflowDetected, OverflowDetectedOnRanks, overflow_error, say
 from .frames import BACKWARD, FORWARD, graph_task_id
 from .on_detect import strategy
-from .reads import Reads, may_wait
+from .reads import Reads
 from .scaling import Backoffs
 
 try:  # how non-reentrant activation checkpointing stops a recompute early: control flow, not an error
@@ -51,7 +52,8 @@ except ImportError:
     _STOP_RECOMPUTATION = ()
 
 
-_pending = Pending._make  # without namedtuple's Python-level __new__ (it runs at every hook)
+# tuple.__new__ in C: namedtuple's own __new__ and _make are Python calls (this runs at every hook)
+_pending = functools.partial(tuple.__new__, Pending)
 
 
 class PassState(enum.Enum):
@@ -301,7 +303,7 @@ class Passes:
             sources = NO_ROWS
         else:
             reads = current.reads
-            site = (id(module) if self.may_defer and may_wait(not now, phase, call.trace_mode, tensors)
+            site = (id(module) if self.may_defer and reads.may_wait(not now, phase, call.trace_mode, tensors)
                     else -1)
             sources = reads.add(tensors, site)
             if sources is None:  # the buffer is full: what waits is decided now

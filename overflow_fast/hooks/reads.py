@@ -34,7 +34,7 @@ from .hook_core import HOOK_FULL, new_core
 from .frames import FORWARD, graph_task_id
 from ..stats import tensor_stats
 from ..stats.dispatch import rows_launcher, rows_reader
-from ..stats.kinds import CPU_AS_DEVICE, PLAIN_TYPES, is_zero3_released, short_reason
+from ..stats.kinds import PLAIN_TYPES, host_device_types, is_zero3_released, short_reason
 from ..stats.layout import NAN, NEGINF, NUM_COLUMNS, POSINF, host_bytes
 
 
@@ -44,12 +44,12 @@ CHANGED_AFTER_HOOK = ("changed after this hook (in place, or its memory freed or
                       "read; read in its hook from now on")
 
 
-def may_wait(defer, phase, trace_mode, tensors):
-    """Whether a hook's tensors may be read later than in the hook: only with ``defer``, in a forward
-    hook outside backward and inference mode (tensors without version counters can never be shown
-    unchanged), on an accelerator. The core then lets wait only the call sites seen unchanged."""
-    return (defer and phase == FORWARD and not trace_mode and graph_task_id() == -1
-            and not torch.is_inference_mode_enabled() and (CPU_AS_DEVICE or not tensors[0].is_cpu))
+def _off_cpu(tensor):
+    return not tensor.is_cpu
+
+
+def _any_tensor(tensor):
+    return True
 
 
 class Reads:
@@ -60,6 +60,9 @@ class Reads:
     def __init__(self, backend, capacity, reuse, defer_bytes):
         self.backend = backend
         self.capacity = capacity
+        # which devices' rows are host memory, and whose tensors may wait (``may_wait``): decided here
+        self._host_types = host_device_types()
+        self._on_accelerator = _off_cpu if "cpu" in self._host_types else _any_tensor
         self._core = new_core(capacity, defer_bytes, MAX_REMEMBERED if reuse else 0)
         self._buffers = {}  # device key -> [capacity, 8] int64 rows on that device
         self._host = {}  # device key -> (host rows [capacity, 8], the same memory as a flat int64 memoryview)
@@ -70,6 +73,13 @@ class Reads:
         self._bad_shards = {}  # (device key, row) -> ranks whose shard holds the nan/inf
         self._apart_nonfinite = False  # a call read apart since the last reset counts a nan/inf
         self._warned = False
+
+    def may_wait(self, defer, phase, trace_mode, tensors):
+        """Whether a hook's tensors may be read later than in the hook: only with ``defer``, in a forward
+        hook outside backward and inference mode (tensors without version counters can never be shown
+        unchanged), on an accelerator. The core then lets wait only the call sites seen unchanged."""
+        return (defer and phase == FORWARD and not trace_mode and graph_task_id() == -1
+                and not torch.is_inference_mode_enabled() and self._on_accelerator(tensors[0]))
 
     def add(self, tensors, site=-1):
         """Read ``tensors`` (a hook call's, at least one) now, or let them wait where ``site`` (the
@@ -155,7 +165,7 @@ class Reads:
         buffer = self._buffers.get(key)
         if buffer is None:
             device = self._core.device(key)
-            if device.type == "cpu" and not CPU_AS_DEVICE:  # the kernel writes the host rows themselves
+            if device.type in self._host_types:  # the kernel writes the host rows themselves
                 buffer = self._host_rows(key)[0]
             else:
                 buffer = torch.empty((self.capacity, NUM_COLUMNS), dtype=torch.int64, device=device)

@@ -8,6 +8,7 @@ once the frame's rows are on the host, in hook order.
 """
 
 import collections
+import functools
 
 from . import text
 from .frames import FORWARD
@@ -16,7 +17,8 @@ from .frames import FORWARD
 # One hook call as the reference's counters saw it when it ran.
 CallCounters = collections.namedtuple("CallCounters", ("trace_mode", "first_call", "last_frame_of_batch",
                                                        "batch_before", "batch_after", "total_calls"))
-_counters = CallCounters._make  # without namedtuple's Python-level __new__ (it runs at every hook)
+# tuple.__new__ in C: namedtuple's own __new__ and _make are Python calls (this runs at every hook)
+_counters = functools.partial(tuple.__new__, CallCounters)
 
 
 class ReferenceState:
@@ -87,7 +89,15 @@ class ReferenceState:
         if call.last_frame_of_batch:
             self.frame.extend(text.batch_start_lines(call.batch_after))
 
-    def drop(self, phase):
-        """``save`` of a frame the ring would push out before anyone reads it: only its lead goes."""
-        if phase == FORWARD:
-            self.frame = []
+    def drop_calls(self, pendings):
+        """``open``, ``save`` and ``close`` of calls (``decisions.Pending``, none in a traced batch)
+        whose frames the ring would push out before anyone reads them: only their lead goes. One
+        loop: most calls of a pass take this way."""
+        for pending in pendings:
+            call = pending.call
+            if call.first_call:
+                self.open(call)
+            if pending.phase == FORWARD:
+                self.frame = []
+            if call.last_frame_of_batch:
+                self.close(call)

@@ -68,7 +68,7 @@ class Dashboard:
         self._subnormal = {}  # tag suffix -> largest subnormal fraction in this step
 
     def frame(self, frame, step, mode=None):
-        """Take a frame of ``step`` (its rows on the host) and ``mode`` into that step's scalars."""
+        """Take a frame (``schema.RecordedFrame``) of ``step`` and ``mode`` into that step's scalars."""
         if step != self._step:
             self._write()
             self._step = step

@@ -155,7 +155,7 @@ def entry_record(step, phase, call, module, class_name, ctx, dtype, row, rank=No
 
 
 def frame_records(step, phase, call, frame, rank=None, global_step=None, mode=None):
-    """The entry records of one ``frames.Frame`` whose ``rows`` are host rows: one per tensor
+    """The entry records of one frame (``schema.RecordedFrame``, its ``rows`` on the host): one per tensor
     entry (``None``, non-tensor and unreadable entries have no statistics and no record)."""
     return [
         entry_record(step, phase, call, frame.module_name, frame.class_name, ctx,

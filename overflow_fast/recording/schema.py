@@ -44,10 +44,24 @@ wrong type or out of range, a line longer than ``MAX_LINE_BYTES``) are malformed
 
 import math
 from collections import namedtuple
+from typing import Any, Optional, Protocol, Sequence
 
 # What a frame entry holds: a tensor's statistics row, None, another object, or a tensor the
 # engine cannot read (the reference would crash on it).
 TENSOR, NONE, NOT_A_TENSOR, UNREADABLE = range(4)
+
+
+class RecordedFrame(Protocol):
+    """What the recording reads of a frame (one hook call, its rows on the host): the hook layer's
+    ``Frame`` has these attributes (``tests/test_layout.py`` holds it), and the recording reads no
+    other. A plain declaration: nothing checks it per frame."""
+
+    module_name: str  # its qualified name, "" for the model itself
+    class_name: str
+    phase: str  # one of PHASES
+    entries: Sequence[tuple]  # (kind, ctx, payload), in the reference's order: payload is the row index for TENSOR
+    dtypes: Sequence[Any]  # torch dtype of each row
+    rows: Optional[Sequence[Sequence[int]]]  # host rows (stats.layout's eight int64 columns), one per TENSOR entry
 
 VERSION = 1
 PHASES = ("forward", "backward")

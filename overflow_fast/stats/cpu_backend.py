@@ -69,8 +69,8 @@ def _ensure():
                 if reason is None:
                     _compute = module.compute
                 else:
-                    # Warned here, once, whoever asked first: the detector's hooks and the Triton
-                    # table lose their C++ loops too, not only dispatch's CPU tensors.
+                    # Warned here, once, whoever asked first: the rows launcher's callers and the
+                    # Triton table lose their C++ loops too, not only dispatch's CPU tensors.
                     warnings.warn(_fallback_message(reason), RuntimeWarning, stacklevel=3)
                 _state = (module, reason, details)
     return _state
@@ -103,7 +103,7 @@ def extension():
     return module if reason is None else None
 
 
-# The per-hook launcher's format words: any code below 32 per dtype does (the launcher maps a code
+# The rows launcher's format words: any code below 32 per dtype does (the launcher maps a code
 # back to its dtype); the order is fixed so that a word always means the same dtype.
 _WORDS = {dtype: code for code, dtype in enumerate(sorted(SUPPORTED_DTYPES, key=str))}
 _launcher = None
@@ -111,7 +111,8 @@ _launcher = None
 
 def launcher():
     """The C++ ``Launcher`` of the CPU (its "cpu" driver: this kernel on the packed arguments), which
-    a hook's C++ core binds to read CPU tensors in the same call; None without the extension."""
+    a caller binds (``dispatch.rows_launcher``) to read CPU tensors within its own C++ call; None
+    without the extension."""
     global _launcher
     module = extension()
     if module is None:

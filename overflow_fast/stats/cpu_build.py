@@ -48,8 +48,8 @@ ISAS = ("baseline", "avx2", "avx512")  # worst first
 MODULE_NAME = "overflow_fast._C"
 CACHE_ENV = "OVERFLOW_FAST_CACHE_DIR"
 JIT_ENV = "OVERFLOW_FAST_JIT"  # "0": never build at run time (a prebuilt module or nothing)
-# "1": behave as if the kernel could not be loaded (the torch backend reads, the Python HookCore
-# keeps the rows), so that the path without the extension is tested on a machine that has it
+# "1": behave as if the kernel could not be loaded (the torch backend reads, and what else the
+# extension holds takes its Python twin), so that the path without it is tested on a machine that has it
 WITHOUT_ENV = "OVERFLOW_FAST_WITHOUT_EXTENSION"
 DONE = "built.json"  # written last: a directory without it holds no finished build
 LOG = "build.log"

@@ -167,7 +167,7 @@ def _check_out(out, tensors):
     _check_out_shape(out, len(tensors))
     # Rows are zeroed or written before every input is read: out must not share their memory.
     # Only a tensor starting inside out's allocation can share it (allocations never overlap),
-    # so the exact extents are computed for those alone (this runs in every check="batch" hook).
+    # so the exact extents are computed for those alone (this runs at every call given ``out``).
     storage_first, storage_last = _storage_bytes(out)
     device = out.device
     for index, tensor in enumerate(tensors):
@@ -290,7 +290,7 @@ def rows_reader(backend, device):
 def _plain_cpu_stats(module, dtypes, tensors, out, zero3):
     """``_plain_stats`` on the CPU: one call to the C++ kernel, which checks every tensor itself
     (a plain strided CPU tensor of its dtypes, memory it owns, ``out`` apart from them) before it
-    writes anything. For a hook's few tensors the general path costs more than the kernel's
+    writes anything. For a call's few tensors the general path costs more than the kernel's
     whole call. None when a tensor is not such a tensor: the general path then runs."""
     if out is not None and type(out) not in PLAIN_TYPES:
         return None  # the general path says why
@@ -363,7 +363,7 @@ def tensor_stats(tensors, backend=None, *, out=None) -> StatsBatch:
             + (" (wrap a single tensor in a list)" if isinstance(tensors, torch.Tensor) else "")
         )
     requested, origin = requested_backend(backend)
-    if tensors:  # the detector's common call: plain tensors on one GPU, checked in one C++ loop
+    if tensors:  # the common call: plain tensors on one device, checked in one C++ loop
         batch = _plain_stats(tensors, requested, out)
         if batch is not None:
             return batch

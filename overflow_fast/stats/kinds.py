@@ -24,12 +24,20 @@ from .layout import INTEGER_DTYPES, SMALLEST_NORMAL
 
 SUPPORTED_DTYPES = frozenset(SMALLEST_NORMAL) | INTEGER_DTYPES | {torch.bool}
 
-# Exact types read without further questions (the hot path of the detector's hooks).
+# Exact types read without further questions (the hot path: many small calls per step).
 PLAIN_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
 
 # OVERFLOW_FAST_CPU_AS_DEVICE=1: CPU tensors count as an accelerator's wherever the path depends on
 # the device (no host read inside the engine, deferral): the accelerators' path, testable without one.
+# Read once, here; what takes one path or the other asks ``host_device_types`` where it is made
+# and holds the answer, so that no call branches on it.
 CPU_AS_DEVICE = os.environ.get("OVERFLOW_FAST_CPU_AS_DEVICE", "") not in ("", "0")
+
+
+def host_device_types():
+    """The device types whose tensors take the host's path (their rows written in host memory, a
+    CPU float read with an early exit): the CPU's, none with ``CPU_AS_DEVICE``."""
+    return frozenset() if CPU_AS_DEVICE else frozenset({"cpu"})
 
 _PYTHON_KEY = torch._C.DispatchKey.Python
 _SPARSE_LAYOUTS = frozenset({torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr,

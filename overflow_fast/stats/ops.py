@@ -7,9 +7,9 @@ graphs.
   (csrc/binding.cpp, ``TORCH_LIBRARY``), CPU tensors. Loaded with ``overflow_fast._C``. (Why the
   out variant is an op of its own rather than an ``.out`` overload: see binding.cpp.)
 - ``overflow_fast::tensor_stats_triton(Tensor[] tensors) -> Tensor``,
-  ``overflow_fast::tensor_stats_triton_out(Tensor[] tensors, Tensor(a!) out) -> ()`` and the per-hook
-  read ``overflow_fast::read_into(Tensor[] tensors, Tensor(a!) rows, int first) -> ()``: the Triton
-  kernels (CUDA tensors; CPU tensors under ``TRITON_INTERPRET=1``; the per-hook kernel where it
+  ``overflow_fast::tensor_stats_triton_out(Tensor[] tensors, Tensor(a!) out) -> ()`` and the read of
+  a few tensors into rows, ``overflow_fast::read_into(Tensor[] tensors, Tensor(a!) rows, int first) -> ()``:
+  the Triton kernels (CUDA tensors; CPU tensors under ``TRITON_INTERPRET=1``; the per-hook kernel where it
   takes the tensors, else the table kernels), registered with ``torch.library.custom_op``.
 
 Why ``custom_op`` and not ``torch.library.triton_op`` for Triton: a ``triton_op`` body is traced
@@ -104,7 +104,7 @@ def _tensor_stats_triton_out_fake(tensors, out):
 
 @torch.library.custom_op("overflow_fast::read_into", mutates_args=("rows",))
 def read_into(tensors: List[torch.Tensor], rows: torch.Tensor, first: int) -> None:
-    """The per-hook read: the rows of ``tensors`` written into ``rows[first:first + len(tensors)]``
+    """The read of a few tensors: the rows of ``tensors`` written into ``rows[first:first + len(tensors)]``
     (``rows``: a contiguous ``[R, 8]`` int64 buffer on their device). On CUDA one launch per 8
     tensors with nothing uploaded and no host sync, into a buffer the op mutates: safe to capture
     in a CUDA graph (``torch.compile(mode="reduce-overhead")``) once a first eager call has set up

@@ -219,10 +219,15 @@ def _row(x: torch.Tensor) -> torch.Tensor:
     return torch.stack([abs_min, abs_max, zero_count, zero_count, zero_count, zeros, zero_count, numel])
 
 
+# the device types read on the host here, asked once as the backend loads (a test sets it to take
+# the accelerators' path on CPU tensors)
+HOST_DEVICE_TYPES = kinds.host_device_types()
+
+
 def _host_row(x: torch.Tensor):
     """A CPU tensor's row as Python ints where the early-exit path takes it, else None (an
     accelerator's tensor, or a CPU tensor on the accelerators' path: no host read there)."""
-    if (x.device.type == "cpu" and not kinds.CPU_AS_DEVICE and type(x) in _PLAIN and x.dtype.is_floating_point
+    if (x.device.type in HOST_DEVICE_TYPES and type(x) in _PLAIN and x.dtype.is_floating_point
             and x.numel() and x.layout is torch.strided):
         return _cpu_float_row(x)
     return None
