@@ -507,54 +507,78 @@ inline void keys_and_smalls<int32_t, Mode::Float>(const int32_t* p, int64_t n, c
 }
 #endif
 
-#if defined(CPU_CAPABILITY_AVX512)
-// keys_and_smalls for float32, float16 and bfloat16 on AVX-512, on y = k - 1 as in the AVX2
-// build's float32 one: per vector and, subtract, unsigned min, signed max, and the zero count
-// from y's sign bits (a shift and an add), 6 ops with no mask register, where the generic loop's
-// compares go through a mask register and back to a vector (compare, masked set, subtract). No
-// prefetch, as in keys_only's light loop. The lane counts cannot overflow: n is one block
-// (at most 256 elements per lane).
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+// keys_and_smalls on y = k - 1 as in the AVX2 build's float32 one, for float32, float16 and
+// bfloat16 on AVX-512 and for float16 and bfloat16 on AVX2: per vector and, subtract, unsigned
+// min, signed max, and the zero count from y's sign bits (a shift and an add), 6 ops with no
+// compare, where the generic loop's compares cost a compare and a subtract per count (on AVX-512
+// through a mask register and back to a vector). No prefetch, as in keys_only's light loop. The
+// lane counts cannot overflow: n is one block (at most 512 elements per lane).
 template <typename L>
-struct Lanes512;
+struct Lanes;
+#if defined(CPU_CAPABILITY_AVX512)
 template <>
-struct Lanes512<int32_t> {
-  static __m512i set1(int32_t x) { return _mm512_set1_epi32(x); }
-  static __m512i sub(__m512i a, __m512i b) { return _mm512_sub_epi32(a, b); }
-  static __m512i add(__m512i a, __m512i b) { return _mm512_add_epi32(a, b); }
-  static __m512i min_unsigned(__m512i a, __m512i b) { return _mm512_min_epu32(a, b); }
-  static __m512i max_signed(__m512i a, __m512i b) { return _mm512_max_epi32(a, b); }
-  static __m512i sign_bit(__m512i a) { return _mm512_srli_epi32(a, 31); }
-  static bool any_le_unsigned(__m512i a, __m512i b) { return _mm512_cmple_epu32_mask(a, b) != 0; }
+struct Lanes<int32_t> {
+  using R = __m512i;
+  static R loadu(const void* p) { return _mm512_loadu_si512(p); }
+  static R and_(R a, R b) { return _mm512_and_si512(a, b); }
+  static R zero() { return _mm512_setzero_si512(); }
+  static R set1(int32_t x) { return _mm512_set1_epi32(x); }
+  static R sub(R a, R b) { return _mm512_sub_epi32(a, b); }
+  static R add(R a, R b) { return _mm512_add_epi32(a, b); }
+  static R min_unsigned(R a, R b) { return _mm512_min_epu32(a, b); }
+  static R max_signed(R a, R b) { return _mm512_max_epi32(a, b); }
+  static R sign_bit(R a) { return _mm512_srli_epi32(a, 31); }
+  static bool any_le_unsigned(R a, R b) { return _mm512_cmple_epu32_mask(a, b) != 0; }
 };
 template <>
-struct Lanes512<int16_t> {
-  static __m512i set1(int16_t x) { return _mm512_set1_epi16(x); }
-  static __m512i sub(__m512i a, __m512i b) { return _mm512_sub_epi16(a, b); }
-  static __m512i add(__m512i a, __m512i b) { return _mm512_add_epi16(a, b); }
-  static __m512i min_unsigned(__m512i a, __m512i b) { return _mm512_min_epu16(a, b); }
-  static __m512i max_signed(__m512i a, __m512i b) { return _mm512_max_epi16(a, b); }
-  static __m512i sign_bit(__m512i a) { return _mm512_srli_epi16(a, 15); }
-  static bool any_le_unsigned(__m512i a, __m512i b) { return _mm512_cmple_epu16_mask(a, b) != 0; }
+struct Lanes<int16_t> {
+  using R = __m512i;
+  static R loadu(const void* p) { return _mm512_loadu_si512(p); }
+  static R and_(R a, R b) { return _mm512_and_si512(a, b); }
+  static R zero() { return _mm512_setzero_si512(); }
+  static R set1(int16_t x) { return _mm512_set1_epi16(x); }
+  static R sub(R a, R b) { return _mm512_sub_epi16(a, b); }
+  static R add(R a, R b) { return _mm512_add_epi16(a, b); }
+  static R min_unsigned(R a, R b) { return _mm512_min_epu16(a, b); }
+  static R max_signed(R a, R b) { return _mm512_max_epi16(a, b); }
+  static R sign_bit(R a) { return _mm512_srli_epi16(a, 15); }
+  static bool any_le_unsigned(R a, R b) { return _mm512_cmple_epu16_mask(a, b) != 0; }
 };
+#else
+template <>
+struct Lanes<int16_t> {
+  using R = __m256i;
+  static R loadu(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+  static R and_(R a, R b) { return _mm256_and_si256(a, b); }
+  static R zero() { return _mm256_setzero_si256(); }
+  static R set1(int16_t x) { return _mm256_set1_epi16(x); }
+  static R sub(R a, R b) { return _mm256_sub_epi16(a, b); }
+  static R add(R a, R b) { return _mm256_add_epi16(a, b); }
+  static R min_unsigned(R a, R b) { return _mm256_min_epu16(a, b); }
+  static R max_signed(R a, R b) { return _mm256_max_epi16(a, b); }
+  static R sign_bit(R a) { return _mm256_srli_epi16(a, 15); }
+  // AVX2 has no unsigned compare: a <= b exactly where min(a, b) == a
+  static bool any_le_unsigned(R a, R b) { return _mm256_movemask_epi8(_mm256_cmpeq_epi16(min_unsigned(a, b), a)) != 0; }
+};
+#endif
 
 template <typename L>
-inline void keys_and_smalls_512(const L* p, int64_t n, const VConsts<L>& v, Vectorized<L>& bmin,
-                                Vectorized<L>& bmax, Partial& acc) {
-  using O = Lanes512<L>;
+inline void keys_and_smalls_from_signs(const L* p, int64_t n, const VConsts<L>& v, Vectorized<L>& bmin,
+                                       Vectorized<L>& bmax, Partial& acc) {
+  using O = Lanes<L>;
+  using R = typename O::R;
   constexpr int64_t W = Vectorized<L>::size();
-  const __m512i abs_mask = v.abs_mask;
-  const __m512i one = O::set1(1);
-  __m512i low0 = O::set1(-1), low1 = low0;  // unsigned: -1 is the largest
-  __m512i high0 = low0, high1 = low0;       // signed: -1 stands for key 0, the smallest
-  __m512i count0 = _mm512_setzero_si512(), count1 = count0;
-  auto load = [&](int64_t i) {
-    const __m512i x = _mm512_loadu_si512(p + i);
-    return O::sub(_mm512_and_si512(x, abs_mask), one);
-  };
+  const R abs_mask = v.abs_mask;
+  const R one = O::set1(1);
+  R low0 = O::set1(-1), low1 = low0;  // unsigned: -1 is the largest
+  R high0 = low0, high1 = low0;       // signed: -1 stands for key 0, the smallest
+  R count0 = O::zero(), count1 = count0;
+  auto load = [&](int64_t i) { return O::sub(O::and_(O::loadu(p + i), abs_mask), one); };
   int64_t i = 0;
   for (; i + 2 * W <= n; i += 2 * W) {
-    const __m512i y0 = load(i);
-    const __m512i y1 = load(i + W);
+    const R y0 = load(i);
+    const R y1 = load(i + W);
     low0 = O::min_unsigned(low0, y0);
     high0 = O::max_signed(high0, y0);
     count0 = O::add(count0, O::sign_bit(y0));
@@ -564,13 +588,13 @@ inline void keys_and_smalls_512(const L* p, int64_t n, const VConsts<L>& v, Vect
     in_registers(low0, high0, count0, low1, high1, count1);
   }
   if (i < n) {  // a lone last vector
-    const __m512i y = load(i);
+    const R y = load(i);
     low1 = O::min_unsigned(low1, y);
     high1 = O::max_signed(high1, y);
     count1 = O::add(count1, O::sign_bit(y));
   }
   int64_t zeros = lane_sum(Vectorized<L>(O::add(count0, count1)));
-  const __m512i low = O::min_unsigned(low0, low1);
+  const R low = O::min_unsigned(low0, low1);
   // a lane with 0 <= y <= tiny - 2 (unsigned) saw a subnormal
   if (O::any_le_unsigned(low, O::sub(v.tiny, O::set1(2)))) {
     Partial counts;
@@ -586,18 +610,20 @@ inline void keys_and_smalls_512(const L* p, int64_t n, const VConsts<L>& v, Vect
   bmax = Vectorized<L>(O::add(O::max_signed(high0, high1), one));
 }
 
+#if defined(CPU_CAPABILITY_AVX512)
 template <>
 inline void keys_and_smalls<int32_t, Mode::Float>(const int32_t* p, int64_t n, const VConsts<int32_t>& v,
                                                   Vectorized<int32_t>& bmin, Vectorized<int32_t>& bmax,
                                                   Partial& acc) {
-  keys_and_smalls_512<int32_t>(p, n, v, bmin, bmax, acc);
+  keys_and_smalls_from_signs<int32_t>(p, n, v, bmin, bmax, acc);
 }
+#endif
 
 template <>
 inline void keys_and_smalls<int16_t, Mode::Float>(const int16_t* p, int64_t n, const VConsts<int16_t>& v,
                                                   Vectorized<int16_t>& bmin, Vectorized<int16_t>& bmax,
                                                   Partial& acc) {
-  keys_and_smalls_512<int16_t>(p, n, v, bmin, bmax, acc);
+  keys_and_smalls_from_signs<int16_t>(p, n, v, bmin, bmax, acc);
 }
 #endif
 
