@@ -517,12 +517,15 @@ inline void keys_and_smalls<int32_t, Mode::Float>(const int32_t* p, int64_t n, c
 template <typename L>
 struct Lanes;
 #if defined(CPU_CAPABILITY_AVX512)
-template <>
-struct Lanes<int32_t> {
+// what does not depend on the lane width: the register, its load, and and zero
+struct Register512 {
   using R = __m512i;
   static R loadu(const void* p) { return _mm512_loadu_si512(p); }
   static R and_(R a, R b) { return _mm512_and_si512(a, b); }
   static R zero() { return _mm512_setzero_si512(); }
+};
+template <>
+struct Lanes<int32_t> : Register512 {
   static R set1(int32_t x) { return _mm512_set1_epi32(x); }
   static R sub(R a, R b) { return _mm512_sub_epi32(a, b); }
   static R add(R a, R b) { return _mm512_add_epi32(a, b); }
@@ -532,11 +535,7 @@ struct Lanes<int32_t> {
   static bool any_le_unsigned(R a, R b) { return _mm512_cmple_epu32_mask(a, b) != 0; }
 };
 template <>
-struct Lanes<int16_t> {
-  using R = __m512i;
-  static R loadu(const void* p) { return _mm512_loadu_si512(p); }
-  static R and_(R a, R b) { return _mm512_and_si512(a, b); }
-  static R zero() { return _mm512_setzero_si512(); }
+struct Lanes<int16_t> : Register512 {
   static R set1(int16_t x) { return _mm512_set1_epi16(x); }
   static R sub(R a, R b) { return _mm512_sub_epi16(a, b); }
   static R add(R a, R b) { return _mm512_add_epi16(a, b); }
