@@ -47,7 +47,7 @@ check="batch", ``watch()`` and check="batch" with ``defer=True``. Host us per ho
 time - no-hook replay time) / hooks. An instrumented extra replay per variant counts launches
 (direct: the launcher's; ordinary: through Triton, 0 unless a launch hook is set), uploads,
 programs, tensors and bytes read, copies, Python-side engine calls and their time, and the
-end-of-forward ``flush``. ``--profile`` adds cProfile's top functions of check="batch".
+end-of-forward ``flush``. ``--profile [VARIANT]`` adds cProfile's top functions of a variant (check="batch" by default).
 
 The CPU backend's host figures (``--no-cpu`` skips them): the same model on CPU, fp32, real
 weights, one real forward of batch 1 x 8 tokens (``--cpu-seq``) recorded and replayed on its real
@@ -61,7 +61,7 @@ The last line is, for check="batch" in the GPU-bound regime:
     host us/hook: X; launches/forward: Y; uploads/forward: Z; projected H200 step overhead: W%
 
     .venv/bin/python benchmarks/bench_host_path.py [--quick] [--layers N] [--repeats R]
-        [--profile] [--no-cpu] [--no-backward] [--csv PATH]
+        [--profile [VARIANT]] [--no-cpu] [--no-backward] [--csv PATH]
 """
 
 import argparse
@@ -832,7 +832,7 @@ def host_path(args, csv_rows):
     with triton_on_cpu():
         times = measure(model, run, VARIANTS, args.repeats, args.inner, clock=time.thread_time)
         counts = {v: counted(model, run, v) for v in DETECTORS}
-        prof = profile(model, run, "batch", args.inner, args.top) if args.profile else None
+        prof = profile(model, run, args.profile, args.inner, args.top) if args.profile else None
     none = times["none"]
     per_hook = {v: (times[v] - none) / hooks * 1e6 for v in VARIANTS}
     print(f"{hooks} hooks and {ops} ATen ops per forward; medians of {args.repeats} round-robin rounds of "
@@ -859,7 +859,7 @@ def host_path(args, csv_rows):
     csv_rows.append(("triton host: hooks", hooks, "per forward"))
     if prof is not None:
         print()
-        print(f"== cProfile of check='batch', {args.inner} forwards ({hooks} hooks each), top {args.top} by tottime")
+        print(f"== cProfile of {args.profile}, {args.inner} forwards ({hooks} hooks each), top {args.top} by tottime")
         print(prof)
 
     backward = None
@@ -979,7 +979,8 @@ def main(argv=None):
     parser.add_argument("--cpu-seq", type=int, default=8, help="tokens of the CPU-backend run (batch 1)")
     parser.add_argument("--repeats", type=int, default=None, help="round-robin rounds")
     parser.add_argument("--inner", type=int, default=None, help="forwards (backwards) timed per round")
-    parser.add_argument("--profile", action="store_true", help="cProfile check='batch' and print the top costs")
+    parser.add_argument("--profile", nargs="?", const="batch", choices=DETECTORS, metavar="VARIANT",
+                        help="cProfile a variant (default: batch) and print the top costs")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--no-cpu", action="store_true", help="skip the CPU-backend run")
     parser.add_argument("--no-backward", action="store_true", help="skip watch()'s backward (not projected then)")
