@@ -15,6 +15,7 @@
 // Only the headers used: <torch/extension.h> (all of libtorch's C++ API) costs about 30 s of
 // CPU to parse, most of this unit's share of a first-use build.
 #include <ATen/ops/empty.h>
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 
@@ -349,9 +350,68 @@ class HookCore {
   int64_t watched_bytes_ = 0;
 };
 
+// What an output-gradient hook registered from C++ calls: `callback(owner, grad)`, with the GIL held,
+// as a Python hook on the tensor would be called. Its references are dropped with the GIL held,
+// wherever autograd frees the graph (a worker thread included); after Python's end they are left.
+class GradientCallback {
+ public:
+  GradientCallback(py::object callback, py::object owner) : callback_(callback.release().ptr()), owner_(owner.release().ptr()) {}
+  GradientCallback(const GradientCallback&) = delete;
+  GradientCallback& operator=(const GradientCallback&) = delete;
+
+  ~GradientCallback() {
+    if (Py_IsInitialized()) {
+      py::gil_scoped_acquire gil;
+      Py_DECREF(callback_);
+      Py_DECREF(owner_);
+    }
+  }
+
+  void operator()(const at::TensorBase& grad) const {
+    py::gil_scoped_acquire gil;
+    PyObject* wrapped = THPVariable_Wrap(grad);  // None where the gradient is undefined
+    PyObject* result = wrapped == nullptr ? nullptr : PyObject_CallFunctionObjArgs(callback_, owner_, wrapped, nullptr);
+    Py_XDECREF(wrapped);
+    if (result == nullptr) {
+      python_error error;
+      error.persist();  // while this thread holds the GIL: autograd raises it where backward was called
+      throw error;
+    }
+    Py_DECREF(result);
+  }
+
+ private:
+  PyObject* callback_;
+  PyObject* owner_;
+};
+
+// One call for a forward hook's output-gradient hooks: `callback(owners[i], grad)` runs when the
+// gradient of `tensors[i]` arrives in backward, as `tensors[i].register_hook(partial(callback,
+// owners[i]))` would (the gradient flows on unchanged), without a Python handle per tensor.
+// Plain tensors that require a gradient only: a subclass's register_hook may mean something else.
+void hook_gradients(const py::list& tensors, const py::list& owners, const py::object& callback) {
+  TORCH_CHECK(tensors.size() == owners.size(), "hook_gradients: ", tensors.size(), " tensors but ", owners.size(),
+              " owners");
+  for (size_t index = 0; index < tensors.size(); ++index) {
+    const py::handle object(PyList_GET_ITEM(tensors.ptr(), index));
+    if (!THPVariable_CheckExact(object.ptr())) {
+      throw py::type_error(std::string("hook_gradients: expected plain tensors, got ") + Py_TYPE(object.ptr())->tp_name);
+    }
+    const at::Tensor& tensor = tensor_of(object);
+    TORCH_CHECK(tensor.requires_grad(), "hook_gradients: a tensor that does not require a gradient");
+  }
+  for (size_t index = 0; index < tensors.size(); ++index) {
+    auto call = std::make_shared<GradientCallback>(
+        callback, py::reinterpret_borrow<py::object>(PyList_GET_ITEM(owners.ptr(), index)));
+    tensor_of(PyList_GET_ITEM(tensors.ptr(), index)).register_hook([call](const at::TensorBase& grad) { (*call)(grad); });
+  }
+}
+
 }  // namespace
 
 void add_hook_core(py::module& m) {
+  m.def("hook_gradients", &hook_gradients, py::arg("tensors"), py::arg("owners"), py::arg("callback"),
+        "Output-gradient hooks of plain tensors, registered in one call (csrc/hooks.cpp)");
   py::class_<HookCore>(m, "HookCore",
                        "The detector's bookkeeping of when each hook's tensors are read (csrc/hooks.cpp)")
       .def(py::init<int64_t, int64_t, int64_t>(), py::arg("capacity"), py::arg("defer_bytes"),

@@ -307,3 +307,77 @@ def test_without_the_extension_an_accelerator_s_pass_is_one_host_read(monkeypatc
         per_forward.append((list(calls), len(reads)))
     later = [([8], 1)] * 2 if defer else [([4, 1, 3], 1)] * 2
     assert per_forward == [([4, 1, 3], 1)] + later
+
+
+# -- output-gradient hooks: csrc/hooks.cpp's hook_gradients and its twin ---------------------------
+
+REGISTRARS = [pytest.param(hook_core.hook_gradients, id="twin"),
+              pytest.param(getattr(C, "hook_gradients", None), id="c++", marks=needs_extension)]
+
+
+@pytest.mark.parametrize("hook_gradients", REGISTRARS)
+def test_gradient_hooks_see_each_gradient_as_a_tensor_hook_would_and_change_nothing(hook_gradients):
+    weight = torch.randn(3, 3, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    seen, expected = [], []
+
+    def forward(register):
+        hidden = x @ weight
+        split = torch.nn.functional.relu(hidden).split(2)  # outputs of one node
+        shifted = hidden - 0.5
+        register([hidden, split[0], split[1], shifted], ["hidden", "first", "second", "shifted"])
+        shifted.relu_()  # in place after the hook: the hook sees the gradient before it
+        return (split[0] * 2).sum() + (split[1] ** 2).sum() + (shifted ** 3).sum()
+
+    def by_tensor_hooks(tensors, owners):
+        for tensor, owner in zip(tensors, owners):
+            tensor.register_hook(lambda grad, owner=owner: expected.append((owner, grad.clone())))
+
+    forward(by_tensor_hooks).backward()
+    reference_grads = weight.grad.clone(), x.grad.clone()
+    weight.grad = x.grad = None
+    forward(lambda tensors, owners: hook_gradients(tensors, owners, lambda owner, grad: seen.append(
+        (owner, grad.clone())))).backward()
+    assert [owner for owner, _ in seen] == [owner for owner, _ in expected]
+    for (_, got), (_, want) in zip(seen, expected):
+        assert torch.equal(got, want)
+    assert torch.equal(weight.grad, reference_grads[0]) and torch.equal(x.grad, reference_grads[1])
+
+
+@pytest.mark.parametrize("hook_gradients", REGISTRARS)
+def test_a_gradient_hook_that_raises_raises_from_backward(hook_gradients):
+    x = torch.randn(3, requires_grad=True)
+    y = x * 2
+
+    def fails(owner, grad):
+        raise ValueError(f"bad {owner}")
+
+    hook_gradients([y], ["y"], fails)
+    with pytest.raises(ValueError, match="bad y"):
+        y.sum().backward()
+
+
+@pytest.mark.parametrize("hook_gradients", REGISTRARS)
+def test_gradient_hooks_refuse_what_they_cannot_hook(hook_gradients):
+    callback = lambda owner, grad: None  # noqa: E731
+    with pytest.raises(TypeError, match="plain tensors"):
+        hook_gradients([torch.ones(2, requires_grad=True).as_subclass(Sub)], [0], callback)
+    with pytest.raises(RuntimeError, match="does not require a gradient"):
+        hook_gradients([torch.ones(2)], [0], callback)
+    with pytest.raises(RuntimeError, match="owners"):
+        hook_gradients([torch.ones(2, requires_grad=True)], [], callback)
+
+
+@pytest.mark.parametrize("hook_gradients", REGISTRARS)
+def test_gradient_hooks_let_go_of_their_owner_with_the_graph(hook_gradients):
+    class Owner:
+        pass
+
+    owner = Owner()
+    alive = weakref.ref(owner)
+    y = torch.ones(2, requires_grad=True) * 3
+    hook_gradients([y], [owner], lambda owner, grad: None)
+    del owner
+    assert alive() is not None  # the graph holds it until the graph goes
+    del y
+    assert alive() is None

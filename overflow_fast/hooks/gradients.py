@@ -12,7 +12,9 @@ import weakref
 
 import torch
 
+from ..stats.kinds import PLAIN_TYPES
 from .frames import own_parameters
+from .hook_core import gradient_hooks_registrar
 from .text import TENSOR
 
 
@@ -25,6 +27,7 @@ class GradientHooks:
         self._module_names = module_names
         self._on_frame = on_frame
         self._on_output_gradient = on_output_gradient  # (id of the output tensor, its gradient)
+        self._hook_gradients = gradient_hooks_registrar()
         self.active = True
         self._handles = []
         # id(output tensor) -> (weakref, [module, ctx]): a tensor several modules return (a
@@ -53,7 +56,12 @@ class GradientHooks:
         # deepcopy(model) / torch.save(model) reach these hooks through the parameters
         state = self.__dict__.copy()
         state["_owners"] = {}
+        del state["_hook_gradients"]  # the extension's function: found again where it is loaded
         return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._hook_gradients = gradient_hooks_registrar()
 
     def new_forward(self):
         self._owners.clear()
@@ -73,6 +81,7 @@ class GradientHooks:
         if len(self._owners) > 1 << 16:  # submodules driven alone never start a new forward
             self._owners.clear()
             self._incoming.clear()
+        hooked, owners = [], []
         for kind, ctx, payload in entries:
             if kind != TENSOR:
                 continue
@@ -92,11 +101,17 @@ class GradientHooks:
                     known[1][:2] = [module, f"{ctx}.grad"]  # hooks run inner first: the outer one wins
                     continue
                 owner = [module, f"{ctx}.grad", [], id(tensor)]
-                tensor.register_hook(functools.partial(self._output_hook, owner))
+                if type(tensor) in PLAIN_TYPES:
+                    hooked.append(tensor)
+                    owners.append(owner)
+                else:  # a subclass's register_hook is its own
+                    tensor.register_hook(functools.partial(self._output_hook, owner))
                 try:
                     self._owners[id(tensor)] = (weakref.ref(tensor), owner)
                 except TypeError:
                     pass
+        if hooked:
+            self._hook_gradients(hooked, owners, self._output_hook)  # one call, no handle per tensor
 
     def _parameter_hook(self, module, ctx, parameter):
         if self.active and parameter.grad is not None:

@@ -9,6 +9,7 @@ pass showed them unchanged at its end. What C++ reads off the TensorImpl is read
 Python with subclasses' ``__torch_function__`` off, as the C++ side never sees it.
 """
 
+import functools
 import weakref
 
 import torch
@@ -26,6 +27,29 @@ def new_core(capacity, defer_bytes, max_remembered):
 
     module = extension()
     return (module.HookCore if module is not None else HookCore)(capacity, defer_bytes, max_remembered)
+
+
+def gradient_hooks_registrar():
+    """``hook_gradients(tensors, owners, callback)``: the C++ one where the extension loads, else this
+    module's twin (the same hooks)."""
+    from ..stats.cpu_backend import extension
+
+    module = extension()
+    return module.hook_gradients if module is not None else hook_gradients
+
+
+def hook_gradients(tensors, owners, callback):
+    """``callback(owners[i], grad)`` when the gradient of ``tensors[i]`` (plain tensors that require
+    one) arrives in backward; the gradient flows on unchanged. The twin of csrc/hooks.cpp's."""
+    if len(tensors) != len(owners):
+        raise RuntimeError(f"hook_gradients: {len(tensors)} tensors but {len(owners)} owners")
+    for tensor in tensors:
+        if type(tensor) not in PLAIN_TYPES:
+            raise TypeError(f"hook_gradients: expected plain tensors, got {type(tensor).__name__}")
+        if not tensor.requires_grad:
+            raise RuntimeError("hook_gradients: a tensor that does not require a gradient")
+    for tensor, owner in zip(tensors, owners):
+        tensor.register_hook(functools.partial(callback, owner))
 
 # per call site and tensor position, under deferral (as in csrc/hooks.cpp)
 _UNKNOWN, _DEFER, _AT_ONCE = 0, 1, 2
