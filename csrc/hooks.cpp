@@ -15,6 +15,8 @@
 // Only the headers used: <torch/extension.h> (all of libtorch's C++ API) costs about 30 s of
 // CPU to parse, most of this unit's share of a first-use build.
 #include <ATen/ops/empty.h>
+#include <torch/csrc/Dtype.h>
+#include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
@@ -24,6 +26,7 @@
 #include <c10/core/TensorImpl.h>
 #include <c10/util/intrusive_ptr.h>
 
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -407,9 +410,80 @@ void hook_gradients(const py::list& tensors, const py::list& owners, const py::o
   }
 }
 
+// The entries of a hook call's (value, ctx) items outside torch.func transforms, as
+// hooks/frames.py's entries_of gives them (its specification; tests hold the two equal): one pass
+// in C++ where the common case (a plain strided tensor of a supported dtype) needs no Python.
+// Every other tensor is asked of `unreadable_reason(tensor)` (a str: why it cannot be read).
+class EntriesOf {
+ public:
+  // The entry kinds (recording/schema.py's TENSOR, NONE, NOT_A_TENSOR, UNREADABLE).
+  enum Kind : int64_t { kTensor = 0, kNone = 1, kNotATensor = 2, kUnreadable = 3 };
+
+  EntriesOf(const py::iterable& supported_dtypes, py::object unreadable_reason)
+      : unreadable_reason_(std::move(unreadable_reason)) {
+    supported_.fill(false);
+    for (const auto& dtype : supported_dtypes) {
+      if (!THPDtype_Check(dtype.ptr())) {
+        throw py::type_error("EntriesOf: supported_dtypes must be torch dtypes");
+      }
+      supported_.at(static_cast<size_t>(reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type)) = true;
+    }
+    for (int64_t kind = 0; kind < 4; ++kind) {
+      kinds_[kind] = py::int_(kind);
+    }
+  }
+
+  // (entries, tensors, dtypes): an entry per item, (kind, ctx, payload) with the tensor's index
+  // in `tensors` (TENSOR), the reason (UNREADABLE) or None as payload.
+  py::tuple operator()(const py::list& items) const {
+    const auto count = static_cast<Py_ssize_t>(items.size());
+    py::list entries(count);
+    py::list tensors;
+    py::list dtypes;
+    for (Py_ssize_t index = 0; index < count; ++index) {
+      PyObject* item = PyList_GET_ITEM(items.ptr(), index);
+      if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 2) {
+        throw py::type_error("EntriesOf: items must be (value, ctx) tuples");
+      }
+      const py::handle value(PyTuple_GET_ITEM(item, 0));
+      const py::handle ctx(PyTuple_GET_ITEM(item, 1));
+      Kind kind = kNotATensor;
+      py::object payload = py::none();
+      if (THPVariable_Check(value.ptr())) {
+        const at::Tensor& tensor = tensor_of(value);
+        const bool plain = THPVariable_CheckExact(value.ptr()) && supported_.at(static_cast<size_t>(tensor.scalar_type())) &&
+                           tensor.layout() == c10::kStrided && !tensor.is_meta() && !tensor.is_nested();
+        py::object reason = plain ? py::none() : unreadable_reason_(value);
+        if (reason.is_none()) {
+          kind = kTensor;
+          payload = py::int_(static_cast<int64_t>(tensors.size()));
+          tensors.append(value);
+          dtypes.append(py::handle(reinterpret_cast<PyObject*>(torch::getTHPDtype(tensor.scalar_type()))));
+        } else {
+          kind = kUnreadable;
+          payload = std::move(reason);
+        }
+      } else if (value.is_none()) {
+        kind = kNone;
+      }
+      PyList_SET_ITEM(entries.ptr(), index,
+                      py::make_tuple(kinds_[kind], ctx, std::move(payload)).release().ptr());
+    }
+    return py::make_tuple(std::move(entries), std::move(tensors), std::move(dtypes));
+  }
+
+ private:
+  std::array<bool, static_cast<size_t>(c10::ScalarType::NumOptions)> supported_{};
+  py::object unreadable_reason_;
+  std::array<py::object, 4> kinds_;
+};
+
 }  // namespace
 
 void add_hook_core(py::module& m) {
+  py::class_<EntriesOf>(m, "EntriesOf", "frames.entries_of's answer in one C++ pass (csrc/hooks.cpp)")
+      .def(py::init<const py::iterable&, py::object>(), py::arg("supported_dtypes"), py::arg("unreadable_reason"))
+      .def("__call__", &EntriesOf::operator(), py::arg("items"));
   m.def("hook_gradients", &hook_gradients, py::arg("tensors"), py::arg("owners"), py::arg("callback"),
         "Output-gradient hooks of plain tensors, registered in one call (csrc/hooks.cpp)");
   py::class_<HookCore>(m, "HookCore",

@@ -381,3 +381,65 @@ def test_gradient_hooks_let_go_of_their_owner_with_the_graph(hook_gradients):
     assert alive() is not None  # the graph holds it until the graph goes
     del y
     assert alive() is None
+
+
+# -- a hook call's entries: csrc/hooks.cpp's EntriesOf and frames.entries_of -------------------------
+
+def _values(rng):
+    """Values a hook call may hand over: tensors of every kind the engine reads or refuses, and not
+    tensors."""
+    kind = rng.choice(["tensor", "tensor", "parameter", "meta", "inference", "sparse", "sub", "nested", "int8",
+                       "complex", "uint32", "bool", "fp8", "none", "int", "str", "list", "view", "empty"])
+    if kind == "parameter":
+        return torch.nn.Parameter(torch.randn(3))
+    if kind == "meta":
+        return torch.ones(2, device="meta")
+    if kind == "inference":
+        with torch.inference_mode():
+            return torch.ones(2)
+    if kind == "sparse":
+        return torch.ones(3).to_sparse()
+    if kind == "sub":
+        return torch.ones(2).as_subclass(Sub)
+    if kind == "nested":
+        return torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    if kind == "int8":
+        return torch.ones(2, dtype=torch.int8)
+    if kind == "complex":
+        return torch.ones(2, dtype=torch.complex64)
+    if kind == "uint32":
+        return torch.ones(2, dtype=torch.uint32)
+    if kind == "bool":
+        return torch.ones(2, dtype=torch.bool)
+    if kind == "fp8":
+        return torch.ones(2).to(torch.float8_e4m3fn)
+    if kind == "none":
+        return None
+    if kind == "int":
+        return 3
+    if kind == "str":
+        return "text"
+    if kind == "list":
+        return [torch.ones(1)]
+    if kind == "view":
+        return torch.ones(4, 4).t()
+    if kind == "empty":
+        return torch.ones(0)
+    return torch.randn(rng.randint(1, 4), dtype=rng.choice([torch.float32, torch.float16, torch.bfloat16]))
+
+
+@needs_extension
+def test_the_cpp_entries_are_entries_of_item_for_item():
+    from overflow_fast.hooks.frames import entries_of
+
+    entries_in_cpp = hook_core.entries_reader()
+    assert entries_in_cpp is not entries_of
+    rng = random.Random(5)
+    for _ in range(300):
+        items = [(_values(rng), f"ctx{i}") for i in range(rng.randint(0, 7))]
+        got, want = entries_in_cpp(items), entries_of(items)
+        assert got[0] == want[0]
+        assert len(got[1]) == len(want[1]) and all(a is b for a, b in zip(got[1], want[1]))
+        assert got[2] == want[2]
+    with pytest.raises(TypeError, match="tuples"):
+        entries_in_cpp([torch.ones(1)])

@@ -14,7 +14,9 @@ import weakref
 
 import torch
 
-from ..stats.kinds import PLAIN_TYPES
+from ..stats import unreadable_reason
+from ..stats.kinds import PLAIN_TYPES, SUPPORTED_DTYPES
+from .frames import entries_of
 
 HOOK_FULL = -1  # not enough free rows: read what is pending, then add again
 HOOK_MIXED_DEVICES = -2  # the tensors are on several devices: read them apart
@@ -36,6 +38,17 @@ def gradient_hooks_registrar():
 
     module = extension()
     return module.hook_gradients if module is not None else hook_gradients
+
+
+def entries_reader():
+    """``frames.entries_of`` outside torch.func transforms: the extension's one-pass ``EntriesOf``
+    where it loads (the same answers), else ``entries_of`` itself."""
+    from ..stats.cpu_backend import extension
+
+    module = extension()
+    if module is None:
+        return entries_of
+    return module.EntriesOf(SUPPORTED_DTYPES, unreadable_reason)
 
 
 def hook_gradients(tensors, owners, callback):

@@ -42,6 +42,7 @@ from .culprit import KeptCall, autocast_state
 from .decisions import NO_ROWS, Pending
 from .errors import OverflowDetected, OverflowDetectedOnRanks, overflow_error, say
 from .frames import BACKWARD, FORWARD, graph_task_id
+from .hook_core import entries_reader
 from .on_detect import strategy
 from .reads import Reads
 from .scaling import Backoffs
@@ -157,6 +158,7 @@ class Passes:
         self.serials = itertools.count()
         self.new_reads = lambda: Reads(backend, options.buffer_rows, options.reuse_stats, options.stage_bytes)
         self.apart = None  # the Reads of calls read on their own (create_frame)
+        self.entries_of = None  # frames.entries_of outside transforms, one C++ pass where it loads
         self.traced = Traced()  # hooks traced by torch.compile, replayed by the next eager hook
         # the last clean pass's calls, freed when the next pass begins (not between a forward's
         # read and its backward: on a GPU the device would idle that long)
@@ -183,6 +185,8 @@ class Passes:
             # in-place collectives bump the version counters of what they write (once a process
             # group exists), so that a row read before such a write is never reused after it
             self.collective_writes = distributed.seen_as_writes()
+        if self.entries_of is None:  # (with the first rows: the extension may be built here)
+            self.entries_of = entries_reader()
         reads = self.idle_reads.pop() if self.idle_reads else self.new_reads()
         opened = Pass(reads, serial)
         self.open.append(opened)
