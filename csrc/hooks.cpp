@@ -410,17 +410,24 @@ void hook_gradients(const py::list& tensors, const py::list& owners, const py::o
   }
 }
 
-// The entries of a hook call's (value, ctx) items outside torch.func transforms, as
-// hooks/frames.py's entries_of gives them (its specification; tests hold the two equal): one pass
-// in C++ where the common case (a plain strided tensor of a supported dtype) needs no Python.
-// Every other tensor is asked of `unreadable_reason(tensor)` (a str: why it cannot be read).
+// The entries of a hook call outside torch.func transforms, as hooks/frames.py gives them (its
+// specification; tests hold the two equal): `forward` is entries_of(forward_items(...)), `of` is
+// entries_of(items), each one pass in C++ where the common case (a plain strided tensor of a
+// supported dtype) needs no Python. What it does not decide itself it asks of frames.py:
+// `own_parameters(module)`, `leaves(value, ctx, keyword)` (the items of a value that is neither a
+// tensor, None nor a plain scalar, with containers), `unreadable_reason(tensor)` (every tensor
+// but the common case; a str: why the engine cannot read it).
 class EntriesOf {
  public:
   // The entry kinds (recording/schema.py's TENSOR, NONE, NOT_A_TENSOR, UNREADABLE).
   enum Kind : int64_t { kTensor = 0, kNone = 1, kNotATensor = 2, kUnreadable = 3 };
 
-  EntriesOf(const py::iterable& supported_dtypes, py::object unreadable_reason)
-      : unreadable_reason_(std::move(unreadable_reason)) {
+  EntriesOf(const py::iterable& supported_dtypes, py::object unreadable_reason, py::object own_parameters,
+            py::object leaves, bool containers)
+      : unreadable_reason_(std::move(unreadable_reason)),
+        own_parameters_(std::move(own_parameters)),
+        leaves_(std::move(leaves)),
+        containers_(containers) {
     supported_.fill(false);
     for (const auto& dtype : supported_dtypes) {
       if (!THPDtype_Check(dtype.ptr())) {
@@ -431,59 +438,154 @@ class EntriesOf {
     for (int64_t kind = 0; kind < 4; ++kind) {
       kinds_[kind] = py::int_(kind);
     }
+    for (size_t index = 0; index < inputs_.size(); ++index) {
+      inputs_[index] = py::str("input[" + std::to_string(index) + "]");
+      outputs_[index] = py::str("output[" + std::to_string(index) + "]");
+    }
   }
 
-  // (entries, tensors, dtypes): an entry per item, (kind, ctx, payload) with the tensor's index
-  // in `tensors` (TENSOR), the reason (UNREADABLE) or None as payload.
-  py::tuple operator()(const py::list& items) const {
-    const auto count = static_cast<Py_ssize_t>(items.size());
-    py::list entries(count);
-    py::list tensors;
-    py::list dtypes;
-    for (Py_ssize_t index = 0; index < count; ++index) {
-      PyObject* item = PyList_GET_ITEM(items.ptr(), index);
-      if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 2) {
-        throw py::type_error("EntriesOf: items must be (value, ctx) tuples");
-      }
-      const py::handle value(PyTuple_GET_ITEM(item, 0));
-      const py::handle ctx(PyTuple_GET_ITEM(item, 1));
-      Kind kind = kNotATensor;
-      py::object payload = py::none();
-      if (THPVariable_Check(value.ptr())) {
-        const at::Tensor& tensor = tensor_of(value);
-        const bool plain = THPVariable_CheckExact(value.ptr()) && supported_.at(static_cast<size_t>(tensor.scalar_type())) &&
-                           tensor.layout() == c10::kStrided && !tensor.is_meta() && !tensor.is_nested();
-        py::object reason = plain ? py::none() : unreadable_reason_(value);
-        if (reason.is_none()) {
-          kind = kTensor;
-          payload = py::int_(static_cast<int64_t>(tensors.size()));
-          tensors.append(value);
-          dtypes.append(py::handle(reinterpret_cast<PyObject*>(torch::getTHPDtype(tensor.scalar_type()))));
-        } else {
-          kind = kUnreadable;
-          payload = std::move(reason);
-        }
-      } else if (value.is_none()) {
-        kind = kNone;
-      }
-      PyList_SET_ITEM(entries.ptr(), index,
-                      py::make_tuple(kinds_[kind], ctx, std::move(payload)).release().ptr());
+  // (entries, tensors, dtypes) of (value, ctx) items: an entry per item, (kind, ctx, payload) with
+  // the tensor's index in `tensors` (TENSOR), the reason (UNREADABLE) or None as payload.
+  py::tuple of(const py::list& items) const {
+    Entries out;
+    for (const auto& item : items) {
+      add_item(out, item);
     }
-    return py::make_tuple(std::move(entries), std::move(tensors), std::move(dtypes));
+    return out.result();
+  }
+
+  // The entries of one forward hook call, in the reference's order: the module's own parameters,
+  // the positional inputs, the keyword tensors (input[name]), the outputs (one level of nested
+  // tuples); with containers, each container opened into its tensors.
+  py::tuple forward(const py::handle& module, const py::handle& input, const py::handle& output,
+                    const py::handle& kwargs) const {
+    Entries out;
+    const py::list parameters = own_parameters_(module);
+    for (const auto& pair : parameters) {
+      add_item(out, pair);
+    }
+    if (PyTuple_Check(input.ptr())) {
+      for (Py_ssize_t index = 0; index < PyTuple_GET_SIZE(input.ptr()); ++index) {
+        add_value(out, PyTuple_GET_ITEM(input.ptr(), index), name(inputs_, "input", index), false);
+      }
+    } else {
+      add_value(out, input.ptr(), py::str("input"), false);
+    }
+    if (!kwargs.is_none()) {
+      if (!PyDict_Check(kwargs.ptr())) {
+        throw py::type_error("EntriesOf.forward: kwargs must be a dict or None");
+      }
+      PyObject* key = nullptr;
+      PyObject* value = nullptr;
+      Py_ssize_t position = 0;
+      while (PyDict_Next(kwargs.ptr(), &position, &key, &value)) {
+        if (THPVariable_Check(value) || (containers_ && !value_is_a_leaf(value))) {
+          add_value(out, value, py::reinterpret_steal<py::object>(PyUnicode_FromFormat("input[%S]", key)), true);
+        }
+      }
+    }
+    if (PyTuple_Check(output.ptr())) {
+      for (Py_ssize_t index = 0; index < PyTuple_GET_SIZE(output.ptr()); ++index) {
+        PyObject* value = PyTuple_GET_ITEM(output.ptr(), index);
+        if (PyTuple_Check(value)) {
+          for (Py_ssize_t inner = 0; inner < PyTuple_GET_SIZE(value); ++inner) {
+            add_value(out, PyTuple_GET_ITEM(value, inner),
+                      py::reinterpret_steal<py::object>(PyUnicode_FromFormat("output[%zd][%zd]", index, inner)),
+                      false);
+          }
+        } else {
+          add_value(out, value, name(outputs_, "output", index), false);
+        }
+      }
+    } else {
+      add_value(out, output.ptr(), py::str("output"), false);
+    }
+    return out.result();
   }
 
  private:
+  struct Entries {
+    py::list entries;
+    py::list tensors;
+    py::list dtypes;
+
+    py::tuple result() { return py::make_tuple(std::move(entries), std::move(tensors), std::move(dtypes)); }
+  };
+
+  static py::object name(const std::array<py::object, 16>& names, const char* prefix, Py_ssize_t index) {
+    if (index < static_cast<Py_ssize_t>(names.size())) {
+      return names[index];
+    }
+    return py::reinterpret_steal<py::object>(PyUnicode_FromFormat("%s[%zd]", prefix, index));
+  }
+
+  // A tensor, None, or a plain scalar: an item as it is, never opened (they hold no tensors).
+  static bool value_is_a_leaf(PyObject* value) {
+    return value == Py_None || THPVariable_Check(value) || PyLong_CheckExact(value) || PyFloat_CheckExact(value) ||
+           PyBool_Check(value) || PyUnicode_CheckExact(value);
+  }
+
+  // One forward item: as it is, or with containers, what frames.py makes of it.
+  void add_value(Entries& out, PyObject* value, const py::object& ctx, bool keyword) const {
+    if (!containers_ || value_is_a_leaf(value)) {
+      add(out, value, ctx.ptr());
+      return;
+    }
+    const py::list leaves = leaves_(py::handle(value), ctx, keyword);
+    for (const auto& leaf : leaves) {
+      add_item(out, leaf);
+    }
+  }
+
+  void add_item(Entries& out, const py::handle& item) const {
+    if (!PyTuple_Check(item.ptr()) || PyTuple_GET_SIZE(item.ptr()) != 2) {
+      throw py::type_error("EntriesOf: items must be (value, ctx) tuples");
+    }
+    add(out, PyTuple_GET_ITEM(item.ptr(), 0), PyTuple_GET_ITEM(item.ptr(), 1));
+  }
+
+  void add(Entries& out, PyObject* value, PyObject* ctx) const {
+    Kind kind = kNotATensor;
+    py::object payload = py::none();
+    if (THPVariable_Check(value)) {
+      const at::Tensor& tensor = THPVariable_Unpack(value);
+      const bool common = THPVariable_CheckExact(value) && supported_.at(static_cast<size_t>(tensor.scalar_type())) &&
+                          tensor.layout() == c10::kStrided && !tensor.is_meta() && !tensor.is_nested();
+      py::object reason = common ? py::none() : unreadable_reason_(py::handle(value));
+      if (reason.is_none()) {
+        kind = kTensor;
+        payload = py::int_(static_cast<int64_t>(out.tensors.size()));
+        out.tensors.append(py::handle(value));
+        out.dtypes.append(py::handle(reinterpret_cast<PyObject*>(torch::getTHPDtype(tensor.scalar_type()))));
+      } else {
+        kind = kUnreadable;
+        payload = std::move(reason);
+      }
+    } else if (value == Py_None) {
+      kind = kNone;
+    }
+    out.entries.append(py::make_tuple(kinds_[kind], py::handle(ctx), std::move(payload)));
+  }
+
   std::array<bool, static_cast<size_t>(c10::ScalarType::NumOptions)> supported_{};
   py::object unreadable_reason_;
+  py::object own_parameters_;
+  py::object leaves_;
+  bool containers_;
   std::array<py::object, 4> kinds_;
+  std::array<py::object, 16> inputs_;
+  std::array<py::object, 16> outputs_;
 };
 
 }  // namespace
 
 void add_hook_core(py::module& m) {
-  py::class_<EntriesOf>(m, "EntriesOf", "frames.entries_of's answer in one C++ pass (csrc/hooks.cpp)")
-      .def(py::init<const py::iterable&, py::object>(), py::arg("supported_dtypes"), py::arg("unreadable_reason"))
-      .def("__call__", &EntriesOf::operator(), py::arg("items"));
+  py::class_<EntriesOf>(m, "EntriesOf", "frames.py's entries of a hook call in one C++ pass (csrc/hooks.cpp)")
+      .def(py::init<const py::iterable&, py::object, py::object, py::object, bool>(), py::arg("supported_dtypes"),
+           py::arg("unreadable_reason"), py::arg("own_parameters"), py::arg("leaves"), py::arg("containers"))
+      .def("of", &EntriesOf::of, py::arg("items"))
+      .def("forward", &EntriesOf::forward, py::arg("module"), py::arg("input"), py::arg("output"),
+           py::arg("kwargs"));
   m.def("hook_gradients", &hook_gradients, py::arg("tensors"), py::arg("owners"), py::arg("callback"),
         "Output-gradient hooks of plain tensors, registered in one call (csrc/hooks.cpp)");
   py::class_<HookCore>(m, "HookCore",

@@ -428,18 +428,51 @@ def _values(rng):
     return torch.randn(rng.randint(1, 4), dtype=rng.choice([torch.float32, torch.float16, torch.bfloat16]))
 
 
-@needs_extension
-def test_the_cpp_entries_are_entries_of_item_for_item():
-    from overflow_fast.hooks.frames import entries_of
+def _same(got, want):
+    assert got[0] == want[0]
+    assert len(got[1]) == len(want[1]) and all(a is b for a, b in zip(got[1], want[1]))
+    assert got[2] == want[2]
 
-    entries_in_cpp = hook_core.entries_reader()
-    assert entries_in_cpp is not entries_of
+
+@needs_extension
+@pytest.mark.parametrize("containers", [False, True])
+def test_the_cpp_entries_are_frames_entries_item_for_item(containers):
+    import dataclasses
+
+    from overflow_fast.hooks.frames import entries_of, forward_items
+
+    @dataclasses.dataclass
+    class Out:
+        logits: object
+        extra: object = None
+
+    cpp, twin = hook_core.entries_reader(containers), hook_core.EntriesOf(containers)
+    assert type(cpp) is not type(twin)
     rng = random.Random(5)
+
+    def value():
+        shape = rng.random()
+        if shape < 0.1:
+            return tuple(_values(rng) for _ in range(rng.randint(0, 3)))
+        if shape < 0.15:
+            return {"a": _values(rng), "b": [_values(rng), 2]}
+        if shape < 0.2:
+            return Out(_values(rng), (_values(rng),))
+        if shape < 0.25:
+            return rng.choice([1.5, True, 7, "s", b"b", object()])
+        return _values(rng)
+
+    modules = [torch.nn.Linear(2, 2), torch.nn.ReLU(), torch.nn.LayerNorm(2), torch.nn.Embedding(3, 2)]
     for _ in range(300):
         items = [(_values(rng), f"ctx{i}") for i in range(rng.randint(0, 7))]
-        got, want = entries_in_cpp(items), entries_of(items)
-        assert got[0] == want[0]
-        assert len(got[1]) == len(want[1]) and all(a is b for a, b in zip(got[1], want[1]))
-        assert got[2] == want[2]
+        _same(cpp.of(items), entries_of(items))
+        module = rng.choice(modules)
+        args = tuple(value() for _ in range(rng.randint(0, 3))) if rng.random() < 0.9 else value()
+        kwargs = rng.choice([None, {}, {f"k{i}": value() for i in range(rng.randint(1, 4))}])
+        count = rng.randint(0, 20) if rng.random() < 0.1 else rng.randint(0, 3)
+        output = tuple(value() for _ in range(count)) if rng.random() < 0.6 else value()
+        want = entries_of(forward_items(module, args, output, kwargs, containers))
+        _same(cpp.forward(module, args, output, kwargs), want)
+        _same(twin.forward(module, args, output, kwargs), want)
     with pytest.raises(TypeError, match="tuples"):
-        entries_in_cpp([torch.ones(1)])
+        cpp.of([torch.ones(1)])

@@ -357,8 +357,11 @@ class DebugUnderflowOverflow:
             run.traced.absorb(run, current, self.model, inputs)  # a compiled region ran before this call
         if current.state is _STOPPING:
             return  # this rank reported; it stops with the others when the pass ends
-        items = forward_items(module, input, output, kwargs, self.options.containers)
-        entries, tensors, dtypes = entries_of(items, True) if transformed else run.entries_of(items)
+        if transformed:
+            entries, tensors, dtypes = entries_of(forward_items(module, input, output, kwargs, self.options.containers),
+                                                  True)
+        else:
+            entries, tensors, dtypes = run.entries_of.forward(module, input, output, kwargs)
         call = self.decisions.state.count(module is self.model, recomputed)
         if self._gradients is not None and not transformed:  # torch.func takes gradients functionally
             self._gradients.watch_outputs(module, entries, tensors)
@@ -385,7 +388,7 @@ class DebugUnderflowOverflow:
             current = run.backward_pass()
             if current.state is _STOPPING:
                 return
-            entries, tensors, dtypes = entries_of(items, True) if transformed else run.entries_of(items)
+            entries, tensors, dtypes = entries_of(items, True) if transformed else run.entries_of.of(items)
             run.add(current, self.decisions.state.count_backward(), module, entries, dtypes, tensors, BACKWARD,
                     consumers)
             run.decide_when_backward_ends()

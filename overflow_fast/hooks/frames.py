@@ -129,6 +129,14 @@ def forward_items(module, input, output, kwargs=None, containers=False):
     return items
 
 
+def container_leaves(value, ctx, keyword):
+    """With ``containers``, the items ``forward_items`` makes of one value that is neither a tensor nor
+    None: its tensors by path where it holds any; else the value itself, or nothing for a keyword."""
+    if keyword:
+        return _open(value, ctx) if _holds_tensors(value) else []
+    return _open(value, ctx)
+
+
 _MAX_DEPTH = 8
 
 

@@ -16,7 +16,7 @@ import torch
 
 from ..stats import unreadable_reason
 from ..stats.kinds import PLAIN_TYPES, SUPPORTED_DTYPES
-from .frames import entries_of
+from .frames import container_leaves, entries_of, forward_items, own_parameters
 
 HOOK_FULL = -1  # not enough free rows: read what is pending, then add again
 HOOK_MIXED_DEVICES = -2  # the tensors are on several devices: read them apart
@@ -40,15 +40,29 @@ def gradient_hooks_registrar():
     return module.hook_gradients if module is not None else hook_gradients
 
 
-def entries_reader():
-    """``frames.entries_of`` outside torch.func transforms: the extension's one-pass ``EntriesOf``
-    where it loads (the same answers), else ``entries_of`` itself."""
+def entries_reader(containers):
+    """The entries of hook calls outside torch.func transforms (``of(items)``, ``forward(module, input,
+    output, kwargs)``): the extension's one-pass ``EntriesOf`` where it loads, else frames.py's own
+    (``EntriesOf`` below); the same answers."""
     from ..stats.cpu_backend import extension
 
     module = extension()
     if module is None:
-        return entries_of
-    return module.EntriesOf(SUPPORTED_DTYPES, unreadable_reason)
+        return EntriesOf(containers)
+    return module.EntriesOf(SUPPORTED_DTYPES, unreadable_reason, own_parameters, container_leaves, containers)
+
+
+class EntriesOf:
+    """The twin of csrc/hooks.cpp's ``EntriesOf``: frames.py's ``entries_of`` and ``forward_items``."""
+
+    def __init__(self, containers):
+        self.containers = containers
+
+    def of(self, items):
+        return entries_of(items)
+
+    def forward(self, module, input, output, kwargs):
+        return entries_of(forward_items(module, input, output, kwargs, self.containers))
 
 
 def hook_gradients(tensors, owners, callback):

@@ -158,7 +158,7 @@ class Passes:
         self.serials = itertools.count()
         self.new_reads = lambda: Reads(backend, options.buffer_rows, options.reuse_stats, options.stage_bytes)
         self.apart = None  # the Reads of calls read on their own (create_frame)
-        self.entries_of = None  # frames.entries_of outside transforms, one C++ pass where it loads
+        self.entries_of = None  # the entries of hook calls outside transforms, one C++ pass where it loads
         self.traced = Traced()  # hooks traced by torch.compile, replayed by the next eager hook
         # the last clean pass's calls, freed when the next pass begins (not between a forward's
         # read and its backward: on a GPU the device would idle that long)
@@ -186,7 +186,7 @@ class Passes:
             # group exists), so that a row read before such a write is never reused after it
             self.collective_writes = distributed.seen_as_writes()
         if self.entries_of is None:  # (with the first rows: the extension may be built here)
-            self.entries_of = entries_reader()
+            self.entries_of = entries_reader(self.options.containers)
         reads = self.idle_reads.pop() if self.idle_reads else self.new_reads()
         opened = Pass(reads, serial)
         self.open.append(opened)
