@@ -14,6 +14,7 @@
 // side can change without it.
 // Only the headers used: <torch/extension.h> (all of libtorch's C++ API) costs about 30 s of
 // CPU to parse, most of this unit's share of a first-use build.
+#include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/DynamicTypes.h>
@@ -31,6 +32,7 @@
 #include <memory>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -388,27 +390,113 @@ class GradientCallback {
   PyObject* owner_;
 };
 
-// One call for a forward hook's output-gradient hooks: `callback(owners[i], grad)` runs when the
-// gradient of `tensors[i]` arrives in backward, as `tensors[i].register_hook(partial(callback,
-// owners[i]))` would (the gradient flows on unchanged), without a Python handle per tensor.
-// Plain tensors that require a gradient only: a subclass's register_hook may mean something else.
-void hook_gradients(const py::list& tensors, const py::list& owners, const py::object& callback) {
-  TORCH_CHECK(tensors.size() == owners.size(), "hook_gradients: ", tensors.size(), " tensors but ", owners.size(),
-              " owners");
-  for (size_t index = 0; index < tensors.size(); ++index) {
-    const py::handle object(PyList_GET_ITEM(tensors.ptr(), index));
-    if (!THPVariable_CheckExact(object.ptr())) {
-      throw py::type_error(std::string("hook_gradients: expected plain tensors, got ") + Py_TYPE(object.ptr())->tp_name);
+// The gradients arriving at forward outputs (hooks/gradients.py's GradientHooks, whose twin in
+// hooks/hook_core.py is the specification): `watch` takes a forward hook call's entries; for each
+// output tensor that requires a gradient, first seen in this forward, it registers a hook that
+// runs `callback(owner, grad)` in backward, owner = [module, "<ctx>.grad", consumers, id(tensor)];
+// a tensor that several modules return (a block's last layer and the block itself) keeps its one
+// hook and is named after the outermost (hooks run inner first: the last one wins); a module that
+// takes a hooked tensor as input is one of its consumers (its backward produces that gradient).
+// Plain tensors get a C++ hook (no Python handle or hook dict per tensor); a subclass is handed to
+// `hook_apart(tensor, owner)`, whose register_hook is its own.
+class OutputGradients {
+ public:
+  OutputGradients(py::object callback, py::object hook_apart)
+      : callback_(std::move(callback)), hook_apart_(std::move(hook_apart)) {}
+
+  void watch(const py::handle& module, const py::list& entries, const py::list& tensors) {
+    if (!at::GradMode::is_enabled()) {
+      return;
     }
-    const at::Tensor& tensor = tensor_of(object);
-    TORCH_CHECK(tensor.requires_grad(), "hook_gradients: a tensor that does not require a gradient");
+    if (owners_.size() > kMaxOwners) {  // submodules driven alone never start a new forward
+      new_forward();
+    }
+    for (const auto& entry : entries) {
+      if (!PyTuple_Check(entry.ptr()) || PyTuple_GET_SIZE(entry.ptr()) != 3) {
+        throw py::type_error("OutputGradients.watch: entries must be (kind, ctx, payload) tuples");
+      }
+      PyObject* kind = PyTuple_GET_ITEM(entry.ptr(), 0);
+      if (!PyLong_Check(kind) || PyLong_AsLong(kind) != 0) {  // TENSOR
+        continue;
+      }
+      PyObject* ctx = PyTuple_GET_ITEM(entry.ptr(), 1);
+      const py::handle object(PyList_GetItem(tensors.ptr(), PyLong_AsSsize_t(PyTuple_GET_ITEM(entry.ptr(), 2))));
+      if (!object || !THPVariable_Check(object.ptr()) || !PyUnicode_Check(ctx)) {
+        throw py::error_already_set();
+      }
+      const at::Tensor& tensor = tensor_of(object);
+      const bool is_input = PyUnicode_Tailmatch(ctx, input_.ptr(), 0, PY_SSIZE_T_MAX, -1) == 1;
+      if (!is_input && !(PyUnicode_Tailmatch(ctx, output_.ptr(), 0, PY_SSIZE_T_MAX, -1) == 1 && tensor.requires_grad())) {
+        continue;  // a parameter, or an output without a gradient
+      }
+      c10::TensorImpl* impl = tensor.unsafeGetTensorImpl();
+      auto found = owners_.find(impl);
+      if (found != owners_.end() && found->second.impl.lock().get() != impl) {
+        owners_.erase(found);  // its tensor is gone: another one took its address
+        found = owners_.end();
+      }
+      if (is_input) {
+        if (found != owners_.end()) {
+          PyObject* consumers = PyList_GET_ITEM(found->second.owner.ptr(), 2);
+          const int contained = PySequence_Contains(consumers, module.ptr());
+          if (contained < 0 || (contained == 0 && PyList_Append(consumers, module.ptr()) < 0)) {
+            throw py::error_already_set();
+          }
+        }
+        continue;
+      }
+      incoming_.insert(module.ptr());
+      py::object gradient_ctx = py::reinterpret_steal<py::object>(PyUnicode_Concat(ctx, grad_suffix_.ptr()));
+      if (!gradient_ctx) {
+        throw py::error_already_set();
+      }
+      if (found != owners_.end()) {
+        PyObject* owner = found->second.owner.ptr();
+        PyList_SetItem(owner, 0, py::reinterpret_borrow<py::object>(module).release().ptr());
+        PyList_SetItem(owner, 1, gradient_ctx.release().ptr());
+        continue;
+      }
+      py::list owner(4);
+      PyList_SET_ITEM(owner.ptr(), 0, py::reinterpret_borrow<py::object>(module).release().ptr());
+      PyList_SET_ITEM(owner.ptr(), 1, gradient_ctx.release().ptr());
+      PyList_SET_ITEM(owner.ptr(), 2, PyList_New(0));
+      PyList_SET_ITEM(owner.ptr(), 3, PyLong_FromVoidPtr(object.ptr()));  // id(tensor)
+      if (THPVariable_CheckExact(object.ptr())) {
+        auto call = std::make_shared<GradientCallback>(callback_, owner);
+        tensor.register_hook([call](const at::TensorBase& grad) { (*call)(grad); });
+      } else {
+        hook_apart_(object, owner);
+      }
+      owners_.insert_or_assign(impl, Known{c10::weak_intrusive_ptr<c10::TensorImpl>(tensor.getIntrusivePtr()),
+                                           std::move(owner)});
+    }
   }
-  for (size_t index = 0; index < tensors.size(); ++index) {
-    auto call = std::make_shared<GradientCallback>(
-        callback, py::reinterpret_borrow<py::object>(PyList_GET_ITEM(owners.ptr(), index)));
-    tensor_of(PyList_GET_ITEM(tensors.ptr(), index)).register_hook([call](const at::TensorBase& grad) { (*call)(grad); });
+
+  // A forward of the model begins: the tensors of the last one are not told apart any more.
+  void new_forward() {
+    owners_.clear();
+    incoming_.clear();
   }
-}
+
+  // Whether the gradient arriving at `module`'s outputs is read, as the last forward hooked them.
+  bool incoming_read(const py::handle& module) const { return incoming_.count(module.ptr()) > 0; }
+
+ private:
+  static constexpr size_t kMaxOwners = 1 << 16;
+
+  struct Known {
+    c10::weak_intrusive_ptr<c10::TensorImpl> impl;  // keeps the address from being reused
+    py::object owner;
+  };
+
+  py::object callback_;
+  py::object hook_apart_;
+  const py::str input_{"input"};
+  const py::str output_{"output"};
+  const py::str grad_suffix_{".grad"};
+  std::unordered_map<const c10::TensorImpl*, Known> owners_;
+  std::unordered_set<const PyObject*> incoming_;  // the modules, by identity (as id() does)
+};
 
 // The entries of a hook call outside torch.func transforms, as hooks/frames.py gives them (its
 // specification; tests hold the two equal): `forward` is entries_of(forward_items(...)), `of` is
@@ -586,8 +674,12 @@ void add_hook_core(py::module& m) {
       .def("of", &EntriesOf::of, py::arg("items"))
       .def("forward", &EntriesOf::forward, py::arg("module"), py::arg("input"), py::arg("output"),
            py::arg("kwargs"));
-  m.def("hook_gradients", &hook_gradients, py::arg("tensors"), py::arg("owners"), py::arg("callback"),
-        "Output-gradient hooks of plain tensors, registered in one call (csrc/hooks.cpp)");
+  py::class_<OutputGradients>(m, "OutputGradients",
+                              "The gradients arriving at forward outputs, hooked in one C++ pass (csrc/hooks.cpp)")
+      .def(py::init<py::object, py::object>(), py::arg("callback"), py::arg("hook_apart"))
+      .def("watch", &OutputGradients::watch, py::arg("module"), py::arg("entries"), py::arg("tensors"))
+      .def("new_forward", &OutputGradients::new_forward)
+      .def("incoming_read", &OutputGradients::incoming_read, py::arg("module"));
   py::class_<HookCore>(m, "HookCore",
                        "The detector's bookkeeping of when each hook's tensors are read (csrc/hooks.cpp)")
       .def(py::init<int64_t, int64_t, int64_t>(), py::arg("capacity"), py::arg("defer_bytes"),

@@ -309,75 +309,110 @@ def test_without_the_extension_an_accelerator_s_pass_is_one_host_read(monkeypatc
     assert per_forward == [([4, 1, 3], 1)] + later
 
 
-# -- output-gradient hooks: csrc/hooks.cpp's hook_gradients and its twin ---------------------------
+# -- output-gradient hooks: csrc/hooks.cpp's OutputGradients and its twin ----------------------------
 
-REGISTRARS = [pytest.param(hook_core.hook_gradients, id="twin"),
-              pytest.param(getattr(C, "hook_gradients", None), id="c++", marks=needs_extension)]
+OUTPUT_GRADIENTS = [pytest.param(hook_core.OutputGradients, id="twin"),
+                    pytest.param(getattr(C, "OutputGradients", None), id="c++", marks=needs_extension)]
 
 
-@pytest.mark.parametrize("hook_gradients", REGISTRARS)
-def test_gradient_hooks_see_each_gradient_as_a_tensor_hook_would_and_change_nothing(hook_gradients):
+def _entries(items):
+    from overflow_fast.hooks.frames import entries_of
+
+    entries, tensors, _ = entries_of(items)
+    return entries, tensors
+
+
+def _tensor_hooks_reference(forward):
+    """What plain tensor hooks see: (ctx, gradient) in the order they fire."""
+    seen = []
+
+    def register(module, items):
+        for tensor, ctx in items:
+            if ctx.startswith("output") and isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                tensor.register_hook(lambda grad, ctx=ctx: seen.append((f"{ctx}.grad", grad.clone())))
+
+    forward(register).backward()
+    return seen
+
+
+@pytest.mark.parametrize("make", OUTPUT_GRADIENTS)
+def test_output_gradients_are_seen_as_tensor_hooks_see_them_and_change_nothing(make):
     weight = torch.randn(3, 3, dtype=torch.float64, requires_grad=True)
     x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
-    seen, expected = [], []
+    inner, outer, consumer = torch.nn.Identity(), torch.nn.Identity(), torch.nn.Identity()
 
     def forward(register):
         hidden = x @ weight
         split = torch.nn.functional.relu(hidden).split(2)  # outputs of one node
         shifted = hidden - 0.5
-        register([hidden, split[0], split[1], shifted], ["hidden", "first", "second", "shifted"])
+        register(inner, [(weight, "weight"), (x, "input[0]"), (hidden, "output[0]"), (split, "output[1]"),
+                         (split[0], "output[1][0]"), (split[1], "output[1][1]"), (shifted, "output[2]"), (3, "output[3]")])
+        register(consumer, [(shifted, "input[0]"), (split[0], "input[1]")])
         shifted.relu_()  # in place after the hook: the hook sees the gradient before it
         return (split[0] * 2).sum() + (split[1] ** 2).sum() + (shifted ** 3).sum()
 
-    def by_tensor_hooks(tensors, owners):
-        for tensor, owner in zip(tensors, owners):
-            tensor.register_hook(lambda grad, owner=owner: expected.append((owner, grad.clone())))
-
-    forward(by_tensor_hooks).backward()
-    reference_grads = weight.grad.clone(), x.grad.clone()
+    forward(lambda module, items: None).backward()
+    plain = weight.grad.clone(), x.grad.clone()
     weight.grad = x.grad = None
-    forward(lambda tensors, owners: hook_gradients(tensors, owners, lambda owner, grad: seen.append(
-        (owner, grad.clone())))).backward()
-    assert [owner for owner, _ in seen] == [owner for owner, _ in expected]
-    for (_, got), (_, want) in zip(seen, expected):
-        assert torch.equal(got, want)
-    assert torch.equal(weight.grad, reference_grads[0]) and torch.equal(x.grad, reference_grads[1])
+    expected = _tensor_hooks_reference(forward)
+    expected_grads = weight.grad.clone(), x.grad.clone()
+    weight.grad = x.grad = None
+    seen, apart = [], []
+    outputs = make(lambda owner, grad: seen.append((list(owner), grad.clone())), lambda *a: apart.append(a))
+    outputs.new_forward()
+    forward(lambda module, items: outputs.watch(module, *_entries(items))).backward()
+    assert [owner[1] for owner, _ in seen] == [ctx for ctx, _ in expected]
+    assert all(torch.equal(got, want) for (_, got), (_, want) in zip(seen, expected))
+    assert all(owner[0] is inner for owner, _ in seen) and not apart
+    consumers = {owner[1]: owner[2] for owner, _ in seen}
+    assert consumers == {"output[0].grad": [], "output[1][0].grad": [consumer], "output[1][1].grad": [],
+                         "output[2].grad": [consumer]}
+    assert torch.equal(weight.grad, plain[0]) and torch.equal(x.grad, plain[1])
+    assert torch.equal(expected_grads[0], plain[0])
+    assert outputs.incoming_read(inner) and not outputs.incoming_read(consumer)
+    outputs.new_forward()
+    assert not outputs.incoming_read(inner)
 
 
-@pytest.mark.parametrize("hook_gradients", REGISTRARS)
-def test_a_gradient_hook_that_raises_raises_from_backward(hook_gradients):
+@pytest.mark.parametrize("make", OUTPUT_GRADIENTS)
+def test_an_output_several_modules_return_is_hooked_once_under_the_outermost(make):
+    x = torch.randn(3, requires_grad=True)
+    seen, apart = [], []
+    outputs = make(lambda owner, grad: seen.append(list(owner)), lambda tensor, owner: apart.append(owner))
+    inner, outer = torch.nn.Identity(), torch.nn.Identity()
+    y = x * 2
+    sub = (x * 3).as_subclass(Sub)
+    outputs.watch(inner, *_entries([(y, "output"), (sub, "output[1]")]))
+    outputs.watch(outer, *_entries([(y, "output[0]"), (sub, "output[1]")]))
+    with torch.no_grad():
+        outputs.watch(inner, *_entries([(x * 4, "output")]))  # no gradient: nothing hooked
+    y.sum().backward()
+    assert [(owner[0], owner[1], owner[3]) for owner in seen] == [(outer, "output[0].grad", id(y))]
+    assert [(owner[0], owner[1]) for owner in apart] == [(outer, "output[1].grad")]  # a subclass's own hook
+
+
+@pytest.mark.parametrize("make", OUTPUT_GRADIENTS)
+def test_an_output_gradient_callback_that_raises_raises_from_backward(make):
     x = torch.randn(3, requires_grad=True)
     y = x * 2
 
     def fails(owner, grad):
-        raise ValueError(f"bad {owner}")
+        raise ValueError(f"bad {owner[1]}")
 
-    hook_gradients([y], ["y"], fails)
-    with pytest.raises(ValueError, match="bad y"):
+    make(fails, None).watch(torch.nn.Identity(), *_entries([(y, "output")]))
+    with pytest.raises(ValueError, match="bad output.grad"):
         y.sum().backward()
 
 
-@pytest.mark.parametrize("hook_gradients", REGISTRARS)
-def test_gradient_hooks_refuse_what_they_cannot_hook(hook_gradients):
-    callback = lambda owner, grad: None  # noqa: E731
-    with pytest.raises(TypeError, match="plain tensors"):
-        hook_gradients([torch.ones(2, requires_grad=True).as_subclass(Sub)], [0], callback)
-    with pytest.raises(RuntimeError, match="does not require a gradient"):
-        hook_gradients([torch.ones(2)], [0], callback)
-    with pytest.raises(RuntimeError, match="owners"):
-        hook_gradients([torch.ones(2, requires_grad=True)], [], callback)
-
-
-@pytest.mark.parametrize("hook_gradients", REGISTRARS)
-def test_gradient_hooks_let_go_of_their_owner_with_the_graph(hook_gradients):
-    class Owner:
-        pass
-
-    owner = Owner()
-    alive = weakref.ref(owner)
+@pytest.mark.parametrize("make", OUTPUT_GRADIENTS)
+def test_output_gradient_hooks_let_go_of_their_owner_with_the_graph(make):
+    module = torch.nn.Linear(2, 2)
+    alive = weakref.ref(module)
+    outputs = make(lambda owner, grad: None, None)
     y = torch.ones(2, requires_grad=True) * 3
-    hook_gradients([y], [owner], lambda owner, grad: None)
-    del owner
+    outputs.watch(module, *_entries([(y, "output")]))
+    outputs.new_forward()
+    del module
     assert alive() is not None  # the graph holds it until the graph goes
     del y
     assert alive() is None

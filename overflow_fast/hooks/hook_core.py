@@ -17,6 +17,7 @@ import torch
 from ..stats import unreadable_reason
 from ..stats.kinds import PLAIN_TYPES, SUPPORTED_DTYPES
 from .frames import container_leaves, entries_of, forward_items, own_parameters
+from .text import TENSOR
 
 HOOK_FULL = -1  # not enough free rows: read what is pending, then add again
 HOOK_MIXED_DEVICES = -2  # the tensors are on several devices: read them apart
@@ -31,13 +32,62 @@ def new_core(capacity, defer_bytes, max_remembered):
     return (module.HookCore if module is not None else HookCore)(capacity, defer_bytes, max_remembered)
 
 
-def gradient_hooks_registrar():
-    """``hook_gradients(tensors, owners, callback)``: the C++ one where the extension loads, else this
-    module's twin (the same hooks)."""
+def output_gradients(callback, hook_apart):
+    """The gradients arriving at forward outputs: the extension's ``OutputGradients`` where it loads,
+    else this module's twin (the same hooks, owners and answers)."""
     from ..stats.cpu_backend import extension
 
     module = extension()
-    return module.hook_gradients if module is not None else hook_gradients
+    return (module.OutputGradients if module is not None else OutputGradients)(callback, hook_apart)
+
+
+class OutputGradients:
+    """The twin of csrc/hooks.cpp's ``OutputGradients`` (whose comment says the rules): ``watch``
+    hooks the gradients of a forward call's output tensors that require one, and notes the module
+    as a consumer of the hooked tensors it took as inputs."""
+
+    def __init__(self, callback, hook_apart):
+        self._callback = callback
+        self._hook_apart = hook_apart
+        self._owners = {}  # id(output tensor) -> (weakref, owner)
+        self._incoming = set()  # ids of the modules whose outputs' gradients are hooked
+
+    def watch(self, module, entries, tensors):
+        if not torch.is_grad_enabled():
+            return
+        if len(self._owners) > 1 << 16:  # submodules driven alone never start a new forward
+            self.new_forward()
+        for kind, ctx, payload in entries:
+            if kind != TENSOR:
+                continue
+            tensor = tensors[payload]
+            is_input = ctx.startswith("input")
+            if not is_input and not (ctx.startswith("output") and tensor.requires_grad):
+                continue  # a parameter, or an output without a gradient
+            known = self._owners.get(id(tensor))
+            if known is not None and known[0]() is not tensor:
+                known = None
+            if is_input:
+                if known is not None and module not in known[1][2]:
+                    known[1][2].append(module)
+                continue
+            self._incoming.add(id(module))
+            if known is not None:
+                known[1][:2] = [module, f"{ctx}.grad"]  # hooks run inner first: the outer one wins
+                continue
+            owner = [module, f"{ctx}.grad", [], id(tensor)]
+            if type(tensor) in PLAIN_TYPES:
+                tensor.register_hook(functools.partial(self._callback, owner))
+            else:
+                self._hook_apart(tensor, owner)
+            self._owners[id(tensor)] = (weakref.ref(tensor), owner)
+
+    def new_forward(self):
+        self._owners.clear()
+        self._incoming.clear()
+
+    def incoming_read(self, module):
+        return id(module) in self._incoming
 
 
 def entries_reader(containers):
@@ -64,19 +114,6 @@ class EntriesOf:
     def forward(self, module, input, output, kwargs):
         return entries_of(forward_items(module, input, output, kwargs, self.containers))
 
-
-def hook_gradients(tensors, owners, callback):
-    """``callback(owners[i], grad)`` when the gradient of ``tensors[i]`` (plain tensors that require
-    one) arrives in backward; the gradient flows on unchanged. The twin of csrc/hooks.cpp's."""
-    if len(tensors) != len(owners):
-        raise RuntimeError(f"hook_gradients: {len(tensors)} tensors but {len(owners)} owners")
-    for tensor in tensors:
-        if type(tensor) not in PLAIN_TYPES:
-            raise TypeError(f"hook_gradients: expected plain tensors, got {type(tensor).__name__}")
-        if not tensor.requires_grad:
-            raise RuntimeError("hook_gradients: a tensor that does not require a gradient")
-    for tensor, owner in zip(tensors, owners):
-        tensor.register_hook(functools.partial(callback, owner))
 
 # per call site and tensor position, under deferral (as in csrc/hooks.cpp)
 _UNKNOWN, _DEFER, _AT_ONCE = 0, 1, 2
