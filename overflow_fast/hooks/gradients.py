@@ -24,8 +24,9 @@ class GradientHooks:
         self._on_output_gradient = on_output_gradient  # (id of the output tensor, its gradient)
         self.active = True
         self._handles = []
-        # which output tensors of this forward are hooked, and who consumes them
-        self._outputs = output_gradients(self._output_hook, self._hook_apart)
+        # which output tensors of this forward are hooked, and who consumes them (made at the first
+        # forward: the extension it may use is loaded then, as the detector's rows are)
+        self._outputs = None
         seen = set()
         for module in model.modules():
             for parameter, name in own_parameters(module):
@@ -46,27 +47,27 @@ class GradientHooks:
         # deepcopy(model) / torch.save(model) reach these hooks through the parameters; the
         # tensors of a forward are not carried
         state = self.__dict__.copy()
-        del state["_outputs"]
+        state["_outputs"] = None
         return state
 
-    def __setstate__(self, state):
-        self.__dict__.update(state)
-        self._outputs = output_gradients(self._output_hook, self._hook_apart)
-
     def new_forward(self):
-        self._outputs.new_forward()
+        if self._outputs is not None:
+            self._outputs.new_forward()
 
     def incoming_read(self, module):
         """Whether the gradient arriving at ``module``'s outputs is read (so a nan/inf first seen in
         its parameters' gradients came from a finite one), as the last forward hooked them (not
         under torch.compile: traced hooks)."""
-        return self._outputs.incoming_read(module)
+        return self._outputs is not None and self._outputs.incoming_read(module)
 
     def watch_outputs(self, module, entries, tensors):
         """Hook the gradients of a forward call's output tensors that require one, and note the
         module as a consumer of the hooked tensors it took as inputs (their gradient comes from
         its backward)."""
-        self._outputs.watch(module, entries, tensors)
+        outputs = self._outputs
+        if outputs is None:
+            outputs = self._outputs = output_gradients(self._output_hook, self._hook_apart)
+        outputs.watch(module, entries, tensors)
 
     def _hook_apart(self, tensor, owner):
         tensor.register_hook(functools.partial(self._output_hook, owner))  # a subclass's own
