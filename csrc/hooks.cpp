@@ -498,6 +498,46 @@ class OutputGradients {
   std::unordered_set<const PyObject*> incoming_;  // the modules, by identity (as id() does)
 };
 
+// Each input tensor's version counter, in order: the positional values, then the keyword ones
+// (one level deep), inference tensors left out (they have none): hooks/culprit.py's versions_of,
+// its specification. A subclass is asked through Python, as its attributes may be its own.
+py::tuple versions_of(const py::handle& args, const py::handle& kwargs) {
+  std::vector<py::object> versions;
+  const auto add = [&versions](PyObject* value) {
+    if (THPVariable_CheckExact(value)) {
+      const at::Tensor& tensor = THPVariable_Unpack(value);
+      if (!tensor.is_inference()) {
+        versions.push_back(py::int_(static_cast<int64_t>(tensor.unsafeGetTensorImpl()->version_counter().current_version())));
+      }
+    } else if (THPVariable_Check(value)) {
+      const py::handle object(value);
+      if (!object.attr("is_inference")().cast<bool>()) {
+        versions.push_back(object.attr("_version"));
+      }
+    }
+  };
+  for (const auto& value : args) {
+    add(value.ptr());
+  }
+  if (PyDict_Check(kwargs.ptr())) {
+    PyObject* key = nullptr;
+    PyObject* value = nullptr;
+    Py_ssize_t position = 0;
+    while (PyDict_Next(kwargs.ptr(), &position, &key, &value)) {
+      add(value);
+    }
+  } else if (PyObject_IsTrue(kwargs.ptr()) == 1) {
+    for (const auto& value : kwargs.attr("values")()) {
+      add(value.ptr());
+    }
+  }
+  py::tuple out(versions.size());
+  for (size_t index = 0; index < versions.size(); ++index) {
+    out[index] = std::move(versions[index]);
+  }
+  return out;
+}
+
 // The entries of a hook call outside torch.func transforms, as hooks/frames.py gives them (its
 // specification; tests hold the two equal): `forward` is entries_of(forward_items(...)), `of` is
 // entries_of(items), each one pass in C++ where the common case (a plain strided tensor of a
@@ -674,6 +714,8 @@ void add_hook_core(py::module& m) {
       .def("of", &EntriesOf::of, py::arg("items"))
       .def("forward", &EntriesOf::forward, py::arg("module"), py::arg("input"), py::arg("output"),
            py::arg("kwargs"));
+  m.def("versions_of", &versions_of, py::arg("args"), py::arg("kwargs"),
+        "culprit.versions_of's answer in one C++ call (csrc/hooks.cpp)");
   py::class_<OutputGradients>(m, "OutputGradients",
                               "The gradients arriving at forward outputs, hooked in one C++ pass (csrc/hooks.cpp)")
       .def(py::init<py::object, py::object>(), py::arg("callback"), py::arg("hook_apart"))

@@ -511,3 +511,20 @@ def test_the_cpp_entries_are_frames_entries_item_for_item(containers):
         _same(twin.forward(module, args, output, kwargs), want)
     with pytest.raises(TypeError, match="tuples"):
         cpp.of([torch.ones(1)])
+
+
+@needs_extension
+def test_the_cpp_versions_are_culprit_versions_of():
+    from overflow_fast.hooks.culprit import versions_of
+
+    rng = random.Random(7)
+    for _ in range(300):
+        args = [_values(rng) for _ in range(rng.randint(0, 5))]
+        for value in args:
+            if type(value) in (torch.Tensor, torch.nn.Parameter) and value.dtype == torch.float32 \
+                    and not value.is_inference() and rng.random() < 0.5:
+                with torch.no_grad():
+                    value.mul_(1)  # a version counter past 0
+        kwargs = rng.choice([None, {}, {f"k{i}": _values(rng) for i in range(rng.randint(1, 3))}])
+        container = rng.choice([tuple, list])
+        assert C.versions_of(container(args), kwargs) == versions_of(container(args), kwargs)

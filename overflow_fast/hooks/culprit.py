@@ -53,11 +53,11 @@ class KeptCall:
     __slots__ = ("module", "args", "kwargs", "versions", "parent", "grad_enabled", "autocast", "_output",
                  "output_versions", "_root", "rng", "counts", "ordinal", "wraps", "kept")
 
-    def __init__(self, module, args, kwargs, parent, autocast, started=True):
+    def __init__(self, module, args, kwargs, versions, parent, autocast, started=True):
         self.module = module
         self.args = args
         self.kwargs = kwargs
-        self.versions = versions_of(args, kwargs)
+        self.versions = versions  # versions_of(args, kwargs), as the caller took them
         self.parent = parent
         self.grad_enabled = torch.is_grad_enabled()
         self.autocast = autocast
@@ -84,9 +84,9 @@ class KeptCall:
     def output(self):
         return self._output
 
-    @output.setter
-    def output(self, output):
-        """The call's output, as it returned (its tensors' versions then, one level deep)."""
+    def returned(self, output, versions_of):
+        """The call's output, as it returned, and its tensors' versions then (one level deep), by
+        ``versions_of`` (this module's, or the C++ one: the same answers)."""
         self._output = output
         self.output_versions = versions_of(_items(output), None)
 

@@ -16,6 +16,7 @@ import torch
 
 from ..stats import unreadable_reason
 from ..stats.kinds import PLAIN_TYPES, SUPPORTED_DTYPES
+from .culprit import versions_of
 from .frames import container_leaves, entries_of, forward_items, own_parameters
 from .text import TENSOR
 
@@ -100,6 +101,14 @@ def entries_reader(containers):
     if module is None:
         return EntriesOf(containers)
     return module.EntriesOf(SUPPORTED_DTYPES, unreadable_reason, own_parameters, container_leaves, containers)
+
+
+def versions_reader():
+    """``culprit.versions_of``: the extension's one C++ call where it loads (the same answers)."""
+    from ..stats.cpu_backend import extension
+
+    module = extension()
+    return versions_of if module is None else module.versions_of
 
 
 class EntriesOf:
