@@ -588,10 +588,7 @@ class EntriesOf {
   py::tuple forward(const py::handle& module, const py::handle& input, const py::handle& output,
                     const py::handle& kwargs) const {
     Entries out;
-    const py::list parameters = own_parameters_(module);
-    for (const auto& pair : parameters) {
-      add_item(out, pair);
-    }
+    add_parameters(out, module);
     if (PyTuple_Check(input.ptr())) {
       for (Py_ssize_t index = 0; index < PyTuple_GET_SIZE(input.ptr()); ++index) {
         add_value(out, PyTuple_GET_ITEM(input.ptr(), index), name(inputs_, "input", index), false);
@@ -647,6 +644,51 @@ class EntriesOf {
     return py::reinterpret_steal<py::object>(PyUnicode_FromFormat("%s[%zd]", prefix, index));
   }
 
+  // The module's own parameters, as own_parameters(module) lists them: read here where the module
+  // keeps them as torch.nn.Module does (a dict _parameters, named_parameters not overridden, no
+  // tensor under two names), else asked of own_parameters.
+  void add_parameters(Entries& out, const py::handle& module) const {
+    std::vector<std::pair<PyObject*, PyObject*>> pairs;  // (parameter, name), borrowed from the dict
+    if (parameters_of(module, pairs)) {
+      for (const auto& [parameter, name] : pairs) {
+        add(out, parameter, name);
+      }
+      return;
+    }
+    const py::list listed = own_parameters_(module);
+    for (const auto& pair : listed) {
+      add_item(out, pair);
+    }
+  }
+
+  bool parameters_of(const py::handle& module, std::vector<std::pair<PyObject*, PyObject*>>& pairs) const {
+    PyObject* method = PyObject_GetAttr(reinterpret_cast<PyObject*>(Py_TYPE(module.ptr())), named_parameters_.ptr());
+    const bool overridden = method != module_named_parameters_.ptr();
+    Py_XDECREF(method);
+    PyObject* dict = overridden ? nullptr : PyObject_GenericGetDict(module.ptr(), nullptr);
+    PyObject* parameters = dict == nullptr ? nullptr : PyDict_GetItemWithError(dict, parameters_.ptr());
+    Py_XDECREF(dict);  // (the module keeps its __dict__, which keeps the borrowed parameters)
+    if (parameters == nullptr || !PyDict_CheckExact(parameters)) {
+      PyErr_Clear();
+      return false;
+    }
+    PyObject* name = nullptr;
+    PyObject* parameter = nullptr;
+    Py_ssize_t position = 0;
+    while (PyDict_Next(parameters, &position, &name, &parameter)) {
+      if (parameter == Py_None) {
+        continue;
+      }
+      for (const auto& seen : pairs) {
+        if (seen.first == parameter) {
+          return false;  // one tensor under two names: own_parameters says which name
+        }
+      }
+      pairs.emplace_back(parameter, name);
+    }
+    return true;
+  }
+
   // A tensor, None, or a plain scalar: an item as it is, never opened (they hold no tensors).
   static bool value_is_a_leaf(PyObject* value) {
     return value == Py_None || THPVariable_Check(value) || PyLong_CheckExact(value) || PyFloat_CheckExact(value) ||
@@ -698,6 +740,9 @@ class EntriesOf {
   std::array<bool, static_cast<size_t>(c10::ScalarType::NumOptions)> supported_{};
   py::object unreadable_reason_;
   py::object own_parameters_;
+  const py::object module_named_parameters_ = py::module_::import("torch.nn").attr("Module").attr("named_parameters");
+  const py::str named_parameters_{"named_parameters"};
+  const py::str parameters_{"_parameters"};
   py::object leaves_;
   bool containers_;
   std::array<py::object, 4> kinds_;

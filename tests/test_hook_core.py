@@ -497,7 +497,19 @@ def test_the_cpp_entries_are_frames_entries_item_for_item(containers):
             return rng.choice([1.5, True, 7, "s", b"b", object()])
         return _values(rng)
 
-    modules = [torch.nn.Linear(2, 2), torch.nn.ReLU(), torch.nn.LayerNorm(2), torch.nn.Embedding(3, 2)]
+    class Tied(torch.nn.Module):  # one tensor under two names
+        def __init__(self):
+            super().__init__()
+            self.first = torch.nn.Parameter(torch.ones(2))
+            self.second = self.first
+            self.third = torch.nn.Parameter(torch.ones(1))
+
+    class Renamed(torch.nn.Linear):  # its own named_parameters
+        def named_parameters(self, prefix="", recurse=True, remove_duplicate=True):
+            return [("only", self.weight)]
+
+    modules = [torch.nn.Linear(2, 2), torch.nn.ReLU(), torch.nn.LayerNorm(2), torch.nn.Embedding(3, 2),
+               torch.nn.Linear(2, 2, bias=False), Tied(), Renamed(2, 2)]
     for _ in range(300):
         items = [(_values(rng), f"ctx{i}") for i in range(rng.randint(0, 7))]
         _same(cpp.of(items), entries_of(items))

@@ -67,12 +67,14 @@ class KeptCall:
             self._root, self.counts = None, {}  # (not itself: no reference cycle keeps a call alive)
             self.rng = _rng_state() if started else None
             self.wraps = parent is None and is_wrapper(module)
+            root = self
         else:
-            self._root, self.counts, self.rng, self.wraps = parent.root, None, None, False
+            root = parent if parent._root is None else parent._root  # (the property, inlined: every call)
+            self._root, self.counts, self.rng, self.wraps = root, None, None, False
         if parent is not None and parent.module is module:  # one call hooked twice (a module under two parents)
             self.ordinal = parent.ordinal
         else:
-            counts = self.root.counts
+            counts = root.counts
             self.ordinal = counts.get(id(module), 0)
             counts[id(module)] = self.ordinal + 1
 
