@@ -31,6 +31,7 @@
 #include <cpuid.h>
 #endif
 
+#include "hook_layer.h"
 #include "launch.h"
 #include "stats.h"
 
@@ -670,9 +671,6 @@ py::object triton_table(const py::list& tensors, const py::tuple& plain_types, c
                         const py::dict& words, int64_t chunk, const at::Tensor& table, int64_t aligned_bit,
                         int64_t overlap_first, int64_t overlap_last, bool list_empty);
 
-// hooks.cpp
-void add_hook_core(py::module& m);
-
 }  // namespace overflow_fast
 
 TORCH_LIBRARY(overflow_fast, m) {
@@ -722,7 +720,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "this module holds and this CPU runs");
   m.def("triton_table", &overflow_fast::triton_table, "The Triton backend's table of plain tensors (table.cpp)");
   overflow_fast::add_launcher(m);
-  overflow_fast::add_hook_core(m);
+  // the hook layer's C++, apart from the engine's (hook_layer.h)
+  py::module hooks = m.def_submodule("hooks", "The hook layer's C++ (csrc/hook_layer.h): not the engine's");
+  overflow_fast::add_hook_layer(hooks);
   m.attr("ABI_VERSION") = overflow_fast::kAbiVersion;
   m.attr("TORCH_VERSION") = OVERFLOW_FAST_TORCH_VERSION;
   m.attr("SOURCE_HASH") = OVERFLOW_FAST_SOURCE_HASH;

@@ -1,8 +1,14 @@
-// overflow_fast._C.HookCore: the detector's bookkeeping of when each hook's tensors are read.
+// The hook layer's C++ (hook_layer.h), in one translation unit (each unit parses torch's headers
+// again: a second would lengthen every first-use build):
+// - HookCore: when each hook's tensors are read and into which rows;
+// - what one hook call hands over: its entries (EntriesOf), its inputs' and outputs' versions
+//   (versions_of, for find_op), and the gradients arriving at its outputs (OutputGradients). Each
+//   has its specification in Python, which the tests hold equal: hooks/frames.py, hooks/culprit.py,
+//   and hooks/hook_core.py's OutputGradients.
 //
-// A hook hands over the tensors of one module call; the core answers, per tensor, the row of its
-// device's buffer that holds (or will hold) its statistics, and which tensors the caller must read
-// into which rows now. It owns:
+// HookCore: a hook hands over the tensors of one module call; the core answers, per tensor, the row
+// of its device's buffer that holds (or will hold) its statistics, and which tensors the caller must
+// read into which rows now. It owns:
 // - the rows reused within a pass: a tensor seen again unchanged (the same TensorImpl, version
 //   counter and data pointer) keeps its row instead of being read again;
 // - with deferral (off by default): the tensors whose read waits, the versions and data pointers
@@ -19,9 +25,8 @@
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/Exceptions.h>
-#include <torch/csrc/autograd/python_variable.h>
-#include <torch/csrc/utils/pybind.h>
 
+#include "hook_layer.h"
 #include "launch.h"
 
 #include <c10/core/TensorImpl.h>
@@ -62,9 +67,6 @@ const void* data_of(const at::Tensor& tensor) {
   }
   return impl->storage().data();
 }
-
-// The tensor of a Python object the caller checked (THPVariable_Check).
-const at::Tensor& tensor_of(const py::handle& object) { return THPVariable_Unpack(object.ptr()); }
 
 struct Held {
   py::object object;  // the caller's tensor (handed back as it came)
@@ -752,7 +754,19 @@ class EntriesOf {
 
 }  // namespace
 
-void add_hook_core(py::module& m) {
+void add_hook_layer(py::module& m) {
+  py::class_<HookCore>(m, "HookCore",
+                       "The detector's bookkeeping of when each hook's tensors are read (csrc/hooks.cpp)")
+      .def(py::init<int64_t, int64_t, int64_t>(), py::arg("capacity"), py::arg("defer_bytes"),
+           py::arg("max_remembered"))
+      .def("add", &HookCore::add, py::arg("tensors"), py::arg("site"), py::arg("defer"))
+      .def("bind", &HookCore::bind, py::arg("key"), py::arg("launcher"), py::arg("buffer"))
+      .def("pending", &HookCore::pending)
+      .def("reset", &HookCore::reset)
+      .def("used", &HookCore::used, py::arg("key"))
+      .def("device", &HookCore::device, py::arg("key"));
+  m.attr("HOOK_FULL") = kFull;
+  m.attr("HOOK_MIXED_DEVICES") = kMixedDevices;
   py::class_<EntriesOf>(m, "EntriesOf", "frames.py's entries of a hook call in one C++ pass (csrc/hooks.cpp)")
       .def(py::init<const py::iterable&, py::object, py::object, py::object, bool>(), py::arg("supported_dtypes"),
            py::arg("unreadable_reason"), py::arg("own_parameters"), py::arg("leaves"), py::arg("containers"))
@@ -767,18 +781,6 @@ void add_hook_core(py::module& m) {
       .def("watch", &OutputGradients::watch, py::arg("module"), py::arg("entries"), py::arg("tensors"))
       .def("new_forward", &OutputGradients::new_forward)
       .def("incoming_read", &OutputGradients::incoming_read, py::arg("module"));
-  py::class_<HookCore>(m, "HookCore",
-                       "The detector's bookkeeping of when each hook's tensors are read (csrc/hooks.cpp)")
-      .def(py::init<int64_t, int64_t, int64_t>(), py::arg("capacity"), py::arg("defer_bytes"),
-           py::arg("max_remembered"))
-      .def("add", &HookCore::add, py::arg("tensors"), py::arg("site"), py::arg("defer"))
-      .def("bind", &HookCore::bind, py::arg("key"), py::arg("launcher"), py::arg("buffer"))
-      .def("pending", &HookCore::pending)
-      .def("reset", &HookCore::reset)
-      .def("used", &HookCore::used, py::arg("key"))
-      .def("device", &HookCore::device, py::arg("key"));
-  m.attr("HOOK_FULL") = kFull;
-  m.attr("HOOK_MIXED_DEVICES") = kMixedDevices;
 }
 
 }  // namespace overflow_fast

@@ -14,7 +14,7 @@ import torch
 from overflow_fast.hooks import hook_core
 from overflow_fast.stats import cpu_backend
 
-C = cpu_backend.extension()
+C = hook_core.native()  # the hook layer's C++ module (the extension's submodule ``hooks``)
 needs_extension = pytest.mark.skipif(C is None, reason=f"the C++ extension is unavailable "
                                                         f"({cpu_backend.unavailable_reason()})")
 

@@ -101,7 +101,7 @@ def test_it_declines_what_it_cannot_take_and_writes_nothing():
 
 
 def _bound(capacity=16, defer_bytes=0):
-    core = C.HookCore(capacity, defer_bytes, 1 << 16)
+    core = C.hooks.HookCore(capacity, defer_bytes, 1 << 16)
     x = torch.ones(1)
     key = core.add([x], -1, False)[0]  # the device's key, as the detector's first call makes it
     buffer = torch.full((capacity, 8), -1, dtype=torch.int64)

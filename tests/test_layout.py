@@ -2,6 +2,7 @@
 
 import ast
 import os
+import re
 
 import pytest
 
@@ -75,3 +76,36 @@ def test_the_hook_layers_frame_has_the_shape_the_recording_reads():
     assert declared and declared <= set(Frame.__slots__)
     frame = Frame("fc", "Linear", [], [])
     assert all(hasattr(frame, name) for name in declared)  # each set when a frame is made
+
+
+CSRC = os.path.join(os.path.dirname(PACKAGE), "csrc")
+HOOK_LAYER_SOURCES = {"hook_layer.h", "hooks.cpp"}
+
+
+def _includes(name):
+    text = open(os.path.join(CSRC, name)).read()
+    return {line.split('"')[1] for line in text.splitlines() if line.startswith('#include "')}
+
+
+def test_the_hook_layers_cpp_is_apart_from_the_engines():
+    """The hook layer's C++ reaches the engine through launch.h alone; the engine's C++ includes none of
+    it (binding.cpp only registers it as the submodule ``hooks``); in Python only hooks/hook_core.py
+    opens that submodule, and stats/ never names it."""
+    for name in sorted(os.listdir(CSRC)):
+        if not name.endswith((".cpp", ".h")):
+            continue
+        included = _includes(name)
+        if name in HOOK_LAYER_SOURCES:
+            assert included <= HOOK_LAYER_SOURCES | {"launch.h"}, f"{name} includes {sorted(included)}"
+        elif name != "binding.cpp":
+            assert not included & HOOK_LAYER_SOURCES, f"the engine's {name} includes the hook layer's C++"
+    for folder, _, files in os.walk(PACKAGE):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                text = open(path).read()
+                opens = re.search(r"(\)|\bmodule|\b_C|\bC)\.hooks\b", text) is not None
+                assert not opens or path.endswith(os.path.join("hooks", "hook_core.py")), path
+                if os.path.join(PACKAGE, "stats") in path:
+                    for name_of_the_hook_layer in ("HookCore", "OutputGradients", "EntriesOf"):
+                        assert name_of_the_hook_layer not in text, f"{path} names {name_of_the_hook_layer}"

@@ -1,9 +1,12 @@
-"""The Python twin of ``overflow_fast._C.HookCore`` (csrc/hooks.cpp): the detector's bookkeeping of
-when each hook's tensors are read, for where the extension cannot be loaded.
+"""The hook layer's C++ (``overflow_fast._C.hooks``: csrc/hook_layer.h and hooks.cpp),
+opened here alone (``native``), and its Python twins, for where the extension cannot be loaded:
+``HookCore`` (the detector's bookkeeping of when each hook's tensors are read), ``OutputGradients``
+(the gradients arriving at forward outputs), ``EntriesOf`` (a hook call's entries: frames.py's) and
+``culprit.versions_of``. The factories below give the C++ one where it loads, else the twin.
 
 One specification, two implementations: the same methods, arguments and results, call for call
-(tests/test_hook_core.py runs both on the same sequences of calls). csrc/hooks.cpp describes the
-rules; in short, a tensor seen again in a pass unchanged (the same tensor, version counter and data
+(tests/test_hook_core.py runs both on the same sequences of calls). For HookCore, csrc/hooks.cpp
+describes the rules; in short, a tensor seen again in a pass unchanged (the same tensor, version counter and data
 pointer) keeps its row, and with deferral a call site's tensors wait until the pass ends once a
 pass showed them unchanged at its end. What C++ reads off the TensorImpl is read here through
 Python with subclasses' ``__torch_function__`` off, as the C++ side never sees it.
@@ -24,21 +27,27 @@ HOOK_FULL = -1  # not enough free rows: read what is pending, then add again
 HOOK_MIXED_DEVICES = -2  # the tensors are on several devices: read them apart
 
 
-def new_core(capacity, defer_bytes, max_remembered):
-    """The hook layer's bookkeeping: the C++ ``HookCore`` where the extension loads, else this
-    module's twin (the same answers). The one way the hook layer reaches either."""
-    from ..stats.cpu_backend import extension  # the extension holds the kernels and the core
+def native():
+    """The hook layer's C++ module, or None where the extension cannot be loaded. It is built into
+    the one library the engine's kernels are built into, as a submodule of its own that only this
+    module opens; it reaches the engine through the launcher it is bound to (``HookCore.bind``)."""
+    from ..stats.cpu_backend import extension
 
     module = extension()
+    return None if module is None else module.hooks
+
+
+def new_core(capacity, defer_bytes, max_remembered):
+    """The hook layer's bookkeeping: the C++ ``HookCore`` where the extension loads, else this
+    module's twin (the same answers)."""
+    module = native()
     return (module.HookCore if module is not None else HookCore)(capacity, defer_bytes, max_remembered)
 
 
 def output_gradients(callback, hook_apart):
     """The gradients arriving at forward outputs: the extension's ``OutputGradients`` where it loads,
     else this module's twin (the same hooks, owners and answers)."""
-    from ..stats.cpu_backend import extension
-
-    module = extension()
+    module = native()
     return (module.OutputGradients if module is not None else OutputGradients)(callback, hook_apart)
 
 
@@ -95,9 +104,7 @@ def entries_reader(containers):
     """The entries of hook calls outside torch.func transforms (``of(items)``, ``forward(module, input,
     output, kwargs)``): the extension's one-pass ``EntriesOf`` where it loads, else frames.py's own
     (``EntriesOf`` below); the same answers."""
-    from ..stats.cpu_backend import extension
-
-    module = extension()
+    module = native()
     if module is None:
         return EntriesOf(containers)
     return module.EntriesOf(SUPPORTED_DTYPES, unreadable_reason, own_parameters, container_leaves, containers)
@@ -105,9 +112,7 @@ def entries_reader(containers):
 
 def versions_reader():
     """``culprit.versions_of``: the extension's one C++ call where it loads (the same answers)."""
-    from ..stats.cpu_backend import extension
-
-    module = extension()
+    module = native()
     return versions_of if module is None else module.versions_of
 
 
