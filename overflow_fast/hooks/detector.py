@@ -82,6 +82,7 @@ class DebugUnderflowOverflow:
         self.prefix = text.PREFIX
         self.backend = _usable_backend(options.backend)  # the backend the hooks ask for (None: each device's)
         self._abort_after = None if options.abort_after_batch_num is None else int(options.abort_after_batch_num)
+        self._reads_kwargs = options.kwargs  # (the post hook asks at every call)
         self._handles = []
         self.analyse_model()
         log = StepLog(options.log, options.log_every) if options.log is not None else None
@@ -192,18 +193,17 @@ class DebugUnderflowOverflow:
         # Pre hooks count the hooked calls running (a pass ends when the outermost returns); the
         # hooks run even when the call raises (always_call), to end its pass. The model's own is
         # kept out of a torch.compile graph: its eager run replays the traced calls.
-        if module is self.model:
-            after = self._after_model_with_kwargs if self.kwargs else self._after_model
-        else:
-            after = self._after_with_kwargs if self.kwargs else self._after
+        # Every post hook takes the keyword inputs (one hook body, no adapter per call); _after
+        # reads them with kwargs=True only.
+        after = self._after_model if module is self.model else self._after
         self._handles.append(module.register_forward_pre_hook(self._before, with_kwargs=self.options.keeps_calls))
-        self._handles.append(module.register_forward_hook(after, with_kwargs=self.kwargs, always_call=True))
+        self._handles.append(module.register_forward_hook(after, with_kwargs=True, always_call=True))
 
     def forward_hook(self, module, input, output):
         """The reference's hook: record one forward call of ``module`` (a pass of its own when no
         hooked call is running on this thread)."""
         self._before(module, input)
-        self._after(module, input, output)
+        self._after(module, input, None, output)
 
     # -- additions --------------------------------------------------------------------------
 
@@ -305,18 +305,13 @@ class DebugUnderflowOverflow:
             return
         self._passes.call_starts(module, sys._getframe(1), args, kwargs)
 
-    def _after_with_kwargs(self, module, input, kwargs, output):
-        self._after(module, input, output, kwargs)
-
     @torch.compiler.disable
-    def _after_model(self, module, input, output):
-        self._after(module, input, output)
+    def _after_model(self, module, input, kwargs, output):
+        self._after(module, input, kwargs, output)
 
-    @torch.compiler.disable
-    def _after_model_with_kwargs(self, module, input, kwargs, output):
-        self._after(module, input, output, kwargs)
-
-    def _after(self, module, input, output, kwargs=None):
+    def _after(self, module, input, kwargs, output):
+        if not self._reads_kwargs:
+            kwargs = None
         run = self._passes
         if is_compiling():
             return run.traced.record(module, input, output, kwargs, self.containers, self.backend)
@@ -397,7 +392,7 @@ class DebugUnderflowOverflow:
 # A hook that torch.compile meets outside a frame it traces runs eagerly (the module around it ran
 # eagerly too), rather than as a graph of its own per call; inlined, it records into the graph.
 _compat.never_a_compiled_frame(DebugUnderflowOverflow._before, DebugUnderflowOverflow._after,
-                               DebugUnderflowOverflow._after_with_kwargs, DebugUnderflowOverflow.forward_hook)
+                               DebugUnderflowOverflow.forward_hook)
 
 
 class _FunctorchOff:
