@@ -215,10 +215,10 @@ def test_the_hooks_reads_go_through_the_launcher_s_packing():
 
 @pytest.mark.skipif(triton_common.triton is None, reason="triton is not installed")
 @needs_extension
-def test_the_launch_hooks_predicate_reads_the_installed_triton(monkeypatch):
+def test_the_launch_hooks_predicate_reads_the_installed_triton():
     """Triton's launch hooks decide each launch: none registered (the installed Triton's empty
-    HookChain) means direct; one added to the chain, or set as the attribute itself (the older
-    way), means Triton's own launch, which calls it. Decided by the launcher's real predicate on
+    HookChain) means direct; one added to the chain, or a kernel's pre-run hook, means Triton's own
+    launch, which calls it. Decided by the launcher's real predicate on
     the real knobs (the benchmark's counting driver stands for the GPU: it launches nothing);
     ``overflow-fast info`` reads the same predicate."""
     from triton import knobs
@@ -263,17 +263,34 @@ def test_the_launch_hooks_predicate_reads_the_installed_triton(monkeypatch):
         assert path() == "ordinary"
     finally:
         runtime.launch_exit_hook.remove(hook)
-    monkeypatch.setattr(runtime, "launch_enter_hook", hook)  # a callable in place of the chain
-    assert path() == "ordinary"
-    monkeypatch.setattr(runtime, "launch_enter_hook", None)
-    assert path() == "direct"
-    monkeypatch.undo()
     triton_kernels._read_kernel.add_pre_run_hook(hook)
     try:
         assert path() == "ordinary"
     finally:
         triton_kernels._read_kernel.pre_run_hooks.remove(hook)
     assert path() == "direct"
+
+
+@pytest.mark.skipif(triton_common.triton is None, reason="triton is not installed")
+@needs_extension
+def test_the_launch_hooks_predicate_reads_the_older_tritons_form():
+    """Triton 3.3 and older keep a launch hook as the attribute itself (a callable, or None for none),
+    where newer ones keep a HookChain: the predicate reads both. The installed Triton has only the
+    chain, so the older form is an object of that shape: the launcher is not involved."""
+    from triton import knobs
+
+    def hook(metadata):
+        pass
+
+    class OlderRuntime:
+        launch_enter_hook = hook
+        launch_exit_hook = None
+
+    kernel = triton_kernels._read_kernel
+    assert triton_common._EXTENSION.launch_hooks_reason(OlderRuntime, kernel) is not None
+    OlderRuntime.launch_enter_hook = None
+    assert triton_common._EXTENSION.launch_hooks_reason(OlderRuntime, kernel) is None
+    assert triton_common._EXTENSION.launch_hooks_reason(knobs.runtime, kernel) is None  # the installed one
 
 
 @pytest.mark.skipif(triton_common.triton is None, reason="triton is not installed")
