@@ -31,6 +31,17 @@ def copy_sources(tmp_path):
     return target
 
 
+def test_the_kernel_of_these_sources_loads_where_a_compiler_is():
+    """Where a C++ compiler is, the extension of these very sources builds and loads: a C++ error in
+    csrc/ fails the suite here, rather than skipping every test that needs the extension and
+    running the rest on the Python twins."""
+    if os.environ.get(cpu_build.WITHOUT_ENV, "") not in ("", "0"):
+        pytest.skip(f"{cpu_build.WITHOUT_ENV} asks to run without the extension")
+    if shutil.which(cpu_build.compiler()) is None:
+        pytest.skip(f"no C++ compiler ({cpu_build.compiler()})")
+    assert cpu_backend.extension() is not None, cpu_backend.unavailable_reason()
+
+
 # ---- the cache key ----------------------------------------------------------------------------
 
 def test_every_part_of_the_identity_gives_a_new_build_directory(tmp_path, monkeypatch):
