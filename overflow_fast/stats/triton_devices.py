@@ -48,7 +48,7 @@ class _DeviceState:
     def launcher_for(self, block_size, blocks_per_chunk):
         """The launcher of a launch shape: this device's own for the default one; tests' small chunks
         get one each, with accumulators of their own."""
-        shape = (block_size or BLOCK_SIZE, blocks_per_chunk or BLOCKS_PER_CHUNK)
+        shape = (block_size, blocks_per_chunk)
         if shape == (BLOCK_SIZE, BLOCKS_PER_CHUNK) or self.launcher is None:
             return self.launcher
         known = self.shapes.get(shape)

@@ -40,7 +40,7 @@ _STRIDED = torch.strided
 _is_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 
 
-def read_into(tensors, out, block_size=None, blocks_per_chunk=None):
+def read_into(tensors, out, block_size=BLOCK_SIZE, blocks_per_chunk=BLOCKS_PER_CHUNK):
     """The rows of ``tensors`` (a list of plain strided tensors on one device) written into
     ``out`` (a contiguous ``[len(tensors), 8]`` int64 tensor on their device), by the per-hook
     kernel: one launch per MAX_SLOTS tensors, nothing uploaded, no host sync. False when it does
@@ -72,7 +72,7 @@ def read_into(tensors, out, block_size=None, blocks_per_chunk=None):
     return _read(tensors, out, state, block_size, blocks_per_chunk)
 
 
-def _read(tensors, out, state=None, block_size=None, blocks_per_chunk=None):
+def _read(tensors, out, state=None, block_size=BLOCK_SIZE, blocks_per_chunk=BLOCKS_PER_CHUNK):
     """``read_into`` on a device whose state is set up (``state``, default looked up), whatever its
     self-check said: its C++ launcher's read, the one owner of the device's accumulators, or
     without the extension the Python read."""
@@ -84,7 +84,7 @@ def _read(tensors, out, state=None, block_size=None, blocks_per_chunk=None):
     return _python_read(tensors, out, state, block_size, blocks_per_chunk)
 
 
-def _python_read(tensors, out, state, block_size=None, blocks_per_chunk=None):
+def _python_read(tensors, out, state, block_size=BLOCK_SIZE, blocks_per_chunk=BLOCKS_PER_CHUNK):
     """The per-hook read in Python, where the C++ launcher is not available (no extension): the
     same checks and arguments, each launch Triton's ordinary call."""
     count = len(tensors)
@@ -100,8 +100,6 @@ def _python_read(tensors, out, state, block_size=None, blocks_per_chunk=None):
     index = device.index if cuda else -1
     zero3 = "deepspeed" in sys.modules
     words = _FORMAT_WORD
-    block_size = block_size or BLOCK_SIZE
-    blocks_per_chunk = blocks_per_chunk or BLOCKS_PER_CHUNK
     chunk = block_size * blocks_per_chunk
     slots = []  # (address, numel, word) per tensor
     programs = []  # per launch

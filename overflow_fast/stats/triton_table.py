@@ -154,7 +154,7 @@ def _staging(device):
     return staging
 
 
-def compute(tensors, out=None, block_size=None, blocks_per_chunk=None) -> torch.Tensor:
+def compute(tensors, out=None, block_size=BLOCK_SIZE, blocks_per_chunk=BLOCKS_PER_CHUNK) -> torch.Tensor:
     """Statistics rows, ``[len(tensors), 8]`` int64 on the tensors' (common) device, no host sync;
     written into ``out`` when given (every column of every row is written).
 
@@ -163,8 +163,6 @@ def compute(tensors, out=None, block_size=None, blocks_per_chunk=None) -> torch.
     reason = triton_common.unavailable_reason()
     if reason is not None:
         raise RuntimeError(f"triton backend: {reason}")
-    block_size = block_size or BLOCK_SIZE
-    blocks_per_chunk = blocks_per_chunk or BLOCKS_PER_CHUNK
     tensors = list(tensors)
     if not tensors:
         return torch.zeros((0, NUM_COLUMNS), dtype=torch.int64)
@@ -250,10 +248,8 @@ def scan(tensors, words, chunk, out_storage=None, list_empty=False):
     return scanned
 
 
-def compute_scanned(scanned, out=None, block_size=None, blocks_per_chunk=None):
+def compute_scanned(scanned, out=None, block_size=BLOCK_SIZE, blocks_per_chunk=BLOCKS_PER_CHUNK):
     """``compute`` of the tensors of ``scanned`` (from ``scan`` with the same launch shape)."""
-    block_size = block_size or BLOCK_SIZE
-    blocks_per_chunk = blocks_per_chunk or BLOCKS_PER_CHUNK
     device = scanned.device
     num_tensors = len(scanned.tensors)
     n = 4 * num_tensors + 1
