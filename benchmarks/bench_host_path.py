@@ -28,6 +28,10 @@ call:
   with grad enabled and the activations requiring grad as in a training forward (``--no-grad``:
   as in an inference forward): what is timed is the hooks alone, without the model's own ops (on
   a GPU they run on the device) and without torch's hook-calling path in ``Module.__call__``.
+  The same activations come back at every replayed forward; ``--fresh-activations`` gives each
+  forward new ones, as training does (a view of each recorded activation, made in the timed
+  replay and so in the no-hook time it subtracts): torch's hook registration on a tensor costs
+  more the first time.
 - The backward (``watch()`` reads each parameter's gradient and each hooked output's gradient):
   the same module tree at small widths (n_embd 96, vocab 512, batch 1 x 16, fp32) trained for real
   on the CPU through the same path, one torch thread; timed: the host time inside its gradient
@@ -467,6 +471,33 @@ def materialize(events, empty_on="cpu", requires_grad=False):
             for kind, name, args, kwargs, output in events]
 
 
+def fresh_activations(events):
+    """``events`` with each activation that requires grad replaced by a new view of itself (the same
+    tensor always by the same view): what a training forward hands its hooks, tensors never seen
+    before that autograd made."""
+    fresh = {}
+
+    def convert(value):
+        if isinstance(value, torch.Tensor):
+            if not value.requires_grad:
+                return value
+            view = fresh.get(id(value))
+            if view is None:
+                view = fresh[id(value)] = value.view_as(value)
+            return view
+        if isinstance(value, tuple) and hasattr(value, "_fields"):
+            return type(value)(*(convert(v) for v in value))
+        if isinstance(value, (tuple, list)):
+            return type(value)(convert(v) for v in value)
+        if isinstance(value, dict):
+            converted = {k: convert(v) for k, v in value.items()}
+            return type(value)(**converted) if type(value) is not dict else converted
+        return value
+
+    return [(kind, name, convert(args), convert(kwargs), convert(output))
+            for kind, name, args, kwargs, output in events]
+
+
 def replay(model, events, grad=False):
     """Run the hooks of ``model`` on the recorded calls, as Module.__call__ would (pre hooks when a
     module's forward starts, forward hooks when it ends; with_kwargs honoured), under no_grad, or
@@ -820,14 +851,15 @@ def host_path(args, csv_rows):
     print(f"== Triton path host work: GPT-2 small tree ({layers} layers, n_embd 768, 12 heads), bf16, "
           f"batch {batch} x {seq} tokens, {'training' if grad else 'inference'} forward: the hook sequence of a "
           f"meta-device forward, replayed on uninitialised CPU tensors of the same sizes; the launches' driver "
-          f"call stubbed (launch path: {triton_backend.launch_path()} here; counted launches below)", flush=True)
+          f"call stubbed (launch path: {triton_backend.launch_path()} here; counted launches below)"
+          f"{'; new activations at every forward' if args.fresh_activations else ''}", flush=True)
     events, ops = record(meta_model, forward)
     model = gpt2_small(layers, "meta", torch.bfloat16).to_empty(device="cpu")  # virtual memory only
     events = materialize(events, requires_grad=grad)
     hooks = sum(1 for event in events if event[0] == "post")
 
     def run():
-        replay(model, events, grad=grad)
+        replay(model, fresh_activations(events) if args.fresh_activations else events, grad=grad)
 
     with triton_on_cpu():
         times = measure(model, run, VARIANTS, args.repeats, args.inner, clock=time.thread_time)
@@ -987,6 +1019,9 @@ def main(argv=None):
     parser.add_argument("--no-grad", action="store_true",
                         help="activations as in an inference forward (no grad); by default a training forward, "
                              "as in the step the projection is about")
+    parser.add_argument("--fresh-activations", action="store_true",
+                        help="new activations at every replayed forward, as training makes them (the same ones by "
+                             "default)")
     parser.add_argument("--csv", default=None, help="append machine-readable rows to this CSV")
     args = parser.parse_args(argv)
     quick = args.quick
