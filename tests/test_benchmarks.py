@@ -33,10 +33,11 @@ def test_last_line_format_regex():
 
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="the host-path benchmark needs triton")
-def test_bench_host_path_quick_last_line(tmp_path):
+@pytest.mark.parametrize("activations", [[], ["--fresh-activations"]], ids=["replayed", "fresh"])
+def test_bench_host_path_quick_last_line(tmp_path, activations):
     out = tmp_path / "host.csv"
     result = _run([os.path.join(BENCH, "bench_host_path.py"), "--quick", "--no-cpu", "--repeats", "1",
-                   "--csv", str(out)])
+                   "--csv", str(out), *activations])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     lines = result.stdout.strip().splitlines()
     assert LAST_LINE.match(lines[-1]), lines[-1]
