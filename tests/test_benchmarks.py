@@ -95,6 +95,16 @@ def test_bench_diff_quick(tmp_path):
 
 
 @pytest.mark.slow
+def test_bench_reuse_bytes_counts_what_the_engine_reads():
+    result = _run([os.path.join(BENCH, "bench_reuse_bytes.py"), "--batch", "1", "--seq", "8"], timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = re.findall(r"^\| (.+?) \| (train|eval) \| (\d+) MB, (\d+) calls \|", result.stdout, re.M)
+    assert len(rows) == 4, result.stdout
+    # GPT-2 small's weights alone are about 500 MB in fp32: every detector reads them once a forward
+    assert all(int(mb) > 400 and int(calls) > 0 for _, _, mb, calls in rows), rows
+
+
+@pytest.mark.slow
 def test_bench_find_op_prints_training_and_evaluation():
     result = _run([os.path.join(BENCH, "bench_find_op.py"), "--layers", "1", "--width", "64", "--seq", "16",
                    "--eval-layers", "2", "--eval-width", "64", "--eval-rows", "8", "--steps", "2", "--runs", "1"],
@@ -119,3 +129,14 @@ def test_the_shared_timing_loop_warms_up_alternates_and_returns_each_variants_me
     assert calls == [("a", 0), ("b", 0), ("b", 1), ("a", 1), ("a", 2), ("b", 2), ("b", 3), ("a", 3),
                      ("a", 4), ("b", 4)]
     assert set(medians) == {"a", "b"} and all(seconds >= 0 for seconds in medians.values())
+
+
+def test_a_self_timed_step_counts_the_seconds_it_returns():
+    spec = importlib.util.spec_from_file_location("bench_shared", os.path.join(BENCH, "_shared.py"))
+    shared = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(shared)
+    # each step says how long its timed part took: the median of what it returned after the warm-up
+    said = {"a": iter([9.0, 1.0, 3.0, 2.0]), "b": iter([9.0, 5.0, 4.0, 6.0])}
+    medians = shared.round_robin({name: lambda index, name=name: next(said[name]) for name in said}, repeats=3,
+                                 warm_up=1, self_timed=True)
+    assert medians == {"a": 2.0, "b": 5.0}
