@@ -1,18 +1,23 @@
 """What the benchmark scripts share: the small GPT-2 they build, the loop that times variants, and
 the measured run of a command in a child process.
 
-``gpt2(...)`` is transformers' GPT2LMHeadModel from a config, random weights (nothing downloaded),
-seeded so that every variant of a script starts from the same weights.
+``gpt2(...)`` is transformers' GPT2LMHeadModel from a config (``gpt2_config``), random weights
+(nothing downloaded), seeded so that every variant of a script starts from the same weights;
+``GPT2_SMALL`` is GPT-2 small's shape.
 
 ``round_robin(steps, repeats)`` times callables against each other on a shared, noisy machine:
 the variants take turns within each round (the order reversed every other round, so none always
 runs after the same neighbour), the first rounds only warm up (allocator, lazy init), and each
-variant's median is returned. Only figures from the same call compare.
+variant's median is returned. Only figures from the same call compare. A step that times a part
+of itself (its own clock, its own setup left out) returns its seconds (``self_timed``).
+
+``reference_reads(tensors)`` is the reference detector's own work on each tensor, to time against.
 
 ``command_measured(args)`` runs ``python -m overflow_fast ARGS`` in a child process: its wall and CPU
 time and its peak resident memory.
 """
 
+import contextlib
 import os
 import statistics
 import subprocess
@@ -21,20 +26,32 @@ import tempfile
 import time
 
 
-def gpt2(layers, width, heads, vocab, positions, seed=0, **config):
-    """A GPT2LMHeadModel of ``layers`` blocks of ``width``, random weights from ``seed``."""
+GPT2_SMALL = dict(layers=12, width=768, heads=12, vocab=50257, positions=1024)
+
+
+def gpt2_config(layers, width, heads, vocab, positions, **config):
+    import transformers
+
+    return transformers.GPT2Config(n_layer=layers, n_embd=width, n_head=heads, vocab_size=vocab,
+                                   n_positions=positions, **config)
+
+
+def gpt2(layers, width, heads, vocab, positions, seed=0, device=None, **config):
+    """A GPT2LMHeadModel of ``layers`` blocks of ``width``, random weights from ``seed``, made on
+    ``device`` (``"meta"``: shapes only)."""
     import torch
     import transformers
 
     torch.manual_seed(seed)
-    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        n_layer=layers, n_embd=width, n_head=heads, vocab_size=vocab, n_positions=positions, **config))
+    with torch.device(device) if device is not None else contextlib.nullcontext():
+        return transformers.GPT2LMHeadModel(gpt2_config(layers, width, heads, vocab, positions, **config))
 
 
-def round_robin(steps, repeats, warm_up=2, synchronize=None):
+def round_robin(steps, repeats, warm_up=2, synchronize=None, self_timed=False):
     """Median seconds per call of each of ``steps`` (name -> callable taking the round's index),
     over ``repeats`` rounds after ``warm_up`` untimed ones. ``synchronize``: called around each
-    timed call (a device's queue drained, so the time is the step's)."""
+    timed call (a device's queue drained, so the time is the step's). ``self_timed``: each step
+    returns its own seconds, which count instead of the wall time around it."""
     names = list(steps)
     times = {name: [] for name in names}
     for index in range(warm_up + repeats):
@@ -42,12 +59,24 @@ def round_robin(steps, repeats, warm_up=2, synchronize=None):
             if synchronize is not None:
                 synchronize()
             start = time.perf_counter()
-            steps[name](index)
+            seconds = steps[name](index)
             if synchronize is not None:
                 synchronize()
             if index >= warm_up:
-                times[name].append(time.perf_counter() - start)
+                times[name].append(seconds if self_timed else time.perf_counter() - start)
     return {name: statistics.median(values) for name, values in times.items()}
+
+
+def reference_reads(tensors):
+    """What transformers' DebugUnderflowOverflow does with each tensor: abs, its min and max
+    formatted (a host read each), the nan and inf checks (one each)."""
+    import torch
+
+    for x in tensors:
+        a = x.abs()
+        _ = f"{a.min():8.2e} {a.max():8.2e}"
+        torch.isnan(x).any().item()
+        torch.isinf(x).any().item()
 
 
 def command_measured(args):

@@ -28,6 +28,7 @@ from torch._dynamo.utils import counters
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _results  # noqa: E402
+import _shared  # noqa: E402
 
 import overflow_fast  # noqa: E402
 from overflow_fast import DebugUnderflowOverflow  # noqa: E402
@@ -43,12 +44,7 @@ def mlp():
 
 
 def gpt2():
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=1000, n_positions=64)
-    model = transformers.GPT2LMHeadModel(config).eval()
-    return model, (torch.randint(0, 1000, (2, 32)),)
+    return _shared.gpt2(2, 64, 4, 1000, 64).eval(), (torch.randint(0, 1000, (2, 32)),)
 
 
 MODELS = {"mlp": mlp, "gpt2": gpt2}

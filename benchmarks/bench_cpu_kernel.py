@@ -32,14 +32,7 @@ from overflow_fast.stats import cpu_backend, tensor_stats, torch_backend
 
 sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.abspath(__file__)))
 import _results  # noqa: E402
-
-
-def reference_sequence(tensors):
-    for x in tensors:
-        a = x.abs()
-        _ = f"{a.min():8.2e} {a.max():8.2e}"
-        torch.isnan(x).any().item()
-        torch.isinf(x).any().item()
+import _shared  # noqa: E402
 
 
 def plain_read(tensors):
@@ -55,7 +48,7 @@ def cpu_backend_rows(tensors):
     cpu_backend.compute(tensors).tolist()
 
 
-METHODS = {"ref": reference_sequence, "torch": torch_backend_rows, "cpu": cpu_backend_rows, "sum": plain_read}
+METHODS = {"ref": _shared.reference_reads, "torch": torch_backend_rows, "cpu": cpu_backend_rows, "sum": plain_read}
 
 
 def median_seconds(fn, tensors, repeats, min_time=0.2):
@@ -347,7 +340,7 @@ def _torch_rows(tensors):
 def torch_vs_ref(repeats, csv_path):
     """The torch backend (its rows on the host) against the reference's op sequence, interleaved."""
     generator = torch.Generator().manual_seed(0)
-    methods = {"ref": reference_sequence, "torch": _torch_rows}
+    methods = {"ref": _shared.reference_reads, "torch": _torch_rows}
     print(f"ref = the reference's ops per tensor (abs, min, max, isnan().any(), isinf().any()); torch = "
           f"torch_backend.compute(tensors).tolist(); medians of {repeats} interleaved runs")
     header = f"{'case':<26}{'ref us':>12}{'torch us':>12}{'torch/ref':>11}"

@@ -80,7 +80,6 @@ import sys
 import time
 
 import torch
-import transformers
 
 import overflow_fast
 import overflow_fast.hooks.reads
@@ -93,6 +92,7 @@ from overflow_fast.stats import (cpu_backend, dispatch, triton_backend, triton_c
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _results  # noqa: E402
+import _shared  # noqa: E402
 
 # -- the projection's model (H200-class GPU, GPT-2 small, bf16) ------------------------------------
 GEMM_TFLOPS = 600.0  # dense bf16 GEMMs
@@ -397,11 +397,7 @@ def instrumented():
 # -- the model, the recorded hook sequence and its replay ---------------------------------------------
 
 def gpt2_small(layers, device, dtype):
-    config = transformers.GPT2Config(n_layer=layers, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = transformers.GPT2LMHeadModel(config)
-    return model.to(dtype).eval()
+    return _shared.gpt2(**dict(_shared.GPT2_SMALL, layers=layers), device=device).to(dtype).eval()
 
 
 def record(model, forward):
@@ -439,63 +435,52 @@ def record(model, forward):
     return events, Counter.ops
 
 
+def _tensors_replaced(events, replace):
+    """``events`` with each tensor of their calls (in tuples, named tuples, lists and dicts) replaced
+    by ``replace(tensor)``, the same tensor always by the same replacement."""
+    memo = {}  # id -> (tensor, its replacement): the tensor kept, so that its id is not reused
+
+    def convert(value):
+        if isinstance(value, torch.Tensor):
+            known = memo.get(id(value))
+            if known is None:
+                known = memo[id(value)] = (value, replace(value))
+            return known[1]
+        if isinstance(value, tuple) and hasattr(value, "_fields"):
+            return type(value)(*(convert(v) for v in value))
+        if isinstance(value, (tuple, list)):
+            return type(value)(convert(v) for v in value)
+        if isinstance(value, dict):
+            converted = {k: convert(v) for k, v in value.items()}
+            return type(value)(**converted) if type(value) is not dict else converted
+        return value
+
+    return [(kind, name, convert(args), convert(kwargs), convert(output))
+            for kind, name, args, kwargs, output in events]
+
+
 def materialize(events, empty_on="cpu", requires_grad=False):
     """The events with every meta tensor replaced by an uninitialised CPU tensor of the same size,
     strides and dtype (``torch.empty_strided``: virtual memory only, never written), the same meta
     tensor always by the same CPU tensor, so the detector's reuse of rows works as in a real run.
     ``requires_grad``: floating-point activations require grad, as in a training forward (where
     autograd keeps them until backward, so staging them costs no memory of its own)."""
-    memo = {}
+    def empty(value):
+        if not value.is_meta:
+            return value
+        tensor = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=empty_on)
+        if requires_grad and tensor.is_floating_point():
+            tensor.requires_grad_()
+        return tensor
 
-    def convert(value):
-        if isinstance(value, torch.Tensor):
-            if not value.is_meta:
-                return value
-            key = id(value)
-            if key not in memo:
-                empty = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=empty_on)
-                if requires_grad and empty.is_floating_point():
-                    empty.requires_grad_()
-                memo[key] = (value, empty)
-            return memo[key][1]
-        if isinstance(value, tuple) and hasattr(value, "_fields"):
-            return type(value)(*(convert(v) for v in value))
-        if isinstance(value, (tuple, list)):
-            return type(value)(convert(v) for v in value)
-        if isinstance(value, dict):
-            converted = {k: convert(v) for k, v in value.items()}
-            return type(value)(**converted) if type(value) is not dict else converted
-        return value
-
-    return [(kind, name, convert(args), convert(kwargs), convert(output))
-            for kind, name, args, kwargs, output in events]
+    return _tensors_replaced(events, empty)
 
 
 def fresh_activations(events):
     """``events`` with each activation that requires grad replaced by a new view of itself (the same
     tensor always by the same view): what a training forward hands its hooks, tensors never seen
     before that autograd made."""
-    fresh = {}
-
-    def convert(value):
-        if isinstance(value, torch.Tensor):
-            if not value.requires_grad:
-                return value
-            view = fresh.get(id(value))
-            if view is None:
-                view = fresh[id(value)] = value.view_as(value)
-            return view
-        if isinstance(value, tuple) and hasattr(value, "_fields"):
-            return type(value)(*(convert(v) for v in value))
-        if isinstance(value, (tuple, list)):
-            return type(value)(convert(v) for v in value)
-        if isinstance(value, dict):
-            converted = {k: convert(v) for k, v in value.items()}
-            return type(value)(**converted) if type(value) is not dict else converted
-        return value
-
-    return [(kind, name, convert(args), convert(kwargs), convert(output))
-            for kind, name, args, kwargs, output in events]
+    return _tensors_replaced(events, lambda tensor: tensor.view_as(tensor) if tensor.requires_grad else tensor)
 
 
 def replay(model, events, grad=False):
@@ -555,22 +540,25 @@ def attach(variant, model):
 
 
 def measure(model, run, variants, repeats, inner, clock=time.perf_counter):
-    """Median seconds per replayed forward of each variant (round-robin; hooks attached per round),
-    by ``clock``."""
-    samples = {v: [] for v in variants}
-    for _ in range(repeats):
-        for variant in variants:
+    """Median seconds per replayed forward of each variant, by ``clock`` (round-robin; each round
+    attaches the variant's hooks, warms them with one forward and times ``inner`` more)."""
+    def timed(variant):
+        def step(index):
             detach = attach(variant, model)
             try:
                 run()  # warm: lazy buffers, backend choice, the launcher bound to the core
                 start = clock()
                 for _ in range(inner):
                     run()
-                samples[variant].append((clock() - start) / inner)
+                return (clock() - start) / inner
             finally:
                 detach()
+        return step
+
+    medians = _shared.round_robin({variant: timed(variant) for variant in variants}, repeats, warm_up=0,
+                                  self_timed=True)
     COUNT.reset()
-    return {v: statistics.median(s) for v, s in samples.items()}
+    return medians
 
 
 TIMED_COUNTERS = ("compute_s", "flush_s", "flush_before_read_s")
@@ -652,9 +640,7 @@ class _OpCounter:
 def small_widths(layers, dtype=torch.float32):
     """GPT-2 small's module tree (its hooks) at small widths: n_embd 96 (12 heads of 8), vocab 512,
     in training mode."""
-    config = transformers.GPT2Config(n_layer=layers, n_embd=96, n_head=12, vocab_size=512, n_positions=64)
-    torch.manual_seed(0)
-    return transformers.GPT2LMHeadModel(config).to(dtype).train()
+    return _shared.gpt2(layers, 96, 12, 512, 64).to(dtype).train()
 
 
 def model_ops(layers):

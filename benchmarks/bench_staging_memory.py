@@ -47,17 +47,15 @@ def child(options, mode, batch, seq):
     import ctypes
 
     import torch
-    import transformers
 
+    import _shared
     import overflow_fast.stats.kinds
     from overflow_fast import DebugUnderflowOverflow
 
     overflow_fast.stats.kinds.CPU_AS_DEVICE = True  # these CPU tensors stand for a GPU's
     libc = ctypes.CDLL("libc.so.6")
 
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024)
-    model = transformers.GPT2LMHeadModel(config)
+    model = _shared.gpt2(**_shared.GPT2_SMALL)
     if options is not None:
         DebugUnderflowOverflow(model, **options)
     ids = torch.randint(0, 50257, (batch, seq))

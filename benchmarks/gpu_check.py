@@ -103,6 +103,8 @@ for _path in (HERE, os.path.join(ROOT, "tests"), ROOT):  # this checkout's packa
         sys.path.remove(_path)
     sys.path.insert(0, _path)
 
+import _shared  # noqa: E402 - the benchmarks' shared builders (the standard library only at import)
+
 PHASES = (  # name, share of the budget, what it needs besides torch
     ("direct-launch", 0.15, ("triton",)),  # its Triton compiles are cached for the phases after it
     ("exactness", 0.12, ("triton",)),
@@ -874,15 +876,6 @@ def make_timer(device):
     return timer
 
 
-def reference_ops(tensors):
-    """The reference's per-tensor work: abs, formatted min/max (two syncs), nan and inf checks."""
-    for x in tensors:
-        a = x.abs()
-        _ = f"{a.min():8.2e} {a.max():8.2e}"
-        torch.isnan(x).any().item()
-        torch.isinf(x).any().item()
-
-
 def copy_bandwidth(device, timer, numel):
     src = torch.ones(numel, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
@@ -922,7 +915,7 @@ def bench_sizes(device, timer, sizes, dtypes, copy_gbps, deadline=math.inf):
             else:
                 t_triton = timer(lambda x=x: triton_be.compute([x]))
             t_torch = timer(lambda x=x: torch_be.compute([x]))
-            t_ref = timer(lambda x=x: reference_ops([x]))
+            t_ref = timer(lambda x=x: _shared.reference_reads([x]))
             rows.append(result_row(f"{str(dtype)[6:]} x1", numel, numel * dtype.itemsize,
                                    t_triton, t_torch, t_ref, copy_gbps))
             print("  " + format_row(rows[-1]), flush=True)
@@ -946,7 +939,7 @@ def bench_mixed(device, timer, tensors, copy_gbps):
     numel = sum(t.numel() for t in tensors)
     t_triton = timer(lambda: triton_be.compute(tensors))
     t_torch = timer(lambda: torch_be.compute(tensors))
-    t_ref = timer(lambda: reference_ops(tensors))
+    t_ref = timer(lambda: _shared.reference_reads(tensors))
     row = result_row(f"mixed x{len(tensors)}", numel, nbytes, t_triton, t_torch, t_ref, copy_gbps)
     print("  " + format_row(row), flush=True)
     return row
@@ -1058,12 +1051,9 @@ VARIANT_NOTES = {
 
 
 def gpt2_config(tiny):
-    import transformers
-
     if tiny:  # the dry run: 1 layer, everything small
-        return transformers.GPT2Config(n_layer=1, n_embd=64, n_head=2, vocab_size=512, n_positions=64,
-                                       bos_token_id=0, eos_token_id=0)
-    return transformers.GPT2Config(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024)
+        return _shared.gpt2_config(1, 64, 2, 512, 64, bos_token_id=0, eos_token_id=0)
+    return _shared.gpt2_config(**_shared.GPT2_SMALL)
 
 
 def llama_config(tiny):

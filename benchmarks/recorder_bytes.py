@@ -43,13 +43,8 @@ def main():
     print("| model | options | frames | records/step | bytes/step | bytes/record |")
     print("|---|---|---:|---:|---:|---:|")
     for n_layer in (2, 12):
-        if n_layer == 2:
-            model = models.gpt2(torch.float16)
-        else:  # GPT-2 small's module tree (12 blocks) at the test config's widths
-            import transformers
-
-            config = transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=16, n_layer=n_layer, n_head=2)
-            model = transformers.GPT2LMHeadModel(config).to(torch.float16).eval()
+        # at 12 blocks: GPT-2 small's module tree at the test config's widths
+        model = models.gpt2(torch.float16, n_layer=n_layer)
         for label, options in (("default", {}), ("kwargs, containers", {"kwargs": True, "containers": True})):
             r = bytes_per_step(model, models.token_batch(0), **options)
             print(f"| GPT-2 tests/models.py, n_layer={n_layer} | {label} | {r['frames']} | {r['records']} | "

@@ -10,9 +10,8 @@ def seeded(seed=0):
 
 def gpt2(dtype=torch.float32, **overrides):
     seeded()
-    config = transformers.GPT2Config(
-        vocab_size=64, n_positions=32, n_embd=16, n_layer=2, n_head=2, **overrides
-    )
+    config = transformers.GPT2Config(**dict(dict(vocab_size=64, n_positions=32, n_embd=16, n_layer=2, n_head=2),
+                                            **overrides))
     return transformers.GPT2LMHeadModel(config).to(dtype).eval()
 
 
