@@ -5,9 +5,10 @@ stubbed: the GPU path's host work without a GPU).
 Two measurements, each side by side in one process (this machine's speed drifts ~2x between
 runs minutes apart, so only figures from the same process compare):
 
-- **pieces:** timers around the detector's post hook (the whole hook), ``entries_of`` (the call's
-  entries and tensors), ``Reads.add`` (the C++ bookkeeping and, in the same call, the launch by
-  the device's bound launcher), the Python engine call for what the launcher hands back
+- **pieces:** timers around the detector's post hook (the whole hook), the call's entries and
+  tensors (one C++ pass, ``hook_core.EntriesOf.forward``), ``Passes.add`` (the call queued, and
+  within it ``Reads.add``: the C++ bookkeeping and, in the same call, the launch by the device's
+  bound launcher), the Python engine call for what the launcher hands back
   (``tensor_stats``: the device's first read, declined calls), ``flush`` and the pre hook,
   medians over forwards (each timer adds about 0.1 us to what it wraps);
 - **garbage collection:** the detector with the collector on and off, with the no-hook replay and
@@ -28,10 +29,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _results  # noqa: E402
+import _shared  # noqa: E402
 import bench_host_path as host  # noqa: E402
 
 from overflow_fast import DebugUnderflowOverflow  # noqa: E402
-from overflow_fast.hooks import detector as detector_module  # noqa: E402
+from overflow_fast.hooks import passes as passes_module  # noqa: E402
 from overflow_fast.hooks import reads as reads_module  # noqa: E402
 from overflow_fast.hooks.passes import Passes  # noqa: E402
 
@@ -52,30 +54,49 @@ def hook_sequence(layers, batch, seq):
     return model, lambda: host.replay(model, events), hooks
 
 
+class _TimedEntries:
+    """A pass's entries reader (``hook_core.entries_reader``: one C++ pass where the extension
+    loads) with its ``forward`` timed as ``timer`` says."""
+
+    def __init__(self, reader, timer):
+        self._reader = reader
+        self.forward = timer(reader.forward)
+
+    def __getattr__(self, name):
+        return getattr(self._reader, name)
+
+
 def pieces(model, run, hooks, forwards):
     """us per hook in each timed piece, medians over ``forwards`` forwards."""
     spent = {}
 
-    def timed(owner, name, label):
-        real = getattr(owner, name)
-
+    def timer(real, label):
         def call(*args, **kwargs):
             start = time.perf_counter_ns()
             try:
                 return real(*args, **kwargs)
             finally:
                 spent[label] = spent.get(label, 0) + time.perf_counter_ns() - start
-        return host.patched(owner, name, call)
+        return call
+
+    def timed(owner, name, label):
+        return host.patched(owner, name, timer(getattr(owner, name), label))
+
+    real_reader = passes_module.entries_reader
+
+    def entries_reader(*args, **kwargs):
+        return _TimedEntries(real_reader(*args, **kwargs), lambda real: timer(real, "entries"))
 
     Detector = DebugUnderflowOverflow
     samples = []
-    with timed(Detector, "_after", "whole hook"), timed(detector_module, "entries_of", "entries_of"), \
-            timed(reads_module.Reads, "add", "Reads.add"), timed(reads_module.Reads, "_stats", "tensor_stats"), \
-            timed(Passes, "flush", "flush"), timed(Detector, "_before", "pre hook"):
+    labels = ("whole hook", "entries", "Passes.add", "Reads.add", "tensor_stats", "flush", "pre hook")
+    with timed(Detector, "_after", "whole hook"), host.patched(passes_module, "entries_reader", entries_reader), \
+            timed(Passes, "add", "Passes.add"), timed(reads_module.Reads, "add", "Reads.add"), \
+            timed(reads_module.Reads, "_stats", "tensor_stats"), timed(Passes, "flush", "flush"), \
+            timed(Detector, "_before", "pre hook"):
         detector = Detector(model, check="batch")
         run()
         run()
-        labels = ("whole hook", "entries_of", "Reads.add", "tensor_stats", "flush", "pre hook")
         for _ in range(forwards):
             spent.clear()
             spent.update(dict.fromkeys(labels, 0))  # a piece that never ran: 0
@@ -88,30 +109,34 @@ def pieces(model, run, hooks, forwards):
 
 def collector_cost(model, run, hooks, rounds):
     """us per hook of: the floor hook, the detector with the collector on, and off."""
-    variants = ("none", "floor", "collector on", "collector off")
-    times = {variant: [] for variant in variants}
-    for _ in range(rounds):
-        for variant in variants:
+    def step(variant):
+        def timed(index):
             if variant == "none":
                 detach = None
             elif variant == "floor":
                 detach = host.attach("floor", model)
             else:
                 detach = DebugUnderflowOverflow(model, check="batch").remove
-            run()
             enabled = gc.isenabled()
-            if variant == "collector off":
-                gc.disable()
-            start = time.perf_counter()
-            for _ in range(3):
+            try:
                 run()
-            times[variant].append((time.perf_counter() - start) / 3)
-            if enabled:
-                gc.enable()
-            if detach is not None:
-                detach()
-    none = statistics.median(times["none"])
-    return {variant: (statistics.median(times[variant]) - none) / hooks * 1e6 for variant in variants[1:]}
+                if variant == "collector off":
+                    gc.disable()
+                start = time.perf_counter()
+                for _ in range(3):
+                    run()
+                return (time.perf_counter() - start) / 3
+            finally:
+                if enabled:
+                    gc.enable()
+                if detach is not None:
+                    detach()
+        return timed
+
+    variants = ("none", "floor", "collector on", "collector off")
+    medians = _shared.round_robin({variant: step(variant) for variant in variants}, rounds, warm_up=0,
+                                  self_timed=True)
+    return {variant: (medians[variant] - medians["none"]) / hooks * 1e6 for variant in variants[1:]}
 
 
 def main(argv=None):
@@ -133,8 +158,8 @@ def main(argv=None):
     print("|---|---|")
     for label, value in split.items():
         print(f"| {label} | {value:.2f} |")
-    inside = split.get("entries_of", 0) + split.get("Reads.add", 0) + split.get("flush", 0)
-    print(f"| whole hook less entries_of, Reads.add and flush | {split['whole hook'] - inside:.2f} |")
+    inside = split["entries"] + split["Passes.add"] + split["flush"]
+    print(f"| whole hook less entries, Passes.add and flush | {split['whole hook'] - inside:.2f} |")
     print(f"| gen-0 collections (collector on - off) | {collector['collector on'] - collector['collector off']:.2f} |")
     print(f"floor hook {collector['floor']:.2f}; detector {collector['collector on']:.2f} with the collector on, "
           f"{collector['collector off']:.2f} off")
