@@ -21,6 +21,7 @@ entries).
 """
 
 import argparse
+import importlib
 import os
 import sys
 import time
@@ -198,14 +199,9 @@ def _reader(choice):
 
 
 def run_report(args):
-    plot = None
-    if args.png:  # fail before reading a big file
-        try:
-            from .report import plot
-        except ImportError as error:
-            print(f"overflow-fast: --png needs matplotlib ({error}); install it with: "
-                  f"pip install overflow_fast[plot]", file=sys.stderr)
-            return 1
+    plot = _drawing("plot") if args.png else None
+    if args.png and plot is None:
+        return 1
     try:
         reader = _reader(args.engine)
     except ImportError as error:
@@ -240,25 +236,17 @@ def run_report(args):
               file=sys.stderr)
         return 1
     print(summary_text(summary, paths))
-    if plot is not None:
-        if not summary.entries:
-            print("overflow-fast: no tensor entries to draw", file=sys.stderr)
-            return 1
-        return _draw(plot, summary, args, ", ".join(os.path.basename(p) for p in paths))
-    return 0
+    if plot is None:
+        return 0
+    return _draw(plot, summary, summary.entries, "tensor entries", args, ", ".join(os.path.basename(p) for p in paths))
 
 
 def run_diff(args):
     from .report.diff_parts import diff_logs
 
-    plot = None
-    if args.png:  # fail before reading big files
-        try:
-            from .report import diff_plot as plot
-        except ImportError as error:
-            print(f"overflow-fast: --png needs matplotlib ({error}); install it with: "
-                  f"pip install overflow_fast[plot]", file=sys.stderr)
-            return 1
+    plot = _drawing("diff_plot") if args.png else None
+    if args.png and plot is None:
+        return 1
     paths = [args.log_a, args.log_b]
     options = dict(rtol=args.rtol, atol=args.atol, stat=args.stat, grid=plot is not None)
     try:
@@ -275,16 +263,28 @@ def run_diff(args):
                  f"({reader.malformed_lines[0][1]}))" if reader.malformed else ""), file=sys.stderr)
         return 1
     print(diff.text(paths))
-    if plot is not None:
-        if not diff.modules:
-            print("overflow-fast: no aligned entries to draw", file=sys.stderr)
-            return 1
-        return _draw(plot, diff, args, " vs ".join(os.path.basename(p) for p in paths))
-    return 0
+    if plot is None:
+        return 0
+    return _draw(plot, diff, diff.modules, "aligned entries", args, " vs ".join(os.path.basename(p) for p in paths))
 
 
-def _draw(plot, drawn, args, title_source):
-    """``--png``: ``plot`` draws ``drawn`` (a summary or a diff); the exit status."""
+def _drawing(name):
+    """``--png``'s module ``report.<name>``, asked before a big file is read; None, said, without
+    matplotlib."""
+    try:
+        return importlib.import_module(f"{__package__}.report.{name}")
+    except ImportError as error:
+        print(f"overflow-fast: --png needs matplotlib ({error}); install it with: "
+              f"pip install overflow_fast[plot]", file=sys.stderr)
+        return None
+
+
+def _draw(plot, drawn, rows, what, args, title_source):
+    """``--png``: ``plot`` draws ``drawn`` (a summary or a diff) where it has ``rows`` of ``what``;
+    the exit status."""
+    if not rows:
+        print(f"overflow-fast: no {what} to draw", file=sys.stderr)
+        return 1
     try:
         size = plot.draw(drawn, args.png, size=args.size, curves=args.curves, title_source=title_source)
     except OSError as error:

@@ -185,16 +185,33 @@ def test_png_has_the_requested_size_and_is_not_blank(tmp_path, capsys):
     assert width == 1400 and 400 < height < 3000 and colours > 20
 
 
-def test_clear_error_without_matplotlib(tmp_path):
+@pytest.mark.parametrize("command", ["report", "diff"])
+def test_clear_error_without_matplotlib(tmp_path, command):
     path = write_run(tmp_path / "run.jsonl", steps=3)
     out_png = tmp_path / "out.png"
     code = ("import sys; sys.modules['matplotlib'] = None\n"
             "from overflow_fast.cli import main\n"
             "sys.exit(main(sys.argv[1:]))")
-    result = subprocess.run([sys.executable, "-c", code, "report", str(path), "--png", str(out_png)],
+    logs = [str(path)] if command == "report" else [str(path), str(path)]
+    result = subprocess.run([sys.executable, "-c", code, command, *logs, "--png", str(out_png)],
                             capture_output=True, text=True, env=child_env(), timeout=120)
     assert result.returncode == 1
     assert "pip install overflow_fast[plot]" in result.stderr and "matplotlib" in result.stderr
+    assert not out_png.exists()
+
+
+@pytest.mark.parametrize("engine", ["python", "duckdb"])
+def test_a_log_without_tensor_entries_prints_its_summary_and_draws_nothing(tmp_path, capsys, engine):
+    pytest.importorskip("matplotlib")
+    if engine == "duckdb":
+        pytest.importorskip("duckdb")
+    path = tmp_path / "run.jsonl"
+    with Recorder(path) as recorder:
+        recorder.write([detection_record(2, "forward", "h.1", "Linear", ["output"])])
+    out_png = tmp_path / "out.png"
+    code, out, err = report(capsys, path, "--png", out_png, "--engine", engine)
+    assert code == 1 and "no tensor entries to draw" in err
+    assert "first non-finite" in out  # the summary itself is printed
     assert not out_png.exists()
 
 

@@ -322,7 +322,8 @@ def read_files(paths, summary, progress=None):
         if tables:
             _merge(summary, tables, details)
         if summary.timeline.keep_bins and files:
-            firsts = {(module, entry): first for module, entry, _, first in tables["sub"]} if tables else {}
+            # (a log without entry records has no subnormal table)
+            firsts = {(module, entry): first for module, entry, _, first in tables.get("sub", ())} if tables else {}
             _cells(con, summary, paths, {row["index"]: scannable[row["index"]] for row in files}, firsts)
     finally:
         con.close()
