@@ -7,7 +7,7 @@ launches and uploads. This script runs that host work for real and stubs one thi
 call:
 
 - The path: CPU tensors are routed to the ``triton`` backend (``supports`` and
-  ``unavailable_reason`` patched, ``dispatch._PREFERRED["cpu"] = "triton"``), and each device's
+  ``unavailable_reason`` patched, ``dispatch.preferring("cpu", "triton")``), and each device's
   C++ launcher is made with the "count" driver (``triton_launch._launcher_driver`` patched):
   everything before the driver call runs as on a GPU, the launch predicate included (it reads the
   installed Triton's real launch hooks); the driver call counts the launch and its programs and
@@ -229,11 +229,14 @@ def _counting_launch(real):
     return launch
 
 
+_REAL_FLAT_SOURCE = triton_table._flat_source
+
+
 def _flat_source(tensor):
     """triton_table._flat_source, except that the copy of a non-dense tensor (one ATen kernel on
     a GPU) is counted and stands as an uninitialised tensor: its data are never read here."""
     if tensor.is_neg() or tensor.is_contiguous() or triton_table._is_dense(tensor):
-        return triton_table._REAL_FLAT_SOURCE(tensor)
+        return _REAL_FLAT_SOURCE(tensor)
     COUNT.copies += 1
     COUNT.copy_bytes += tensor.numel() * tensor.element_size()
     return torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
@@ -286,7 +289,6 @@ def triton_on_cpu():
         return (tensor.device.type == "cpu" and tensor.dtype in triton_backend.SUPPORTED_DTYPES
                 and tensor.layout == torch.strided)
 
-    triton_table._REAL_FLAT_SOURCE = triton_table._flat_source
     with contextlib.ExitStack() as stack:
         for obj, name, value in (
             # the face's names are the dispatch's, the owners' the backend's own calls
@@ -307,20 +309,11 @@ def triton_on_cpu():
             (overflow_fast.stats.kinds, "CPU_AS_DEVICE", True),  # these CPU tensors stand for GPU ones
         ):
             stack.enter_context(patched(obj, name, value))
-        preferred = dict(dispatch._PREFERRED)
-        dispatch._PREFERRED["cpu"] = "triton"
-        dispatch._loaded.pop("triton", None)  # its cached unavailable_reason
-        dispatch._choices.clear()
-        dispatch._READERS.clear()
+        stack.enter_context(dispatch.preferring("cpu", "triton"))
         triton_backend.forget_devices()
         try:
             yield
         finally:
-            dispatch._PREFERRED.clear()
-            dispatch._PREFERRED.update(preferred)
-            dispatch._loaded.pop("triton", None)
-            dispatch._choices.clear()
-            dispatch._READERS.clear()
             triton_backend.forget_devices()
 
 
@@ -380,7 +373,7 @@ def instrumented():
             flush_start[0] = None
             COUNT.flush_s += CLOCK[0]() - start
 
-    dispatch._READERS.clear()  # the hook layer's cached entry: the timed one from now on
+    dispatch.forget_choices()  # the hook layer's cached entry: the timed one from now on
     reads = overflow_fast.hooks.reads.Reads
     with patched(triton_backend, "compute", compute), patched(triton_backend, "scan", scan), \
             patched(triton_backend, "read_into", read_into), \
@@ -391,7 +384,7 @@ def instrumented():
         try:
             yield
         finally:
-            dispatch._READERS.clear()
+            dispatch.forget_choices()
 
 
 # -- the model, the recorded hook sequence and its replay ---------------------------------------------

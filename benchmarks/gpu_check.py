@@ -1359,7 +1359,7 @@ def ordinary_launch():
     previous = os.environ.get(DIRECT_LAUNCH)
     os.environ[DIRECT_LAUNCH] = "0"
     triton_be.forget_devices()
-    dispatch._READERS.clear()
+    dispatch.forget_choices()
     try:
         yield
     finally:
@@ -1368,7 +1368,7 @@ def ordinary_launch():
         else:
             os.environ[DIRECT_LAUNCH] = previous
         triton_be.forget_devices()
-        dispatch._READERS.clear()
+        dispatch.forget_choices()
 
 
 def _host_pass(ctx, hp, model, run, hooks, what, repeats, inner, deadline, suffix):

@@ -128,6 +128,22 @@ def test_broken_backend_warns_once_and_falls_back(monkeypatch):
     assert dispatch.backend_status()["cpu"] is not None
 
 
+def test_a_preferred_backend_holds_within_its_block_and_the_choice_is_made_again_after(monkeypatch):
+    monkeypatch.setitem(dispatch._MODULES, "broken", "overflow_fast.no_such_module")
+    monkeypatch.setattr(dispatch, "_warned", set())
+    monkeypatch.delenv("OVERFLOW_FAST_BACKEND", raising=False)
+    x = torch.tensor([-3.0, float("-inf"), 0.0, 1e-40])
+    before = tensor_stats([x]).tolist()
+    with dispatch.preferring("cpu", "broken"):
+        with pytest.warns(RuntimeWarning, match="'broken' backend is unavailable"):
+            within = tensor_stats([x]).tolist()  # the torch backend, said
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        after = tensor_stats([x]).tolist()  # the CPU's own choice again, nothing to say
+    assert before == within == after
+    assert after[0]["neginf"] == 1 and after[0]["zero"] == 1 and after[0]["subnormal"] == 1
+
+
 @pytest.mark.parametrize("backend, split", [("torch", False), (None, False), (None, True)])
 def test_rows_written_into_out(backend, split, monkeypatch):
     # rows of a larger buffer, as check="batch" uses it; with `split`, complex goes to the torch

@@ -224,12 +224,8 @@ def triton_on_cpu(monkeypatch):
     monkeypatch.setattr(tb, "scan", scan)
     monkeypatch.setattr(triton_table, "scan", scan)
     monkeypatch.setattr(tb, "MAX_READ_LAUNCHES", 0)  # the table path: the per-hook kernel takes no call
-    monkeypatch.setitem(dispatch._PREFERRED, "cpu", "triton")
-    monkeypatch.delitem(dispatch._loaded, "triton", raising=False)
-    dispatch._choices.clear()
-    yield scans
-    dispatch._loaded.pop("triton", None)
-    dispatch._choices.clear()
+    with dispatch.preferring("cpu", "triton"):
+        yield scans
 
 
 def test_tensor_stats_takes_the_cpp_table(triton_on_cpu):

@@ -2,6 +2,7 @@
 available backend for each device. Compiled backends load lazily; a missing or broken one warns
 once and falls back to the torch backend, so ``import overflow_fast`` never fails because of it."""
 
+import contextlib
 import importlib
 import os
 import sys
@@ -45,6 +46,33 @@ def _load(name):
         _choices.clear()
         _READERS.clear()
     return _loaded[name]
+
+
+def forget_choices():
+    """Forget what was decided (the backends loaded and their availability, each device's backend
+    and read): the next call decides again, as in a fresh process. For a test or a benchmark that
+    changes what a backend supports; the package never calls it."""
+    _loaded.clear()
+    _choices.clear()
+    _READERS.clear()
+
+
+@contextlib.contextmanager
+def preferring(device_type, name):
+    """Within it, ``device_type``'s tensors go to backend ``name`` where none is requested (a test or
+    benchmark standing CPU tensors in for a GPU's); what was decided is forgotten on the way in and
+    on the way out."""
+    before = _PREFERRED.get(device_type)
+    _PREFERRED[device_type] = name
+    forget_choices()
+    try:
+        yield
+    finally:
+        if before is None:
+            del _PREFERRED[device_type]
+        else:
+            _PREFERRED[device_type] = before
+        forget_choices()
 
 
 def backend_status():
