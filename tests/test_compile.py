@@ -139,6 +139,35 @@ def test_inductor_compiled_model_prints_what_eager_prints():
 
 
 @whole_graphs
+@whole_graphs
+@pytest.mark.parametrize("without", ["the kernel's op", "backend='torch'"])
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+def test_the_torch_backends_ops_trace_whole_where_the_kernels_op_is_not_taken(monkeypatch, without, compiler):
+    # no C++ extension (no compiler), or the torch backend asked for: the reads under the tracer
+    # are the torch backend's ops, with no graph break, and print exactly what eager prints
+    if without == "the kernel's op":
+        from overflow_fast.stats import ops
+
+        monkeypatch.setattr(ops, "HAVE_CPU_OPS", False)
+        options = {}
+    else:
+        options = {"backend": "torch"}
+    batches = mlp_batches(2)
+    batches[3][0, 0] = float("nan")
+    eager = mlp()
+    DebugUnderflowOverflow(eager, check="batch", max_frames_to_save=6, **options)
+    want = run(eager, batches)
+    explained = mlp()
+    DebugUnderflowOverflow(explained, check="batch", **options)
+    explained = dynamo.explain(explained)(mlp_batches(None)[0])
+    assert explained.graph_break_count == 0, [str(r.reason)[:200] for r in explained.break_reasons]
+    dynamo.reset()
+    model = mlp()
+    DebugUnderflowOverflow(model, check="batch", max_frames_to_save=6, **options)
+    got = run(torch.compile(model, backend=compiler), batches)
+    assert got == want and "has infs" in got[0]
+
+
 def test_no_recompile_from_batch_to_batch():
     model = mlp()
     detector = attach(model, "batch")

@@ -233,6 +233,19 @@ def _host_row(x: torch.Tensor):
     return None
 
 
+def traces(dtype) -> bool:
+    """Whether ``_row`` reads ``dtype`` (``traced_rows`` takes it)."""
+    return (dtype == torch.bool or dtype in SMALLEST_NORMAL or dtype in _SIGNED_INT_MIN or dtype == torch.uint8
+            or dtype in _UNSIGNED_VIA_INT64 or dtype == _UINT64)
+
+
+def traced_rows(tensors, out=None) -> torch.Tensor:
+    """``compute``'s rows while torch.compile traces: every row through ``_row``'s device ops (the
+    CPU's early exit reads values on the host, which a graph cannot). Every dtype ``traces``."""
+    rows = torch.stack([_row(t.detach()) for t in tensors])
+    return rows if out is None else out.copy_(rows)
+
+
 def compute(tensors, out=None) -> torch.Tensor:
     """Statistics rows, ``[len(tensors), 8]`` int64 on the tensors' (common) device (into ``out``).
 
