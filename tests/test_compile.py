@@ -140,8 +140,7 @@ def test_inductor_compiled_model_prints_what_eager_prints():
 
 @whole_graphs
 @whole_graphs
-@pytest.mark.parametrize("without", ["the kernel's op", "backend='torch'"])
-@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("without, compiler", [("the kernel's op", "inductor"), ("backend='torch'", "aot_eager")])
 def test_the_torch_backends_ops_trace_whole_where_the_kernels_op_is_not_taken(monkeypatch, without, compiler):
     # no C++ extension (no compiler), or the torch backend asked for: the reads under the tracer
     # are the torch backend's ops, with no graph break, and print exactly what eager prints
