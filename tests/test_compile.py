@@ -139,7 +139,6 @@ def test_inductor_compiled_model_prints_what_eager_prints():
 
 
 @whole_graphs
-@whole_graphs
 @pytest.mark.parametrize("without, compiler", [("the kernel's op", "inductor"), ("backend='torch'", "aot_eager")])
 def test_the_torch_backends_ops_trace_whole_where_the_kernels_op_is_not_taken(monkeypatch, without, compiler):
     # no C++ extension (no compiler), or the torch backend asked for: the reads under the tracer
@@ -167,6 +166,7 @@ def test_the_torch_backends_ops_trace_whole_where_the_kernels_op_is_not_taken(mo
     assert got == want and "has infs" in got[0]
 
 
+@whole_graphs
 def test_no_recompile_from_batch_to_batch():
     model = mlp()
     detector = attach(model, "batch")
