@@ -232,3 +232,23 @@ def test_a_builtin_sequential_root():
     graphs, got = unique_graphs(model, mlp_batches(2) * 2)
     assert graphs <= 1
     assert got == eager_report("batch", mlp_batches(2) * 2, make=make) and "has infs" in got[0]
+
+
+@whole_graphs
+def test_a_backend_named_that_cannot_run_is_not_replaced_under_compile(monkeypatch):
+    # backend="cpu" without the kernel: compiled, the read says so as the eager one does, rather
+    # than taking the torch backend's rows in its place
+    from overflow_fast.stats import cpu_backend, dispatch, ops
+
+    monkeypatch.setattr(ops, "HAVE_CPU_OPS", False)
+    monkeypatch.setattr(cpu_backend, "unavailable_reason", lambda: "no kernel in this test")
+    monkeypatch.setattr(dispatch, "_loaded", {})
+    monkeypatch.setattr(dispatch, "_choices", {})
+
+    def read(x):
+        return dispatch.tensor_stats([x], backend="cpu").values
+
+    with pytest.raises(RuntimeError, match="backend='cpu' is unavailable"):
+        read(torch.ones(3))
+    with pytest.raises(Exception, match="backend='cpu' is unavailable"):
+        torch.compile(read, backend="aot_eager")(torch.ones(3))

@@ -472,23 +472,24 @@ def _traced_tensor_stats(tensors, backend, out):
             return None
     name = _PREFERRED.get(device.type)
     requested = backend if backend is not None else (os.environ.get(ENV_VAR) or None)
-    if requested not in (None, name, "torch"):
-        return None
     if out is not None and (out.dtype != torch.int64 or out.device != device
                             or tuple(out.shape) != (len(tensors), NUM_COLUMNS)):
         return None  # the eager path raises its error
     from . import ops
 
-    if requested != "torch" and name is not None and ops.traceable(name, tensors):
+    if name is not None and requested in (None, name) and ops.traceable(name, tensors):
         rows = ops.compute(tensors, out)
-    else:
-        # no op of that backend here (no C++ extension, no Triton) or the torch backend asked for:
-        # the torch backend's device ops, which trace as they are (the same rows; no graph break)
+    elif requested is None or requested == "torch":
+        # the default's op is not here (no C++ extension, no Triton), or the torch backend asked for:
+        # the torch backend's device ops, which trace as they are (the same rows; no graph break).
+        # A backend named explicitly takes the eager path, which says why it cannot run.
         from . import torch_backend
 
         if not all(torch_backend.traces(t.dtype) for t in tensors):
             return None
         rows = torch_backend.traced_rows(tensors, out)
+    else:
+        return None
     return StatsBatch([t.dtype for t in tensors], [(range(len(tensors)), rows)])
 
 
