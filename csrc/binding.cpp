@@ -5,6 +5,8 @@
 // with the kernel picked for this CPU, and the per-thread partials are merged into one
 // [n, 8] int64 row per tensor (layout.py). Min, max and counts are exact, so the result does not
 // depend on how the work was split.
+// Built with NDEBUG defined (cpu_build.compile_flags), as a release build: pybind11 otherwise checks
+// the GIL at every reference count change.
 // Only the headers used: <torch/extension.h> (all of libtorch's C++ API) costs about 30 s of
 // compile time per translation unit on a small machine, most of the build.
 #include <ATen/EmptyTensor.h>

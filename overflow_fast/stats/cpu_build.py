@@ -257,7 +257,9 @@ def compile_flags(isa, ident):
     # deliberately uninitialised __Y (_mm512_undefined_epi32, GCC bug 105593) and c10::SmallVector's
     # inline buffer as "may be used uninitialized", hundreds of lines of false positives.
     # -Wno-unknown-pragmas: ATen's vec headers carry "#pragma unroll", which GCC does not know.
-    flags = ["-O3", "-fopenmp", "-ffp-contract=off", "-Wall", "-Wno-unknown-pragmas", *ISA_FLAGS[isa]]
+    # -DNDEBUG: a release build; without it pybind11 checks that the GIL is held at every reference
+    # count change (PyGILState_Check: a tenth of a hook's host work).
+    flags = ["-O3", "-DNDEBUG", "-fopenmp", "-ffp-contract=off", "-Wall", "-Wno-unknown-pragmas", *ISA_FLAGS[isa]]
     if _is_gcc():
         flags.append("-Wno-maybe-uninitialized")
     if isa in HAVE_MACRO:
