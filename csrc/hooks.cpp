@@ -2,9 +2,10 @@
 // again: a second would lengthen every first-use build):
 // - HookCore: when each hook's tensors are read and into which rows;
 // - what one hook call hands over: its entries (EntriesOf), its inputs' and outputs' versions
-//   (versions_of, for find_op), and the gradients arriving at its outputs (OutputGradients). Each
-//   has its specification in Python, which the tests hold equal: hooks/frames.py, hooks/culprit.py,
-//   and hooks/hook_core.py's OutputGradients.
+//   (versions_of, for find_op), the gradients arriving at its outputs (OutputGradients), and with
+//   find_op the call as its replay needs it (KeptCall). Each has its specification in Python, which
+//   the tests hold equal: hooks/frames.py, hooks/culprit.py, and hooks/hook_core.py's
+//   OutputGradients.
 //
 // HookCore: a hook hands over the tensors of one module call; the core answers, per tensor, the row
 // of its device's buffer that holds (or will hold) its statistics, and which tensors the caller must
@@ -25,6 +26,8 @@
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/Exceptions.h>
+
+#include <structmember.h>
 
 #include "hook_layer.h"
 #include "launch.h"
@@ -752,9 +755,234 @@ class EntriesOf {
   std::array<py::object, 16> outputs_;
 };
 
+// find_op's record of one hooked call: hooks/culprit.py's KeptCall is its specification (the same
+// fields, set by the same rules; tests hold the two equal). Its construction runs at every hooked
+// call, so it is one C call here: the inputs' versions, the grad mode, its root and its ordinal
+// under the root. What only the root of a pass needs (the RNG states, whether it is a data-parallel
+// wrapper) is asked of Python, once per pass (the class's `_root_state`). A plain type with member
+// slots: Python reads its fields as fast as a class's __slots__, and a Python subclass adds the
+// methods (hooks/hook_core.py).
+struct KeptCallObject {
+  PyObject_HEAD
+  PyObject* module;
+  PyObject* args;
+  PyObject* kwargs;
+  PyObject* versions;
+  PyObject* parent;
+  PyObject* grad_enabled;
+  PyObject* autocast;
+  PyObject* output;
+  PyObject* output_versions;
+  PyObject* root;  // null for a root (a root holding itself would be a reference cycle)
+  PyObject* rng;
+  PyObject* counts;
+  PyObject* ordinal;
+  PyObject* wraps;
+  PyObject* kept;
+};
+
+#define KEPT_CALL_FIELDS(X)                                                                            \
+  X(module) X(args) X(kwargs) X(versions) X(parent) X(grad_enabled) X(autocast) X(output) X(output_versions) \
+  X(root) X(rng) X(counts) X(ordinal) X(wraps) X(kept)
+
+PyTypeObject kept_call_type = {PyVarObject_HEAD_INIT(nullptr, 0)};
+
+int kept_call_traverse(PyObject* self, visitproc visit, void* arg) {
+  auto* call = reinterpret_cast<KeptCallObject*>(self);
+#define VISIT(field) Py_VISIT(call->field);
+  KEPT_CALL_FIELDS(VISIT)
+#undef VISIT
+  return 0;
+}
+
+int kept_call_clear(PyObject* self) {
+  auto* call = reinterpret_cast<KeptCallObject*>(self);
+#define CLEAR(field) Py_CLEAR(call->field);
+  KEPT_CALL_FIELDS(CLEAR)
+#undef CLEAR
+  return 0;
+}
+
+void kept_call_dealloc(PyObject* self) {
+  // (a Python subclass's own dealloc releases its type after this)
+  PyObject_GC_UnTrack(self);
+  kept_call_clear(self);
+  Py_TYPE(self)->tp_free(self);
+}
+
+// KeptCall(module, args, kwargs, parent, autocast, started=True): culprit.KeptCall.__init__.
+PyObject* kept_call_new(PyTypeObject* type, PyObject* arguments, PyObject* keywords) {
+  static const char* names[] = {"module", "args", "kwargs", "parent", "autocast", "started", nullptr};
+  PyObject* module = nullptr;
+  PyObject* args = nullptr;
+  PyObject* kwargs = nullptr;
+  PyObject* parent_object = nullptr;
+  PyObject* autocast = nullptr;
+  int started = 1;
+  if (!PyArg_ParseTupleAndKeywords(arguments, keywords, "OOOOO|p:KeptCall", const_cast<char**>(names), &module, &args,
+                                   &kwargs, &parent_object, &autocast, &started)) {
+    return nullptr;
+  }
+  if (parent_object != Py_None && !PyObject_TypeCheck(parent_object, &kept_call_type)) {
+    PyErr_SetString(PyExc_TypeError, "KeptCall: parent must be a KeptCall or None");
+    return nullptr;
+  }
+  PyObject* versions = nullptr;
+  try {
+    versions = versions_of(args, kwargs).release().ptr();
+  } catch (py::error_already_set& error) {
+    error.restore();
+    return nullptr;
+  } catch (const std::exception& error) {
+    PyErr_SetString(PyExc_RuntimeError, error.what());
+    return nullptr;
+  }
+  auto* call = reinterpret_cast<KeptCallObject*>(type->tp_alloc(type, 0));
+  if (call == nullptr) {
+    Py_DECREF(versions);
+    return nullptr;
+  }
+  PyObject* self = reinterpret_cast<PyObject*>(call);
+  call->versions = versions;
+  call->module = Py_NewRef(module);
+  call->args = Py_NewRef(args);
+  call->kwargs = Py_NewRef(kwargs);
+  call->parent = Py_NewRef(parent_object);
+  call->grad_enabled = PyBool_FromLong(at::GradMode::is_enabled());
+  call->autocast = Py_NewRef(autocast);
+  call->kept = Py_NewRef(Py_True);
+  auto* parent = parent_object == Py_None ? nullptr : reinterpret_cast<KeptCallObject*>(parent_object);
+  KeptCallObject* root = nullptr;
+  if (parent == nullptr || parent->wraps == Py_True) {
+    // (rng, wraps) of a root: its RNG states (None when it was seen only as it ended) and whether
+    // it is a data-parallel wrapper (only the outermost call can be one)
+    PyObject* state = PyObject_CallMethod(reinterpret_cast<PyObject*>(type), "_root_state", "OOO", module,
+                                          parent == nullptr ? Py_True : Py_False, started ? Py_True : Py_False);
+    if (state == nullptr) {
+      Py_DECREF(self);
+      return nullptr;
+    }
+    if (!PyTuple_Check(state) || PyTuple_GET_SIZE(state) != 2) {
+      Py_DECREF(state);
+      Py_DECREF(self);
+      PyErr_SetString(PyExc_TypeError, "KeptCall._root_state must return (rng, wraps)");
+      return nullptr;
+    }
+    call->rng = Py_NewRef(PyTuple_GET_ITEM(state, 0));
+    call->wraps = PyBool_FromLong(PyObject_IsTrue(PyTuple_GET_ITEM(state, 1)) == 1);
+    Py_DECREF(state);
+    call->counts = PyDict_New();
+    if (call->counts == nullptr) {
+      Py_DECREF(self);
+      return nullptr;
+    }
+    root = call;
+  } else {
+    root = parent->root == nullptr || parent->root == Py_None ? parent : reinterpret_cast<KeptCallObject*>(parent->root);
+    call->root = Py_NewRef(reinterpret_cast<PyObject*>(root));
+    call->wraps = Py_NewRef(Py_False);
+  }
+  if (parent != nullptr && parent->module == module) {  // one call hooked twice (a module under two parents)
+    call->ordinal = Py_NewRef(parent->ordinal == nullptr ? Py_None : parent->ordinal);
+    return self;
+  }
+  if (root->counts == nullptr || !PyDict_CheckExact(root->counts)) {
+    Py_DECREF(self);
+    PyErr_SetString(PyExc_TypeError, "KeptCall: the root's counts must be a dict");
+    return nullptr;
+  }
+  PyObject* key = PyLong_FromVoidPtr(module);  // id(module)
+  if (key == nullptr) {
+    Py_DECREF(self);
+    return nullptr;
+  }
+  PyObject* before = PyDict_GetItemWithError(root->counts, key);  // borrowed
+  PyObject* next = nullptr;
+  if (before == nullptr) {
+    if (PyErr_Occurred() == nullptr) {
+      call->ordinal = PyLong_FromLong(0);
+      next = PyLong_FromLong(1);
+    }
+  } else {
+    call->ordinal = Py_NewRef(before);
+    PyObject* one = PyLong_FromLong(1);
+    next = one == nullptr ? nullptr : PyNumber_Add(before, one);
+    Py_XDECREF(one);
+  }
+  const bool failed = call->ordinal == nullptr || next == nullptr || PyDict_SetItem(root->counts, key, next) < 0;
+  Py_XDECREF(next);
+  Py_DECREF(key);
+  if (failed) {
+    Py_DECREF(self);
+    return nullptr;
+  }
+  return self;
+}
+
+// call.returned(output): its output as it returned, and the versions of its tensors then (one
+// level deep: a tensor, or the tensors of a tuple or list), as culprit.KeptCall.returned.
+PyObject* kept_call_returned(PyObject* self, PyObject* output) {
+  auto* call = reinterpret_cast<KeptCallObject*>(self);
+  PyObject* versions = nullptr;
+  try {
+    if (THPVariable_Check(output)) {
+      versions = versions_of(py::make_tuple(py::handle(output)), py::none()).release().ptr();
+    } else if (PyTuple_Check(output) || PyList_Check(output)) {
+      versions = versions_of(output, py::none()).release().ptr();
+    } else {
+      versions = PyTuple_New(0);
+    }
+  } catch (py::error_already_set& error) {
+    error.restore();
+    return nullptr;
+  } catch (const std::exception& error) {
+    PyErr_SetString(PyExc_RuntimeError, error.what());
+    return nullptr;
+  }
+  if (versions == nullptr) {
+    return nullptr;
+  }
+  Py_XSETREF(call->output, Py_NewRef(output));
+  Py_XSETREF(call->output_versions, versions);
+  Py_RETURN_NONE;
+}
+
+#define KEPT_CALL_MEMBER(field, name) {name, T_OBJECT, offsetof(KeptCallObject, field), 0, nullptr},
+PyMemberDef kept_call_members[] = {
+    KEPT_CALL_MEMBER(module, "module") KEPT_CALL_MEMBER(args, "args") KEPT_CALL_MEMBER(kwargs, "kwargs")
+    KEPT_CALL_MEMBER(versions, "versions") KEPT_CALL_MEMBER(parent, "parent")
+    KEPT_CALL_MEMBER(grad_enabled, "grad_enabled") KEPT_CALL_MEMBER(autocast, "autocast")
+    KEPT_CALL_MEMBER(output, "_output") KEPT_CALL_MEMBER(output_versions, "output_versions")
+    KEPT_CALL_MEMBER(root, "_root") KEPT_CALL_MEMBER(rng, "rng") KEPT_CALL_MEMBER(counts, "counts")
+    KEPT_CALL_MEMBER(ordinal, "ordinal") KEPT_CALL_MEMBER(wraps, "wraps") KEPT_CALL_MEMBER(kept, "kept")
+    {nullptr, 0, 0, 0, nullptr}};
+#undef KEPT_CALL_MEMBER
+
+PyMethodDef kept_call_methods[] = {
+    {"returned", kept_call_returned, METH_O, "The call's output as it returned, and its tensors' versions then"},
+    {nullptr, nullptr, 0, nullptr}};
+
+void add_kept_call(py::module& m) {
+  kept_call_type.tp_name = "overflow_fast._C.hooks.KeptCall";
+  kept_call_type.tp_basicsize = sizeof(KeptCallObject);
+  kept_call_type.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC;
+  kept_call_type.tp_doc = "find_op's record of one hooked call (hooks/culprit.py's KeptCall; csrc/hooks.cpp)";
+  kept_call_type.tp_new = kept_call_new;
+  kept_call_type.tp_dealloc = kept_call_dealloc;
+  kept_call_type.tp_traverse = kept_call_traverse;
+  kept_call_type.tp_clear = kept_call_clear;
+  kept_call_type.tp_members = kept_call_members;
+  kept_call_type.tp_methods = kept_call_methods;
+  if (PyType_Ready(&kept_call_type) < 0) {
+    throw py::error_already_set();
+  }
+  m.add_object("KeptCall", py::handle(reinterpret_cast<PyObject*>(&kept_call_type)));
+}
+
 }  // namespace
 
 void add_hook_layer(py::module& m) {
+  add_kept_call(m);
   py::class_<HookCore>(m, "HookCore",
                        "The detector's bookkeeping of when each hook's tensors are read (csrc/hooks.cpp)")
       .def(py::init<int64_t, int64_t, int64_t>(), py::arg("capacity"), py::arg("defer_bytes"),

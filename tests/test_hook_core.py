@@ -540,3 +540,55 @@ def test_the_cpp_versions_are_culprit_versions_of():
         kwargs = rng.choice([None, {}, {f"k{i}": _values(rng) for i in range(rng.randint(1, 3))}])
         container = rng.choice([tuple, list])
         assert C.versions_of(container(args), kwargs) == versions_of(container(args), kwargs)
+
+
+def _kept_fields(call, ids):
+    """A kept call's fields, with the calls it names by their index in ``ids`` (id -> index)."""
+    def named(other):
+        return None if other is None else ids[id(other)]
+    return (call.module, call.args, call.kwargs, call.versions, named(call.parent), call.grad_enabled, call.autocast,
+            call.output, call.output_versions, named(call.root), call.rng is None, call.counts and
+            {ids_of_module: n for ids_of_module, n in call.counts.items()}, call.ordinal, call.wraps, call.kept)
+
+
+@needs_extension
+def test_the_cpp_kept_call_is_culprit_s_field_for_field():
+    from overflow_fast.hooks.culprit import KeptCall
+
+    native = hook_core.kept_call_class()
+    assert native is not KeptCall and issubclass(native, C.KeptCall)
+    rng = random.Random(11)
+    modules = [torch.nn.Linear(2, 2) for _ in range(4)] + [torch.nn.parallel.DataParallel(torch.nn.Linear(2, 2))]
+    seen = set()  # the rules the calls went through
+    for _ in range(60):
+        trees = {KeptCall: [], native: []}
+        plan = []  # (module, parent index or None, args, kwargs, grad, started, output or None: not returned)
+        for index in range(rng.randint(1, 12)):
+            parent = rng.choice([None] + list(range(index))) if index else None
+            args = tuple(_values(rng) for _ in range(rng.randint(0, 3)))
+            kwargs = rng.choice([None, {}, {f"k{i}": _values(rng) for i in range(rng.randint(1, 2))}])
+            output = rng.choice([_values(rng), (torch.ones(1), 3), [torch.ones(2)], 7, None])
+            plan.append((rng.choice(modules if parent is None else modules[:4] + [plan[parent][0]] * 2), parent, args,
+                         kwargs, rng.random() < 0.5, rng.random() < 0.8, output))
+        for cls, calls in trees.items():
+            for module, parent, args, kwargs, grad, started, output in plan:
+                with torch.set_grad_enabled(grad):
+                    call = cls(module, args, kwargs, None if parent is None else calls[parent], {"cpu": torch.bfloat16},
+                               started=started)
+                if output is not None:
+                    call.returned(output)
+                calls.append(call)
+        ids = [{id(call): i for i, call in enumerate(calls)} for calls in trees.values()]
+        for python_call, cpp_call in zip(*trees.values()):
+            parent = python_call.parent
+            seen.add("wrapper" if python_call.wraps else "under a wrapper" if parent is not None and parent.wraps
+                     else "hooked twice" if parent is not None and parent.module is python_call.module
+                     else "called again" if python_call.ordinal else "first")
+            assert _kept_fields(cpp_call, ids[1]) == _kept_fields(python_call, ids[0])
+            assert cpp_call.root is not None and cpp_call.call_state() == python_call.call_state()
+            assert cpp_call.changed() is python_call.changed() is False
+            cpp_call.release()
+            assert cpp_call.kept is False and cpp_call.args is None and cpp_call.output is None
+    assert seen == {"wrapper", "under a wrapper", "hooked twice", "called again", "first"}
+    with pytest.raises(TypeError, match="parent"):
+        native(modules[0], (), None, object(), {})

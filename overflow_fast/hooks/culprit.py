@@ -41,42 +41,17 @@ _AUTOCAST_DEVICES = ("cpu", "cuda")
 CHANGED = "not reproduced on replay (the module's inputs changed in place after its hook)"
 
 
-class KeptCall:
-    """One hooked call as its replay needs it: the module, its positional and keyword inputs
-    (references), their versions when it started, the call it ran in, its grad mode, the autocast
-    of its forward (``autocast_state``, taken once per forward) and its output. ``root`` is the
-    outermost call of its pass (below a data-parallel wrapper: the call of the module it wraps),
-    which keeps the RNG states at its start (``rng``; None when the call was seen only as it ended:
-    ``started=False``); ``ordinal`` counts the module's earlier calls under the root (a replay
-    from the root finds this one by it)."""
+class KeptCallMethods:
+    """What a kept call does beyond its fields: the methods of both ``KeptCall`` (the
+    specification) and the extension's (``hook_core.kept_call_class``)."""
 
-    __slots__ = ("module", "args", "kwargs", "versions", "parent", "grad_enabled", "autocast", "_output",
-                 "output_versions", "_root", "rng", "counts", "ordinal", "wraps", "kept")
+    __slots__ = ()
 
-    def __init__(self, module, args, kwargs, versions, parent, autocast, started=True):
-        self.module = module
-        self.args = args
-        self.kwargs = kwargs
-        self.versions = versions  # versions_of(args, kwargs), as the caller took them
-        self.parent = parent
-        self.grad_enabled = torch.is_grad_enabled()
-        self.autocast = autocast
-        self._output = self.output_versions = None
-        self.kept = True  # False once released
-        if parent is None or parent.wraps:
-            self._root, self.counts = None, {}  # (not itself: no reference cycle keeps a call alive)
-            self.rng = _rng_state() if started else None
-            self.wraps = parent is None and is_wrapper(module)
-            root = self
-        else:
-            root = parent if parent._root is None else parent._root  # (the property, inlined: every call)
-            self._root, self.counts, self.rng, self.wraps = root, None, None, False
-        if parent is not None and parent.module is module:  # one call hooked twice (a module under two parents)
-            self.ordinal = parent.ordinal
-        else:
-            counts = root.counts
-            self.ordinal = counts.get(id(module), 0)
-            counts[id(module)] = self.ordinal + 1
+    @staticmethod
+    def _root_state(module, outermost, started):
+        """(rng, wraps) of the root of a pass: the RNG states at its start (None when it was seen
+        only as it ended) and whether it is a data-parallel wrapper (only the outermost can be)."""
+        return _rng_state() if started else None, outermost and is_wrapper(module)
 
     @property
     def root(self):
@@ -85,12 +60,6 @@ class KeptCall:
     @property
     def output(self):
         return self._output
-
-    def returned(self, output, versions_of):
-        """The call's output, as it returned, and its tensors' versions then (one level deep), by
-        ``versions_of`` (this module's, or the C++ one: the same answers)."""
-        self._output = output
-        self.output_versions = versions_of(_items(output), None)
 
     def release(self):
         """Let go of the inputs and output: a replay runs the nearest enclosing call that kept them."""
@@ -108,6 +77,51 @@ class KeptCall:
     def call_state(self):
         """What the replay runs under (``op_replay.call_state``'s form)."""
         return {"grad_enabled": self.grad_enabled, "autocast": self.autocast}
+
+
+class KeptCall(KeptCallMethods):
+    """One hooked call as its replay needs it: the module, its positional and keyword inputs
+    (references), their versions when it started (``versions_of``), the call it ran in, its grad
+    mode, the autocast of its forward (``autocast_state``, taken once per forward) and its output.
+    ``root`` is the outermost call of its pass (below a data-parallel wrapper: the call of the
+    module it wraps), which keeps the RNG states at its start (``rng``; None when the call was seen
+    only as it ended: ``started=False``); ``ordinal`` counts the module's earlier calls under the
+    root (a replay from the root finds this one by it).
+
+    The specification of csrc/hooks.cpp's KeptCall, which the hooks use where the extension loads
+    (``hook_core.kept_call_class``): the same fields by the same rules."""
+
+    __slots__ = ("module", "args", "kwargs", "versions", "parent", "grad_enabled", "autocast", "_output",
+                 "output_versions", "_root", "rng", "counts", "ordinal", "wraps", "kept")
+
+    def __init__(self, module, args, kwargs, parent, autocast, started=True):
+        self.module = module
+        self.args = args
+        self.kwargs = kwargs
+        self.versions = versions_of(args, kwargs)
+        self.parent = parent
+        self.grad_enabled = torch.is_grad_enabled()
+        self.autocast = autocast
+        self._output = self.output_versions = None
+        self.kept = True  # False once released
+        if parent is None or parent.wraps:
+            self._root, self.counts = None, {}  # (not itself: no reference cycle keeps a call alive)
+            self.rng, self.wraps = type(self)._root_state(module, parent is None, started)
+            root = self
+        else:
+            root = parent if parent._root is None else parent._root
+            self._root, self.counts, self.rng, self.wraps = root, None, None, False
+        if parent is not None and parent.module is module:  # one call hooked twice (a module under two parents)
+            self.ordinal = parent.ordinal
+        else:
+            counts = root.counts
+            self.ordinal = counts.get(id(module), 0)
+            counts[id(module)] = self.ordinal + 1
+
+    def returned(self, output):
+        """The call's output, as it returned, and its tensors' versions then (one level deep)."""
+        self._output = output
+        self.output_versions = versions_of(_items(output), None)
 
 
 def _items(output):

@@ -361,7 +361,7 @@ class DebugUnderflowOverflow:
         if self._gradients is not None and not transformed:  # torch.func takes gradients functionally
             self._gradients.watch_outputs(module, entries, tensors)
         if inputs is not None:  # find_op: the run's output, which a replay compares with its own
-            inputs.returned(output, run.versions_of)
+            inputs.returned(output)
             if inputs.grad_enabled and self._gradients is not None:
                 run.keep_call(inputs)  # the backward's replay (a reentrant checkpoint's recompute's too)
         run.add(current, call, module, entries, dtypes, tensors, FORWARD, inputs=inputs)

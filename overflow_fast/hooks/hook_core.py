@@ -2,7 +2,7 @@
 opened here alone (``native``), and its Python twins, for where the extension cannot be loaded:
 ``HookCore`` (the detector's bookkeeping of when each hook's tensors are read), ``OutputGradients``
 (the gradients arriving at forward outputs), ``EntriesOf`` (a hook call's entries: frames.py's) and
-``culprit.versions_of``. The factories below give the C++ one where it loads, else the twin.
+``culprit.KeptCall``. The factories below give the C++ one where it loads, else the twin.
 
 One specification, two implementations: the same methods, arguments and results, call for call
 (tests/test_hook_core.py runs both on the same sequences of calls). For HookCore, csrc/hooks.cpp
@@ -19,7 +19,7 @@ import torch
 
 from ..stats import unreadable_reason
 from ..stats.kinds import PLAIN_TYPES, SUPPORTED_DTYPES
-from .culprit import versions_of
+from .culprit import KeptCall, KeptCallMethods
 from .frames import container_leaves, entries_of, forward_items, own_parameters
 from .text import TENSOR
 
@@ -110,10 +110,18 @@ def entries_reader(containers):
     return module.EntriesOf(SUPPORTED_DTYPES, unreadable_reason, own_parameters, container_leaves, containers)
 
 
-def versions_reader():
-    """``culprit.versions_of``: the extension's one C++ call where it loads (the same answers)."""
+def kept_call_class():
+    """find_op's record of a hooked call: a class with the extension's C++ construction and fields
+    where it loads (``_native_kept_call``), else ``culprit.KeptCall``, their specification (the
+    same fields by the same rules, and the same methods)."""
     module = native()
-    return versions_of if module is None else module.versions_of
+    return KeptCall if module is None else _native_kept_call(module.KeptCall)
+
+
+@functools.lru_cache(maxsize=None)
+def _native_kept_call(base):
+    return type("KeptCall", (base, KeptCallMethods), {"__slots__": (), "__module__": __name__,
+                                                       "__doc__": KeptCall.__doc__})
 
 
 class EntriesOf:

@@ -38,11 +38,11 @@ import torch
 from . import culprit, source, where
 from .. import distributed
 from .compiled import Traced
-from .culprit import KeptCall, autocast_state, versions_of
+from .culprit import autocast_state
 from .decisions import NO_ROWS, Pending
 from .errors import OverflowDetected, OverflowDetectedOnRanks, overflow_error, say
 from .frames import BACKWARD, FORWARD, graph_task_id
-from .hook_core import entries_reader, versions_reader
+from .hook_core import entries_reader, kept_call_class
 from .on_detect import strategy
 from .reads import Reads
 from .scaling import Backoffs
@@ -159,7 +159,7 @@ class Passes:
         self.new_reads = lambda: Reads(backend, options.buffer_rows, options.reuse_stats, options.stage_bytes)
         self.apart = None  # the Reads of calls read on their own (create_frame)
         self.entries_of = None  # the entries of hook calls outside transforms, one C++ pass where it loads
-        self.versions_of = versions_of  # culprit.versions_of, one C++ call where the extension loads
+        self.kept_call = None  # find_op's KeptCall class (hook_core.kept_call_class), with the first call
         self.traced = Traced()  # hooks traced by torch.compile, replayed by the next eager hook
         # the last clean pass's calls, freed when the next pass begins (not between a forward's
         # read and its backward: on a GPU the device would idle that long)
@@ -188,7 +188,6 @@ class Passes:
             self.collective_writes = distributed.seen_as_writes()
         if self.entries_of is None:  # (with the first rows: the extension may be built here)
             self.entries_of = entries_reader(self.options.containers)
-            self.versions_of = versions_reader()
         reads = self.idle_reads.pop() if self.idle_reads else self.new_reads()
         opened = Pass(reads, serial)
         self.open.append(opened)
@@ -234,12 +233,13 @@ class Passes:
                 self.abandon_forward()
         if not calls:
             thread.outer = caller  # on the stack until that call returns
+            if self.kept_call is None and self.keeps_calls:  # (the extension may be built here)
+                self.kept_call = kept_call_class()
             if graph_task_id() == -1:
                 with self.lock:
                     self._forward_begins(module is self.model)
-        kept = (KeptCall(module, args, kwargs, self.versions_of(args, kwargs), calls[-1][2] if calls else None,
-                         self.autocast)
-                if self.keeps_calls else None)
+        kept = self.kept_call(module, args, kwargs, calls[-1][2] if calls else None, self.autocast) \
+            if self.keeps_calls else None
         calls.append((module, sys.exc_info()[1], kept))
 
     def _forward_begins(self, by_the_model):
@@ -263,8 +263,9 @@ class Passes:
             # a compiled model: its pre hook was traced; its call as seen at its end, for find_op
             with self.lock:
                 self.kept_forward = []
-            kept = KeptCall(module, args, kwargs, self.versions_of(args, kwargs), None, autocast_state(),
-                            started=False)
+            if self.kept_call is None:
+                self.kept_call = kept_call_class()
+            kept = self.kept_call(module, args, kwargs, None, autocast_state(), started=False)
         if not calls:
             self.thread.outer = None  # (it holds the call's inputs and result)
         return ambient, kept, not calls
