@@ -759,7 +759,7 @@ class EntriesOf {
 // fields, set by the same rules; tests hold the two equal). Its construction runs at every hooked
 // call, so it is one C call here: the inputs' versions, the grad mode, its root and its ordinal
 // under the root. What only the root of a pass needs (the RNG states, whether it is a data-parallel
-// wrapper) is asked of Python, once per pass (the class's `_root_state`). A plain type with member
+// wrapper) comes from the `root_state` it is handed, called once per pass. A plain type with member
 // slots: Python reads its fields as fast as a class's __slots__, and a Python subclass adds the
 // methods (hooks/hook_core.py).
 struct KeptCallObject {
@@ -787,6 +787,18 @@ struct KeptCallObject {
 
 PyTypeObject kept_call_type = {PyVarObject_HEAD_INIT(nullptr, 0)};
 
+// versions_of(args, kwargs) as a new reference, or null with the Python error set.
+PyObject* versions_or_null(PyObject* args, PyObject* kwargs) {
+  try {
+    return versions_of(args, kwargs).release().ptr();
+  } catch (py::error_already_set& error) {
+    error.restore();
+  } catch (const std::exception& error) {
+    PyErr_SetString(PyExc_RuntimeError, error.what());
+  }
+  return nullptr;
+}
+
 int kept_call_traverse(PyObject* self, visitproc visit, void* arg) {
   auto* call = reinterpret_cast<KeptCallObject*>(self);
 #define VISIT(field) Py_VISIT(call->field);
@@ -810,31 +822,28 @@ void kept_call_dealloc(PyObject* self) {
   Py_TYPE(self)->tp_free(self);
 }
 
-// KeptCall(module, args, kwargs, parent, autocast, started=True): culprit.KeptCall.__init__.
+// KeptCall(module, args, kwargs, parent, autocast, root_state): culprit.KeptCall.__init__.
 PyObject* kept_call_new(PyTypeObject* type, PyObject* arguments, PyObject* keywords) {
-  static const char* names[] = {"module", "args", "kwargs", "parent", "autocast", "started", nullptr};
   PyObject* module = nullptr;
   PyObject* args = nullptr;
   PyObject* kwargs = nullptr;
   PyObject* parent_object = nullptr;
   PyObject* autocast = nullptr;
-  int started = 1;
-  if (!PyArg_ParseTupleAndKeywords(arguments, keywords, "OOOOO|p:KeptCall", const_cast<char**>(names), &module, &args,
-                                   &kwargs, &parent_object, &autocast, &started)) {
+  PyObject* root_state = nullptr;
+  if (keywords != nullptr && PyDict_GET_SIZE(keywords) > 0) {
+    PyErr_SetString(PyExc_TypeError, "KeptCall takes positional arguments only");
+    return nullptr;
+  }
+  if (!PyArg_UnpackTuple(arguments, "KeptCall", 6, 6, &module, &args, &kwargs, &parent_object, &autocast,
+                         &root_state)) {
     return nullptr;
   }
   if (parent_object != Py_None && !PyObject_TypeCheck(parent_object, &kept_call_type)) {
     PyErr_SetString(PyExc_TypeError, "KeptCall: parent must be a KeptCall or None");
     return nullptr;
   }
-  PyObject* versions = nullptr;
-  try {
-    versions = versions_of(args, kwargs).release().ptr();
-  } catch (py::error_already_set& error) {
-    error.restore();
-    return nullptr;
-  } catch (const std::exception& error) {
-    PyErr_SetString(PyExc_RuntimeError, error.what());
+  PyObject* versions = versions_or_null(args, kwargs);
+  if (versions == nullptr) {
     return nullptr;
   }
   auto* call = reinterpret_cast<KeptCallObject*>(type->tp_alloc(type, 0));
@@ -854,10 +863,9 @@ PyObject* kept_call_new(PyTypeObject* type, PyObject* arguments, PyObject* keywo
   auto* parent = parent_object == Py_None ? nullptr : reinterpret_cast<KeptCallObject*>(parent_object);
   KeptCallObject* root = nullptr;
   if (parent == nullptr || parent->wraps == Py_True) {
-    // (rng, wraps) of a root: its RNG states (None when it was seen only as it ended) and whether
-    // it is a data-parallel wrapper (only the outermost call can be one)
-    PyObject* state = PyObject_CallMethod(reinterpret_cast<PyObject*>(type), "_root_state", "OOO", module,
-                                          parent == nullptr ? Py_True : Py_False, started ? Py_True : Py_False);
+    // root_state(module, outermost): (rng, wraps) of a root, its RNG states and whether it is a
+    // data-parallel wrapper (only the outermost call can be one)
+    PyObject* state = PyObject_CallFunctionObjArgs(root_state, module, parent == nullptr ? Py_True : Py_False, nullptr);
     if (state == nullptr) {
       Py_DECREF(self);
       return nullptr;
@@ -865,7 +873,7 @@ PyObject* kept_call_new(PyTypeObject* type, PyObject* arguments, PyObject* keywo
     if (!PyTuple_Check(state) || PyTuple_GET_SIZE(state) != 2) {
       Py_DECREF(state);
       Py_DECREF(self);
-      PyErr_SetString(PyExc_TypeError, "KeptCall._root_state must return (rng, wraps)");
+      PyErr_SetString(PyExc_TypeError, "KeptCall: root_state must return (rng, wraps)");
       return nullptr;
     }
     call->rng = Py_NewRef(PyTuple_GET_ITEM(state, 0));
@@ -896,20 +904,11 @@ PyObject* kept_call_new(PyTypeObject* type, PyObject* arguments, PyObject* keywo
     Py_DECREF(self);
     return nullptr;
   }
-  PyObject* before = PyDict_GetItemWithError(root->counts, key);  // borrowed
-  PyObject* next = nullptr;
-  if (before == nullptr) {
-    if (PyErr_Occurred() == nullptr) {
-      call->ordinal = PyLong_FromLong(0);
-      next = PyLong_FromLong(1);
-    }
-  } else {
-    call->ordinal = Py_NewRef(before);
-    PyObject* one = PyLong_FromLong(1);
-    next = one == nullptr ? nullptr : PyNumber_Add(before, one);
-    Py_XDECREF(one);
-  }
-  const bool failed = call->ordinal == nullptr || next == nullptr || PyDict_SetItem(root->counts, key, next) < 0;
+  PyObject* before = PyDict_GetItemWithError(root->counts, key);  // borrowed; null: not called before
+  const long ordinal = before == nullptr ? 0 : PyLong_AsLong(before);
+  PyObject* next = PyErr_Occurred() != nullptr ? nullptr : PyLong_FromLong(ordinal + 1);
+  call->ordinal = next == nullptr ? nullptr : PyLong_FromLong(ordinal);
+  const bool failed = call->ordinal == nullptr || PyDict_SetItem(root->counts, key, next) < 0;
   Py_XDECREF(next);
   Py_DECREF(key);
   if (failed) {
@@ -924,20 +923,12 @@ PyObject* kept_call_new(PyTypeObject* type, PyObject* arguments, PyObject* keywo
 PyObject* kept_call_returned(PyObject* self, PyObject* output) {
   auto* call = reinterpret_cast<KeptCallObject*>(self);
   PyObject* versions = nullptr;
-  try {
-    if (THPVariable_Check(output)) {
-      versions = versions_of(py::make_tuple(py::handle(output)), py::none()).release().ptr();
-    } else if (PyTuple_Check(output) || PyList_Check(output)) {
-      versions = versions_of(output, py::none()).release().ptr();
-    } else {
-      versions = PyTuple_New(0);
-    }
-  } catch (py::error_already_set& error) {
-    error.restore();
-    return nullptr;
-  } catch (const std::exception& error) {
-    PyErr_SetString(PyExc_RuntimeError, error.what());
-    return nullptr;
+  if (THPVariable_Check(output)) {
+    PyObject* items = PyTuple_Pack(1, output);
+    versions = items == nullptr ? nullptr : versions_or_null(items, Py_None);
+    Py_XDECREF(items);
+  } else {
+    versions = PyTuple_Check(output) || PyList_Check(output) ? versions_or_null(output, Py_None) : PyTuple_New(0);
   }
   if (versions == nullptr) {
     return nullptr;

@@ -547,13 +547,13 @@ def _kept_fields(call, ids):
     def named(other):
         return None if other is None else ids[id(other)]
     return (call.module, call.args, call.kwargs, call.versions, named(call.parent), call.grad_enabled, call.autocast,
-            call.output, call.output_versions, named(call.root), call.rng is None, call.counts and
-            {ids_of_module: n for ids_of_module, n in call.counts.items()}, call.ordinal, call.wraps, call.kept)
+            call.output, call.output_versions, named(call.root), call.rng is None, call.counts, call.ordinal,
+            call.wraps, call.kept)
 
 
 @needs_extension
 def test_the_cpp_kept_call_is_culprit_s_field_for_field():
-    from overflow_fast.hooks.culprit import KeptCall
+    from overflow_fast.hooks.culprit import KeptCall, root_state, root_state_at_end
 
     native = hook_core.kept_call_class()
     assert native is not KeptCall and issubclass(native, C.KeptCall)
@@ -562,19 +562,19 @@ def test_the_cpp_kept_call_is_culprit_s_field_for_field():
     seen = set()  # the rules the calls went through
     for _ in range(60):
         trees = {KeptCall: [], native: []}
-        plan = []  # (module, parent index or None, args, kwargs, grad, started, output or None: not returned)
+        plan = []  # (module, parent index or None, args, kwargs, grad, root_state, output or None: not returned)
         for index in range(rng.randint(1, 12)):
             parent = rng.choice([None] + list(range(index))) if index else None
             args = tuple(_values(rng) for _ in range(rng.randint(0, 3)))
             kwargs = rng.choice([None, {}, {f"k{i}": _values(rng) for i in range(rng.randint(1, 2))}])
             output = rng.choice([_values(rng), (torch.ones(1), 3), [torch.ones(2)], 7, None])
             plan.append((rng.choice(modules if parent is None else modules[:4] + [plan[parent][0]] * 2), parent, args,
-                         kwargs, rng.random() < 0.5, rng.random() < 0.8, output))
+                         kwargs, rng.random() < 0.5, root_state if rng.random() < 0.8 else root_state_at_end, output))
         for cls, calls in trees.items():
-            for module, parent, args, kwargs, grad, started, output in plan:
+            for module, parent, args, kwargs, grad, state, output in plan:
                 with torch.set_grad_enabled(grad):
                     call = cls(module, args, kwargs, None if parent is None else calls[parent], {"cpu": torch.bfloat16},
-                               started=started)
+                               state)
                 if output is not None:
                     call.returned(output)
                 calls.append(call)
@@ -591,4 +591,4 @@ def test_the_cpp_kept_call_is_culprit_s_field_for_field():
             assert cpp_call.kept is False and cpp_call.args is None and cpp_call.output is None
     assert seen == {"wrapper", "under a wrapper", "hooked twice", "called again", "first"}
     with pytest.raises(TypeError, match="parent"):
-        native(modules[0], (), None, object(), {})
+        native(modules[0], (), None, object(), {}, root_state)

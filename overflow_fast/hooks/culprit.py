@@ -47,12 +47,6 @@ class KeptCallMethods:
 
     __slots__ = ()
 
-    @staticmethod
-    def _root_state(module, outermost, started):
-        """(rng, wraps) of the root of a pass: the RNG states at its start (None when it was seen
-        only as it ended) and whether it is a data-parallel wrapper (only the outermost can be)."""
-        return _rng_state() if started else None, outermost and is_wrapper(module)
-
     @property
     def root(self):
         return self if self._root is None else self._root
@@ -84,8 +78,9 @@ class KeptCall(KeptCallMethods):
     (references), their versions when it started (``versions_of``), the call it ran in, its grad
     mode, the autocast of its forward (``autocast_state``, taken once per forward) and its output.
     ``root`` is the outermost call of its pass (below a data-parallel wrapper: the call of the
-    module it wraps), which keeps the RNG states at its start (``rng``; None when the call was seen
-    only as it ended: ``started=False``); ``ordinal`` counts the module's earlier calls under the
+    module it wraps), which keeps ``root_state(module, outermost)``: the RNG states at its start
+    (``rng``; None for a call seen only as it ended: ``root_state_at_end``) and whether it is a
+    data-parallel wrapper (``wraps``); ``ordinal`` counts the module's earlier calls under the
     root (a replay from the root finds this one by it).
 
     The specification of csrc/hooks.cpp's KeptCall, which the hooks use where the extension loads
@@ -94,7 +89,7 @@ class KeptCall(KeptCallMethods):
     __slots__ = ("module", "args", "kwargs", "versions", "parent", "grad_enabled", "autocast", "_output",
                  "output_versions", "_root", "rng", "counts", "ordinal", "wraps", "kept")
 
-    def __init__(self, module, args, kwargs, parent, autocast, started=True):
+    def __init__(self, module, args, kwargs, parent, autocast, root_state):
         self.module = module
         self.args = args
         self.kwargs = kwargs
@@ -106,7 +101,7 @@ class KeptCall(KeptCallMethods):
         self.kept = True  # False once released
         if parent is None or parent.wraps:
             self._root, self.counts = None, {}  # (not itself: no reference cycle keeps a call alive)
-            self.rng, self.wraps = type(self)._root_state(module, parent is None, started)
+            self.rng, self.wraps = root_state(module, parent is None)
             root = self
         else:
             root = parent if parent._root is None else parent._root
@@ -122,6 +117,17 @@ class KeptCall(KeptCallMethods):
         """The call's output, as it returned, and its tensors' versions then (one level deep)."""
         self._output = output
         self.output_versions = versions_of(_items(output), None)
+
+
+def root_state(module, outermost):
+    """(rng, wraps) of the root of a pass: the RNG states at its start, and whether it is a
+    data-parallel wrapper (only the outermost call can be one)."""
+    return _rng_state(), outermost and is_wrapper(module)
+
+
+def root_state_at_end(module, outermost):
+    """``root_state`` of a call seen only as it ended: its RNG states at its start are unknown."""
+    return None, outermost and is_wrapper(module)
 
 
 def _items(output):

@@ -38,7 +38,7 @@ import torch
 from . import culprit, source, where
 from .. import distributed
 from .compiled import Traced
-from .culprit import autocast_state
+from .culprit import autocast_state, root_state, root_state_at_end
 from .decisions import NO_ROWS, Pending
 from .errors import OverflowDetected, OverflowDetectedOnRanks, overflow_error, say
 from .frames import BACKWARD, FORWARD, graph_task_id
@@ -238,7 +238,7 @@ class Passes:
             if graph_task_id() == -1:
                 with self.lock:
                     self._forward_begins(module is self.model)
-        kept = self.kept_call(module, args, kwargs, calls[-1][2] if calls else None, self.autocast) \
+        kept = self.kept_call(module, args, kwargs, calls[-1][2] if calls else None, self.autocast, root_state) \
             if self.keeps_calls else None
         calls.append((module, sys.exc_info()[1], kept))
 
@@ -265,7 +265,7 @@ class Passes:
                 self.kept_forward = []
             if self.kept_call is None:
                 self.kept_call = kept_call_class()
-            kept = self.kept_call(module, args, kwargs, None, autocast_state(), started=False)
+            kept = self.kept_call(module, args, kwargs, None, autocast_state(), root_state_at_end)
         if not calls:
             self.thread.outer = None  # (it holds the call's inputs and result)
         return ambient, kept, not calls
