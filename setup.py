@@ -1,4 +1,4 @@
-"""Packaging of overflow_fast: the Python package plus the C++ sources (csrc/, installed as the
+"""Packaging of overflow_fast: the Python package plus the C and C++ sources (csrc/, installed as the
 package data overflow_fast/csrc). Nothing is compiled here by default: the C++ kernel is built on
 first use, for the torch installed then and that CPU (overflow_fast/stats/cpu_build.py), so a
 plain `pip install` (build isolation on, no torch needed to build) gives a pure-Python wheel.
@@ -110,7 +110,7 @@ class KernelDistribution(Distribution):
 setup(
     packages=find_packages(include=["overflow_fast", "overflow_fast.*"]) + ["overflow_fast.csrc"],
     package_dir={"overflow_fast.csrc": "csrc"},
-    package_data={"overflow_fast.csrc": ["*.cpp", "*.h"]},
+    package_data={"overflow_fast.csrc": ["*.cpp", "*.h", "*.c"]},
     cmdclass={"build_py": BuildPyWithKernel},
     distclass=KernelDistribution,
 )

@@ -99,7 +99,7 @@ def test_two_runs_of_the_same_code_never_part(runs):
 def test_in_parts_the_same_diff(runs):
     one = diff_of(runs, "fp32", "perturbed")
     parts = diff_parts.diff_logs(runs["fp32"], runs["perturbed"], dict(rtol=0.01), jobs=2, min_part_bytes=1)
-    assert parts.parts == 2 and parts.text(["a", "b"]) == one.text(["a", "b"])
+    assert parts.parts > 2 and parts.text(["a", "b"]) == one.text(["a", "b"])  # more parts than processes
 
 
 def test_the_picture_of_the_perturbed_run(runs, tmp_path):

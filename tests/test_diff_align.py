@@ -1,20 +1,24 @@
 """`overflow-fast diff` on written logs: how records align (runs of different lengths, ranks,
 modules and calls in one run only, out-of-order logs, the bounded window), the tolerance, the
-fast line reader against the schema's parser, and a diff in parts against one in one pass."""
+fast line reader against the schema's parser, its C twin against it, and a diff in parts against one
+in one pass."""
 
 import gzip
 import json
+import os
 import random
+import re
+import shutil
 import subprocess
 import sys
 
 import pytest
 
-from overflow_fast import cli
+from overflow_fast import build_cache, cli
 from overflow_fast.recording import schema
 from overflow_fast.recording.recorder import encode_line, meta_record
-from overflow_fast.report import diff_parts, entries
-from overflow_fast.report.diff import BAD, INF, Diff, Grid, divergence
+from overflow_fast.report import diff_parts, entries, logscan
+from overflow_fast.report.diff import _KEY, _WHERE, BAD, INF, STATS, Diff, Grid, _run_length, divergence
 from overflow_fast.report.entries import FIELDS, LINE, EntryReader, key_of, magnitude, parse_entry
 from overflow_fast.report.summary import parse_line
 
@@ -479,14 +483,19 @@ def test_a_diff_in_parts_is_the_diff_in_one_pass(tmp_path):
     records_a = steps_of(range(60), modules=("embed", "h.0", "extra", "h.1", "head"))
     records_b = steps_of(range(0, 50), modules=("embed", "h.0", "h.1", "head"), scale=drift)
     records_b[100] = rec(12, "h.0", "output", abs_max="inf", posinf=1, call=1)
+    records_b[300:300] = [b"not json\n", b'{"record":"entry","step":38}\n']  # lines named by number, in a later part
+    records_a[400] = rec(40, "head", "output", dtype="float16", call=4)
     a = write(tmp_path / "a.jsonl", records_a)
     b = write(tmp_path / "b.jsonl", records_b)
     options = dict(rtol=0.01, grid=True)
     whole = diff_parts.diff_logs(a, b, options, jobs=1)
     parts = diff_parts.diff_logs(a, b, options, jobs=3, min_part_bytes=1)
-    assert whole.parts == 1 and parts.parts == 3
+    assert whole.parts == 1 and parts.parts == len(diff_parts.plan(a, b, 3 * diff_parts.PARTS_PER_JOB, 1)) > 3
     assert parts.text([a, b]) == whole.text([a, b])
+    assert "malformed lines skipped: 2 (first: line 302 (not JSON), 303 (phase missing))" in whole.text([a, b])
     assert parts.grid.cells == whole.grid.cells and parts.grid.one_sided == whole.grid.one_sided
+    for side, other in zip(parts.sides, whole.sides):  # every line named as in the whole file
+        assert side.only_examples == other.only_examples and side.reader.lines == other.reader.lines
 
 
 def test_logs_not_in_step_order_where_cut_are_compared_in_one_pass(tmp_path):
@@ -524,3 +533,184 @@ def test_the_command_line(tmp_path, capsys):
         with pytest.raises(SystemExit) as exit_info:
             cli.main(["diff", a, b, *bad])
         assert exit_info.value.code == 2
+
+
+# -- the C fast paths (csrc/logscan.c) against their Python twins ---------------------------------
+
+def _native():
+    native = logscan.native()
+    asked_not_to = os.environ.get(build_cache.WITHOUT_ENV, "") not in ("", "0")
+    if native is None and shutil.which(logscan.compiler()) and not asked_not_to:
+        pytest.fail(f"a C compiler is here, yet the C fast path is not: {logscan.status()}")
+    if native is None:
+        pytest.skip(f"no C fast path here: {logscan.status()}")
+    return native
+
+
+def _c_fields(native, line):
+    """The fields the C scan reads of one line (bytes, no newline), or None where it leaves the
+    line to the slow path."""
+    out, slow = [], []
+    number = native.scan(line, 4, out, lambda raw, n, o: slow.append((raw, n)), entries._PROGRAM, len(entries._KEPT))
+    assert number == 5 and len(out) + len(slow) == 1
+    if slow:
+        assert slow == [(line, 5)]
+        return None
+    assert out[0][1] == 5
+    return out[0][0]
+
+
+def _regex_fields(line):
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    match = entries._ENTRY.fullmatch(text)
+    return None if match is None else match.groups("")
+
+
+# values at and beyond the limits of each form: what JSON's own writer never writes included
+NUMBER_TEXTS = ["0", "00", "01", "7", "0.5", ".5", "1.", "1.0", "1.00", "1.5", "2", "10", "1e5", "1E5", "1e+5", "1e+05",
+                "1e+123", "1e-5", "1e-005", "1e-1234", "1e-", "1e+", "1e", "5e-0", "5e-007", "0e-5", "0.0e-12", "0e-1234",
+                "2.5e-3", "9.99e-1", "1.0e-3", "1.00e-5", "12345678901234567890", "123456789012345678901", "-1", "-0.0",
+                '"nan"', '"inf"', '"-inf"', '"Inf"', "null", "NaN", "inf", '"nan', '""', "true", "1,", " 1", "0x1"]
+INT_TEXTS = ["0", "00", "01", "9", "123456", "1234567", "123456789012", "1234567890123", "123456789012345678",
+             "1234567890123456789", "-1", "1.0", "1e3", "null", '"1"', ""]
+TEXT_TEXTS = ['""', '"h.0"', '"forward"', '"backward"', '"train"', '"eval"', '"test"', '"Forward"', '"a\\"b"',
+              '"\\u00e9"', '"é"', '"\u2028"', '"\x7f"', '"tab\tx"', "null", '"x', "7"]
+
+
+def _replaced(line, name, text):
+    """``line`` with the value of its field ``name`` written as ``text``."""
+    head, _, rest = line.partition(f'"{name}":')
+    value_end = min([i for i in (rest.find(',"'), rest.rfind("}")) if i >= 0])
+    return head + f'"{name}":' + text + rest[value_end:]
+
+
+def _template_lines(rng):
+    """Entry lines as the recorder writes them, with one to three values replaced by texts of
+    every form, optional fields dropped, and bytes around the record changed."""
+    record = rec(rng.randrange(10 ** 6), "h.0.attn", global_step=rng.randrange(100), mode="train")
+    line = encode_line(record).rstrip(b"\n").decode()
+    for _ in range(rng.randrange(1, 4)):
+        field = rng.choice(schema.RECORDS["entry"])
+        line = _replaced(line, field.name, rng.choice(
+            {"int": INT_TEXTS, "abs": NUMBER_TEXTS, "frac": NUMBER_TEXTS}.get(field.kind, TEXT_TEXTS)))
+    for name in schema.WHEN_KNOWN:
+        if rng.random() < 0.3:
+            line = re.sub(f',"{name}":[^,}}]*', "", line)
+    edit = rng.random()
+    if edit < 0.05:
+        line = line + rng.choice([" ", "\r", "}", ","])
+    elif edit < 0.1:
+        line = rng.choice([" ", "\ufeff", "x"]) + line
+    return line.encode("utf-8", "surrogatepass")
+
+
+def test_the_c_scan_takes_exactly_the_lines_the_expression_takes_and_reads_them_alike():
+    """Every line, valid or not: the C scan takes it where the expression matches it, with the same
+    texts, and leaves it to the slow path (with its number) where the expression does not."""
+    native = _native()
+    rng = random.Random(11)
+    alphabet = b'0123456789.eE+-",:{}[]nulltrueabc \\\x00\x1f\x7f\xc3\xa9\xff\r\x0c\t'
+    taken = left = 0
+    for _ in range(6000):
+        line = rng.choice([_line, _template_lines])(rng)
+        if isinstance(line, str):
+            line = line.encode("utf-8", "surrogatepass")
+        for candidate in [line] + [_mutated(line, rng, alphabet) for _ in range(2)]:
+            expected = _regex_fields(candidate)
+            assert _c_fields(native, candidate) == expected, candidate
+            taken += expected is not None
+            left += expected is None
+    assert taken > 1000 and left > 5000, (taken, left)
+    # and each text of every form in each field, one at a time
+    line = encode_line(rec(12, "h.0", global_step=3, mode="eval")).rstrip(b"\n").decode()
+    for field in schema.RECORDS["entry"]:
+        for text in {"int": INT_TEXTS, "abs": NUMBER_TEXTS, "frac": NUMBER_TEXTS}.get(field.kind, TEXT_TEXTS):
+            candidate = _replaced(line, field.name, text).encode()
+            assert _c_fields(native, candidate) == _regex_fields(candidate), candidate
+
+
+def test_the_c_scan_reads_a_chunk_as_the_python_scan_does():
+    """Chunks of lines of every kind (entries, blank, other records, the last one without its
+    newline): the same entries, the same slow lines, in the same order, numbered alike."""
+    native = _native()
+    rng = random.Random(5)
+    others = [b"", b"   ", b'{"record":"meta","version":1}', b'{"record":"entry"}', b"not json", b"\r"]
+    for _ in range(300):
+        lines = []
+        for _ in range(rng.randrange(0, 40)):
+            kind = rng.random()
+            if kind < 0.7:
+                lines.append(encode_line(rec(rng.randrange(100), f"h.{rng.randrange(3)}",
+                                             abs_max=rng.choice([1.5, "inf", None, 1e-30]))).rstrip(b"\n"))
+            elif kind < 0.85:
+                lines.append(_template_lines(rng))
+            else:
+                lines.append(rng.choice(others))
+        chunk = b"\n".join(lines) + (b"\n" if rng.random() < 0.7 else b"")
+        if not chunk.decode("utf-8", "replace").encode() == chunk:
+            continue  # the Python scan reads a chunk that is not all UTF-8 line by line: checked above
+        results = []
+        for scan in (lambda *args: native.scan(*args, entries._PROGRAM, len(entries._KEPT)), entries.scan_python):
+            out = []
+            number = scan(chunk, 10, out, lambda raw, n, o: o.append(("slow", raw, n)))
+            results.append((number, out))
+        assert results[0] == results[1], chunk
+
+
+def _stat_texts(rng):
+    texts = ["0", "0.0", "1", "1.0", "2.5", "1e5", "100000.0", "1e-30", "3e+38", "65504.0", "null", '"nan"', '"inf"',
+             '"-inf"', "-0.0", "1e308", "4.9e-324"]
+    return rng.choice(texts) if rng.random() < 0.6 else repr(rng.uniform(0, 10) * 10.0 ** rng.randrange(-40, 40))
+
+
+def _fields(rng):
+    counts = ["0"] * 3
+    if rng.random() < 0.15:
+        counts[rng.randrange(3)] = rng.choice(["1", "12"])
+    fields = ["7", "forward", "h.0", "Linear", "output", "float32", "10", _stat_texts(rng), _stat_texts(rng),
+              *counts, "", "", ""]
+    return tuple(fields)
+
+
+def test_the_c_divergence_is_diff_s_divergence():
+    """Random pairs of statistics' texts, special values among them, every tolerance and set of
+    statistics: the same (value, where from), or the same error."""
+    native = _native()
+    rng = random.Random(3)
+    counts = (entries.NAN, entries.POSINF, entries.NEGINF)
+    for _ in range(20000):
+        a, b = _fields(rng), _fields(rng)
+        if rng.random() < 0.3:
+            b = a[:entries.ABS_MIN] + (a[entries.ABS_MIN],) + b[entries.ABS_MAX:]
+        atol = rng.choice([0.0, 0.0, 1e-3, 10.0])
+        stats = rng.choice(list(STATS.values()))
+        results = []
+        for compute in (lambda: native.divergence(a, b, atol, stats, counts, entries.ABS_MAX, BAD),
+                        lambda: divergence(a, b, atol, stats)):
+            try:
+                results.append(compute())
+            except Exception as error:  # noqa: BLE001 - compared: the same kind of error
+                results.append(type(error))
+        assert results[0] == results[1], (a, b, atol, stats)
+
+
+def test_the_c_run_length_is_diff_s():
+    """Batches that pair for a while, then part by a key field or a step: the same length."""
+    native = _native()
+    rng = random.Random(9)
+    for _ in range(3000):
+        length = rng.randrange(0, 12)
+        batch_a = [((str(rng.randrange(2)), "forward", f"h.{i}", "L", "output") + ("",) * 7 + (str(rng.randrange(2)),)
+                    + ("", ""), i) for i in range(length)]
+        batch_a.sort(key=lambda entry: (entry[0][entries.RANK], entry[0][entries.STEP]))
+        batch_b = [(list(fields), line) for fields, line in batch_a]
+        for fields, _ in batch_b:
+            if rng.random() < 0.1:
+                at = rng.choice([entries.MODULE, entries.NAME, entries.STEP, entries.PHASE, entries.RANK, entries.DTYPE])
+                fields[at] = "x"
+        batch_b = [(tuple(fields), line) for fields, line in batch_b]
+        a, b = rng.randrange(0, length + 1), rng.randrange(0, length + 1)
+        assert native.run_length(batch_a, a, batch_b, b, _KEY, _WHERE) == _run_length(batch_a, a, batch_b, b)

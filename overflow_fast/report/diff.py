@@ -26,6 +26,7 @@ only has; per kept module and step bin, the picture's cells.
 
 import math
 
+from . import logscan
 from .entries import (ABS_MAX, ABS_MIN, CLASS, DTYPE, FIELDS, LINE, MODE, MODULE, NAME, NEGINF, NAN, NUMEL, PHASE,
                       POSINF, RANK, STEP, global_step_of, is_bad, key_of, magnitude)
 from .summary import NOT_RECORDED, heatmap_columns, printable, when  # noqa: F401 - NOT_RECORDED: a kind of cell here too
@@ -46,6 +47,7 @@ ABS_NAMES = {ABS_MIN: "abs min", ABS_MAX: "abs max", BAD: "nan/inf"}
 
 
 STATS = {"both": (ABS_MAX, ABS_MIN), "abs_max": (ABS_MAX,), "abs_min": (ABS_MIN,)}
+_COUNTS = (NAN, POSINF, NEGINF)  # is_bad's: a count other than "0" is a nan/inf
 
 
 def divergence(a, b, atol=0.0, fields=STATS["both"]):
@@ -239,6 +241,14 @@ class Diff:
         self.sides = None
         self.parts = 1  # processes that read it (``diff_parts``)
         self.part_failed = None  # why a diff in parts was read again in one pass
+        self._native = logscan.native()  # csrc/logscan.c, or None: its Python twins here
+
+    def __getstate__(self):  # a part's Diff goes to the parent process: the module is not data
+        return {**self.__dict__, "_native": None}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._native = logscan.native()
 
     # -- reading ---------------------------------------------------------------------------------
 
@@ -255,6 +265,7 @@ class Diff:
         pairs_before = False
         grid = self.grid
         pair = self._pair
+        run_length = _run_length if self._native is None else self._native.run_length
         while batch_a is not None or batch_b is not None:
             if batch_a is not None and ia == len(batch_a):
                 batch_a, ia = a_side.next_batch(), 0
@@ -263,6 +274,22 @@ class Diff:
                 batch_b, ib = b_side.next_batch(), 0
                 continue
             if batch_a is not None and batch_b is not None:
+                if in_step:  # the usual case: records that pair one with the other, a step at a time
+                    n = run_length(batch_a, ia, batch_b, ib, _KEY, _WHERE)
+                    if n:
+                        fa = batch_a[ia][FIELDS]
+                        if fa[STEP] != last_step or fa[RANK] != last_rank or not pairs_before:
+                            last_rank, last_step = fa[RANK], fa[STEP]
+                            if grid is not None:
+                                grid.add_x(int(last_step))
+                            self._at(a_side, b_side, batch_a[ia])
+                            self._at(b_side, a_side, batch_b[ib])
+                            pairs_before = True
+                        for a, b in zip(batch_a[ia:ia + n], batch_b[ib:ib + n]):
+                            pair(a, b)
+                        ia += n
+                        ib += n
+                        continue
                 a, b = batch_a[ia], batch_b[ib]
                 fa, fb = a[FIELDS], b[FIELDS]
                 # the same key, and as many of it read in both (always so when nothing waits): a pair.
@@ -439,6 +466,8 @@ class Diff:
         if (fa[ABS_MAX] == fb[ABS_MAX] and fa[ABS_MIN] == fb[ABS_MIN] and fa[NAN] == fb[NAN]
                 and fa[POSINF] == fb[POSINF] and fa[NEGINF] == fb[NEGINF]):
             value, field = 0.0, None
+        elif self._native is not None:
+            value, field = self._native.divergence(fa, fb, self.atol, self.fields, _COUNTS, ABS_MAX, BAD)
         else:
             value, field = divergence(fa, fb, self.atol, self.fields)
         if fa[DTYPE] != fb[DTYPE] or fa[NUMEL] != fb[NUMEL]:
@@ -494,7 +523,8 @@ class Diff:
 
     def merge(self, later):
         """Add ``later``, the diff of the next part (the same logs' later steps, read with the
-        same options)."""
+        same options; its lines numbered from its start in each log)."""
+        later._shift_lines([side.reader.lines for side in self.sides])
         self.pairs += later.pairs
         self.parted += later.parted
         if later.first is not None and (self.first is None or later.first[0] < self.first[0]):
@@ -528,6 +558,31 @@ class Diff:
             self.grid.forget([m for m in list(self.grid.cells) if m not in self.modules])
         for side, more in zip(self.sides, later.sides):
             side.merge(more)
+
+    def _shift_lines(self, offsets):
+        """Number the lines of the entries kept as if ``offsets`` lines (of A, of B) came first."""
+        def shifted(a, b):
+            return (a[FIELDS], a[LINE] + offsets[0]), (b[FIELDS], b[LINE] + offsets[1])
+
+        if self.first is not None:
+            _, a, b, value, field = self.first
+            a, b = shifted(a, b)
+            self.first = (_order_of(a), a, b, value, field)
+        if self.first_dtype is not None:
+            self.first_dtype = shifted(*self.first_dtype)
+        if self.first_numel is not None:
+            self.first_numel = shifted(*self.first_numel)
+        for info in self.modules.values():
+            if info[2] is not None:
+                info[2] = (info[2][0], *shifted(*info[2][1:]))
+            if info[3] is not None:
+                info[3] = (*shifted(*info[3][:2]), *info[3][2:])
+        for side, offset in zip(self.sides, offsets):
+            side.only_examples = [(fields, line + offset) for fields, line in side.only_examples]
+            if side.first_out_of_order is not None:
+                line, step, latest = side.first_out_of_order
+                side.first_out_of_order = (line + offset, step, latest)
+            side.reader.shift_lines(offset)
 
     def finish(self):
         """Settle what one log only recorded, now that both are read: the steps of a rank that the
@@ -571,6 +626,25 @@ class Diff:
 
     def text(self, paths):
         return "\n".join(_text_lines(self, paths))
+
+
+_KEY = (MODULE, NAME, STEP, PHASE, RANK)  # key_of's fields, as texts
+_WHERE = (STEP, RANK)
+
+
+def _run_length(batch_a, a, batch_b, b, keys=_KEY, same=_WHERE):
+    """How many pairs (batch_a[a + i], batch_b[b + i]) from i = 0 on have equal ``keys`` fields,
+    and ``same`` fields equal to the first pair's (csrc/logscan.c's ``run_length``, in Python)."""
+    n = 0
+    first = None
+    while a + n < len(batch_a) and b + n < len(batch_b):
+        fa, fb = batch_a[a + n][FIELDS], batch_b[b + n][FIELDS]
+        if first is None:
+            first = fa
+        if any(fa[i] != fb[i] for i in keys) or any(fa[i] != first[i] for i in same):
+            break
+        n += 1
+    return n
 
 
 def _ahead(batch, index, key, look=LOOK_AHEAD):

@@ -18,6 +18,7 @@ import re
 
 from ..recording import schema
 from ..recording.schema import Malformed
+from . import logscan
 from .summary import BadFile, LogFile, is_blank, parse_line, read_chunks
 
 # an Entry is (fields, line): ``fields`` the texts of these fields, ``line`` its line number (from 1)
@@ -83,7 +84,41 @@ def entry_pattern():
     return re.compile("^\\{" + "".join(parts) + "\\}$", re.MULTILINE)
 
 
+# the value forms of the C fast path (csrc/logscan.c)
+_NO_VALUE, _INT, _STR, _CHOICE, _ABS, _FRAC = range(6)
+
+
+def scan_program():
+    """The same line as ``entry_pattern()``, as csrc/logscan.c's program: per field, (the literal
+    before its value, the value's form, its index among ``_KEPT`` or -1, nullable, optional (may be
+    missing), an int's most digits, the choices of a str or the quoted texts of an abs)."""
+    items = []
+    for index, field in enumerate(schema.RECORDS["entry"]):
+        literal = ("{" if index == 0 else ",") + f'"{field.name}":'
+        kept = _KEPT.index(field.name) if field.name in _KEPT else -1
+        optional = field.name in schema.WHEN_KNOWN
+        digits, choices = 0, ()
+        if field.name == "record":
+            items.append(((literal + '"entry"').encode(), _NO_VALUE, -1, False, False, 0, ()))
+            continue
+        if field.kind == "int":
+            _integer(field)  # the same limits
+            digits, kind = len(str(field.hi)) - 1, _INT
+        elif field.kind == "str":
+            kind = _STR if field.choices is None else _CHOICE
+            choices = tuple(choice.encode() for choice in field.choices or ())
+        elif field.kind == "abs":
+            kind, choices = _ABS, tuple(text.encode() for text in schema.NONFINITE)
+        elif field.kind == "frac":
+            kind = _FRAC
+        else:
+            raise ValueError(f"{field.name}: no fast form for {field.kind}")
+        items.append((literal.encode(), kind, kept, bool(field.nullable), optional, digits, choices))
+    return tuple(items)
+
+
 _ENTRY = entry_pattern()
+_PROGRAM = scan_program()
 if [f.name for f in schema.RECORDS["entry"] if f.name in _KEPT] != list(_KEPT):  # the groups are the fields
     raise ImportError("entries._KEPT is not in the schema's order")
 
@@ -137,7 +172,9 @@ class EntryReader:
     kept in ``detection``). ``lines`` is the count of lines read.
 
     ``start`` and ``end``: only the bytes [start, end) of a plain (uncompressed) file, ``start``
-    at the beginning of a line (its lines numbered as in the whole file)."""
+    at the beginning of a line; its lines are numbered from 1 there (counting the lines before it
+    would read the file up to it: the diff in parts numbers them as in the whole file when it
+    merges the parts, ``Diff.merge``)."""
 
     def __init__(self, path, start=0, end=None):
         self.path = path
@@ -151,6 +188,12 @@ class EntryReader:
         self.malformed = 0
         self.malformed_lines = []
         self.damage = None
+
+    def shift_lines(self, offset):
+        """Number the lines named as if ``offset`` lines came before this reader's first."""
+        self.malformed_lines = [(number + offset, reason) for number, reason in self.malformed_lines]
+        if self.detection is not None:
+            self.detection["line"] += offset
 
     def _malformed(self, number, reason):
         self.malformed += 1
@@ -177,7 +220,6 @@ class EntryReader:
 
     def batches(self):
         if self.start or self.end is not None:
-            self.lines = count_lines(self.path, self.start)
             handle = Slice(self.path, self.start, self.end)
         else:
             handle = LogFile(self.path)
@@ -199,8 +241,9 @@ class EntryReader:
                 self._malformed(self.lines + 1, handle.damage)
 
     def merge(self, later):
-        """Add the counts of ``later``, the reader of the part of the same file that follows."""
-        self.lines = later.lines
+        """Add the counts of ``later``, the reader of the part of the same file that follows (its
+        lines numbered as in the whole file: ``shift_lines``)."""
+        self.lines += later.lines
         self.entries += later.entries
         self.metas += later.metas
         self.detections += later.detections
@@ -210,46 +253,54 @@ class EntryReader:
         self.damage = self.damage or later.damage
 
     def _chunk(self, chunk, out):
-        number = self.lines
-        try:
-            text = chunk.decode("utf-8")
-        except UnicodeDecodeError:
-            text = None
-        if text is None:  # some line is not UTF-8: each one on its own
-            lines = chunk.split(b"\n")
-            if lines[-1] == b"":
-                lines.pop()
-            for raw in lines:
-                number += 1
-                self._slow(raw, number, out)
-            self.lines = number
-            return
-        rows = _ENTRY.findall(text)
-        if len(rows) == text.count("\n") + (not text.endswith("\n")):  # every line an entry the fast path takes
-            self.lines = number + len(rows)
-            out.extend(zip(rows, range(number + 1, self.lines + 1)))
-            return
-        slow = self._slow
-        append = out.append
-        at = 0
-        for match in _ENTRY.finditer(text):
-            start = match.start()
-            if start != at:  # lines the fast path did not take
-                for line in text[at:start - 1].split("\n"):
-                    number += 1
-                    slow(line.encode("utf-8"), number, out)
+        native = logscan.native()
+        if native is not None:
+            self.lines = native.scan(chunk, self.lines, out, self._slow, _PROGRAM, len(_KEPT))
+        else:
+            self.lines = scan_python(chunk, self.lines, out, self._slow)
+
+
+def scan_python(chunk, number, out, slow):
+    """csrc/logscan.c's ``scan`` in Python, its specification: append to ``out`` the Entry of each
+    line of ``chunk`` that the fast path takes, call ``slow(line, its number, out)`` for any other,
+    in order; lines numbered from ``number`` + 1; returns the last one's number. (A chunk that is
+    not all UTF-8 goes line by line to ``slow``.)"""
+    try:
+        text = chunk.decode("utf-8")
+    except UnicodeDecodeError:
+        text = None
+    if text is None:  # some line is not UTF-8: each one on its own
+        lines = chunk.split(b"\n")
+        if lines[-1] == b"":
+            lines.pop()
+        for raw in lines:
             number += 1
-            append((match.groups(""), number))
-            at = match.end() + 1
-        if at < len(text):
-            rest = text[at:]
-            lines = rest.split("\n")
-            if lines[-1] == "":
-                lines.pop()
-            for line in lines:
+            slow(raw, number, out)
+        return number
+    rows = _ENTRY.findall(text)
+    if len(rows) == text.count("\n") + (not text.endswith("\n")):  # every line an entry the fast path takes
+        out.extend(zip(rows, range(number + 1, number + len(rows) + 1)))
+        return number + len(rows)
+    append = out.append
+    at = 0
+    for match in _ENTRY.finditer(text):
+        start = match.start()
+        if start != at:  # lines the fast path did not take
+            for line in text[at:start - 1].split("\n"):
                 number += 1
                 slow(line.encode("utf-8"), number, out)
-        self.lines = number
+        number += 1
+        append((match.groups(""), number))
+        at = match.end() + 1
+    if at < len(text):
+        rest = text[at:]
+        lines = rest.split("\n")
+        if lines[-1] == "":
+            lines.pop()
+        for line in lines:
+            number += 1
+            slow(line.encode("utf-8"), number, out)
+    return number
 
 
 class Slice:
@@ -284,19 +335,6 @@ class Slice:
 
     def __exit__(self, *exc):
         self.close()
-
-
-def count_lines(path, end, block=1 << 20):
-    """The number of newlines in the first ``end`` bytes of a plain file."""
-    count = 0
-    with open(path, "rb") as handle:
-        while end > 0:
-            data = handle.read(min(block, end))
-            if not data:
-                break
-            count += data.count(b"\n")
-            end -= len(data)
-    return count
 
 
 def parse_entry(raw, number=0):
