@@ -274,28 +274,15 @@ class Diff:
                 batch_b, ib = b_side.next_batch(), 0
                 continue
             if batch_a is not None and batch_b is not None:
-                if in_step:  # the usual case: records that pair one with the other, a step at a time
-                    n = run_length(batch_a, ia, batch_b, ib, _KEY, _WHERE)
-                    if n:
-                        fa = batch_a[ia][FIELDS]
-                        if fa[STEP] != last_step or fa[RANK] != last_rank or not pairs_before:
-                            last_rank, last_step = fa[RANK], fa[STEP]
-                            if grid is not None:
-                                grid.add_x(int(last_step))
-                            self._at(a_side, b_side, batch_a[ia])
-                            self._at(b_side, a_side, batch_b[ib])
-                            pairs_before = True
-                        for a, b in zip(batch_a[ia:ia + n], batch_b[ib:ib + n]):
-                            pair(a, b)
-                        ia += n
-                        ib += n
-                        continue
-                a, b = batch_a[ia], batch_b[ib]
-                fa, fb = a[FIELDS], b[FIELDS]
-                # the same key, and as many of it read in both (always so when nothing waits): a pair.
-                # Nothing is counted: counts that both logs would add alike leave every pairing as it is
-                if (fa[MODULE] == fb[MODULE] and fa[NAME] == fb[NAME] and fa[STEP] == fb[STEP] and fa[PHASE] == fb[PHASE]
-                        and fa[RANK] == fb[RANK] and (in_step or self._counted_alike(a_side, b_side, key_of(fa)))):
+                # the same key, and as many of it read in both (always so when nothing waits): pairs,
+                # as many as follow one another in one step. Nothing is counted: counts that both logs
+                # would add alike leave every pairing as it is
+                n = run_length(batch_a, ia, batch_b, ib, _KEY, _WHERE)
+                if n and not in_step:
+                    n = self._counted_alike(a_side, b_side, batch_a, ia, n)
+                if n:
+                    a, b = batch_a[ia], batch_b[ib]
+                    fa = a[FIELDS]
                     if fa[STEP] != last_step or fa[RANK] != last_rank or not pairs_before:
                         last_rank, last_step = fa[RANK], fa[STEP]
                         if grid is not None:
@@ -305,10 +292,12 @@ class Diff:
                         pairs_before = True
                         if not in_step:
                             in_step = self._in_step()
-                    pair(a, b)
-                    ia += 1
-                    ib += 1
+                    for a, b in zip(batch_a[ia:ia + n], batch_b[ib:ib + n]):
+                        pair(a, b)
+                    ia += n
+                    ib += n
                     continue
+                fa, fb = batch_a[ia][FIELDS], batch_b[ib][FIELDS]
                 # the log behind goes first; at the same step, the one whose head the other log
                 # does not hold just ahead (a record that only it has: the other catches up after)
                 key = key_of(fa)
@@ -344,12 +333,19 @@ class Diff:
         return True
 
     @staticmethod
-    def _counted_alike(a_side, b_side, key):
-        """Whether the two logs have read as many records of ``key`` (out of step): their next
-        ones are the same occurrence."""
-        where, name = key[:2], key[2:]
-        counts_a, counts_b = a_side.counts.get(where), b_side.counts.get(where)
-        return (counts_a.get(name, 0) if counts_a else 0) == (counts_b.get(name, 0) if counts_b else 0)
+    def _counted_alike(a_side, b_side, batch, index, n):
+        """Of the ``n`` records from ``batch[index]`` on (of one step), how many in a row the two
+        logs have read as many of (out of step): those that are the same occurrence in both."""
+        where = key_of(batch[index][FIELDS])[:2]
+        counts_a, counts_b = a_side.counts.get(where) or {}, b_side.counts.get(where) or {}
+        if not counts_a and not counts_b:
+            return n
+        for k in range(n):
+            fields = batch[index + k][FIELDS]
+            name = (fields[PHASE], fields[MODULE], fields[NAME])  # key_of's last three
+            if counts_a.get(name, 0) != counts_b.get(name, 0):
+                return k
+        return n
 
     def _at(self, side, other, entry):
         """``side`` has read ``entry``: at a new step of its rank, the other log's records of
