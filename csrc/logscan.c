@@ -1,4 +1,4 @@
-/* The report's fast paths in C, each the twin of a Python function that is its specification:
+/* The fast paths of `overflow-fast diff` in C, each the twin of a Python function that is its specification:
  *
  * - scan: the entry records of a chunk of a JSONL log (entries.py's EntryReader). Each line is
  *   matched against the writer's own form of an entry record, as entries.py's regular expression
@@ -497,8 +497,16 @@ static const char run_length_doc[] =
     "of `keys`, and the fields at every index of `same` equal to the first pair's: the records that two\n"
     "logs in step pair one with the other, in one step.";
 
+/* 1, 0, or -1 with an error set: the texts of an Entry are str (no Python code runs to compare
+ * them, so the lists cannot change under this loop) */
 static int field_equal(PyObject *x, PyObject *y) {
-    return x == y || PyObject_RichCompareBool(x, y, Py_EQ) == 1;
+    if (x == y)
+        return 1;
+    if (!PyUnicode_CheckExact(x) || !PyUnicode_CheckExact(y)) {
+        PyErr_SetString(PyExc_TypeError, "run_length: an entry's fields are str");
+        return -1;
+    }
+    return PyUnicode_Compare(x, y) == 0;
 }
 
 static PyObject *fields_of(PyObject *entries, Py_ssize_t i) {
@@ -542,7 +550,7 @@ static PyObject *run_length(PyObject *self, PyObject *args) {
             first = fa;
         Py_ssize_t size = PyTuple_GET_SIZE(fa) < PyTuple_GET_SIZE(fb) ? PyTuple_GET_SIZE(fa) : PyTuple_GET_SIZE(fb);
         int pairs = 1;
-        for (int k = 0; k < nkeys + nsame && pairs; k++) {
+        for (int k = 0; k < nkeys + nsame && pairs == 1; k++) {
             Py_ssize_t i = index[k];
             if (i < 0 || i >= size || i >= PyTuple_GET_SIZE(first)) {
                 PyErr_SetString(PyExc_IndexError, "run_length: a field index out of range");
@@ -551,7 +559,7 @@ static PyObject *run_length(PyObject *self, PyObject *args) {
             pairs = k < nkeys ? field_equal(PyTuple_GET_ITEM(fa, i), PyTuple_GET_ITEM(fb, i))
                               : field_equal(PyTuple_GET_ITEM(fa, i), PyTuple_GET_ITEM(first, i));
         }
-        if (PyErr_Occurred())
+        if (pairs < 0)
             return NULL;
         if (!pairs)
             break;
@@ -697,7 +705,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "overflow_fast._logscan", "The log reader's fast path (entries.py).", -1, methods,
+    PyModuleDef_HEAD_INIT, "overflow_fast._logscan", "The fast paths of overflow-fast diff (report/logscan.py).", -1, methods,
     NULL, NULL, NULL, NULL,
 };
 

@@ -82,7 +82,7 @@ def info():
     """What runs here, as a dict: ``overflow_fast``, ``python``, ``torch``, ``triton``,
     ``cpu_kernel`` (``"avx512"``, ``"avx2"``, ``"baseline"`` or ``"unavailable (<reason>)"``),
     ``cpu_kernel_file``, ``cpu_kernel_origin``, ``cpu_kernel_cache``, ``log_reader`` (how
-    ``report`` and ``diff`` read logs: "C (<file>)" or "Python (<why not C>)"), ``default_backend``
+    ``diff`` reads logs: "C (<file>)" or "Python (<why not C>)"), ``default_backend``
     ({device type: backend}), ``cuda_devices`` (list), ``per_hook_read`` ({device: the triton
     backend's per-hook path there, its self-check and how it launches}) and ``environment``
     ({name: value})."""
@@ -141,7 +141,7 @@ def lines(facts):
     if facts["cpu_kernel_file"]:
         out.append(f"cpu kernel file: {facts['cpu_kernel_file']} ({facts['cpu_kernel_origin']})")
     out.append(f"cpu kernel cache: {facts['cpu_kernel_cache']}")
-    out.append(f"log reader (report, diff): {facts['log_reader']}")
+    out.append(f"log reader (diff): {facts['log_reader']}")
     for device, backend in facts["default_backend"].items():
         out.append(f"default backend ({device}): {backend}")
     out.append(f"cuda devices: {len(facts['cuda_devices']) or 'none'}")

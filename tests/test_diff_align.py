@@ -714,3 +714,5 @@ def test_the_c_run_length_is_diff_s():
         batch_b = [(tuple(fields), line) for fields, line in batch_b]
         a, b = rng.randrange(0, length + 1), rng.randrange(0, length + 1)
         assert native.run_length(batch_a, a, batch_b, b, _KEY, _WHERE) == _run_length(batch_a, a, batch_b, b)
+    with pytest.raises(TypeError, match="fields are str"):  # an Entry's texts: nothing else is compared
+        native.run_length([((1,) * 15, 1)], 0, [((2,) * 15, 1)], 0, _KEY, _WHERE)

@@ -16,9 +16,9 @@ ALLOWED = {
     "hooks": {"stats", "distributed", "recording"},
     "report": {"recording"},
 }
-# the differences between torch versions (it imports torch only) and the package's version: every
-# folder may ask them
-EVERYWHERE = {"_compat", "_version"}
+# the differences between torch versions (it imports torch only), the package's version and the
+# cache of compiled modules (standard library only): every folder may use them
+EVERYWHERE = {"_compat", "_version", "build_cache"}
 
 
 def imported_folders(path, folder):

@@ -34,7 +34,7 @@ def test_built_once_then_loaded_from_the_cache(tmp_path):
     if not _compiler_here():
         pytest.skip("no C compiler here: the Python twins read (tested below)")
     out, err = _run(tmp_path, "-c", STATUS)
-    assert out.startswith(f"C ({tmp_path / 'cache'}") and "building the C fast path of report and diff" in err, err
+    assert out.startswith(f"C ({tmp_path / 'cache'}") and "building the C fast path of overflow-fast diff" in err, err
     again, err = _run(tmp_path, "-c", STATUS)
     assert again == out and "building" not in err
 
@@ -47,7 +47,7 @@ def test_a_damaged_build_is_built_again_never_loaded(tmp_path):
     with open(library, "r+b") as f:
         f.truncate(4096)  # loaded, a cut library is SIGBUS, not an error
     again, err = _run(tmp_path, "-c", STATUS)
-    assert again == out and "not loading the cached C fast path of report and diff" in err, err
+    assert again == out and "not loading the cached C fast path of overflow-fast diff" in err, err
 
 
 def _logs(tmp_path):
@@ -80,3 +80,18 @@ def test_without_it_the_python_twins_give_the_same_diff(tmp_path, without):
     if _compiler_here():
         c_diff, _ = _run(tmp_path / "other", "-m", "overflow_fast", "diff", a, b)
         assert c_diff == python_diff
+
+
+def test_a_prebuilt_one_is_loaded_where_nothing_may_be_built(tmp_path):
+    """As setup.py builds it ahead of time (OVERFLOW_FAST_AOT): found in the package's prebuilt
+    folder by a process that may not build (OVERFLOW_FAST_JIT=0) and has an empty cache."""
+    if not _compiler_here():
+        pytest.skip("no C compiler here")
+    library = logscan.build_prebuilt(tmp_path / "prebuilt")
+    out, err = _run(tmp_path, "-c", "import sys; from overflow_fast import build_cache; "
+                    "from pathlib import Path; build_cache.PREBUILT = Path(sys.argv[1]); " + STATUS,
+                    str(tmp_path / "prebuilt"), OVERFLOW_FAST_JIT="0")
+    assert out == f"C ({library})\n" and "building" not in err
+    status, _ = _run(tmp_path, "-c", STATUS, OVERFLOW_FAST_JIT="0")  # no prebuilt one: nothing built
+    assert status.startswith("Python (") and "OVERFLOW_FAST_JIT=0 forbids building one" in status
+    assert not list((tmp_path / "cache").glob("logscan-*"))

@@ -1,7 +1,8 @@
-"""The report's fast paths in C (csrc/logscan.c): ``native()`` is the module, or None where it
-cannot be had. Its ``scan`` reads a chunk of a log's lines into entries (``entries`` has the Python
-twin: a regular expression, the same lines to the same Entry, about five times slower); its
-``run_length`` finds how far two logs' records pair one with the other (``diff`` has the twin).
+"""The fast paths of ``overflow-fast diff`` in C (csrc/logscan.c): ``native()`` is the module, or
+None where it cannot be had. Each function has its Python twin, its specification: ``scan`` reads
+a chunk of a log's lines into entries (``entries.scan_python``: a regular expression, the same
+lines to the same Entry, about five times slower), ``run_length`` finds how far two logs' records
+pair one with the other and ``divergence`` compares a pair (``diff._run_length``, ``diff.divergence``).
 
 Plain C on the Python API, no torch: built on first use with the C compiler (``CC``, else ``cc``)
 for this Python, in a second or two, into the cache the C++ kernel uses, under the same rules
@@ -22,7 +23,7 @@ from pathlib import Path
 from .. import build_cache
 
 SOURCE = "logscan.c"
-LOGSCAN = build_cache.Target("overflow_fast._logscan", "C fast path of report and diff", "once for this Python; seconds")
+LOGSCAN = build_cache.Target("overflow_fast._logscan", "C fast path of overflow-fast diff", "once for this Python; seconds")
 
 _loaded = None  # (module or None, why not), once per process
 
@@ -77,6 +78,18 @@ def build(directory, sources):
     return library
 
 
+def build_prebuilt(root):
+    """Build it ahead of time into ``root`` (the package's ``_prebuilt``: setup.py with
+    ``OVERFLOW_FAST_AOT``), where ``load()`` looks first; returns the library's path."""
+    sources = sources_dir()
+    ident = identity(sources)
+    directory = Path(root) / cache_key(ident)
+    directory.mkdir(parents=True, exist_ok=True)
+    library = build(directory, sources)
+    build_cache.write_build_record(directory, library, ident)
+    return library
+
+
 def load():
     """``(module or None, why not or None)``: prebuilt, cached, or built now. Never raises."""
     if os.environ.get(build_cache.WITHOUT_ENV, "") not in ("", "0"):
@@ -103,6 +116,8 @@ def load():
                     return None, f"it could not be built: {reason}"
             library, problem = build_cache.check_build(root / key, ident, target=LOGSCAN)
             if library is None:
+                if not jit and problem[0] == "missing":
+                    return None, f"none prebuilt for this Python, and {build_cache.JIT_ENV}=0 forbids building one"
                 return None, problem[1]
         return build_cache.load_module(library, target=LOGSCAN), None
     except Exception as error:  # an unwritable cache, a load error: the regular expression still reads
