@@ -76,8 +76,9 @@ def _requested_isas(cpu_build):
 
 
 class BuildPyWithKernel(build_py):
-    """build_py, then (OVERFLOW_FAST_AOT set) the C++ kernel for each requested instruction set
-    into overflow_fast/_prebuilt/ of the build (of the source tree for an editable install)."""
+    """build_py, then (OVERFLOW_FAST_AOT set) the C++ kernel for each requested instruction set,
+    and the log reader's C fast path, into overflow_fast/_prebuilt/ of the build (of the source
+    tree for an editable install)."""
 
     def run(self):
         if not getattr(self, "editable_mode", False):
@@ -99,6 +100,10 @@ class BuildPyWithKernel(build_py):
             with tempfile.TemporaryDirectory() as scratch:
                 subprocess.run([sys.executable, "-c", _BUILD_ONE, str(HERE / "overflow_fast" / "stats" / "cpu_build.py"),
                                 isa, scratch, str(dest_root)], check=True)
+        # the log reader's C fast path (plain C, for this Python), from this tree's package
+        subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
+                        "from overflow_fast.report import logscan; print('overflow_fast: built', "
+                        "logscan.build_prebuilt(sys.argv[2]))", str(HERE), str(dest_root)], check=True)
 
 
 class KernelDistribution(Distribution):
