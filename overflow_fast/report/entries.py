@@ -7,7 +7,9 @@ expression, generated from ``schema.RECORDS["entry"]``, that matches the writer'
 entry record (its keys in order, no spaces, names without escapes, numbers of bounded length) and
 accepts only lines that the schema accepts. Every other line (an escaped name, spaces, a key the
 schema does not know, a meta or detection record, damage) goes to ``summary.parse_line``, the
-report's parser. Both paths give the same ``Entry``.
+report's parser. Both paths give the same ``Entry``. The fast path runs in C where it can be built
+(csrc/logscan.c's ``scan``, its program ``scan_program()`` generated from the same schema: the same
+lines to the same texts); ``scan_python`` is its twin and its specification.
 
 An ``Entry`` is (its fields' JSON texts, its line number): two runs that agree write the same
 texts, which are compared without reading a number (``key_of``, ``is_bad``, ``magnitude`` read
