@@ -25,6 +25,7 @@ only has; per kept module and step bin, the picture's cells.
 """
 
 import math
+from operator import itemgetter
 
 from . import logscan
 from .entries import (ABS_MAX, ABS_MIN, CLASS, DTYPE, FIELDS, LINE, MODE, MODULE, NAME, NEGINF, NAN, NUMEL, PHASE,
@@ -631,13 +632,15 @@ _WHERE = (STEP, RANK)
 def _run_length(batch_a, a, batch_b, b, keys=_KEY, same=_WHERE):
     """How many pairs (batch_a[a + i], batch_b[b + i]) from i = 0 on have equal ``keys`` fields,
     and ``same`` fields equal to the first pair's (csrc/logscan.c's ``run_length``, in Python)."""
+    most = min(len(batch_a) - a, len(batch_b) - b)
+    if a < 0 or b < 0 or most <= 0:
+        return 0
+    key, where = itemgetter(*keys), itemgetter(*same)
+    first = where(batch_a[a][FIELDS])
     n = 0
-    first = None
-    while a + n < len(batch_a) and b + n < len(batch_b):
-        fa, fb = batch_a[a + n][FIELDS], batch_b[b + n][FIELDS]
-        if first is None:
-            first = fa
-        if any(fa[i] != fb[i] for i in keys) or any(fa[i] != first[i] for i in same):
+    while n < most:
+        fa = batch_a[a + n][FIELDS]
+        if key(fa) != key(batch_b[b + n][FIELDS]) or where(fa) != first:
             break
         n += 1
     return n
