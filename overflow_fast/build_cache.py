@@ -14,6 +14,7 @@ import importlib.machinery
 import importlib.util
 import json
 import os
+import re
 import shutil
 import stat
 import sys
@@ -46,6 +47,28 @@ def library_names(target):
 class BuildError(RuntimeError):
     """A build that failed; ``str()`` is one line: the compiler's first error (the log has the rest)."""
 
+
+
+def sources_dir(marker):
+    """The folder of the C and C++ sources, the one holding ``marker``: package data in an
+    installed package, ``csrc/`` beside it in a checkout; None where neither holds it."""
+    for folder in (PACKAGE / "csrc", PACKAGE.parent / "csrc"):
+        if (folder / marker).is_file():
+            return folder
+    return None
+
+
+def first_error_line(log):
+    """The line of a build log that says what went wrong first: the compiler's first error, else
+    ninja's first failed step, else the last line."""
+    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    for line in lines:
+        if re.search(r"\b(error|Error|ERROR)\b", line) and not line.startswith(("ninja:", "FAILED:", "Error building")):
+            return line[:300]
+    for line in lines:
+        if line.startswith("FAILED:"):
+            return line[:300]
+    return lines[-1][:300] if lines else "no output"
 
 
 def cache_root():

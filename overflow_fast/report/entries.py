@@ -40,12 +40,17 @@ _FLOAT = r"(?:0|[1-9][0-9]{0,19})(?:\.[0-9]+)?(?:[eE](?:-[0-9]{1,3}|\+?[0-9]{1,2
 _FRACTION = r"(?:0(?:\.[0-9]+)?(?:[eE]-[0-9]{1,3})?|1(?:\.0+)?|[1-9](?:\.[0-9]+)?[eE]-0*[1-9][0-9]{0,2})"
 
 
-def _integer(field):
-    """Integers of fewer digits than ``field.hi``: all of them within [lo, hi] when lo is 0."""
+def _integer_digits(field):
+    """The most digits of an integer the fast path reads: fewer than ``field.hi`` has, so all of
+    them are within [lo, hi] when lo is 0."""
     digits = len(str(field.hi)) - 1
     if field.lo != 0 or digits < 1:
         raise ValueError(f"{field.name}: the fast path reads integers from 0 to at least 10 only")
-    return f"0|[1-9][0-9]{{0,{digits - 1}}}"
+    return digits
+
+
+def _integer(field):
+    return f"0|[1-9][0-9]{{0,{_integer_digits(field) - 1}}}"
 
 
 def _value_pattern(field):
@@ -104,8 +109,7 @@ def scan_program():
             items.append(((literal + '"entry"').encode(), _NO_VALUE, -1, False, False, 0, ()))
             continue
         if field.kind == "int":
-            _integer(field)  # the same limits
-            digits, kind = len(str(field.hi)) - 1, _INT
+            digits, kind = _integer_digits(field), _INT
         elif field.kind == "str":
             kind = _STR if field.choices is None else _CHOICE
             choices = tuple(choice.encode() for choice in field.choices or ())

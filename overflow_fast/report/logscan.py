@@ -30,10 +30,7 @@ _loaded = None  # (module or None, why not), once per process
 
 def sources_dir():
     """The folder holding csrc/logscan.c: package data when installed, ``csrc/`` in a checkout."""
-    for folder in (build_cache.PACKAGE / "csrc", build_cache.PACKAGE.parent / "csrc"):
-        if (folder / SOURCE).is_file():
-            return folder
-    return None
+    return build_cache.sources_dir(SOURCE)
 
 
 def identity(sources):
@@ -71,10 +68,9 @@ def build(directory, sources):
     except (OSError, subprocess.SubprocessError) as error:
         raise build_cache.BuildError(f"{compiler()} could not run: {error}") from None
     if result.returncode != 0:
-        log = " ".join(command) + "\n" + result.stdout + result.stderr
-        (Path(directory) / build_cache.LOG).write_text(log)
-        errors = [line for line in log.splitlines() if "error" in line]
-        raise build_cache.BuildError((errors or log.splitlines() or ["failed"])[0].strip())
+        output = result.stdout + result.stderr
+        (Path(directory) / build_cache.LOG).write_text(" ".join(command) + "\n" + output)
+        raise build_cache.BuildError(build_cache.first_error_line(output))
     return library
 
 

@@ -24,7 +24,6 @@ import importlib.util
 import json
 import os
 import platform
-import re
 import shutil
 import subprocess
 import sys
@@ -48,9 +47,9 @@ except ImportError:  # loaded on its own, by path (setup.py)
 BuildError, CACHE_ENV, DONE, JIT_ENV, LOG, PACKAGE, PREBUILT, WITHOUT_ENV = (
     build_cache.BuildError, build_cache.CACHE_ENV, build_cache.DONE, build_cache.JIT_ENV, build_cache.LOG,
     build_cache.PACKAGE, build_cache.PREBUILT, build_cache.WITHOUT_ENV)
-cache_folder, cache_root, default_cache_root, private_folder, write_build_record = (
-    build_cache.cache_folder, build_cache.cache_root, build_cache.default_cache_root, build_cache.private_folder,
-    build_cache.write_build_record)
+cache_folder, cache_root, default_cache_root, first_error_line, private_folder, write_build_record = (
+    build_cache.cache_folder, build_cache.cache_root, build_cache.default_cache_root, build_cache.first_error_line,
+    build_cache.private_folder, build_cache.write_build_record)
 _say, _warn, _read, _owner, _entry_problem = (
     build_cache._say, build_cache._warn, build_cache._read, build_cache._owner, build_cache._entry_problem)
 
@@ -101,15 +100,12 @@ int main() {
 
 def sources_dir():
     """The C++ sources: package data in an installed package, ``csrc/`` beside it in a checkout."""
-    for folder in (PACKAGE / "csrc", PACKAGE.parent / "csrc"):
-        if (folder / "binding.cpp").is_file():
-            return folder
-    return None
+    return build_cache.sources_dir("binding.cpp")
 
 
 def installed_from_checkout():
     """Whether this package runs from a source tree (a checkout or an editable install)."""
-    return not (PACKAGE / "csrc" / "binding.cpp").is_file() and (PACKAGE.parent / "csrc" / "binding.cpp").is_file()
+    return sources_dir() == PACKAGE.parent / "csrc"
 
 
 def cpu_flags():
@@ -262,19 +258,6 @@ def _is_gcc():
 
 
 # ---- building -----------------------------------------------------------------------------------
-
-def first_error_line(log):
-    """The line of a build log that says what went wrong first: the compiler's first error, else
-    ninja's first failed step, else the last line."""
-    lines = [line.strip() for line in log.splitlines() if line.strip()]
-    for line in lines:
-        if re.search(r"\b(error|Error|ERROR)\b", line) and not line.startswith(("ninja:", "FAILED:", "Error building")):
-            return line[:300]
-    for line in lines:
-        if line.startswith("FAILED:"):
-            return line[:300]
-    return lines[-1][:300] if lines else "no output"
-
 
 def _ninja_dir():
     """The folder of the ninja that pip installed with this package, when it is not on PATH (a
