@@ -77,18 +77,15 @@ def _in_parts(path_a, path_b, options, parts, jobs):
                 index = next(ahead)
                 _send(child, parts[index])
                 selector.register(child.stdout, selectors.EVENT_READ, (child, index))
-            busy = len(children)
-            while busy:
+            while selector.get_map():  # a child is registered while it reads a part
                 for key, _ in selector.select():
                     child, index = key.data
                     results[index] = _result(child)
                     selector.unregister(child.stdout)
-                    busy -= 1
                     index = next(ahead, None)
                     if index is not None:
                         _send(child, parts[index])
                         selector.register(child.stdout, selectors.EVENT_READ, (child, index))
-                        busy += 1
     finally:
         for child in children:
             try:
