@@ -300,26 +300,38 @@ static const char *match_value(const Item *it, const char *p, const char *end, S
     return q;
 }
 
-/* The line [p, end) as an entry record: its kept groups in spans[], 1; or 0 (not one). */
-static int match_line(const Program *program, const char *p, const char *end, Span *spans, int *high) {
+/* Whether a text with bytes over 0x7f is UTF-8 (Python's own decoder decides). */
+static int is_utf8(const Span *span) {
+    PyObject *text = PyUnicode_DecodeUTF8(span->text, span->len, NULL);
+    if (text == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    Py_DECREF(text);
+    return 1;
+}
+
+/* The line [p, end) as an entry record: its kept groups in spans[], 1; or 0 (not one, or a text
+ * that is not kept is not UTF-8: the kept ones are checked as they are made). */
+static int match_line(const Program *program, const char *p, const char *end, Span *spans) {
     for (int k = 0; k < program->nkept; k++)
         spans[k].text = NULL;
-    *high = 0;
     for (int i = 0; i < program->n; i++) {
         const Item *it = &program->items[i];
         Span group;
-        int item_high = 0;
+        int high = 0;
         if (!starts_with(p, end, it->literal.text, it->literal.len)) {
             if (it->optional)
                 continue;
             return 0;
         }
-        p = match_value(it, p + it->literal.len, end, &group, &item_high);
+        p = match_value(it, p + it->literal.len, end, &group, &high);
         if (p == NULL)
             return 0;
         if (it->kept >= 0)
             spans[it->kept] = group;
-        *high |= item_high;
+        else if (high && !is_utf8(&group))
+            return 0;
     }
     return p + 1 == end && *p == '}';
 }
@@ -405,27 +417,6 @@ static PyObject *entry_of(const Program *program, const Span *spans, Recent *rec
     return entry;
 }
 
-/* Whether every non-kept text of a line is UTF-8 too (the kept ones are checked as they are made). */
-static int texts_are_utf8(const Program *program, const char *p, const char *end) {
-    for (int i = 0; i < program->n; i++) {
-        const Item *it = &program->items[i];
-        Span group;
-        int high = 0;
-        if (!starts_with(p, end, it->literal.text, it->literal.len))
-            continue;  /* an optional item that is not there */
-        p = match_value(it, p + it->literal.len, end, &group, &high);
-        if (high && it->kept < 0) {
-            PyObject *text = PyUnicode_DecodeUTF8(group.text, group.len, NULL);
-            if (text == NULL) {
-                PyErr_Clear();
-                return 0;
-            }
-            Py_DECREF(text);
-        }
-    }
-    return 1;
-}
-
 static const char scan_doc[] =
     "scan(chunk, number, out, slow, items, kept) -> number\n\n"
     "Append to the list `out` the Entry (fields, line number) of each line of `chunk` (bytes of whole\n"
@@ -456,10 +447,9 @@ static PyObject *scan(PyObject *self, PyObject *args) {
     while (p < end) {
         const char *newline = memchr(p, '\n', (size_t)(end - p));
         const char *eol = newline != NULL ? newline : end;
-        int high;
         number++;
         PyObject *entry = NULL;
-        if (match_line(&program, p, eol, spans, &high) && (!high || texts_are_utf8(&program, p, eol))) {
+        if (match_line(&program, p, eol, spans)) {
             entry = entry_of(&program, spans, &recent, empty, number);
             if (entry == NULL && PyErr_Occurred()) {
                 failed = 1;
