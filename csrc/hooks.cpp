@@ -55,6 +55,19 @@ constexpr int64_t kMixedDevices = -2;  // the tensors are on several devices: re
 // pass ends), seen unchanged at the end of a pass (its read may wait), seen changed (read at once).
 enum Mode : uint8_t { kUnknown = 0, kDefer = 1, kAtOnce = 2 };
 
+// A tuple of objects the collector never tracks (ints, strs, None) can be in no reference cycle:
+// untracked now, as the collector itself would untrack it at its next pass, it adds nothing to
+// what each pass traverses (a hook's entries and versions live until its pass is decided).
+py::tuple untracked_if_atomic(py::tuple tuple) {
+  for (const auto& item : tuple) {
+    if (PyObject_GC_IsTracked(item.ptr())) {
+      return tuple;
+    }
+  }
+  PyObject_GC_UnTrack(tuple.ptr());
+  return tuple;
+}
+
 // A tensor's version counter, or -1 where it has none (inference tensors).
 int64_t version_of(const at::Tensor& tensor) {
   const auto& counter = tensor.unsafeGetTensorImpl()->version_counter();
@@ -540,7 +553,7 @@ py::tuple versions_of(const py::handle& args, const py::handle& kwargs) {
   for (size_t index = 0; index < versions.size(); ++index) {
     out[index] = std::move(versions[index]);
   }
-  return out;
+  return untracked_if_atomic(std::move(out));
 }
 
 // The entries of a hook call outside torch.func transforms, as hooks/frames.py gives them (its
@@ -739,7 +752,7 @@ class EntriesOf {
     } else if (value == Py_None) {
       kind = kNone;
     }
-    out.entries.append(py::make_tuple(kinds_[kind], py::handle(ctx), std::move(payload)));
+    out.entries.append(untracked_if_atomic(py::make_tuple(kinds_[kind], py::handle(ctx), std::move(payload))));
   }
 
   std::array<bool, static_cast<size_t>(c10::ScalarType::NumOptions)> supported_{};

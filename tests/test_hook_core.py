@@ -542,6 +542,33 @@ def test_the_cpp_versions_are_culprit_versions_of():
         assert C.versions_of(container(args), kwargs) == versions_of(container(args), kwargs)
 
 
+@needs_extension
+def test_the_cpp_tuples_of_plain_values_leave_the_collector_nothing_to_traverse():
+    import gc
+
+    from overflow_fast.hooks.frames import container_leaves, own_parameters
+    from overflow_fast.stats import unreadable_reason
+    from overflow_fast.stats.kinds import SUPPORTED_DTYPES
+
+    # what a hook hands over lives until its pass is decided: tuples of ints, strs and None are
+    # untracked at once (as the collector would untrack them), and one holding anything else is not
+    x = torch.ones(2, requires_grad=True)
+    versions = C.versions_of((x, x * 2), {"k": x})
+    assert versions == (0, 0, 0) and not gc.is_tracked(versions)
+    module = torch.nn.Linear(2, 2)
+    entries, _, _ = hook_core.entries_reader(False).forward(module, (x, None, 3), torch.ones(2, device="meta"), None)
+    assert [kind for kind, _, _ in entries] == [0, 0, 0, 1, 2, 3]
+    assert not any(gc.is_tracked(entry) for entry in entries)
+
+    def reason_as_a_list(tensor):
+        reason = unreadable_reason(tensor)
+        return None if reason is None else [reason]
+
+    reader = C.EntriesOf(SUPPORTED_DTYPES, reason_as_a_list, own_parameters, container_leaves, False)
+    (entry,), _, _ = reader.of([(torch.ones(2, device="meta"), "output")])
+    assert isinstance(entry[2], list) and gc.is_tracked(entry)
+
+
 def _kept_fields(call, ids):
     """A kept call's fields, with the calls it names by their index in ``ids`` (id -> index)."""
     def named(other):
