@@ -257,20 +257,20 @@ import sys
 sys.path.insert(0, {BENCHMARKS!r})
 import gpu_check
 for argv in ([], ["--phases", "compiled-large,exactness"], ["--phases", "exactness", "--skip", "direct-launch"],
-             ["--dry-run"], ["--dry-run", "--phases", "exactness"]):
+             ["--dry-run"], ["--dry-run", "--phases", "exactness", "--budget", "90"]):
     args = gpu_check.parse_args(argv)
-    print(",".join(args.selected), ",".join(args.left_out), sep="|")
+    print(",".join(args.selected), ",".join(args.left_out), args.budget, sep="|")
 """
     output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     every = ("direct-launch,exactness,self-check,bandwidth,step-gpu-bound,step-host-bound,step-large,host-per-hook,"
              "compiled-gpu-bound,compiled-host-bound,compiled-large,sweep")
     assert output.splitlines() == [
         "direct-launch,exactness,self-check,bandwidth,step-gpu-bound,step-host-bound,step-large,host-per-hook,"
-        "compiled-gpu-bound,sweep|compiled-host-bound,compiled-large",
-        "direct-launch,exactness,compiled-large|",  # the direct launch first on a GPU, whatever --phases says
-        "exactness|",
-        f"{every}|",  # the dry run: every phase but the opt-in one
-        "exactness|",
+        "compiled-gpu-bound,sweep|compiled-host-bound,compiled-large|330.0",
+        "direct-launch,exactness,compiled-large||330.0",  # the direct launch first on a GPU, whatever --phases says
+        "exactness||330.0",
+        f"{every}||1200.0",  # the dry run: every phase but the opt-in one, and no device time to keep
+        "exactness||90.0",
     ]
 
 
@@ -302,7 +302,7 @@ triton_read._read = off_by_one
 
 @pytest.mark.slow
 def test_the_dry_run_measures_every_phase(tmp_path):
-    process = launch(["--dry-run", "--out", str(tmp_path), "--budget", "1200"])
+    process = launch(["--dry-run", "--out", str(tmp_path)])  # the dry run's own budget
     status, output = finish(process, timeout=1300)
     rows, headline = table(tmp_path)
     assert status == 0, output
