@@ -295,11 +295,11 @@ def _draw(plot, drawn, rows, what, args, title_source):
 
 
 def run_replay(args):
-    from .hooks import op_replay
+    from .replay import op_replay, repro
 
     try:
-        payload = op_replay.load_repro(args.file, map_location=args.map_location)
-    except op_replay.ReproError as error:
+        payload = repro.load_repro(args.file, map_location=args.map_location)
+    except repro.ReproError as error:
         print(f"overflow-fast: {error}", file=sys.stderr)
         return 1
     detection = payload.get("detection") or {}
@@ -309,7 +309,7 @@ def run_replay(args):
           f"overflow_fast {payload.get('overflow_fast_version')}")
     if payload.get("torch_version") != torch_version():
         print(f"note: this is torch {torch_version()}: the replay may differ", file=sys.stderr)
-    result = op_replay.replay_repro(payload)
+    result = repro.replay_repro(payload)
     recorded = detection.get("op") or {}
     if result.get("op") is not None and result.get("file") is None and result["op"] == recorded.get("op"):
         # no line of code outside torch ran it: the module whose torch code did, as the run named it

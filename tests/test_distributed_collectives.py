@@ -115,7 +115,7 @@ def test_no_communication_refuses_every_collective_before_it_runs(one_rank):
 
 
 def test_a_replay_of_a_call_that_communicates_says_so(one_rank):
-    from overflow_fast.hooks.op_replay import replay_backward, replay_forward
+    from overflow_fast.replay.op_replay import replay_backward, replay_forward
 
     class Reduces(torch.nn.Module):
         def forward(self, x):

@@ -516,3 +516,31 @@ def test_a_bert_whose_intermediate_product_overflows_in_fp16(check):
     # the Linear is torch's: the line is BertIntermediate's, the model's code that calls it
     assert op["op"] == "aten.addmm" and os.path.basename(op["file"]) == "modeling_bert.py", op
     assert op["what"].startswith("inf from finite inputs"), op
+
+
+@pytest.mark.one_path
+def test_a_reproducer_that_names_the_replays_earlier_module_still_loads(tmp_path, monkeypatch):
+    """A file written when the reproducer's functions lived in ``overflow_fast.hooks.op_replay``."""
+    import types
+
+    from overflow_fast.replay import repro
+
+    old = types.ModuleType("overflow_fast.hooks.op_replay")
+    old.script_definition = repro.script_definition
+    monkeypatch.setitem(sys.modules, old.__name__, old)
+    monkeypatch.setattr(repro.script_definition, "__module__", old.__name__)
+    script = tmp_path / "train.py"
+    script.write_text("WIDTH = 4\n")
+    payload = {"format": repro.REPRO_FORMAT, "format_version": repro.REPRO_VERSION,
+               "width": None}
+    path = tmp_path / "old.pt"
+
+    class Named:
+        def __reduce__(self):
+            return repro.script_definition, ((str(script), None), "WIDTH")
+
+    payload["width"] = Named()
+    torch.save(payload, path)
+    monkeypatch.delitem(sys.modules, old.__name__)
+    monkeypatch.undo()
+    assert repro.load_repro(path)["width"] == 4

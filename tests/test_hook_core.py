@@ -527,7 +527,7 @@ def test_the_cpp_entries_are_frames_entries_item_for_item(containers):
 
 @needs_extension
 def test_the_cpp_versions_are_culprit_versions_of():
-    from overflow_fast.hooks.culprit import versions_of
+    from overflow_fast.replay.culprit import versions_of
 
     rng = random.Random(7)
     for _ in range(300):
@@ -580,7 +580,7 @@ def _kept_fields(call, ids):
 
 @needs_extension
 def test_the_cpp_kept_call_is_culprit_s_field_for_field():
-    from overflow_fast.hooks.culprit import KeptCall, root_state, root_state_at_end
+    from overflow_fast.replay.culprit import KeptCall, root_state, root_state_at_end
 
     native = hook_core.kept_call_class()
     assert native is not KeptCall and issubclass(native, C.KeptCall)

@@ -13,7 +13,8 @@ ALLOWED = {
     "stats": set(),
     "distributed": {"stats"},
     "recording": {"stats", "distributed"},
-    "hooks": {"stats", "distributed", "recording"},
+    "replay": {"stats", "distributed"},
+    "hooks": {"stats", "distributed", "recording", "replay"},
     "report": {"recording"},
 }
 # the differences between torch versions (it imports torch only), the package's version and the

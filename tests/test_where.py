@@ -11,7 +11,7 @@ from torch import nn
 import models
 from compat import capture
 from overflow_fast import DebugUnderflowOverflow, OverflowDetected, watch
-from overflow_fast.hooks import op_replay
+from overflow_fast.replay import repro
 
 CHECKS = ("module", "batch")
 BATCH, POISONED = 8, 5
@@ -180,7 +180,7 @@ def test_the_reproducer_carries_the_where_facts(tmp_path):
     model = linear_model()
     watch(model, repro=str(tmp_path))
     _, error = capture(lambda: model(poisoned_rows()))
-    payload = op_replay.load_repro(error.detection["repro"])
+    payload = repro.load_repro(error.detection["repro"])
     assert payload["detection"]["where"]["rows"] == [POISONED]
 
 

@@ -19,7 +19,7 @@ from .scaling import backoff_line, scaler_line
 
 
 def op_line(op):
-    from .op_replay import op_line as line  # torch's dispatch machinery: only once a detection needs it
+    from ..replay.op_replay import op_line as line  # torch's dispatch machinery: only once a detection needs it
 
     return line(op if op.get("op") is not None else {**op, "why": op["what"]})
 

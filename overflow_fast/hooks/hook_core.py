@@ -19,7 +19,7 @@ import torch
 
 from ..stats import unreadable_reason
 from ..stats.kinds import PLAIN_TYPES, SUPPORTED_DTYPES
-from .culprit import KeptCall, KeptCallMethods
+from ..replay.culprit import KeptCall, KeptCallMethods
 from .frames import container_leaves, entries_of, forward_items, own_parameters
 from .text import TENSOR
 

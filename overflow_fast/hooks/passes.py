@@ -35,13 +35,14 @@ import warnings
 
 import torch
 
-from . import culprit, source, where
+from . import source, where
 from .. import distributed
 from .compiled import Traced
-from .culprit import autocast_state, root_state, root_state_at_end
+from ..replay import culprit
+from ..replay.culprit import autocast_state, root_state, root_state_at_end
 from .decisions import NO_ROWS, Pending
 from .errors import OverflowDetected, OverflowDetectedOnRanks, overflow_error, say
-from .frames import BACKWARD, FORWARD, graph_task_id
+from .frames import BACKWARD, FORWARD, class_name, graph_task_id
 from .hook_core import entries_reader, kept_call_class
 from .on_detect import strategy
 from .reads import Reads
@@ -418,8 +419,8 @@ class Passes:
         whether it is transient, into the detection; repro: the reproducer file of that call.
         Never fails the run it explains."""
         try:
-            explained = culprit.op_of(found, self.kept_forward, self.kept_gradients,
-                                        self.decisions.modules_by_name())
+            explained = culprit.op_of(found, source.origin(found.first_frame, found.bad), self.kept_forward,
+                                      self.kept_gradients, self.decisions.modules_by_name(), class_name)
         except Exception as error:  # noqa: BLE001 - a replay must never break training
             explained = culprit.failed(found.first_frame.phase, error)
         if explained is None:
@@ -428,7 +429,7 @@ class Passes:
             found.detection["op"] = explained.record()
             found.detection["transient"] = explained.transient
         if self.options.repro is not None and explained.call is not None:
-            from .op_replay import ReproError
+            from ..replay.repro import ReproError
 
             try:
                 found.detection["repro"] = explained.write_repro(

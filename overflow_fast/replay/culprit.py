@@ -35,7 +35,8 @@ that kept its inputs (the outermost one, at the end of a pass), up to that call.
 
 import torch
 
-from .frames import class_name
+from .sandbox import holds_objects
+
 
 _AUTOCAST_DEVICES = ("cpu", "cuda")
 CHANGED = "not reproduced on replay (the module's inputs changed in place after its hook)"
@@ -135,7 +136,7 @@ def _items(output):
 
 
 def _rng_state():
-    from .op_replay import rng_state
+    from .sandbox import rng_state
 
     try:
         return rng_state()
@@ -197,8 +198,8 @@ class Explained:
                 "module": result.get("module"), "reproduced": result.get("reproduced")}
 
     def write_repro(self, directory, rank, step, detection):
-        """The reproducer file of the call replayed (``op_replay.write_repro``); its path."""
-        from .op_replay import write_repro
+        """The reproducer file of the call replayed (``repro.write_repro``); its path."""
+        from .repro import write_repro
 
         call, target = self.call, None
         if self.target is not None:
@@ -214,16 +215,16 @@ def failed(phase, error):
     return Explained({"op": None, "phase": phase, "why": f"not replayed ({type(error).__name__}: {error})"})
 
 
-def op_of(found, kept_forward, kept_gradients, modules_by_name):
-    """The op of a detection (``decisions.Found``) born in a module's forward or backward, or in
-    the code between two modules: an ``Explained``; or None when the detection was not born there
-    (a weight already non-finite, an input from outside, the loss's gradient)."""
-    from . import op_replay as replay
-    from .source import origin
+def op_of(found, kind, kept_forward, kept_gradients, modules_by_name, class_name):
+    """The op of a detection (the hook layer's ``Found``: its first frame and that call's kept
+    inputs) born, as ``kind`` says (the Source line's origin), in a module's forward ("forward") or
+    backward ("backward", "gradient"), or in the code between two modules ("before"): an
+    ``Explained``; None for any other kind (a weight already non-finite, an input from outside, the
+    loss's gradient). ``class_name(module)``: the class name a report gives a module."""
+    from . import op_replay as replay  # torch's dispatch machinery: only once a detection needs it
 
     frame = found.first_frame
-    kind = origin(frame, found.bad)
-    culprit = _Culprit(replay, kept_forward, kept_gradients, modules_by_name)
+    culprit = _Culprit(replay, kept_forward, kept_gradients, modules_by_name, class_name)
     if kind == "forward":
         return culprit.forward(frame, found.inputs)
     if kind == "before":
@@ -234,8 +235,9 @@ def op_of(found, kept_forward, kept_gradients, modules_by_name):
 
 
 class _Culprit:
-    def __init__(self, replay, kept_forward, kept_gradients, modules_by_name):
+    def __init__(self, replay, kept_forward, kept_gradients, modules_by_name, class_name):
         self.replay = replay
+        self.class_name = class_name
         self.kept_forward = kept_forward
         self.kept_gradients = kept_gradients
         self.modules_by_name = modules_by_name
@@ -365,7 +367,7 @@ class _Culprit:
             return None if changed else (replay_from(root.rng, call.args, call.kwargs), root.rng, call.args,
                                          call.kwargs)
         arrived = None
-        if changed or self.replay.holds_objects(call.args, call.kwargs):
+        if changed or holds_objects(call.args, call.kwargs):
             arrived = self._arrive(call)
             if arrived is None and changed:
                 return None
@@ -432,7 +434,7 @@ class _Culprit:
         if result.get("op") is not None and not result.get("file"):
             name = self.names.get(id(module))
             if name is not None:
-                result = {**result, "module": f"{name or '(model)'} ({class_name(module)})"}
+                result = {**result, "module": f"{name or '(model)'} ({self.class_name(module)})"}
         return result
 
 

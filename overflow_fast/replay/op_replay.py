@@ -1,5 +1,5 @@
 """The op and the line of code that made the first nan/inf of one module call, found by replaying
-that call alone with every op checked; and the reproducer file that replays it in another process.
+that call alone with every op checked (``repro`` writes the same replay into a file).
 
 ``replay_forward(module, args, kwargs)`` runs ``module(*args, **kwargs)`` once under a
 ``TorchDispatchMode`` that reads every op's inputs before the op and its outputs after it.
@@ -26,40 +26,30 @@ not reproduce one), ``exact`` (whether they drew from a given RNG state) and, wi
 ``same`` (whether the replay's result equals the run's wherever the run's is finite).
 ``op_line(result)`` is the report's line.
 
-The replay leaves the run as it was: the module's buffers are replaced by copies for the replay
-(BatchNorm's running statistics in train mode), its attributes and its parameters' and inputs'
-contents are untouched (inputs are copied, and so are the objects they hold: a cache the call
-appends to), no ``.grad`` is written (``torch.autograd.grad``), the CPU and CUDA RNG states are
-restored, no autograd graph outlives it, no forward or backward hook of the module, its
-submodules or the global ones runs (but tensor parallelism's, which hold no state), and nothing is
-sent to other ranks: a collective stops the replay before it runs (``_never_communicates``). The
-memory it takes while it runs: a copy of the call's inputs and of the module's buffers, the
+The replay runs in the sandbox (``sandbox``) and leaves the run as it was: the module's buffers
+are copies for the replay (BatchNorm's running statistics in train mode), its attributes and its
+parameters' and inputs' contents are untouched (inputs are copied, and so are the objects they
+hold: a cache the call appends to), no ``.grad`` is written (``torch.autograd.grad``), the RNG
+states are restored, no autograd graph outlives it, no hook runs but tensor parallelism's, and
+nothing is sent to other ranks: a collective stops the replay before it runs
+(``_never_communicates``). The memory it takes while it runs: a copy of the call's inputs and of the module's buffers, the
 replayed call's activations, and for backward its gradients; nothing is kept after.
 """
 
-import ast
 import contextlib
-import copy
 import functools
 import math
 import os
-import pickle
 import re
 import sys
-import types
 import warnings
-from collections import OrderedDict
 
 import torch
-import torch.nn.modules.module as _torch_module
 import torch.utils._pytree as pytree
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..distributed import NoCommunication, active_guard, communicating, holds_sharded_parameters, local_shard
-
-REPRO_FORMAT = "overflow_fast reproducer"
-REPRO_VERSION = 1
+from ..distributed import NoCommunication, active_guard, communicating, local_shard
+from .sandbox import autocast_as, copied, entered, replay_hooks, rng_state, sharded_for_the_call
 
 NOT_REPRODUCED = "not reproduced on replay (no op made a nan/inf from finite inputs)"
 ALREADY_IN = "not reproduced on replay (the nan/inf was already in"
@@ -76,16 +66,9 @@ _TORCH_DIR = os.path.dirname(os.path.realpath(torch.__file__)) + os.sep
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
 # this package's machinery, never the user's code (its demos are: they stand for a user's model)
 _MACHINERY_DIRS = tuple(os.path.join(_PACKAGE, folder) + os.sep for folder in
-                        ("hooks", "stats", "recording", "report", "distributed", "integrations"))
+                        ("hooks", "replay", "stats", "recording", "report", "distributed", "integrations"))
 _THIS_FILE = os.path.realpath(__file__)
 
-_MODULE_HOOKS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
-                 "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks",
-                 "_backward_pre_hooks")
-_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_hooks_with_kwargs",
-                 "_global_forward_hooks_always_called", "_global_forward_pre_hooks",
-                 "_global_backward_hooks", "_global_backward_pre_hooks")
-_AUTOCAST_DEVICES = ("cpu", "cuda")
 
 # ops whose output is memory nobody wrote yet: a nan/inf in it was made by no op
 _UNINITIALIZED = frozenset({"empty", "empty_like", "empty_strided", "empty_permuted", "new_empty",
@@ -130,153 +113,6 @@ def reproduced(result):
     return bool(result.get("reproduced"))
 
 
-# -- what the replay keeps as it was -----------------------------------------------------------------
-
-@contextlib.contextmanager
-def without_hooks(module, keep_tensor_parallel=False):
-    """No forward, forward-pre or backward hook runs inside: those of ``module`` and its submodules,
-    and the global ones (``register_module_forward_hook``...), are set aside and put back after.
-    ``keep_tensor_parallel``: but those of tensor parallelism stay (``_tensor_parallel_hooks``)."""
-    modules = _unique_modules(module)
-    saved = [(m, {name: m.__dict__[name] for name in _MODULE_HOOKS if name in m.__dict__})
-             for m in modules]
-    global_saved = {}
-    try:
-        for m, hooks in saved:
-            for name in hooks:
-                m.__dict__[name] = _tensor_parallel_hooks(name, hooks[name]) if keep_tensor_parallel else OrderedDict()
-        for name in _GLOBAL_HOOKS:
-            hooks = getattr(_torch_module, name, None)
-            if isinstance(hooks, dict):
-                global_saved[name] = dict(hooks)
-                hooks.clear()
-        yield module
-    finally:
-        for m, hooks in saved:
-            m.__dict__.update(hooks)
-        for name, hooks in global_saved.items():
-            live = getattr(_torch_module, name)
-            live.clear()
-            live.update(hooks)
-
-
-def _tensor_parallel_hooks(name, hooks):
-    """The forward hooks of torch.distributed.tensor (``distribute_module``, which
-    ``parallelize_module`` uses): they turn a call's local inputs into DTensors and its outputs back,
-    holding no state, so that a replay runs as the call did (a collective they would run is refused
-    like any other)."""
-    if name not in ("_forward_pre_hooks", "_forward_hooks"):
-        return OrderedDict()
-    return OrderedDict((key, hook) for key, hook in hooks.items()
-                       if getattr(hook, "__module__", "").startswith("torch.distributed.tensor"))
-
-
-def replay_hooks(module):
-    """What a replay runs without: every hook of ``without_hooks`` but tensor parallelism's."""
-    return without_hooks(module, keep_tensor_parallel=True)
-
-
-def _gathered_for_the_call(module):
-    """The name (within ``module``; "" for itself) of a module whose parameters are sharded across
-    ranks with no tensor-parallel hook of its own to run its forward on them (FSDP2's, which
-    gathers them for each call only), or None."""
-    for name, sub in module.named_modules():
-        if holds_sharded_parameters(sub) and not _tensor_parallel_hooks("_forward_pre_hooks", sub._forward_pre_hooks):
-            return name
-    return None
-
-
-def _unique_modules(module):
-    return list(module.modules())  # modules() yields a shared submodule once
-
-
-def _restore(live, saved):
-    for key in [key for key in live if key not in saved]:
-        del live[key]
-    live.update(saved)
-
-
-@contextlib.contextmanager
-def _module_kept(module, fresh_parameters):
-    """Each submodule's attributes, parameters, buffers and children are as before after the block;
-    inside, its buffers are copies (what the forward writes into them is dropped), it runs eagerly
-    (a ``module.compile()``'d one too: the dispatch mode must see every op), and with
-    ``fresh_parameters`` its parameters are new leaves sharing their data, with no hooks (tensor
-    hooks fire in ``torch.autograd.grad`` too)."""
-    modules = _unique_modules(module)
-    saved = [(m, dict(m.__dict__), dict(m._parameters), dict(m._buffers), dict(m._modules))
-             for m in modules]
-    replaced = {}
-    try:
-        with torch.no_grad():
-            for m in modules:
-                for name, buffer in m._buffers.items():
-                    if buffer is not None:
-                        if id(buffer) not in replaced:
-                            replaced[id(buffer)] = buffer.clone()
-                        m._buffers[name] = replaced[id(buffer)]
-                if fresh_parameters:
-                    for name, parameter in m._parameters.items():
-                        if type(parameter) is torch.nn.Parameter:  # a subclass is kept as it is
-                            if id(parameter) not in replaced:
-                                replaced[id(parameter)] = torch.nn.Parameter(
-                                    parameter.detach(), requires_grad=parameter.requires_grad)
-                            m._parameters[name] = replaced[id(parameter)]
-                m.__dict__["_compiled_call_impl"] = None
-        yield
-    finally:
-        for m, attributes, parameters, buffers, children in saved:
-            _restore(m.__dict__, attributes)
-            _restore(m._parameters, parameters)
-            _restore(m._buffers, buffers)
-            _restore(m._modules, children)
-
-
-def rng_state():
-    """The CPU and CUDA RNG states now (CUDA's only where CUDA is initialized): take it just before
-    a call to replay that call's random ops exactly (``rng=``)."""
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-    return {"cpu": torch.get_rng_state(), "cuda": cuda}
-
-
-def _set_rng_state(state):
-    if state.get("cpu") is not None:
-        torch.set_rng_state(state["cpu"])
-    cuda = state.get("cuda")
-    if cuda is not None and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(cuda)
-
-
-@contextlib.contextmanager
-def _rng_kept(rng):
-    before = rng_state()
-    try:
-        if rng is not None:
-            _set_rng_state(rng)
-        yield
-    finally:
-        _set_rng_state(before)
-
-
-def call_state():
-    """What a call ran under, beyond its inputs: grad mode and autocast (device type -> dtype).
-    Take it at the call when the replay runs later (``call=``)."""
-    autocast = {device: torch.get_autocast_dtype(device) for device in _AUTOCAST_DEVICES
-                if torch.is_autocast_enabled(device)}
-    return {"grad_enabled": torch.is_grad_enabled(), "autocast": autocast}
-
-
-def _autocast_as(stack, autocast):
-    """Autocast as ``autocast`` says, for the device types that have it; off elsewhere."""
-    for device in _AUTOCAST_DEVICES:
-        dtype = autocast.get(device)
-        if dtype is not None:
-            if device == "cuda" and not torch.cuda.is_available():
-                continue
-            stack.enter_context(torch.autocast(device, dtype=dtype))
-        elif torch.is_autocast_enabled(device):
-            stack.enter_context(torch.autocast(device, enabled=False))
-
 
 def floating_outputs(output):
     """The floating tensors of a module's output, depth first: a tensor, the items of a tuple or a
@@ -297,53 +133,6 @@ def floating_outputs(output):
 
     walk(output)
     return found
-
-
-_ATOMS = (int, float, complex, bool, str, bytes, type(None), torch.dtype, torch.device, torch.nn.Module)
-
-
-def _copied(value, requires_grad=True):
-    """A copy of ``value`` (args, kwargs, gradients) for a replay or a file: tensors detached and
-    cloned (``requires_grad`` as they had, with ``requires_grad``), shared ones still shared, in the
-    objects that hold them too (a transformers cache holding a graph's tensors); other objects
-    deep-copied (a cache the call appends to), modules and plain values as they are."""
-    memo = {}
-
-    def tensor_copy(tensor):
-        clone = memo.get(id(tensor))
-        if clone is None:
-            with torch.no_grad():
-                clone = tensor.detach().clone()
-            if requires_grad and tensor.requires_grad:
-                clone.requires_grad_(True)
-            memo[id(tensor)] = clone
-        return clone
-
-    leaves, spec = pytree.tree_flatten(value)
-    copies = []
-    with _TensorsCloned(tensor_copy):
-        for leaf in leaves:
-            if isinstance(leaf, torch.Tensor):
-                copies.append(tensor_copy(leaf))
-            elif isinstance(leaf, _ATOMS) or callable(leaf):
-                copies.append(leaf)
-            else:
-                copies.append(copy.deepcopy(leaf, memo))
-    return pytree.tree_unflatten(copies, spec)
-
-
-class _TensorsCloned(TorchFunctionMode):
-    """Inside, ``copy.deepcopy`` copies a tensor as ``tensor_copy`` does: deepcopy refuses a tensor
-    that is not a leaf of autograd's graph (the keys and values of a cache, under grad mode)."""
-
-    def __init__(self, tensor_copy):
-        super().__init__()
-        self.tensor_copy = tensor_copy
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is torch.Tensor.__deepcopy__:
-            return self.tensor_copy(args[0])
-        return func(*args, **(kwargs or {}))
 
 
 # -- reading tensors --------------------------------------------------------------------------------
@@ -723,20 +512,6 @@ def _agrees(run, replayed):
     return True if compared else None
 
 
-def _replaying(stack, module, rng, call, without_hooks=replay_hooks, backward=False):
-    """Enter what every replay runs inside: no hook of the module runs (``without_hooks``), its
-    buffers (and for a ``backward`` its parameters) are stand-ins, the RNG as ``rng`` says and
-    restored after, grad mode (a backward's: on) and autocast as ``call`` says."""
-    stack.enter_context(without_hooks(module))
-    stack.enter_context(_module_kept(module, fresh_parameters=backward))
-    stack.enter_context(_rng_kept(rng))
-    if call is not None:
-        _autocast_as(stack, call.get("autocast") or {})
-        if not backward:
-            stack.enter_context(torch.set_grad_enabled(call["grad_enabled"]))
-    if backward:
-        stack.enter_context(torch.enable_grad())
-
 
 def _never_communicates(phase):
     """A replay on one rank must never run a collective (it would pair with the other ranks' next
@@ -747,7 +522,7 @@ def _never_communicates(phase):
     def decorate(replay):
         @functools.wraps(replay)
         def guarded(module, *args, **kwargs):
-            gathered = _gathered_for_the_call(module)
+            gathered = sharded_for_the_call(module)
             if gathered is not None:
                 return _why(phase, f"not replayed (the parameters of {gathered or 'the module'} are sharded across "
                                    "ranks, and gathering them would communicate: FSDP2 gathers them for each call "
@@ -784,8 +559,8 @@ def replay_forward(module, args=(), kwargs=None, *, rng=None, call=None, target=
     kwargs = kwargs or {}
     try:
         with contextlib.ExitStack() as stack:
-            _replaying(stack, module, rng, call, without_hooks)
-            args, kwargs = _copied((tuple(args), dict(kwargs)))
+            entered(stack, module, rng, call, without_hooks)
+            args, kwargs = copied((tuple(args), dict(kwargs)))
             births = _Births()
             stopped = []
             if target is not None:
@@ -823,8 +598,8 @@ def arrive_at(module, args, kwargs, rng, call, submodule, index):
     try:
         with contextlib.ExitStack() as stack:
             stack.enter_context(NoCommunication())  # a collective on the way stops it: None
-            _replaying(stack, module, rng, call)
-            args, kwargs = _copied((tuple(args), dict(kwargs or {})))
+            entered(stack, module, rng, call)
+            args, kwargs = copied((tuple(args), dict(kwargs or {})))
             stack.callback(submodule.register_forward_pre_hook(arrive, with_kwargs=True).remove)
             with _Births(reading=False):
                 try:
@@ -835,12 +610,6 @@ def arrive_at(module, args, kwargs, rng, call, submodule, index):
         return None
     return arrived[0] if arrived else None
 
-
-def holds_objects(args, kwargs):
-    """Whether a call's inputs hold objects other than tensors and plain values (a cache): those
-    may have changed in place since the call with no version counter to say so."""
-    return any(not (isinstance(leaf, (torch.Tensor, *_ATOMS)) or callable(leaf))
-               for leaf in pytree.tree_leaves((tuple(args), dict(kwargs or {}))))
 
 
 @_never_communicates("backward")
@@ -856,11 +625,11 @@ def replay_backward(module, args, kwargs, grad_outputs, *, rng=None, call=None, 
     kwargs = kwargs or {}
     try:
         with contextlib.ExitStack() as stack:
-            _replaying(stack, module, rng, call, without_hooks, backward=True)
+            entered(stack, module, rng, call, without_hooks, backward=True)
             # each node keeps the stack of the forward op that made it
             stack.enter_context(torch.autograd.set_detect_anomaly(True, check_nan=False))
-            args, kwargs = _copied((tuple(args), dict(kwargs)))
-            grad_outputs = _copied(list(grad_outputs), requires_grad=False)
+            args, kwargs = copied((tuple(args), dict(kwargs)))
+            grad_outputs = copied(list(grad_outputs), requires_grad=False)
             births = _Births()
             with births:
                 output = _call_module(module, args, kwargs)
@@ -877,7 +646,7 @@ def replay_backward(module, args, kwargs, grad_outputs, *, rng=None, call=None, 
                                         "on a tensor that requires one)")
             births.phase = "backward"
             with contextlib.ExitStack() as backward:
-                _autocast_as(backward, {})
+                autocast_as(backward, {})
                 with births:
                     grads = torch.autograd.grad([o for o, _ in pairs], leaves, [g for _, g in pairs],
                                                 allow_unused=True)
@@ -887,246 +656,3 @@ def replay_backward(module, args, kwargs, grad_outputs, *, rng=None, call=None, 
         return _failed("backward", error)
 
 
-# -- the reproducer file ----------------------------------------------------------------------------
-
-class ReproError(Exception):
-    """A reproducer file that cannot be written or read; the message names it and says why."""
-
-
-def repro_path(directory, rank, step):
-    """``directory/overflow-rank<r>-step<s>.pt`` (rank 0 in a single process, step 0 unknown)."""
-    return os.path.join(directory, f"overflow-rank{rank or 0}-step{step or 0}.pt")
-
-
-def write_repro(directory, rank, step, module, args, kwargs, grad_outputs, detection, *, rng=None,
-                call=None, target=None):
-    """Write ``repro_path(directory, rank, step)`` with ``torch.save``: the module (pickled; no
-    hook goes with it), copies of the call's inputs and keyword inputs, ``grad_outputs`` for a
-    backward (None for a forward), ``rng`` (``rng_state()`` at the call), ``call``
-    (``call_state()`` at the call; None: now), ``target`` (``(name of the submodule in module,
-    "input" | "output")`` as ``replay_forward`` takes it, or None), the versions of torch and of this
-    package, and the detection dict. Classes and functions of the training script itself
-    (``__main__``) are written as references to that script's definitions (``script_definitions``),
-    so the file replays in a fresh process; where that cannot work, a warning says so and names the
-    fix. Returns the path; raises ``ReproError`` naming it when it cannot be written (nothing
-    half-written is left)."""
-    from .._version import __version__
-
-    path = repro_path(directory, rank, step)
-    partial = f"{path}.{os.getpid()}.partial"
-    distributed_reason = _held_across_ranks(module, args, kwargs)
-    if distributed_reason is not None:
-        raise ReproError(f"cannot write the reproducer {path}: {distributed_reason}")
-    pickling = _ScriptPickling()
-    try:
-        payload = {
-            "format": REPRO_FORMAT, "format_version": REPRO_VERSION,
-            "phase": "forward" if grad_outputs is None else "backward",
-            "module": module, "args": _copied(tuple(args)), "kwargs": _copied(dict(kwargs or {})),
-            "grad_outputs": None if grad_outputs is None else _copied(list(grad_outputs), requires_grad=False),
-            "rng": rng, "call": call if call is not None else call_state(), "target": target,
-            "torch_version": torch.__version__, "overflow_fast_version": __version__,
-            "rank": rank, "step": step, "detection": detection,
-        }
-        os.makedirs(directory, exist_ok=True)
-        with without_hooks(module):  # the detector's hooks are not the model's
-            torch.save(payload, partial, pickle_module=pickling)
-        os.replace(partial, path)
-    except Exception as error:
-        with contextlib.suppress(OSError):
-            os.remove(partial)
-        reason = error.strerror if isinstance(error, OSError) and error.strerror else f"{type(error).__name__}: {error}"
-        raise ReproError(f"cannot write the reproducer {path}: {reason}") from error
-    problem = pickling.problem()
-    if problem is not None:
-        warnings.warn(f"overflow_fast: the reproducer {path} will not replay in a fresh process: {problem}",
-                      RuntimeWarning, stacklevel=2)
-    return path
-
-
-def _held_across_ranks(module, args, kwargs):
-    """Why a call cannot replay in one process on its own (a reproducer's), or None: DTensors need
-    their process group, and FSDP2's classes and hooks cannot be pickled."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except Exception:
-        FSDPModule = ()
-    tensors = list(module.parameters()) + list(module.buffers()) + pytree.tree_leaves((args, kwargs))
-    if any(isinstance(t, torch.Tensor) and local_shard(t) is not t for t in tensors):
-        return "the call's tensors are DTensors, held across ranks, and a reproducer replays in one process"
-    if FSDPModule and any(isinstance(m, FSDPModule) for m in module.modules()):
-        return "FSDP2's fully_shard gave the module a class and hooks of its own, which a file cannot hold"
-    return None
-
-
-def load_repro(path, map_location=None):
-    """The dict ``write_repro`` saved. Loading a pickle runs code: load only files you trust.
-    Raises ``ReproError`` naming the file when it cannot be read or is not a reproducer."""
-    try:
-        payload = torch.load(path, map_location=map_location, weights_only=False)
-    except Exception as error:
-        reason = error.strerror if isinstance(error, OSError) and error.strerror else f"{type(error).__name__}: {error}"
-        raise ReproError(f"cannot read the reproducer {path}: {reason}") from error
-    if not isinstance(payload, dict) or payload.get("format") != REPRO_FORMAT:
-        raise ReproError(f"{path} is not an overflow_fast reproducer")
-    if payload.get("format_version") != REPRO_VERSION:
-        raise ReproError(f"{path} is a reproducer of format {payload.get('format_version')}; "
-                         f"this overflow_fast reads format {REPRO_VERSION}")
-    return payload
-
-
-def replay_repro(payload):
-    """Replay what a loaded reproducer holds; the result of ``replay_forward``/``replay_backward``."""
-    module, args, kwargs = payload["module"], payload["args"], payload["kwargs"]
-    options = {"rng": payload.get("rng"), "call": payload.get("call")}
-    if payload["phase"] == "backward":
-        return replay_backward(module, args, kwargs, payload["grad_outputs"], **options)
-    target = payload.get("target")
-    if target is not None:
-        name, side = target
-        options["target"] = (module.get_submodule(name), side)
-    return replay_forward(module, args, kwargs, **options)
-
-
-# -- the training script's own classes in a reproducer -----------------------------------------------
-#
-# A class defined in the script being run lives in ``__main__``, which pickle writes by reference:
-# in another process ``__main__`` is another program. The file refers to the script instead, and a
-# fresh process runs the script's definitions alone (its imports, classes, functions and constant
-# assignments), never the training the rest of it runs.
-
-_SCRIPTS = {}  # (path, package) -> the module of a script's definitions, loaded once per process
-
-
-def _main_script():
-    """(path, package) of the script running as ``__main__``, or None (an interactive session)."""
-    main = sys.modules.get("__main__")
-    path = getattr(main, "__file__", None)
-    if not path or not path.endswith(".py") or not os.path.isfile(path):
-        return None
-    spec = getattr(main, "__spec__", None)
-    package = spec.parent if spec is not None and spec.parent else None
-    return os.path.abspath(path), package
-
-
-class _ScriptPickling:
-    """``torch.save``'s pickle module: writes the ``__main__`` classes and functions it meets as
-    ``script_definition(script, qualified name)``; ``problem()`` says why the file could still not
-    replay elsewhere (None when it can)."""
-
-    def __init__(self):
-        self.__name__ = "pickle"
-        self.script = _main_script()
-        self.names = []  # the qualified names of the __main__ objects written
-        pickling = self
-
-        class Pickler(pickle.Pickler):
-            def reducer_override(self, obj):
-                # (a lambda or a class defined inside a function cannot be referred to: pickle says so)
-                if (isinstance(obj, (type, types.FunctionType)) and getattr(obj, "__module__", None) == "__main__"
-                        and "<" not in obj.__qualname__):
-                    if obj.__qualname__ not in pickling.names:
-                        pickling.names.append(obj.__qualname__)
-                    if pickling.script is not None:
-                        return script_definition, (pickling.script, obj.__qualname__)
-                return NotImplemented
-
-        self.Pickler = Pickler
-
-    def problem(self):
-        if not self.names:
-            return None
-        defined = ", ".join(self.names)
-        if self.script is None:
-            return (f"{defined} are defined in an interactive session (__main__ has no file): define them in a "
-                    "module and import them")
-        try:
-            with open(self.script[0], encoding="utf-8") as source:
-                tree = ast.parse(source.read(), self.script[0])
-        except (OSError, SyntaxError, ValueError) as error:
-            return f"cannot read the script {self.script[0]} that defines {defined}: {error}"
-        missing = _not_defined(tree, self.names)
-        if missing:
-            return (f"{', '.join(missing)} in {self.script[0]} are not top-level definitions, or read names that "
-                    "the script sets by running code (a replay runs only its imports, classes, functions and "
-                    "assignments that call nothing): define them in a module and import them")
-        return None
-
-
-def _definitions(tree):
-    """The top-level statements of a script that only define: imports, classes, functions and
-    assignments that call nothing (``if __name__ == "__main__":`` and the training loop are left out)."""
-    kept = []
-    for statement in tree.body:
-        if isinstance(statement, (ast.Import, ast.ImportFrom, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-            kept.append(statement)
-        elif isinstance(statement, (ast.Assign, ast.AnnAssign)) and statement.value is not None and not any(
-                isinstance(node, (ast.Call, ast.Await, ast.Yield, ast.YieldFrom, ast.NamedExpr))
-                for node in ast.walk(statement.value)):
-            kept.append(statement)
-    return kept
-
-
-def _bound_names(statement):
-    if isinstance(statement, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-        return {statement.name}
-    if isinstance(statement, (ast.Import, ast.ImportFrom)):
-        return {(alias.asname or alias.name).split(".")[0] for alias in statement.names}
-    targets = statement.targets if isinstance(statement, ast.Assign) else [getattr(statement, "target", None)]
-    return {node.id for target in targets if target is not None for node in ast.walk(target)
-            if isinstance(node, ast.Name)}
-
-
-def _not_defined(tree, names):
-    """Those of ``names`` (qualified) that the script's definitions do not give, or whose code
-    reads a top-level name that only the rest of the script sets."""
-    kept = _definitions(tree)
-    defined = {name for statement in kept for name in _bound_names(statement)}
-    run_only = {name for statement in tree.body if statement not in kept for name in _bound_names(statement)
-                if isinstance(statement, (ast.Assign, ast.AnnAssign, ast.AugAssign))} - defined
-    by_name = {statement.name: statement for statement in kept if hasattr(statement, "name")}
-    missing = []
-    for name in names:
-        top = name.split(".")[0]
-        statement = by_name.get(top)
-        if top not in defined or (statement is not None and any(
-                isinstance(node, ast.Name) and node.id in run_only for node in ast.walk(statement))):
-            missing.append(name)
-    return missing
-
-
-def script_definition(script, qualname):
-    """The class or function ``qualname`` of a training script, from its definitions alone (what a
-    reproducer refers to instead of ``__main__``). ``script``: (path, package)."""
-    module = _SCRIPTS.get(script)
-    if module is None:
-        module = _SCRIPTS[script] = _load_definitions(*script)
-    value = module
-    for part in qualname.split("."):
-        value = getattr(value, part)
-    return value
-
-
-def _load_definitions(path, package):
-    try:
-        with open(path, encoding="utf-8") as source:
-            tree = ast.parse(source.read(), path)
-    except (OSError, SyntaxError, ValueError) as error:
-        raise ReproError(f"cannot read the training script {path} whose classes the reproducer holds: {error}") \
-            from error
-    name = f"__overflow_fast_script_{len(_SCRIPTS)}__"
-    module = types.ModuleType(name)
-    module.__file__ = path
-    module.__package__ = package
-    sys.modules[name] = module  # dataclasses and pickle look classes' modules up there
-    folder = os.path.dirname(path)
-    added = folder not in sys.path
-    if added:
-        sys.path.insert(0, folder)  # the script's own imports of its neighbours
-    try:
-        code = compile(ast.Module(body=_definitions(tree), type_ignores=[]), path, "exec")
-        exec(code, module.__dict__)  # noqa: S102 - the definitions of a script the user trusts, as a pickle is
-    finally:
-        if added:
-            sys.path.remove(folder)
-    return module
