@@ -28,6 +28,7 @@ from .frames import BACKWARD, FORWARD, entries_of, forward_items, graph_task_id,
 from .gradients import GradientHooks
 from .options import WATCH_DEFAULTS, integer, of_arguments  # noqa: F401 - WATCH_DEFAULTS: the integrations'
 from .passes import Passes, PassState
+from .step_guard import StepGuard
 from .counting import Counting
 from .early_warnings import EarlyWarnings
 from .on_detect import kind as on_detect_kind
@@ -49,7 +50,7 @@ class DebugUnderflowOverflow:
     which takes the hooks off again."""
 
     def __init__(self, model, max_frames_to_save=21, trace_batch_nums=None, abort_after_batch_num=None,
-                 check="module", backend=None, buffer_rows=1 << 16, reuse_stats=True,
+                 check="module", frames_every=None, backend=None, buffer_rows=1 << 16, reuse_stats=True,
                  kwargs=False, containers=False, backward=False, on_detect="raise", ignore=(),
                  warn_above=None, sync=True, sync_timeout=None, log=None, log_every=1,
                  defer=False, stage_bytes=256 << 20, max_skips=10,
@@ -67,7 +68,10 @@ class DebugUnderflowOverflow:
         detector._attach(model, options)
         return detector
 
-    def _attach(self, model, options):
+    def _attach(self, model, options, module_names=None, watcher_of=None):
+        """Hook ``model``. ``module_names`` and ``watcher_of``: a full detector that check="step"
+        attaches for one step (``_watcher``): the names are the guard's model's, and with
+        ``watcher_of`` set the root's hooks are left to that guard, which calls them."""
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         # The C++ extension (the CPU kernel, and the hooks' bookkeeping on every device) is loaded
@@ -84,7 +88,12 @@ class DebugUnderflowOverflow:
         self._abort_after = None if options.abort_after_batch_num is None else int(options.abort_after_batch_num)
         self._reads_kwargs = options.kwargs  # (the post hook asks at every call)
         self._handles = []
-        self.analyse_model()
+        self._inner = module_names is not None
+        self._hooks_root = watcher_of is None
+        if module_names is None:
+            self.analyse_model()
+        else:
+            self.module_names = module_names
         log = StepLog(options.log, options.log_every) if options.log is not None else None
         # the Where and Source lines only where the frames already go beyond the reference's: the
         # drop-in without kwargs, containers or backward prints the reference's text alone
@@ -96,18 +105,44 @@ class DebugUnderflowOverflow:
             EarlyWarnings(options.warn_above, options.warn_gradients) if options.warn_above is not None else None,
             log, self.module_names, beyond_reference, rewinds=strategy.rewinds)
         # gradient frames: each parameter's gradient, and the gradient arriving at module outputs
+        # (check="step" reads the gradients itself, at each backward's end)
         self._gradients = (GradientHooks(model, self.module_names, self._gradient_hook,
                                          self._kept_gradient if options.keeps_calls else None)
-                           if options.backward else None)
+                           if options.backward and options.check != "step" else None)
         self._passes = self._new_passes()
-        self._made_at = _caller()
+        self._made_at = _caller() if watcher_of is None else watcher_of._made_at
         self._removed = False
-        _warn_if_hooked(self)
+        if not self._inner:
+            _warn_if_hooked(self)
         self.register_forward_hook()
-        _ATTACHED.add(self)
+        if not self._inner:
+            _ATTACHED.add(self)
 
     def _new_passes(self):
+        if self.options.check == "step":
+            return StepGuard(self.options, self.decisions, self.model, self.backend, self._watcher)
         return Passes(self.options, self.decisions, self.model, self.backend, self._gradients)
+
+    def _watcher(self, module, batch, found, frames_step):
+        """check="step": the full detector (``watch()``'s frames, gradients, Where, Source and Op)
+        attached to ``module`` for one step, its batch counter at ``batch``, each detection it
+        reports handed to ``found``. ``frames_step``: a step of ``frames_every``, on the run itself
+        (its root's hooks are the guard's, its records go into this detector's log, its early
+        warnings are this detector's); else a replay's (see ``replay.step``)."""
+        options = self.options.changed(
+            check="batch", frames_every=None, kwargs=True, containers=True, backward=True, find_op=True,
+            sync=False, log=None, trace_batch_nums=None, abort_after_batch_num=None, on_detect=found.append,
+            warn_above=self.options.warn_above if frames_step else None)
+        watching = DebugUnderflowOverflow.__new__(DebugUnderflowOverflow)
+        watching._attach(module, options, self.module_names, self if frames_step else None)
+        decisions = watching.decisions
+        decisions.state.batch_number = decisions.state.forward_batch = batch
+        decisions.global_step, decisions.mode, decisions.samples = (self.decisions.global_step, self.decisions.mode,
+                                                                    self.decisions.samples)
+        if frames_step:
+            decisions.log = None if self.decisions.log is None else _Lent(self.decisions.log)
+            decisions.early_warnings = self.decisions.early_warnings
+        return watching
 
     # the options the hooks read, read-only (``options`` holds them all)
     check = property(lambda self: self.options.check)
@@ -186,7 +221,19 @@ class DebugUnderflowOverflow:
         self._passes.decide_apart(module, entries, dtypes, tensors)
 
     def register_forward_hook(self):
+        if self.options.check == "step":
+            # no hook below the root: its own two, which run even when its call raises
+            self._handles.append(self.model.register_forward_pre_hook(self._step_begins, with_kwargs=True))
+            self._handles.append(self.model.register_forward_hook(self._step_ends, with_kwargs=True, always_call=True))
+            return
         self.model.apply(self._register_forward_hook)
+
+    def _step_begins(self, module, args, kwargs):
+        self._passes.before(module, args, kwargs)
+
+    @torch.compiler.disable
+    def _step_ends(self, module, args, kwargs, output):
+        self._passes.after(module, args, kwargs, output)
 
     def _register_forward_hook(self, module):
         # A module shared by two parents is visited twice and so hooked twice, like the reference.
@@ -195,6 +242,8 @@ class DebugUnderflowOverflow:
         # kept out of a torch.compile graph: its eager run replays the traced calls.
         # Every post hook takes the keyword inputs (one hook body, no adapter per call); _after
         # reads them with kwargs=True only.
+        if module is self.model and not self._hooks_root:
+            return  # check="step"'s guard calls them
         after = self._after_model if module is self.model else self._after
         self._handles.append(module.register_forward_pre_hook(self._before, with_kwargs=self.options.keeps_calls))
         self._handles.append(module.register_forward_hook(after, with_kwargs=True, always_call=True))
@@ -392,7 +441,22 @@ class DebugUnderflowOverflow:
 # A hook that torch.compile meets outside a frame it traces runs eagerly (the module around it ran
 # eagerly too), rather than as a graph of its own per call; inlined, it records into the graph.
 _compat.never_a_compiled_frame(DebugUnderflowOverflow._before, DebugUnderflowOverflow._after,
-                               DebugUnderflowOverflow.forward_hook)
+                               DebugUnderflowOverflow.forward_hook, DebugUnderflowOverflow._step_begins)
+
+
+class _Lent:
+    """A log lent to a frames step's full detector: it writes into it, and leaves it open."""
+
+    __slots__ = ("log",)
+
+    def __init__(self, log):
+        self.log = log
+
+    def __getattr__(self, name):
+        return getattr(self.log, name)
+
+    def close(self):
+        pass
 
 
 class _FunctorchOff:
@@ -524,7 +588,7 @@ def detect_overflow(var, ctx):
 
 
 def watch(model, *, max_frames_to_save=21, trace_batch_nums=None, abort_after_batch_num=None, check="batch",
-          backend=None, buffer_rows=1 << 16, reuse_stats=True, kwargs=True, containers=True,
+          frames_every=None, backend=None, buffer_rows=1 << 16, reuse_stats=True, kwargs=True, containers=True,
           backward=True, on_detect="raise", ignore=(), warn_above=None, sync=True, sync_timeout=None, log=None,
           log_every=1, defer=False, stage_bytes=256 << 20, max_skips=10,
           warn_gradients=False, find_op=True, repro=None, min_loss_scale=1.0,

@@ -115,6 +115,18 @@ def forward_items(module, input, output, kwargs=None, containers=False):
         for name, value in kwargs.items():
             if isinstance(value, torch.Tensor) or (containers and _holds_tensors(value)):
                 items.append((value, f"input[{name}]"))
+    _add_outputs(items, output)
+    return _opened(items) if containers else items
+
+
+def output_items(output, containers=False):
+    """``(value, ctx)`` of a forward call's output alone, named as ``forward_items`` names them."""
+    items = []
+    _add_outputs(items, output)
+    return _opened(items) if containers else items
+
+
+def _add_outputs(items, output):
     if isinstance(output, tuple):
         for i, x in enumerate(output):
             if isinstance(x, tuple):
@@ -123,10 +135,12 @@ def forward_items(module, input, output, kwargs=None, containers=False):
                 items.append((x, _OUTPUT_NAMES[i] if i < len(_OUTPUT_NAMES) else f"output[{i}]"))
     else:
         items.append((output, "output"))
-    if containers:  # (a tensor or None is its own one leaf: no call for it)
-        items = [leaf for var, ctx in items
-                 for leaf in (((var, ctx),) if var is None or isinstance(var, _Tensor) else _open(var, ctx))]
-    return items
+
+
+def _opened(items):
+    # (a tensor or None is its own one leaf: no call for it)
+    return [leaf for var, ctx in items
+            for leaf in (((var, ctx),) if var is None or isinstance(var, _Tensor) else _open(var, ctx))]
 
 
 def container_leaves(value, ctx, keyword):

@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional, Union
 
 from ..stats import BACKEND_NAMES
 
-CHECK_MODES = ("module", "batch")
+CHECK_MODES = ("module", "batch", "step")
 ON_DETECT = ("raise", "warn", "record", "skip")
 
 
@@ -87,6 +87,12 @@ def _choice(choices, or_else=""):
             raise ValueError(f"{name} takes {what}, got {value!r}")
         return value
     return check
+
+
+def _every(name, value):
+    if value is None:
+        return None
+    return _at_least(1)(name, value)
 
 
 def _backend(name, value):
@@ -190,6 +196,7 @@ class Options:
     # when tensors are read and decided
     check: str = option("module", _choice(CHECK_MODES))
     backend: Optional[str] = option(None, _backend)
+    frames_every: Optional[int] = option(None, _every)
     buffer_rows: int = option(1 << 16, _at_least(1))
     reuse_stats: bool = option(True, validated_flag)
     defer: bool = option(False, validated_flag)
@@ -217,6 +224,11 @@ class Options:
     # the flight recorder
     log: Any = option(None, _log)
     log_every: int = option(1, _at_least(1))
+
+    def __post_init__(self):
+        if self.frames_every is not None and self.check != "step":
+            raise ValueError(f"frames_every takes effect with check='step' only (the other modes read every "
+                             f"module at every step), got check={self.check!r}")
 
     @classmethod
     def of(cls, **options):

@@ -41,10 +41,11 @@ from .compiled import Traced
 from ..replay import culprit
 from ..replay.culprit import autocast_state, root_state, root_state_at_end
 from .decisions import NO_ROWS, Pending
-from .errors import OverflowDetected, OverflowDetectedOnRanks, overflow_error, say
+from .errors import OverflowDetected, overflow_error, say
 from .frames import BACKWARD, FORWARD, class_name, graph_task_id
 from .hook_core import entries_reader, kept_call_class
 from .on_detect import strategy
+from .rank_agreement import BACKWARD_END, FORWARD_END, RankAgreement
 from .reads import Reads
 from .scaling import Backoffs
 
@@ -166,8 +167,6 @@ class Passes:
         # read and its backward: on a GPU the device would idle that long)
         self.spent = None
         self.flush_task = None  # the backward (graph task) whose end will decide the backward pass
-        self.agreement = None  # with the other ranks (made when first needed, if not at construction)
-        self.agreements = 0  # agreement points reached: their sequence numbers
         # find_op: the last forward's calls (autograd on) and the gradients arriving at their
         # outputs (by the output tensor's id), kept until its backward pass ends
         self.kept_forward = []
@@ -176,9 +175,7 @@ class Passes:
         self.collective_writes = None  # held from the first pass under torch.distributed
         # gradient checks: which backwards a GradScaler scaled, and when its backoff is a detection
         self.backoffs = Backoffs(options.min_loss_scale, options.max_backoffs) if options.backward else None
-        if self.sync_wanted():
-            # collective: every rank builds its detector here; a rank alone fails here, in time
-            self.agreement = distributed.Agreement(timeout=self.sync_timeout)
+        self.ranks = RankAgreement(options.sync, options.sync_timeout, self.strategy)
 
     # -- which pass ------------------------------------------------------------------------------
 
@@ -514,24 +511,12 @@ class Passes:
 
     def sync_wanted(self):
         """Whether this detector's decisions are agreed between ranks (see overflow_fast.distributed)."""
-        return (self.options.sync and self.strategy.agreed and distributed.world() is not None
-                and not distributed.is_local_only())
+        return self.ranks.wanted()
 
     def _agree(self, stop, phase):
-        """One small collective on a process group of its own: every rank learns which ranks
-        detected; all raise together (with on_detect="skip": all skip the step together). Its
-        sequence number counts the agreement points and tells a forward's from a backward's, so
-        ranks that meet at different points (uneven forwards, a backward one rank skipped after
-        its forward raised) get an error naming them, never a decision. ``stop``: this rank's
-        detection, (detection, frames), or None."""
-        if self.agreement is None:
-            self.agreement = distributed.Agreement(timeout=self.sync_timeout)
-        self.agreements += 1
-        seq = 2 * self.agreements + (phase == BACKWARD)
-        ranks = self.agreement.agree(bool(stop) or self.strategy.skipping(), seq=seq)
-        if ranks and (stop or not self.strategy.ranks_detected()):
-            self.decisions.state.set_detected_overflow(True)
-            raise OverflowDetectedOnRanks(ranks, distributed.world()[1], *(stop or ()))
+        """Every rank learns which ranks detected; all raise together (``rank_agreement``).
+        ``stop``: this rank's detection, (detection, frames), or None."""
+        self.ranks.end_of_pass(stop, BACKWARD_END if phase == BACKWARD else FORWARD_END, self.decisions.state)
 
     def close(self):
         """The hooks are off: decide what waits (its records and detection still reach the log),

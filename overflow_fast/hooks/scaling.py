@@ -9,15 +9,17 @@ to ``scale()`` was non-finite already (born in the forward: no scale explains it
 or below ``min_loss_scale`` (the gradient overflows unscaled), or the scaler backed off more than
 ``max_backoffs`` of its steps in a row.
 
-How a backward is known to be scaled, with no argument and no host sync: ``scale`` and ``update``
-of ``torch.amp.GradScaler`` and of every subclass that defines its own (``torch.cuda.amp``'s,
+How a backward is known to be scaled, with no argument and no host sync: ``scale``, ``unscale_``
+and ``update`` of ``torch.amp.GradScaler`` and of every subclass that defines its own (``torch.cuda.amp``'s,
 FSDP's ``ShardedGradScaler``, those of Accelerate, the HF Trainer and Lightning, which are these
 classes) are wrapped once per process, when the first detector with gradient checks is made (and
 a subclass defined later, when it is defined). The wrapped ``scale`` hooks the gradient of each
 tensor it returns: that hook runs first in the backward of ``scaler.scale(loss)``, and the graph
-task running it names that backward. ``update`` counts the scaler's steps. Both pass everything
-through unchanged and do nothing more while no detector listens. The scale is read
-(``get_scale()``) only in a backward that found a nan/inf, after the pass's one host read.
+task running it names that backward. ``update`` counts the scaler's steps. ``unscale_`` tells
+check="step"'s guard what the scaler found (its ``found_inf``, which its ``step`` reads next: the
+guard reads no scaled gradient of its own). They pass everything through unchanged and do nothing
+more while no detector listens. The scale is read (``get_scale()``) only in a backward that found
+a nan/inf, after the pass's one host read.
 """
 
 import collections
@@ -103,7 +105,7 @@ def _install():
 
 
 def _wrap(cls):
-    for name, wrapper in (("scale", _wrapped_scale), ("update", _wrapped_update)):
+    for name, wrapper in (("scale", _wrapped_scale), ("update", _wrapped_update), ("unscale_", _wrapped_unscale)):
         method = cls.__dict__.get(name)
         if method is not None and not hasattr(method, "__overflow_fast_wraps__"):
             wrapped = functools.wraps(method)(wrapper(method))
@@ -136,7 +138,38 @@ def _wrapped_update(update):
         finally:
             _inside.depth = 0
             _steps[self] = _steps.get(self, 0) + 1
+            for backoffs in list(_listeners):
+                if backoffs.owner is not None:
+                    backoffs.owner.updated(self)
     return wrapper
+
+
+def _wrapped_unscale(unscale):
+    def wrapper(self, optimizer, *args, **kwargs):
+        if getattr(_inside, "depth", 0) or not _listeners:
+            return unscale(self, optimizer, *args, **kwargs)
+        _inside.depth = 1
+        try:
+            result = unscale(self, optimizer, *args, **kwargs)
+        finally:
+            _inside.depth = 0
+        watching = [backoffs.owner for backoffs in list(_listeners) if backoffs.owner is not None]
+        if watching:
+            found_inf = _found_inf(self, optimizer)
+            for owner in watching:
+                owner.unscaled(self, found_inf)
+        return result
+    return wrapper
+
+
+def _found_inf(scaler, optimizer):
+    """Whether the scaler's ``unscale_`` of ``optimizer``'s gradients found an inf/nan (its own
+    finding, which its ``step`` reads next; None where it cannot be read)."""
+    try:
+        found = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+        return any(bool(flag.item()) for flag in found.values())
+    except (AttributeError, KeyError, TypeError, RuntimeError):
+        return None
 
 
 def _note(scaler, outputs, scaled):
@@ -177,13 +210,17 @@ class Backoffs:
     """One detector's view of the scalers: ``judge`` a scaled backward that holds a nan/inf
     gradient. ``min_loss_scale`` and ``max_backoffs`` as ``options.Options`` validated them."""
 
-    def __init__(self, min_loss_scale, max_backoffs):
+    def __init__(self, min_loss_scale, max_backoffs, owner=None):
         self.min_loss_scale = min_loss_scale
         self.max_backoffs = max_backoffs
         self._last = weakref.WeakKeyDictionary()  # scaler -> (its step of the last backoff seen, in a row)
+        # check="step"'s guard: told of each scaler's unscale_ (``unscaled(scaler, found_inf)``) and
+        # update (``updated(scaler)``), where it takes the scaler's own verdict on its gradients
+        self.owner = owner
         listen(self)
 
     def close(self):
+        self.owner = None
         leave(self)
 
     def scaling(self, task):

@@ -272,7 +272,8 @@ class _Culprit:
                     return located
         if self.replay.reproduced(result):
             return Explained(self._named(result, module), False, own, *replayed)
-        if result.get("same") is False:
+        drawn_afresh = bool(result.get("random")) and not result.get("exact")  # the line says so already
+        if result.get("same") is False and not drawn_afresh:
             result = _why("forward", self.replay.NOT_THE_RUN)
         return Explained(result, None, own, *replayed)
 

@@ -429,10 +429,12 @@ class _Births(TorchDispatchMode):
             origin["file"], origin["line"] = location(live_frames())
         return origin
 
-    def verdict(self, results, phase, exact_random):
+    def verdict(self, results, phase, exact_random, private=()):
         """Where the first nan/inf among ``results`` (the replayed call's outputs, or gradients)
-        came from, as the module's docstring says."""
-        randoms = list(dict.fromkeys(name for _, name in self.random_ops))
+        came from, as the module's docstring says. ``private``: the ops that drew from a private
+        ``torch.Generator`` (``sandbox.PrivateGenerators``), whose draws cannot be the run's."""
+        exact_random = exact_random and not private
+        randoms = list(dict.fromkeys(_drawn(name, private) for _, name in self.random_ops))
         bad = [t for t in results if not _is_finite(_abs_max(t))]
         if not bad:
             why = NOT_REPRODUCED
@@ -444,7 +446,7 @@ class _Births(TorchDispatchMode):
             made_from = ("its inputs, parameters, buffers or incoming gradients" if phase == "backward"
                          else "its inputs, parameters or buffers")
             return {**_why(phase, f"{ALREADY_IN} {made_from})"), "random": [], "exact": exact_random}
-        earlier = list(dict.fromkeys(name for seq, name in self.random_ops if seq < origin["seq"]))
+        earlier = list(dict.fromkeys(_drawn(name, private) for seq, name in self.random_ops if seq < origin["seq"]))
         how = (SAME_INPUTS if exact_random or not earlier
                else f"with fresh random draws ({', '.join(earlier)})")
         where = f" at {origin['file']}:{origin['line']}" if origin["file"] else ""
@@ -456,6 +458,10 @@ class _Births(TorchDispatchMode):
             result = {"op": origin["op"], "file": origin["file"], "line": origin["line"],
                       "phase": origin["phase"], "what": origin["what"]}
         return {**result, "reproduced": how, "random": earlier, "exact": exact_random}
+
+
+def _drawn(name, private):
+    return f"{name} from a private torch.Generator" if name in private else name
 
 
 def _tensors_out(result):
@@ -491,7 +497,7 @@ def _stop_at(target, births, stopped):
     return submodule.register_forward_hook(lambda m, args, output: check(output))
 
 
-def _agrees(run, replayed):
+def agrees(run, replayed):
     """Whether ``replayed`` (tensors) equals ``run`` wherever ``run`` is finite; None when they cannot
     be compared (another structure, shape or dtype, or no finite value in the run's)."""
     if len(run) != len(replayed):
@@ -559,7 +565,7 @@ def replay_forward(module, args=(), kwargs=None, *, rng=None, call=None, target=
     kwargs = kwargs or {}
     try:
         with contextlib.ExitStack() as stack:
-            entered(stack, module, rng, call, without_hooks)
+            generators = entered(stack, module, rng, call, without_hooks)
             args, kwargs = copied((tuple(args), dict(kwargs)))
             births = _Births()
             stopped = []
@@ -572,9 +578,9 @@ def replay_forward(module, args=(), kwargs=None, *, rng=None, call=None, target=
                 except _Reached:
                     pass
             result = births.verdict(stopped if target is not None else floating_outputs(output), "forward",
-                                    exact_random=rng is not None)
+                                    exact_random=rng is not None, private=generators.drawn)
             if run_output is not None and target is None:
-                result["same"] = _agrees(floating_outputs(run_output), floating_outputs(output))
+                result["same"] = agrees(floating_outputs(run_output), floating_outputs(output))
             return result
     except Exception as error:  # a replay must never break the run it explains
         return _failed("forward", error)
@@ -625,7 +631,7 @@ def replay_backward(module, args, kwargs, grad_outputs, *, rng=None, call=None, 
     kwargs = kwargs or {}
     try:
         with contextlib.ExitStack() as stack:
-            entered(stack, module, rng, call, without_hooks, backward=True)
+            generators = entered(stack, module, rng, call, without_hooks, backward=True)
             # each node keeps the stack of the forward op that made it
             stack.enter_context(torch.autograd.set_detect_anomaly(True, check_nan=False))
             args, kwargs = copied((tuple(args), dict(kwargs)))
@@ -651,7 +657,7 @@ def replay_backward(module, args, kwargs, grad_outputs, *, rng=None, call=None, 
                     grads = torch.autograd.grad([o for o, _ in pairs], leaves, [g for _, g in pairs],
                                                 allow_unused=True)
             return births.verdict([g for g in grads if g is not None], "backward",
-                                  exact_random=rng is not None)
+                                  exact_random=rng is not None, private=generators.drawn)
     except Exception as error:
         return _failed("backward", error)
 

@@ -2,8 +2,10 @@
 a whole step. Inside it the run is left as it was: no forward, forward-pre or backward hook of the
 module, its submodules or the global ones runs (but tensor parallelism's, which hold no state), its
 buffers (and, for a replay that takes gradients, its parameters) are stand-ins, the RNG states are
-those given and put back after, grad mode and autocast are the call's, and nothing is sent to other
-ranks (``distributed.NoCommunication``: a collective stops the replay before it runs)."""
+those given and put back after, and so are the private ``torch.Generator``s its random ops draw from
+(``PrivateGenerators``), grad mode and autocast are the call's, and nothing is sent to other ranks
+(``distributed.NoCommunication``: a collective stops the replay before it runs). No optimizer holds
+the stand-in parameters, so none can step them."""
 
 import contextlib
 import copy
@@ -13,6 +15,7 @@ import torch
 import torch.nn.modules.module as _torch_module
 import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..distributed import holds_sharded_parameters
 
@@ -153,6 +156,36 @@ def rng_kept(rng):
         set_rng_state(before)
 
 
+class PrivateGenerators(TorchDispatchMode):
+    """Inside, every ``torch.Generator`` that an op is given (``torch.rand(..., generator=g)``: a
+    module's own) is put back after as it was before its first draw, so that the run's later draws
+    are its own; ``drawn`` names the ops that drew from one. Their draws cannot be the run's (the
+    run drew them already): a replay that made them says so."""
+
+    def __init__(self):
+        super().__init__()
+        self.saved = {}  # id -> (generator, its state before the replay's first draw)
+        self.drawn = []  # the ops that drew from one, in order
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, torch.Generator):
+                if id(value) not in self.saved:
+                    self.saved[id(value)] = (value, value.get_state())
+                name = str(getattr(func, "overloadpacket", func))
+                if name not in self.drawn:
+                    self.drawn.append(name)
+        return func(*args, **kwargs)
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            for generator, state in self.saved.values():
+                generator.set_state(state)
+
+
 def call_state():
     """What a call ran under, beyond its inputs: grad mode and autocast (device type -> dtype).
     Take it at the call when the replay runs later (``call=``)."""
@@ -224,16 +257,19 @@ class _TensorsCloned(TorchFunctionMode):
 def entered(stack, module, rng, call, without_hooks=replay_hooks, backward=False):
     """Enter what every replay runs inside: no hook of the module runs (``without_hooks``), its
     buffers (and for a ``backward`` its parameters) are stand-ins, the RNG as ``rng`` says and
-    restored after, grad mode (a backward's: on) and autocast as ``call`` says."""
+    restored after, private generators restored after, grad mode (a backward's: on) and autocast as
+    ``call`` says. Returns the ``PrivateGenerators`` mode (what drew from one)."""
     stack.enter_context(without_hooks(module))
     stack.enter_context(module_kept(module, fresh_parameters=backward))
     stack.enter_context(rng_kept(rng))
+    generators = stack.enter_context(PrivateGenerators())
     if call is not None:
         autocast_as(stack, call.get("autocast") or {})
         if not backward:
             stack.enter_context(torch.set_grad_enabled(call["grad_enabled"]))
     if backward:
         stack.enter_context(torch.enable_grad())
+    return generators
 
 
 

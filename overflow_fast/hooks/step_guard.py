@@ -1,0 +1,448 @@
+"""``check="step"``: the guard to leave on for a whole run. No module below the model's root has a
+hook while the run is healthy, and no global module hook is registered; the root's two hooks and
+one read per pass are what a healthy step costs:
+
+- each forward of the root: its outputs (walked as ``containers=True`` walks them) in one engine
+  call, one host read when it returns;
+- each backward through the root's outputs: every parameter's gradient in one engine call when
+  the backward ends (after DDP's and FSDP's own end-of-backward work), one host read, before
+  ``backward()`` returns and so before any optimizer step. In a backward a ``GradScaler`` scaled,
+  the scaler's own check is used instead: its ``found_inf``, right after its ``unscale_``, before
+  its ``step`` would update anything.
+
+At the first nan/inf the step is replayed (``replay.step``) with the full detector (``watch()``'s:
+every module's frames, gradients, Where, Source, Op) watching every module, from what the guard
+kept of it: each root call's inputs (references, version-checked), the RNG states at its start, its
+grad mode and autocast, and the gradients that arrived at its outputs. The report is the full
+detector's, then one ``Replay:`` line; what the detection does next is the ``on_detect``
+strategy's, as in every mode. ``frames_every=N``: every Nth forward (and its backward) runs with
+the full detector attached instead, for the flight recorder, the dashboards and ``warn_above``.
+
+What it does not see: a nan/inf that reaches neither a root output nor a parameter's gradient (an
+intermediate ``-inf`` mask, a value a later op drops), and a backward that does not run through
+the root's outputs (a loss made from a tensor taken out of the model by a hook of the user's).
+"""
+
+import collections
+import functools
+import sys
+import threading
+import weakref
+
+import torch
+from torch.compiler import is_compiling
+
+from . import text
+from .. import distributed
+from ..replay.op_replay import floating_outputs
+from ..replay.sandbox import call_state
+from ..replay.step import REPRODUCED, KeptForward, replay_step, rng_now
+from ..stats import tensor_stats
+from ..stats.layout import NAN, NEGINF, POSINF
+from .errors import overflow_error, say
+from .frames import BACKWARD, FORWARD, Frame, class_name, entries_of, graph_task_id, output_items, own_parameters
+from .on_detect import strategy
+from .rank_agreement import BACKWARD_END, FORWARD_END, REPLAYED, RankAgreement
+from .scaling import Backoffs, backoff_line, scaled_backward
+from .text import TENSOR
+
+SHOWN_GRADIENTS = 20  # gradient entries the guard's own frame shows (the first ones holding a nan/inf)
+
+# What a read found: the frame of the entries to show, with host rows; the names of the entries
+# that count (``ignore`` aside), in order.
+Seen = collections.namedtuple("Seen", ("frame", "bad"))
+
+
+class StepGuard:
+    """The pass state of ``check="step"`` and its hooks on the model's root: the detector's passes in
+    this mode (the lock, ``strategy``, ``close``, ``waiting`` and ``flush_all`` it asks of them).
+    ``watcher(module, batch, found, frames_step)``: a full detector attached to ``module`` for one
+    step (a replay's, or with ``frames_step`` a frames step's, which leaves the root's hooks to
+    this guard), whose batch counter starts at ``batch`` and which hands each detection it reports
+    (an ``OverflowDetected``) to the list ``found``; the detector makes it."""
+
+    def __init__(self, options, decisions, model, backend, watcher):
+        self.options = options
+        self.decisions = decisions
+        self.model = model
+        self.backend = backend
+        self.watcher = watcher
+        self.strategy = strategy(options.on_detect, model, options.max_skips)
+        self.lock = threading.RLock()
+        self.ranks = RankAgreement(options.sync, options.sync_timeout, self.strategy)
+        self.backoffs = Backoffs(options.min_loss_scale, options.max_backoffs, owner=self)
+        self.thread = threading.local()  # .calls: (exception being handled at its start, KeptForward) per root call
+        self.through = []  # the forwards whose outputs the backward running now went through
+        self.task = None  # the backward (graph task) whose end is queued
+        self.scaled = []  # (ScaledBackward, its forwards, batch) since their scaler's last update
+        self.full = None  # frames_every: [the full detector of this step, what it found, its backward to come]
+        self.closed = False
+        gradients = _parameters(model, decisions.module_names)
+        self.parameters = [parameter for parameter, _, _ in gradients]
+        self.owners = [(name, ctx) for _, name, ctx in gradients]  # each one's module and entry name
+        self.sharded = any(distributed.local_shard(p) is not p for p in self.parameters)
+
+    # -- the root's hooks ----------------------------------------------------------------------
+
+    def before(self, module, args, kwargs):
+        if is_compiling() or graph_task_id() != -1:
+            return  # traced (its end keeps the call), or recomputed in a backward
+        calls = self._calls()
+        ambient = sys.exc_info()[1]
+        if calls:
+            calls.append((ambient, None))  # the root called inside its own forward
+            return
+        with self.lock:
+            self._forward_begins()
+            if self.full is not None:
+                self.full[0]._passes.call_starts(module, sys._getframe(1), args, kwargs)
+                calls.append((ambient, None))
+                return
+        calls.append((ambient, KeptForward(args, kwargs or {}, rng_now(), call_state(),
+                                           self.decisions.state.batch_number)))
+
+    def after(self, module, args, kwargs, output):
+        if graph_task_id() != -1 or is_compiling():
+            return
+        calls = self._calls()
+        ambient, kept = calls.pop() if calls else (None, None)
+        if calls:
+            return  # the outermost call decides
+        error = sys.exc_info()[1]
+        raised = error is not None and error is not ambient  # run by torch because the forward raised
+        with self.lock:
+            if self.full is not None:
+                self._full_forward_ends(module, args, kwargs, output, raised)
+                return
+            batch = self.decisions.state.count(True).batch_before
+            if raised:
+                return
+            if kept is None:  # a compiled root: its start was traced
+                kept = KeptForward(args, kwargs or {}, None, call_state(), batch)
+            self._forward_ends(kept, output, batch)
+
+    def _calls(self):
+        calls = getattr(self.thread, "calls", None)
+        if calls is None:
+            calls = self.thread.calls = []
+        return calls
+
+    def _forward_begins(self):
+        if self.full is not None and self.full[2]:  # its backward never came: the full step is over
+            self._detach_full()
+        every = self.options.frames_every
+        batch = self.decisions.state.batch_number
+        if self.full is None and every is not None and batch % every == 0:
+            found = []
+            self.full = [self.watcher(self.model, batch, found, True), found, False]
+
+    # -- a forward's end -------------------------------------------------------------------------
+
+    def _forward_ends(self, kept, output, batch):
+        entries, tensors, dtypes = entries_of(output_items(output, containers=True))
+        seen = self._read(tensors, dtypes, FORWARD, entries=entries)
+        if seen is not None:
+            self._detected(seen, batch, [kept], backward=False, run_outputs=floating_outputs(output))
+            return
+        if self.ranks.wanted():
+            self.ranks.end_of_pass(None, FORWARD_END, self.decisions.state)
+        if kept.call["grad_enabled"]:
+            self._watch_gradients(kept, output)
+
+    def _watch_gradients(self, kept, output):
+        """Hook the gradients arriving at a forward's outputs: each is kept for a replay of the
+        backward, and the first queues the backward's end. (Nothing else keeps the forward: the
+        hooks on its outputs do, as long as the outputs live.)"""
+        guard = weakref.ref(self)  # a removed guard's hooks on live outputs keep nothing alive
+        for index, tensor in enumerate(floating_outputs(output)):
+            if tensor.requires_grad:
+                tensor.register_hook(functools.partial(_gradient_arrived, guard, kept, index))
+
+    def gradient_arrived(self, kept, index, grad):
+        with self.lock:
+            kept.keep_gradient(index, grad)
+            if kept not in self.through:
+                self.through.append(kept)
+            task = graph_task_id()
+            if self.task != task:
+                self.task = task
+                torch.autograd.Variable._execution_engine.queue_callback(self._queue_backward_end)
+
+    def _queue_backward_end(self):
+        # queued again: after the callbacks queued while the backward ran (DDP's reduction, FSDP's)
+        torch.autograd.Variable._execution_engine.queue_callback(self._backward_ends)
+
+    # -- a backward's end --------------------------------------------------------------------------
+
+    def _backward_ends(self):
+        with self.lock:
+            task, self.task = self.task, None
+            through, self.through = self.through, []
+            if self.closed:
+                return
+            if self.full is not None:
+                self._full_backward_ends()
+                return
+            batch = min(kept.batch for kept in through) if through else self.decisions.state.forward_batch
+            scaled = scaled_backward(task)
+            if scaled is not None:  # the scaler reads these gradients: its verdict comes with its unscale_
+                self.scaled.append((scaled, through, batch))
+                return
+            seen = self._read_gradients()
+            if seen is not None:
+                self._detected(seen, batch, through, backward=True)
+            elif self.ranks.wanted():
+                self.ranks.end_of_pass(None, BACKWARD_END, self.decisions.state)
+
+    def _read_gradients(self):
+        """Every parameter's gradient in one engine call (this rank's shards of sharded ones: the
+        agreement tells the other ranks): what holds a nan/inf, or None."""
+        grads = [parameter.grad for parameter in self.parameters]
+        owners = self.owners
+        if None in grads:
+            owners = [owner for owner, grad in zip(owners, grads) if grad is not None]
+            grads = [grad for grad in grads if grad is not None]
+        if self.sharded:
+            grads = [distributed.local_shard(grad) for grad in grads]
+        return self._read(grads, [grad.dtype for grad in grads], BACKWARD, owners=owners)
+
+    def _read(self, tensors, dtypes, phase, entries=None, owners=None):
+        """Read ``tensors`` (one engine call, one host read). None where none holds a nan/inf that
+        counts (``ignore``); else what was seen. A forward's ``entries`` are its outputs'; a
+        backward's tensors are gradients of the parameters named by ``owners`` (module, entry)."""
+        if not tensors:
+            return None
+        stats = tensor_stats(tensors, backend=self.backend)
+        if not any(bool(values[:, NAN:NEGINF + 1].any()) for _, values in stats.groups):
+            return None
+        rows = stats.host_rows()
+        if entries is None:
+            entries = [(TENSOR, f"{name}.{ctx}" if name else ctx, index) for index, (name, ctx) in enumerate(owners)]
+        counting = self.decisions.counting
+        bad = []
+        for kind, ctx, payload in entries:
+            row = rows[payload] if kind == TENSOR else None
+            if row is None or not (row[NAN] or row[POSINF] or row[NEGINF]):
+                continue
+            module, entry = owners[payload] if owners is not None else ("", ctx)
+            if not (counting.ignore and counting.ignored(module, entry)):
+                bad.append((kind, ctx, payload))
+        if not bad:
+            return None
+        shown = entries if phase == FORWARD else bad[:SHOWN_GRADIENTS]
+        frame = Frame("", class_name(self.model), [(kind, ctx, i if kind == TENSOR else payload)
+                                                   for i, (kind, ctx, payload) in enumerate(shown)],
+                      [dtypes[payload] if kind == TENSOR else None for kind, _, payload in shown], phase)
+        frame.rows = [rows[payload] if kind == TENSOR else None for kind, _, payload in shown]
+        return Seen(frame, [ctx for _, ctx, _ in bad])
+
+    # -- a detection ----------------------------------------------------------------------------
+
+    def _detected(self, seen, batch, forwards, backward, run_outputs=None, scaler=None):
+        """A nan/inf reached a root output or a parameter's gradient: replay the step (each of
+        ``forwards`` lists, in turn, until one reproduces it) with the full detector, report, agree
+        with the other ranks, act."""
+        for attempt in forwards if scaler is not None else [forwards]:
+            found = []
+            replayed = replay_step(self.model, attempt, self._replay_watcher(batch, found), backward, run_outputs)
+            if replayed.outcome == REPRODUCED:
+                break
+        if found:
+            detection, frames = dict(found[0].detection), found[0].frames
+        else:
+            detection, frames = self._own_report(seen, batch)
+        if scaler is not None:
+            detection["scaler"] = scaler
+            if self.strategy.reports != "none":
+                say(f"GradScaler: {scaler['why']}")
+        reproduced_on = None
+        if self.ranks.wanted():  # every rank that detected replayed: which of them reproduced it
+            reproduced_on = self.ranks.ranks(replayed.outcome == REPRODUCED, REPLAYED)
+        if self.strategy.reports != "none":
+            say(replayed.line(reproduced_on, ranks=self.ranks.wanted()))
+        detection["check"] = "step"
+        detection["replay"] = replayed.record()
+        detection["transient"] = False if reproduced_on else replayed.transient
+        self._act(detection, frames, seen.frame.phase)
+
+    def _replay_watcher(self, batch, found):
+        def watch(module):
+            watching = self.watcher(module, batch, found, False)
+            watching.decisions.counting.reports = self.strategy.reports  # the strategy says what is printed
+            return watching
+        return watch
+
+    def _own_report(self, seen, batch):
+        """What the guard saw, where the replay reported nothing: the reference's lines of the
+        entries that count, then the frame of what it read."""
+        frame, bad = seen
+        backward = frame.phase == BACKWARD
+        if self.strategy.reports != "none":
+            rows = {ctx: frame.rows[payload] for kind, ctx, payload in frame.entries if kind == TENSOR}
+            for ctx in bad[:SHOWN_GRADIENTS]:
+                for line in text.overflow_lines(rows[ctx], ctx) if ctx in rows else []:
+                    say(line)
+            if len(bad) > SHOWN_GRADIENTS:
+                say(f"... and {len(bad) - SHOWN_GRADIENTS} more gradients hold a nan/inf")
+            say(text.dump_text(batch, [frame], f"the backward of batch_number={batch}" if backward else None, backward))
+        detection = {"batch_number": batch, "phase": frame.phase, "module": "", "class": frame.class_name,
+                     "entries": list(bad)}
+        if self.decisions.global_step is not None:
+            detection["global_step"] = self.decisions.global_step
+        if self.decisions.mode is not None:
+            detection["mode"] = self.decisions.mode
+        return detection, [text.frame_data(frame)]
+
+    def _act(self, detection, frames, phase):
+        """Record the detection, then what the strategy does (under torch.distributed, with every rank)."""
+        self.decisions.detections.append(detection)
+        if self.decisions.log is not None:
+            self.decisions.log.detection(detection)
+        stop = (detection, frames) if self.strategy.stops() else None
+        if stop is None:
+            self.strategy.went_on(detection, frames, _FirstFrame(detection, phase), detection.get("entries", []), True)
+        if self.ranks.wanted():
+            self.ranks.end_of_pass(stop, BACKWARD_END if phase == BACKWARD else FORWARD_END, self.decisions.state)
+        if stop is not None:
+            raise overflow_error(*stop)
+
+    # -- under a GradScaler ---------------------------------------------------------------------
+
+    def unscaled(self, scaler, found_inf):
+        """A scaler unscaled an optimizer's gradients and found ``found_inf``: a backoff it recovers
+        from (one line), or one it cannot (``scaling.Backoffs``): a detection, replayed from the
+        first micro-batch whose replay reproduces it."""
+        with self.lock:
+            pending = [entry for entry in self.scaled if entry[0].scaler() is scaler]
+            if not pending or not found_inf:
+                return
+            verdicts = [self.backoffs.judge(scaled) for scaled, _, _ in pending]
+            batch = pending[-1][2]
+            fatal = next((verdict for verdict, _ in verdicts if verdict is not None and verdict.why is not None), None)
+            if fatal is None:
+                last = next((verdict for verdict, _ in reversed(verdicts) if verdict is not None), None)
+                if last is not None and any(first for _, first in verdicts):
+                    self._backoff(last, batch)
+                return
+            self.scaled = [entry for entry in self.scaled if entry not in pending]
+            seen = self._read_gradients() or Seen(_empty_frame(self.model), [])
+            self._detected(seen, batch, [forwards for _, forwards, _ in pending], backward=True,
+                           scaler={"scale": fatal.scale, "in_a_row": fatal.in_a_row, "why": fatal.why})
+
+    def updated(self, scaler):
+        """A scaler moved to its next step: its unscale_ judged what this step's backwards held."""
+        with self.lock:
+            self.scaled = [entry for entry in self.scaled if entry[0].scaler() not in (scaler, None)]
+
+    def _backoff(self, verdict, batch):
+        """A backoff's line and record: the gradients are read once, to say where."""
+        seen = self._read_gradients()
+        entries = seen.bad if seen is not None else []
+        name, cls = "", class_name(self.model)
+        say(backoff_line(name, cls, entries[:3] + (["..."] if len(entries) > 3 else []), verdict, batch,
+                         self.decisions.global_step))
+        if self.decisions.log is not None:
+            self.decisions.log.backoff({"batch_number": batch, "module": name, "class": cls, "entries": entries,
+                                        "scale": verdict.scale, "in_a_row": verdict.in_a_row,
+                                        "global_step": self.decisions.global_step, "mode": self.decisions.mode})
+
+    # -- frames_every: a step with the full detector attached -----------------------------------------
+
+    def _full_forward_ends(self, module, args, kwargs, output, raised):
+        watching, found, _ = self.full
+        try:
+            watching._after_model(module, args, kwargs, output)
+        except BaseException:
+            self._detach_full()
+            raise
+        finally:
+            self.decisions.state.batch_number = watching.decisions.state.batch_number
+            self.decisions.state.forward_batch = watching.decisions.state.forward_batch
+        if raised:
+            self._detach_full()
+        elif found:
+            self._full_found(FORWARD)
+        elif torch.is_grad_enabled() and any(t.requires_grad for t in floating_outputs(output)):
+            if self.ranks.wanted():
+                self.ranks.end_of_pass(None, FORWARD_END, self.decisions.state)
+            self.full[2] = True  # its backward is watched too
+            self._watch_gradients(KeptForward(args, kwargs or {}, None, call_state(),
+                                              self.decisions.state.forward_batch), output)
+        else:
+            self._detach_full()
+            if self.ranks.wanted():
+                self.ranks.end_of_pass(None, FORWARD_END, self.decisions.state)
+
+    def _full_backward_ends(self):
+        if self.full[1]:
+            self._full_found(BACKWARD)
+            return
+        self._detach_full()
+        if self.ranks.wanted():
+            self.ranks.end_of_pass(None, BACKWARD_END, self.decisions.state)
+
+    def _full_found(self, phase):
+        found = self.full[1]
+        self._detach_full()
+        detection = dict(found[0].detection)
+        detection["check"] = "step"
+        self._act(detection, found[0].frames, phase)
+
+    def _detach_full(self):
+        if self.full is not None:
+            watching, self.full = self.full[0], None
+            watching.remove()
+
+    # -- what the detector asks of its passes -------------------------------------------------------
+
+    def waiting(self):
+        return bool(self._calls()) or self.task is not None
+
+    def flush_all(self):
+        pass  # nothing waits: each pass is decided when it ends
+
+    def close(self):
+        self.closed = True
+        self.strategy.close()
+        self.backoffs.close()
+        self.thread = threading.local()
+        self.through = []
+        self.scaled = []
+        self._detach_full()
+
+
+def _gradient_arrived(guard, kept, index, grad):
+    """A gradient arrived at a root output; ``guard`` held weakly."""
+    guard = guard()
+    if guard is not None and not guard.closed:
+        guard.gradient_arrived(kept, index, grad)
+    # returns None: the gradient flows on unchanged
+
+
+def _parameters(model, module_names):
+    """``(parameter, its module's name, "name.grad")`` of each parameter that takes a gradient,
+    under its first owner, as the gradient frames name them."""
+    seen, found = set(), []
+    for module in model.modules():
+        for parameter, name in own_parameters(module):
+            if id(parameter) in seen or not parameter.requires_grad or not parameter.is_leaf:
+                continue
+            seen.add(id(parameter))
+            found.append((parameter, module_names.get(module, "?"), f"{name}.grad"))
+    return found
+
+
+def _empty_frame(model):
+    frame = Frame("", class_name(model), [], [], BACKWARD)
+    frame.rows = []
+    return frame
+
+
+class _FirstFrame:
+    """What a strategy's ``went_on`` reads of a detection's first frame: its module and phase."""
+
+    __slots__ = ("module_name", "phase")
+
+    def __init__(self, detection, phase):
+        self.module_name = detection.get("module", "")
+        self.phase = phase
