@@ -500,6 +500,18 @@ def replay(model, events, grad=False):
                         hook(module, args, output)
 
 
+def replay_root(model, events):
+    """``replay`` of the root's own events (its module looked up once, not per call)."""
+    for kind, _, args, kwargs, output in events:
+        hooks = model._forward_pre_hooks if kind == "pre" else model._forward_hooks
+        with_kwargs = model._forward_pre_hooks_with_kwargs if kind == "pre" else model._forward_hooks_with_kwargs
+        for hook_id, hook in list(hooks.items()):
+            if kind == "pre":
+                hook(model, args, kwargs) if hook_id in with_kwargs else hook(model, args)
+            else:
+                hook(model, args, kwargs, output) if hook_id in with_kwargs else hook(model, args, output)
+
+
 def attach(variant, model):
     """Hooks for ``variant``; returns a function that takes them off."""
     if variant == "none":
@@ -527,6 +539,8 @@ def attach(variant, model):
         detector = DebugUnderflowOverflow(model, check="batch", defer=True)
     elif variant == "watch":
         detector = overflow_fast.watch(model)
+    elif variant == "step":
+        detector = overflow_fast.watch(model, check="step")
     else:
         raise ValueError(variant)
     return detector.remove
@@ -711,6 +725,112 @@ def backward_path(args):
     return seconds, counts
 
 
+def step_path(args, model, run, events):
+    """check="step" on the same replay: the root's two hooks per forward (its outputs read: the
+    root's own calls replayed, the other modules have no hook), and at the backward's end every
+    parameter's gradient read (the model's parameters given uninitialised gradients: virtual
+    memory), timed directly; the gradient hooks on the root's outputs and the
+    callbacks that reach the backward's end timed in a real backward of a one-op graph (with and
+    without them). Returns ``(forward host s, forward counts, backward host s, backward counts,
+    forward bytes, backward bytes)``."""
+    from overflow_fast.replay.sandbox import call_state
+    from overflow_fast.replay.step import KeptForward
+
+    forward_counts = counted(model, run, "step")
+    root_outputs = [t for kind, name, _, _, output in events if kind == "post" and name == ""
+                    for t in _tensors(output)]
+    forward_bytes = sum(t.numel() * t.element_size() for t in root_outputs)
+    detector = overflow_fast.watch(model, check="step")
+    guard = detector._passes
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    for parameter in parameters:
+        parameter.grad = torch.empty_like(parameter)
+    kept = KeptForward((), {}, None, call_state(), 0)
+
+    def backward_end():
+        guard.through = [kept]
+        start = time.thread_time()
+        guard._backward_ends()
+        return time.thread_time() - start
+
+    root = [event for event in events if event[1] == ""]
+
+    def forward():
+        # the root's own calls alone (the other modules have no hook): the replay of its two events,
+        # with new activations each time as training makes them (a hook registered on a root output
+        # per forward), as Module.__call__ calls its hooks
+        calls = fresh_activations(root)
+        start = time.thread_time()
+        replay_root(model, calls)
+        return time.thread_time() - start
+
+    samples = args.repeats * args.inner * 30
+    try:
+        with torch.enable_grad():
+            forward()
+            forward_s = statistics.median(forward() for _ in range(samples))
+        backward_end()
+        read_s = statistics.median(backward_end() for _ in range(samples))
+        with instrumented():
+            COUNT.reset()
+            before = launcher_counters()
+            backward_end()
+            after = launcher_counters()
+        backward_counts = dict(vars(COUNT))
+        for name, value in after.items():
+            backward_counts[name] += value - before[name]
+        hooks_s = _root_gradient_hooks(guard, args.repeats * args.inner * 20)
+    finally:
+        detector.remove()
+        for parameter in parameters:
+            parameter.grad = None
+    COUNT.reset()
+    backward_bytes = sum(p.numel() * p.element_size() for p in parameters)
+    return forward_s, forward_counts, read_s + hooks_s, backward_counts, forward_bytes, backward_bytes
+
+
+def _tensors(value):
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for item in value for t in _tensors(item)]
+    if isinstance(value, dict):
+        return [t for item in value.values() for t in _tensors(item)]
+    return []
+
+
+def _root_gradient_hooks(guard, samples):
+    """Host seconds of check="step"'s backward beyond its read: the gradient hook on a root output
+    and the two callbacks that reach the backward's end (a one-op graph's backward with them,
+    minus without; its end reads nothing here)."""
+    from overflow_fast.replay.sandbox import call_state
+    from overflow_fast.replay.step import KeptForward
+
+    kept = KeptForward((), {}, None, call_state(), 0)
+    parameters, guard.parameters, guard.owners = guard.parameters, [], []
+    x = torch.ones(4, requires_grad=True)
+    gradient = torch.ones(4)
+
+    def one(hooked):
+        y = x * 2
+        if hooked:
+            guard._watch_gradients(kept, y)
+        start = time.thread_time()
+        y.backward(gradient)
+        return time.thread_time() - start
+
+    try:
+        for hooked in (False, True):
+            one(hooked)
+        with_hooks, without = [], []
+        for _ in range(samples):
+            without.append(one(False))
+            with_hooks.append(one(True))
+    finally:
+        guard.parameters = parameters
+    return max(0.0, statistics.median(with_hooks) - statistics.median(without))
+
+
 def gradient_sizes(model, events):
     """The bytes of each gradient watch() reads in one backward of the recorded forward: each
     parameter's (the model's dtype) and each distinct floating output's, as the forward hooks
@@ -891,6 +1011,29 @@ def host_path(args, csv_rows):
             csv_rows.append((f"triton host watch backward: {key}", bcounts[key], "per backward"))
         backward = (us, bcounts)
 
+    step = None
+    if not args.no_step:
+        print()
+        print("== check=\"step\": the root's two hooks on the same forward's root call (new activations each "
+              "time); at the backward's end every parameter's gradient (GPT-2 small's, bf16) in one engine call; "
+              "the root outputs' gradient hooks and the callbacks to the backward's end in a real one-op backward; "
+              "medians in the thread's CPU time", flush=True)
+        with triton_on_cpu():
+            step = step_path(args, model, run, events)
+        forward_s, fcounts, backward_s, bcounts, fbytes, bbytes = step
+        print("| pass | host us | engine calls | launches | uploads | bytes read (MB) |")
+        print("|---|---|---|---|---|---|")
+        print(f"| forward (root outputs) | {forward_s * 1e6:.1f} | {fcounts['compute_calls']} | {fcounts['launches']} "
+              f"| {fcounts['uploads']} | {fbytes / 1e6:.0f} |")
+        print(f"| backward (every gradient) | {backward_s * 1e6:.1f} | {bcounts['compute_calls']} | "
+              f"{bcounts['launches']} | {bcounts['uploads']} | {bbytes / 1e6:.0f} |")
+        print(f"host work per healthy step: {(forward_s + backward_s) * 1e6:.1f} us; bytes read per step: "
+              f"{(fbytes + bbytes) / 1e6:.0f} MB (the root's outputs and the gradients)")
+        csv_rows.append(("triton host step: forward", forward_s * 1e6, "us"))
+        csv_rows.append(("triton host step: backward", backward_s * 1e6, "us"))
+        csv_rows.append(("triton host step: per step", (forward_s + backward_s) * 1e6, "us"))
+        csv_rows.append(("triton host step: bytes read", (fbytes + bbytes) / 1e6, "MB per step"))
+
     ops_per_pass = model_ops(layers)
     print()
     gemm_ms, other_ms = gpt2_gpu_model(batch, seq)
@@ -932,6 +1075,15 @@ def host_path(args, csv_rows):
             print(f"| {regime.name} | {v} | {regime.baseline:.1f} | {host_ms:.2f} | {gpu_ms:.2f} | {added:+.2f} "
                   f"| {overhead * 100:+.1f}% |")
             csv_rows.append((f"projected H200 step overhead {v} ({regime.name})", overhead * 100, "%"))
+        if step is not None:
+            forward_s, fcounts, backward_s, bcounts, fbytes, bbytes = step
+            passes = tuple(pass_cost(c, 1, s * 1e6, max(KERNEL_MIN_US / 1e3 * max(c["launches"], 1),
+                                                        size / (HBM_TBPS * 1e9)))
+                           for c, s, size in ((fcounts, forward_s, fbytes), (bcounts, backward_s, bbytes)))
+            added, overhead = project(regime, "batch", passes)
+            print(f"| {regime.name} | step | {regime.baseline:.1f} | {passes[0][0] + passes[1][0]:.2f} | "
+                  f"{passes[0][1] + passes[1][1]:.2f} | {added:+.2f} | {overhead * 100:+.2f}% |")
+            csv_rows.append((f"projected H200 step overhead step ({regime.name})", overhead * 100, "%"))
     gpu_bound = regimes(batch, seq, ops_per_pass)[0].name
     return per_hook["batch"], counts["batch"], results[(gpu_bound, "batch")]
 
@@ -995,6 +1147,7 @@ def main(argv=None):
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--no-cpu", action="store_true", help="skip the CPU-backend run")
     parser.add_argument("--no-backward", action="store_true", help="skip watch()'s backward (not projected then)")
+    parser.add_argument("--no-step", action="store_true", help="skip check=\"step\" (not projected then)")
     parser.add_argument("--no-grad", action="store_true",
                         help="activations as in an inference forward (no grad); by default a training forward, "
                              "as in the step the projection is about")

@@ -34,18 +34,20 @@ from torch.compiler import is_compiling
 
 from . import text
 from .. import distributed
-from ..replay.op_replay import floating_outputs
 from ..replay.sandbox import call_state
-from ..replay.step import REPRODUCED, KeptForward, replay_step, rng_now
-from ..stats import tensor_stats
+from ..replay.step import REPRODUCED, KeptForward, replay_step, rng_now, root_outputs
+from ..stats import tensor_stats, unreadable_reason
 from ..stats.layout import NAN, NEGINF, POSINF
 from .errors import overflow_error, say
 from .frames import BACKWARD, FORWARD, Frame, class_name, entries_of, graph_task_id, output_items, own_parameters
 from .on_detect import strategy
+from .reads import Reads
 from .rank_agreement import BACKWARD_END, FORWARD_END, REPLAYED, RankAgreement
 from .scaling import Backoffs, backoff_line, scaled_backward
 from .text import TENSOR
 
+OUTPUT_ROWS = 1 << 10  # rows for a forward's outputs (more: read apart, one by one)
+_FEW_ROWS = 8  # rows read as a list (more: counted on their device, and one number read)
 SHOWN_GRADIENTS = 20  # gradient entries the guard's own frame shows (the first ones holding a nan/inf)
 
 # What a read found: the frame of the entries to show, with host rows; the names of the entries
@@ -77,6 +79,7 @@ class StepGuard:
         self.scaled = []  # (ScaledBackward, its forwards, batch) since their scaler's last update
         self.full = None  # frames_every: [the full detector of this step, what it found, its backward to come]
         self.closed = False
+        self.reads = None  # the rows of the root's outputs (made at the first forward: the extension may be built then)
         gradients = _parameters(model, decisions.module_names)
         self.parameters = [parameter for parameter, _, _ in gradients]
         self.owners = [(name, ctx) for _, name, ctx in gradients]  # each one's module and entry name
@@ -139,22 +142,24 @@ class StepGuard:
     # -- a forward's end -------------------------------------------------------------------------
 
     def _forward_ends(self, kept, output, batch):
-        entries, tensors, dtypes = entries_of(output_items(output, containers=True))
-        seen = self._read(tensors, dtypes, FORWARD, entries=entries)
-        if seen is not None:
-            self._detected(seen, batch, [kept], backward=False, run_outputs=floating_outputs(output))
-            return
+        outputs = root_outputs(output)
+        if self._outputs_nonfinite(outputs):
+            entries, tensors, dtypes = entries_of(output_items(output, containers=True))
+            seen = self._seen(tensors, dtypes, FORWARD, entries=entries)
+            if seen is not None:
+                self._detected(seen, batch, [kept], backward=False, run_outputs=outputs)
+                return
         if self.ranks.wanted():
             self.ranks.end_of_pass(None, FORWARD_END, self.decisions.state)
-        if kept.call["grad_enabled"]:
-            self._watch_gradients(kept, output)
+        if kept.call["grad_enabled"] and self.options.backward:
+            self._watch_gradients(kept, outputs)
 
-    def _watch_gradients(self, kept, output):
-        """Hook the gradients arriving at a forward's outputs: each is kept for a replay of the
-        backward, and the first queues the backward's end. (Nothing else keeps the forward: the
-        hooks on its outputs do, as long as the outputs live.)"""
+    def _watch_gradients(self, kept, outputs):
+        """Hook the gradients arriving at a forward's outputs (``root_outputs``): each is kept for a
+        replay of the backward, and the first queues the backward's end. (Nothing else keeps the
+        forward: the hooks on its outputs do, as long as the outputs live.)"""
         guard = weakref.ref(self)  # a removed guard's hooks on live outputs keep nothing alive
-        for index, tensor in enumerate(floating_outputs(output)):
+        for index, tensor in enumerate(outputs):
             if tensor.requires_grad:
                 tensor.register_hook(functools.partial(_gradient_arrived, guard, kept, index))
 
@@ -197,25 +202,54 @@ class StepGuard:
     def _read_gradients(self):
         """Every parameter's gradient in one engine call (this rank's shards of sharded ones: the
         agreement tells the other ranks): what holds a nan/inf, or None."""
-        grads = [parameter.grad for parameter in self.parameters]
-        owners = self.owners
-        if None in grads:
-            owners = [owner for owner, grad in zip(owners, grads) if grad is not None]
-            grads = [grad for grad in grads if grad is not None]
+        grads = [grad for parameter in self.parameters if (grad := parameter.grad) is not None]
         if self.sharded:
             grads = [distributed.local_shard(grad) for grad in grads]
-        return self._read(grads, [grad.dtype for grad in grads], BACKWARD, owners=owners)
+        if not self._nonfinite(grads):
+            return None
+        held = [(grad, owner) for parameter, owner in zip(self.parameters, self.owners)
+                if (grad := parameter.grad) is not None]
+        grads = [distributed.local_shard(grad) for grad, _ in held] if self.sharded else [grad for grad, _ in held]
+        return self._seen(grads, [grad.dtype for grad in grads], BACKWARD, owners=[owner for _, owner in held])
 
-    def _read(self, tensors, dtypes, phase, entries=None, owners=None):
-        """Read ``tensors`` (one engine call, one host read). None where none holds a nan/inf that
-        counts (``ignore``); else what was seen. A forward's ``entries`` are its outputs'; a
-        backward's tensors are gradients of the parameters named by ``owners`` (module, entry)."""
+    def _outputs_nonfinite(self, outputs):
+        """Whether a root output holds a nan/inf: the hook layer's rows (``reads``: one C++ call that
+        reads them, one host read)."""
+        if not outputs:
+            return False
+        if self.reads is None:
+            self.reads = Reads(self.backend, OUTPUT_ROWS, False, 0)
+        reads = self.reads
+        try:
+            reads.add(outputs)
+            return reads.read()
+        finally:
+            reads.reset()
+
+    def _nonfinite(self, tensors):
+        """Whether a tensor of ``tensors`` holds a nan/inf: one engine call, one host read."""
         if not tensors:
-            return None
-        stats = tensor_stats(tensors, backend=self.backend)
-        if not any(bool(values[:, NAN:NEGINF + 1].any()) for _, values in stats.groups):
-            return None
-        rows = stats.host_rows()
+            return False
+        try:
+            stats = tensor_stats(tensors, backend=self.backend)
+        except TypeError:  # a tensor the engine cannot read: the others are read
+            tensors = [tensor for tensor in tensors if unreadable_reason(tensor) is None]
+            if not tensors:
+                return False
+            stats = tensor_stats(tensors, backend=self.backend)
+        for _, values in stats.groups:
+            if len(values) <= _FEW_ROWS:  # a handful of rows: to the host as they are
+                if any(row[NAN] or row[POSINF] or row[NEGINF] for row in values.tolist()):
+                    return True
+            elif torch.count_nonzero(values[:, NAN:NEGINF + 1]):
+                return True
+        return False
+
+    def _seen(self, tensors, dtypes, phase, entries=None, owners=None):
+        """Read ``tensors`` again, at a detection: what holds a nan/inf that counts (``ignore``
+        aside), or None. A forward's ``entries`` are its outputs'; a backward's tensors are
+        gradients of the parameters named by ``owners`` (module, entry)."""
+        rows = tensor_stats(tensors, backend=self.backend).host_rows() if tensors else []
         if entries is None:
             entries = [(TENSOR, f"{name}.{ctx}" if name else ctx, index) for index, (name, ctx) in enumerate(owners)]
         counting = self.decisions.counting
@@ -362,12 +396,12 @@ class StepGuard:
             self._detach_full()
         elif found:
             self._full_found(FORWARD)
-        elif torch.is_grad_enabled() and any(t.requires_grad for t in floating_outputs(output)):
+        elif torch.is_grad_enabled() and any(t.requires_grad for t in root_outputs(output)):
             if self.ranks.wanted():
                 self.ranks.end_of_pass(None, FORWARD_END, self.decisions.state)
             self.full[2] = True  # its backward is watched too
             self._watch_gradients(KeptForward(args, kwargs or {}, None, call_state(),
-                                              self.decisions.state.forward_batch), output)
+                                              self.decisions.state.forward_batch), root_outputs(output))
         else:
             self._detach_full()
             if self.ranks.wanted():

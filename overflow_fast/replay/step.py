@@ -12,12 +12,14 @@ step's values everywhere else (a transient fault is likely), or why it cannot te
 """
 
 import contextlib
+import dataclasses
 
 import torch
 
 from ..distributed import NoCommunication
 from .culprit import is_wrapper, versions_of
-from .op_replay import agrees, floating_outputs
+from .._compat import is_dataclass_instance
+from .op_replay import agrees
 from .sandbox import (PrivateGenerators, autocast_as, copied, module_kept, replay_hooks, rng_kept, rng_state,
                       set_rng_state, sharded_for_the_call)
 
@@ -31,8 +33,8 @@ class KeptForward:
     """One forward of the model's root, as its replay needs it: its inputs (references) and their
     versions then, the RNG states at its start (``sandbox.rng_state``; None where they could not be
     taken: a forward seen only as it ended), grad mode and autocast (``sandbox.call_state``), its
-    ``batch`` (the detector's batch number), and ``grads``: output index (``op_replay.floating_outputs``
-    order) -> the gradient that arrived there in backward."""
+    ``batch`` (the detector's batch number), and ``grads``: output index (``root_outputs`` order) ->
+    the gradient that arrived there in backward."""
 
     __slots__ = ("args", "kwargs", "versions", "rng", "call", "batch", "grads")
 
@@ -112,7 +114,7 @@ def replay_step(model, forwards, watcher, backward=False, run_outputs=None, run_
             if watching.detections:
                 return StepReplay(REPRODUCED, False)
             if run_outputs is not None:
-                same = agrees(run_outputs, floating_outputs(outputs[-1]))
+                same = agrees(run_outputs, root_outputs(outputs[-1]))
             else:
                 same = _same_gradients(module, run_gradients)
             exact = all(kept.rng is not None for kept in forwards) and not generators.drawn
@@ -156,12 +158,34 @@ def _forward(module, kept, backward):
         return module(*args, **kwargs)
 
 
+def root_outputs(output, depth=0):
+    """The floating (and complex) tensors of a root call's output, depth first: a tensor, the items
+    of a tuple or a list, the values of a dict (a transformers ``ModelOutput``) and the fields of a
+    dataclass, in order. The gradients a forward keeps are numbered in this order."""
+    if isinstance(output, torch.Tensor):
+        return [output] if output.is_floating_point() or output.is_complex() else []
+    if depth >= _MAX_DEPTH:
+        return []
+    if isinstance(output, (tuple, list)):
+        children = output
+    elif isinstance(output, dict):
+        children = output.values()
+    elif is_dataclass_instance(output):
+        children = [getattr(output, field.name) for field in dataclasses.fields(output)]
+    else:
+        return []
+    return [tensor for child in children for tensor in root_outputs(child, depth + 1)]
+
+
+_MAX_DEPTH = 8
+
+
 def _gradient_pairs(gradients, outputs):
     """(output tensor, gradient) of each kept gradient (``gradients``: one {output index: gradient}
     per forward) whose output the replay gave and which requires one."""
     pairs = []
     for forward, (kept, output) in enumerate(zip(gradients, outputs)):
-        floating = floating_outputs(output)
+        floating = root_outputs(output)
         for index, grad in kept.items():
             if index < len(floating) and floating[index].requires_grad:
                 pairs.append(((forward, index), floating[index], grad))
