@@ -75,7 +75,8 @@ def test_every_line_is_strict_json(tmp_path):
     meta, entries, detection = lines[0], lines[1:-1], lines[-1]
     assert meta["record"] == "meta" and meta["version"] == 1 and meta["pid"] == os.getpid()
     assert meta["torch"] == torch.__version__ and meta["started"].endswith("+00:00")
-    assert set(meta) == {"record", "version", "rank", "world_size", "started", "pid", "torch"}
+    assert set(meta) == {"record", "version", "rank", "world_size", "started", "pid", "torch", "check"}
+    assert meta["check"] is None  # a Recorder of its own; a detector names its mode
     assert len(entries) == len(dtypes)
     keys = ["record", "step", "phase", "call", "module", "class", "entry", "dtype", "numel", "abs_min", "abs_max",
             "nan", "posinf", "neginf", "zero_frac", "subnormal_frac", "rank"]

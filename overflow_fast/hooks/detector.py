@@ -94,7 +94,7 @@ class DebugUnderflowOverflow:
             self.analyse_model()
         else:
             self.module_names = module_names
-        log = StepLog(options.log, options.log_every) if options.log is not None else None
+        log = StepLog(options.log, options.log_every, options.check) if options.log is not None else None
         # the Where and Source lines only where the frames already go beyond the reference's: the
         # drop-in without kwargs, containers or backward prints the reference's text alone
         beyond_reference = options.kwargs or options.containers or options.backward

@@ -520,7 +520,7 @@ class Passes:
 
     def close(self):
         """The hooks are off: decide what waits (its records and detection still reach the log),
-        free every row, let go of the strategy's own hooks."""
+        free every row, let go of the strategy's own hooks and of every call kept."""
         self.strategy.close()
         if self.collective_writes is not None:
             self.collective_writes.release()
@@ -534,4 +534,5 @@ class Passes:
             for open_pass in list(self.open):
                 self._close(open_pass)
             self.spent = None
+            self._let_go_of_the_forward()  # its outputs' graph holds the gradient hooks, and they the model
 

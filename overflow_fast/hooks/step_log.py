@@ -13,10 +13,11 @@ def timeline_step(batch, global_step):
 
 
 class StepLog:
-    def __init__(self, log, log_every=1):
-        """``log`` and ``log_every`` as ``options.Options`` validated them."""
+    def __init__(self, log, log_every=1, check=None):
+        """``log``, ``log_every`` and ``check`` (the mode, which the logs' meta record names) as
+        ``options.Options`` validated them."""
         self.log_every = log_every
-        self.sinks = Sinks(log, log_every)
+        self.sinks = Sinks(log, log_every, check)
         self._step = None
         self._call = 0
         self._held = []  # (call, frame, batch, global_step, mode) of a step log_every skips, until it ends

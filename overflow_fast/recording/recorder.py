@@ -115,10 +115,10 @@ def dtype_name(dtype) -> str:
     return name[6:] if name.startswith("torch.") else name
 
 
-def meta_record(rank=None, world_size=None):
+def meta_record(rank=None, world_size=None, check=None):
     return dict(zip(_META_KEYS, (
         "meta", VERSION, rank, world_size, datetime.datetime.now(datetime.timezone.utc).isoformat(),
-        os.getpid(), torch.__version__,
+        os.getpid(), torch.__version__, check,
     )))
 
 
@@ -395,7 +395,7 @@ class Recorder:
     warning) rather than let a stalled disk grow the queue without bound.
     """
 
-    def __init__(self, path, rank=None, world_size=None, log_every=1, max_pending=1_000_000):
+    def __init__(self, path, rank=None, world_size=None, log_every=1, max_pending=1_000_000, check=None):
         if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1:
             raise ValueError(f"log_every must be a positive int, got {log_every!r}")
         if rank is None and world_size is None:
@@ -424,7 +424,7 @@ class Recorder:
         self._warned_closed = False
         self._drainer = None  # the thread inside _drain
         self._progress = 0  # records encoded and writes done so far: how SIGTERM tells a slow writer from a stalled one
-        self.write([meta_record(rank, world_size)])
+        self.write([meta_record(rank, world_size, check)])
         self._thread = threading.Thread(target=self._run, name="overflow_fast-recorder", daemon=True)
         self._thread.start()
         with _live_lock:

@@ -32,6 +32,11 @@ non-finite element, row-major), ``token`` (its position along the sequence, or n
 (the dataset indices of ``rows``, or null), and the counts ``nan``, ``posinf``, ``neginf``,
 ``numel``.
 
+A log's meta record says which ``check`` mode wrote it (nullable: a writer of its own, or an older
+one). A detection of ``check="step"`` also carries ``check`` ("step") and ``replay`` (an object:
+``outcome``, "reproduced", "not reproduced" or "not replayed"; ``transient``; ``why``): what its
+replay of the step found. The report's readers pass over them.
+
 With ``find_op``, a detection record also carries ``op`` (an object: ``op``, ``file``, ``line``,
 ``phase``, ``what``, ``module``, ``reproduced``, as ``detection["op"]``) and ``transient`` (true: the
 replay of the call on its very inputs gave finite values where the run's were not, a transient
@@ -69,6 +74,7 @@ MODES = ("train", "eval")
 WHEN_KNOWN = ("global_step", "mode")  # written only when known: a record without them is as valid
 KINDS = ("meta", "entry", "detection", "backoff")
 NONFINITE = ("nan", "inf", "-inf")
+CHECKS = ("module", "batch", "step")  # the detector's check= that wrote a log (its meta record's ``check``)
 
 STEP_MAX = 2 ** 40  # a step beyond this is not a training step but damage
 RANK_MAX = 2 ** 20 - 1
@@ -94,6 +100,7 @@ RECORDS = {
         _f("started", "str", nullable=True),
         _f("pid", "int", 0, INT_MAX, nullable=True),
         _f("torch", "str", nullable=True),
+        _f("check", "str", nullable=True, choices=CHECKS),
     ),
     "entry": (
         _f("record", "str", choices=("entry",)),

@@ -10,9 +10,9 @@ from .recorder import Recorder, backoff_record, detection_record, frame_records
 
 
 class Sinks:
-    def __init__(self, log, log_every=1):
+    def __init__(self, log, log_every=1, check=None):
         """``log`` and ``log_every`` as ``options.Options`` validated them (the JSONL logs' meta
-        record carries ``log_every``)."""
+        record carries ``log_every``, and ``check``: the mode that writes them)."""
         targets = list(log) if isinstance(log, (list, tuple)) else [log]
         where = distributed.world()
         self.dashboards = [Dashboard(target) for target in targets if is_dashboard(target)]
@@ -21,7 +21,8 @@ class Sinks:
             for target in targets:
                 if not is_dashboard(target):
                     self.recorders.append(Recorder(target, rank=where[0] if where else None,
-                                                   world_size=where[1] if where else None, log_every=log_every))
+                                                   world_size=where[1] if where else None, log_every=log_every,
+                                                   check=check))
         except BaseException:
             self.close()  # one refused path (another writer has it): release the others
             raise
@@ -38,12 +39,12 @@ class Sinks:
 
     def detection(self, detection, step):
         """Write the detection (a dict: batch_number, phase, module, class, entries, and where
-        known global_step, mode, op, transient, repro, where, scaler) of ``step``, and wait until
+        known global_step, mode, op, transient, repro, where, scaler, check, replay) of ``step``, and wait until
         everything written is on disk (the error comes next)."""
         record = detection_record(detection["batch_number"], detection["phase"], detection["module"],
                                   detection["class"], detection["entries"], distributed.rank(),
                                   detection.get("global_step"), detection.get("mode"))
-        for field in ("op", "transient", "repro", "where", "scaler"):  # fields the report's readers pass over
+        for field in ("op", "transient", "repro", "where", "scaler", "check", "replay"):  # the readers pass over them
             if field in detection:
                 record[field] = detection[field]
         for recorder in self.recorders:
