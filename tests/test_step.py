@@ -368,3 +368,80 @@ def test_compiled_healthy_steps_add_no_graph_break_and_the_replay_runs_eagerly()
     dynamo.reset()
     assert "Source: born in forward of 2 (Poisoned)" in out.getvalue()
     assert out.getvalue().splitlines()[-1].startswith("Replay:")
+
+
+def test_a_hook_the_replay_leaves_out_leaves_a_transient_fault_untold():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    watch(model, check="step")
+    handle = model[0].weight.register_hook(lambda grad: grad * INF)  # someone else's code, every step
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(OverflowDetected) as raised:
+        model(torch.ones(2, 4)).sum().backward()
+    handle.remove()
+    assert out.getvalue().splitlines()[-1] == ("Replay: not reproduced: hooks of other code ran in the step (1 on "
+                                               "parameters), and a replay leaves them out: a transient fault cannot "
+                                               "be told")
+    assert raised.value.detection["transient"] is None
+
+
+def test_a_copied_model_carries_its_guard():
+    import copy
+
+    model, poisoned = gpt2("forward")
+    watch(model, check="step", max_frames_to_save=3)
+    copied = copy.deepcopy(model)
+    copied.transformer.h[1].mlp.act.armed = 0
+    ids = models.token_batch(0)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(OverflowDetected):
+        copied(input_ids=ids, labels=ids)
+    assert out.getvalue().splitlines()[-1] == "Replay: reproduced"
+
+
+def _ddp_worker(rank, where):
+    from torch.nn.parallel import DistributedDataParallel
+
+    from overflow_fast import OverflowDetected
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 4), nn.ReLU(), Poisoned(nn.Linear(4, 4), where), nn.LayerNorm(4))
+    ddp = DistributedDataParallel(model)
+    watch(ddp, check="step")
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    out = io.StringIO()
+    stopped = None
+    with contextlib.redirect_stdout(out):
+        for step in range(4):
+            if step == 2 and rank == 1:
+                model[2].armed = 0
+            try:
+                x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + rank))
+                ddp(x).sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            except OverflowDetected as error:
+                stopped = (step, error)
+                break
+    # every rank stops at step 2, naming the rank that made it, before any update from it
+    assert stopped is not None and stopped[0] == 2, out.getvalue()
+    error = stopped[1]
+    lines = out.getvalue().splitlines()
+    if where == "forward":
+        assert error.ranks == [1]
+        if rank == 1:
+            assert lines[-1] == "[rank 1/2] Replay: reproduced on rank 1", lines
+            assert "[rank 1/2] Source: born in forward of module.2 (Poisoned): output from finite inputs and " \
+                   "weights" in lines
+    else:  # DDP averages the gradients: every rank sees the nan, the replays tell where it was made
+        assert error.ranks == [0, 1]
+        want = "Replay: reproduced on rank 1" if rank == 1 else "Replay: not reproduced on this rank; reproduced on rank 1"
+        assert lines[-1] == f"[rank {rank}/2] {want}", lines
+        assert error.detection["transient"] is False
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_ddp_every_rank_stops_and_the_report_names_the_rank_that_reproduced_it(where):
+    from test_distributed import run_ranks
+
+    run_ranks(_ddp_worker, where)

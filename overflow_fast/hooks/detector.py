@@ -120,7 +120,9 @@ class DebugUnderflowOverflow:
 
     def _new_passes(self):
         if self.options.check == "step":
-            return StepGuard(self.options, self.decisions, self.model, self.backend, self._watcher)
+            guard = StepGuard(self.options, self.decisions, self.model, self.backend, self._watcher)
+            guard.own_hooks = frozenset(handle.id for handle in self._handles)  # (a copy's: its hooks came with it)
+            return guard
         return Passes(self.options, self.decisions, self.model, self.backend, self._gradients)
 
     def _watcher(self, module, batch, found, frames_step):
@@ -225,6 +227,7 @@ class DebugUnderflowOverflow:
             # no hook below the root: its own two, which run even when its call raises
             self._handles.append(self.model.register_forward_pre_hook(self._step_begins, with_kwargs=True))
             self._handles.append(self.model.register_forward_hook(self._step_ends, with_kwargs=True, always_call=True))
+            self._passes.own_hooks = frozenset(handle.id for handle in self._handles)
             return
         self.model.apply(self._register_forward_hook)
 

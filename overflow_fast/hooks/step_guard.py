@@ -38,7 +38,7 @@ from ..replay.sandbox import call_state
 from ..replay.step import REPRODUCED, KeptForward, replay_step, rng_now, root_outputs
 from ..stats import tensor_stats, unreadable_reason
 from ..stats.layout import NAN, NEGINF, POSINF
-from .errors import overflow_error, say
+from .errors import OverflowDetectedOnRanks, overflow_error, say
 from .frames import BACKWARD, FORWARD, Frame, class_name, entries_of, graph_task_id, output_items, own_parameters
 from .on_detect import strategy
 from .reads import Reads
@@ -79,11 +79,11 @@ class StepGuard:
         self.scaled = []  # (ScaledBackward, its forwards, batch) since their scaler's last update
         self.full = None  # frames_every: [the full detector of this step, what it found, its backward to come]
         self.closed = False
+        self.own_hooks = ()  # the ids of the detector's hooks on the root (a replay tells them from others')
         self.reads = None  # the rows of the root's outputs (made at the first forward: the extension may be built then)
-        gradients = _parameters(model, decisions.module_names)
-        self.parameters = [parameter for parameter, _, _ in gradients]
-        self.owners = [(name, ctx) for _, name, ctx in gradients]  # each one's module and entry name
-        self.sharded = any(distributed.local_shard(p) is not p for p in self.parameters)
+        # the parameters whose gradients are read, with their module's and entry's names, and whether
+        # any is sharded: found at the first backward (a copy of the model is still being made here)
+        self.parameters = self.owners = self.sharded = None
 
     # -- the root's hooks ----------------------------------------------------------------------
 
@@ -147,10 +147,10 @@ class StepGuard:
             entries, tensors, dtypes = entries_of(output_items(output, containers=True))
             seen = self._seen(tensors, dtypes, FORWARD, entries=entries)
             if seen is not None:
-                self._detected(seen, batch, [kept], backward=False, run_outputs=outputs)
+                self._pass_ends(FORWARD_END, self._detected(seen, batch, [kept], backward=False,
+                                                            run_outputs=outputs))
                 return
-        if self.ranks.wanted():
-            self.ranks.end_of_pass(None, FORWARD_END, self.decisions.state)
+        self._pass_ends(FORWARD_END)
         if kept.call["grad_enabled"] and self.options.backward:
             self._watch_gradients(kept, outputs)
 
@@ -192,16 +192,19 @@ class StepGuard:
             scaled = scaled_backward(task)
             if scaled is not None:  # the scaler reads these gradients: its verdict comes with its unscale_
                 self.scaled.append((scaled, through, batch))
+                self._pass_ends(BACKWARD_END)
                 return
             seen = self._read_gradients()
-            if seen is not None:
-                self._detected(seen, batch, through, backward=True)
-            elif self.ranks.wanted():
-                self.ranks.end_of_pass(None, BACKWARD_END, self.decisions.state)
+            self._pass_ends(BACKWARD_END, None if seen is None else self._detected(seen, batch, through, backward=True))
 
     def _read_gradients(self):
         """Every parameter's gradient in one engine call (this rank's shards of sharded ones: the
         agreement tells the other ranks): what holds a nan/inf, or None."""
+        if self.parameters is None:
+            gradients = _parameters(self.model, self.decisions.module_names)
+            self.parameters = [parameter for parameter, _, _ in gradients]
+            self.owners = [(name, ctx) for _, name, ctx in gradients]
+            self.sharded = any(distributed.local_shard(p) is not p for p in self.parameters)
         grads = [grad for parameter in self.parameters if (grad := parameter.grad) is not None]
         if self.sharded:
             grads = [distributed.local_shard(grad) for grad in grads]
@@ -273,12 +276,14 @@ class StepGuard:
     # -- a detection ----------------------------------------------------------------------------
 
     def _detected(self, seen, batch, forwards, backward, run_outputs=None, scaler=None):
-        """A nan/inf reached a root output or a parameter's gradient: replay the step (each of
-        ``forwards`` lists, in turn, until one reproduces it) with the full detector, report, agree
-        with the other ranks, act."""
+        """A nan/inf reached a root output or a parameter's gradient: replay the step (with a
+        ``scaler``, each of ``forwards`` lists in turn until one reproduces it) with the full
+        detector, which reports it; else report what the guard saw. Returns what ``_pass_ends``
+        takes: (detection, frames, the replay, phase)."""
         for attempt in forwards if scaler is not None else [forwards]:
             found = []
-            replayed = replay_step(self.model, attempt, self._replay_watcher(batch, found), backward, run_outputs)
+            replayed = replay_step(self.model, attempt, self._replay_watcher(batch, found), backward, run_outputs,
+                                   self.own_hooks)
             if replayed.outcome == REPRODUCED:
                 break
         if found:
@@ -289,15 +294,42 @@ class StepGuard:
             detection["scaler"] = scaler
             if self.strategy.reports != "none":
                 say(f"GradScaler: {scaler['why']}")
-        reproduced_on = None
-        if self.ranks.wanted():  # every rank that detected replayed: which of them reproduced it
-            reproduced_on = self.ranks.ranks(replayed.outcome == REPRODUCED, REPLAYED)
-        if self.strategy.reports != "none":
-            say(replayed.line(reproduced_on, ranks=self.ranks.wanted()))
-        detection["check"] = "step"
-        detection["replay"] = replayed.record()
-        detection["transient"] = False if reproduced_on else replayed.transient
-        self._act(detection, frames, seen.frame.phase)
+        return detection, frames, replayed, seen.frame.phase
+
+    def _pass_ends(self, kind, detected=None):
+        """A pass ended (the root's forward returned, a backward ended): with ``detected`` (this
+        rank's, from ``_detected``; a frames step's, its replay None) the Replay line, the record and
+        what the strategy does. Under torch.distributed every rank agrees first which ranks detected
+        and, if any did, whose replay reproduced it; all raise together."""
+        agreed = self.ranks.wanted()
+        ranks = reproduced_on = None
+        replayed = detected[2] if detected is not None else None
+        if agreed:
+            ranks = self.ranks.ranks(detected is not None or self.strategy.skipping(), kind)
+            if ranks:
+                reproduced_on = self.ranks.ranks(replayed is not None and replayed.outcome == REPRODUCED, REPLAYED)
+        stop = None
+        if detected is not None:
+            detection, frames, _, phase = detected
+            detection["check"] = "step"
+            if replayed is not None:
+                if self.strategy.reports != "none":
+                    say(replayed.line(reproduced_on, ranks=agreed))
+                detection["replay"] = replayed.record()
+                detection["transient"] = False if reproduced_on else replayed.transient
+            self.decisions.detections.append(detection)
+            if self.decisions.log is not None:
+                self.decisions.log.detection(detection)
+            if self.strategy.stops():
+                stop = (detection, frames)
+            else:
+                self.strategy.went_on(detection, frames, _FirstFrame(detection, phase), detection.get("entries", []),
+                                      True)
+        if ranks and (stop or not self.strategy.ranks_detected()):
+            self.decisions.state.set_detected_overflow(True)
+            raise OverflowDetectedOnRanks(ranks, distributed.world()[1], *(stop or ()))
+        if stop is not None:
+            raise overflow_error(*stop)
 
     def _replay_watcher(self, batch, found):
         def watch(module):
@@ -327,19 +359,6 @@ class StepGuard:
             detection["mode"] = self.decisions.mode
         return detection, [text.frame_data(frame)]
 
-    def _act(self, detection, frames, phase):
-        """Record the detection, then what the strategy does (under torch.distributed, with every rank)."""
-        self.decisions.detections.append(detection)
-        if self.decisions.log is not None:
-            self.decisions.log.detection(detection)
-        stop = (detection, frames) if self.strategy.stops() else None
-        if stop is None:
-            self.strategy.went_on(detection, frames, _FirstFrame(detection, phase), detection.get("entries", []), True)
-        if self.ranks.wanted():
-            self.ranks.end_of_pass(stop, BACKWARD_END if phase == BACKWARD else FORWARD_END, self.decisions.state)
-        if stop is not None:
-            raise overflow_error(*stop)
-
     # -- under a GradScaler ---------------------------------------------------------------------
 
     def unscaled(self, scaler, found_inf):
@@ -360,8 +379,9 @@ class StepGuard:
                 return
             self.scaled = [entry for entry in self.scaled if entry not in pending]
             seen = self._read_gradients() or Seen(_empty_frame(self.model), [])
-            self._detected(seen, batch, [forwards for _, forwards, _ in pending], backward=True,
-                           scaler={"scale": fatal.scale, "in_a_row": fatal.in_a_row, "why": fatal.why})
+            self._pass_ends(BACKWARD_END, self._detected(
+                seen, batch, [forwards for _, forwards, _ in pending], backward=True,
+                scaler={"scale": fatal.scale, "in_a_row": fatal.in_a_row, "why": fatal.why}))
 
     def updated(self, scaler):
         """A scaler moved to its next step: its unscale_ judged what this step's backwards held."""
@@ -397,30 +417,26 @@ class StepGuard:
         elif found:
             self._full_found(FORWARD)
         elif torch.is_grad_enabled() and any(t.requires_grad for t in root_outputs(output)):
-            if self.ranks.wanted():
-                self.ranks.end_of_pass(None, FORWARD_END, self.decisions.state)
+            self._pass_ends(FORWARD_END)
             self.full[2] = True  # its backward is watched too
             self._watch_gradients(KeptForward(args, kwargs or {}, None, call_state(),
                                               self.decisions.state.forward_batch), root_outputs(output))
         else:
             self._detach_full()
-            if self.ranks.wanted():
-                self.ranks.end_of_pass(None, FORWARD_END, self.decisions.state)
+            self._pass_ends(FORWARD_END)
 
     def _full_backward_ends(self):
         if self.full[1]:
             self._full_found(BACKWARD)
             return
         self._detach_full()
-        if self.ranks.wanted():
-            self.ranks.end_of_pass(None, BACKWARD_END, self.decisions.state)
+        self._pass_ends(BACKWARD_END)
 
     def _full_found(self, phase):
         found = self.full[1]
         self._detach_full()
-        detection = dict(found[0].detection)
-        detection["check"] = "step"
-        self._act(detection, found[0].frames, phase)
+        self._pass_ends(BACKWARD_END if phase == BACKWARD else FORWARD_END,
+                        (dict(found[0].detection), found[0].frames, None, phase))
 
     def _detach_full(self):
         if self.full is not None:

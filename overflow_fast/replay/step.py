@@ -84,19 +84,24 @@ class StepReplay:
         return {"outcome": self.outcome, "transient": self.transient, "why": self.why}
 
 
-def replay_step(model, forwards, watcher, backward=False, run_outputs=None, run_gradients=None):
+def replay_step(model, forwards, watcher, backward=False, run_outputs=None, ours=()):
     """Replay one step of ``model``: each of ``forwards`` (``KeptForward``, in the order they ran)
     from its RNG states, and with ``backward`` the backward through the gradients they kept at
     their outputs, with ``watcher(module)`` attached inside the sandbox (the full detector: it
     reports what it finds; it returns an object with ``remove()`` and ``detections``). A
     data-parallel wrapper's module is replayed, not the wrapper (its forward communicates).
     ``run_outputs``: the floating outputs of the last forward as the step computed them (a nan/inf
-    born in the forward); ``run_gradients``: ``{parameter name: its gradient in the step}`` (born in
-    the backward); a replay that finds nothing compares its values with them. Never raises."""
+    born in the forward; else the parameters' gradients are): a replay that finds nothing compares
+    its values with them. ``ours``: the ids of the caller's own hooks on the model (the others are
+    left out of the replay, so one that ran in the step leaves a transient fault untold). Never
+    raises."""
     module = model.module if is_wrapper(model) else model
     why = _cannot_replay(module, forwards, backward)
     if why is not None:
         return StepReplay(NOT_REPLAYED, None, why)
+    foreign = hooks_left_out(model, ours)
+    run_gradients = None if run_outputs is not None else {
+        name: parameter.grad for name, parameter in module.named_parameters() if parameter.grad is not None}
     guard = NoCommunication()
     try:
         with contextlib.ExitStack() as stack:
@@ -123,6 +128,9 @@ def replay_step(model, forwards, watcher, backward=False, run_outputs=None, run_
             return StepReplay(NOT_REPLAYED, None, f"the step communicates across ranks ({guard.refused})")
         lines = str(error).strip().splitlines()
         return StepReplay(NOT_REPLAYED, None, f"{type(error).__name__}: {lines[0] if lines else ''}")
+    if foreign:
+        return StepReplay(NOT_REPRODUCED, None, f"hooks of other code ran in the step ({', '.join(foreign)}), and a "
+                          "replay leaves them out: a transient fault cannot be told")
     if not exact:
         drawn = (f"its random ops drew from a private torch.Generator ({', '.join(generators.drawn)}), afresh"
                  if generators.drawn else "the RNG states at the step's start are unknown (a compiled model's)")
@@ -131,6 +139,28 @@ def replay_step(model, forwards, watcher, backward=False, run_outputs=None, run_
         return StepReplay(NOT_REPRODUCED, None, "the replay's finite values differ from the step's too (a "
                           "nondeterministic kernel, or an input changed unseen): a transient fault cannot be told")
     return StepReplay(NOT_REPRODUCED, True, f"{TRANSIENT}")
+
+
+def hooks_left_out(model, ours=()):
+    """What hooks of other code a replay leaves out: each module's (but those whose ids are in
+    ``ours``), the global ones, and the Python hooks on parameters, named briefly."""
+    found = []
+    for name, module in model.named_modules():
+        count = sum(1 for attribute in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+                    for key in getattr(module, attribute) if key not in ours)
+        if count:
+            found.append(f"{count} on {name or 'the model'}")
+    from torch.nn.modules import module as torch_module
+
+    count = sum(len(getattr(torch_module, attribute, {}) or {}) for attribute in (
+        "_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks", "_global_backward_pre_hooks"))
+    if count:
+        found.append(f"{count} global")
+    count = sum(len(parameter._backward_hooks or {}) + len(getattr(parameter, "_post_accumulate_grad_hooks", None) or {})
+                for parameter in model.parameters())
+    if count:
+        found.append(f"{count} on parameters")
+    return found[:4] + ([f"{len(found) - 4} more"] if len(found) > 4 else [])
 
 
 def _cannot_replay(module, forwards, backward):
