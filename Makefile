@@ -18,13 +18,14 @@ DEV := $(VENV)/.overflow_fast-dev
 # a detection, a tensor an in-place collective writes before its read
 DEVICE_PATH_TESTS := tests/test_compat_rules.py tests/test_compat_transformers.py tests/test_compat_random.py \
 	tests/test_detector.py tests/test_watch.py tests/test_options.py tests/test_skip.py tests/test_training_setups.py tests/test_find_op.py \
-	tests/test_interrupted_passes.py tests/test_grad_scaler.py tests/test_distributed_collectives.py
+	tests/test_interrupted_passes.py tests/test_grad_scaler.py tests/test_distributed_collectives.py tests/test_step.py
 # and again as if the compiled modules could not be loaded (the torch backend reads, the Python twin of
 # HookCore keeps the rows, the Python twins read and pair logs): reports identical to the reference
 # on that path too, the rows of an interrupted pass dropped, a row not reused once a collective wrote
 # its tensor, and the same diffs
 NO_EXTENSION_TESTS := tests/test_compat_rules.py tests/test_compat_transformers.py tests/test_detector.py tests/test_reads.py \
-	tests/test_interrupted_passes.py tests/test_distributed_collectives.py tests/test_diff.py tests/test_diff_align.py
+	tests/test_interrupted_passes.py tests/test_distributed_collectives.py tests/test_diff.py tests/test_diff_align.py \
+	tests/test_step.py
 # the inner loop: unit, exactness and compatibility core (the kernel's exactness on this CPU's build)
 FAST_TESTS := tests/test_compat_rules.py tests/test_compat_transformers.py tests/test_detector.py \
 	tests/test_reads.py tests/test_watch.py tests/test_options.py tests/test_skip.py tests/test_training_setups.py tests/test_stats_torch.py \

@@ -451,3 +451,22 @@ def test_the_trainer_names_the_dataset_index_of_the_poisoned_sample(tmp_path, ca
     # the training loader's sampler has its own class back
     assert type(trainer.callback_handler.train_dataloader.base_dataloader.batch_sampler) is \
         torch.utils.data.BatchSampler
+
+
+def test_check_step_in_the_trainer_guards_the_root_alone_and_replays_the_step(tmp_path, capsys):
+    callback = integration.DetectorCallback(check="step")
+    seen = []
+
+    class Spy(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            seen.append({name: counts for name, counts in hooks(model).items() if any(counts)})
+
+    trainer = _trainer(tmp_path, [callback, Spy(), _PoisonAt(2)])
+    with pytest.raises(ValueError, match=ERROR) as caught:
+        trainer.train()
+    assert seen and all(set(hooked) == {""} for hooked in seen)  # the root's two hooks, nothing below
+    out = capsys.readouterr().out
+    assert "transformer.h.1.mlp.c_fc Conv1D" in out and "weight has infs" in out
+    assert out.splitlines()[-1] == "Replay: reproduced"
+    assert caught.value.global_step == 2 and caught.value.detection["check"] == "step"
+    assert no_hooks(trainer.model)

@@ -221,3 +221,27 @@ def test_the_older_pytorch_lightning_alone_still_serves(tmp_path):
     (tmp_path / "pytorch_lightning" / "__init__.py").write_text("class Callback:\n    pass\n")
     lines = _import_without("sys.modules['lightning'] = sys.modules['lightning.pytorch'] = None", tmp_path)
     assert lines == ["imported pytorch_lightning"]
+
+
+@pytest.mark.parametrize("bad", ["batch", "gradient"])
+def test_check_step_drives_the_guard_from_the_steps_and_replays_the_training_step(bad, capsys):
+    module = Module(bad_step=3, bad=bad)
+    callback = DetectorCallback(check="step")
+    seen = []
+
+    class Spy(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            seen.append(hooks_left(pl_module))
+
+    with pytest.raises(ValueError, match="inf/nan detected") as caught:
+        pl.Trainer(callbacks=[callback, Spy()], max_steps=6, accelerator="cpu", devices=1, logger=False,
+                   enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
+                   num_sanity_val_steps=0).fit(module, loader())
+    assert seen == [False, False, False]  # no module had a hook while the steps were healthy
+    assert caught.value.global_step == 3 and caught.value.detection["check"] == "step"
+    assert caught.value.phase == "forward"  # the training step's own output, its loss, is what went bad
+    out = capsys.readouterr().out
+    assert out.splitlines()[-1] == ("Replay: reproduced" if bad == "batch" else
+                                    "Replay: reproduced: made outside every module, in the step's own code"), out
+    assert all(torch.isfinite(p).all() for p in module.parameters())  # stopped before the update
+    assert callback.detector is None and not hooks_left(module)

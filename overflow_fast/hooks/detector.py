@@ -231,6 +231,16 @@ class DebugUnderflowOverflow:
             return
         self.model.apply(self._register_forward_hook)
 
+    def _driven(self):
+        """check="step" driven by an integration (``StepGuard.begin`` and ``end``) instead of the
+        root's hooks, which come off: a LightningModule's steps run its parts, never its forward.
+        Returns the guard."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._passes.driven = True
+        return self._passes
+
     def _step_begins(self, module, args, kwargs):
         self._passes.before(module, args, kwargs)
 

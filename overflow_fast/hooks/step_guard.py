@@ -79,6 +79,7 @@ class StepGuard:
         self.scaled = []  # (ScaledBackward, its forwards, batch) since their scaler's last update
         self.full = None  # frames_every: [the full detector of this step, what it found, its backward to come]
         self.closed = False
+        self.driven = False  # an integration calls begin() and end() (no root hook sees its calls)
         self.own_hooks = ()  # the ids of the detector's hooks on the root (a replay tells them from others')
         self.reads = None  # the rows of the root's outputs (made at the first forward: the extension may be built then)
         # the parameters whose gradients are read, with their module's and entry's names, and whether
@@ -115,7 +116,8 @@ class StepGuard:
         raised = error is not None and error is not ambient  # run by torch because the forward raised
         with self.lock:
             if self.full is not None:
-                self._full_forward_ends(module, args, kwargs, output, raised)
+                self._full_forward_ends(output, raised, lambda: self.full[0]._after_model(module, args, kwargs,
+                                                                                         output))
                 return
             batch = self.decisions.state.count(True).batch_before
             if raised:
@@ -123,6 +125,32 @@ class StepGuard:
             if kept is None:  # a compiled root: its start was traced
                 kept = KeptForward(args, kwargs or {}, None, call_state(), batch)
             self._forward_ends(kept, output, batch)
+
+    # -- a root call an integration drives ------------------------------------------------------
+
+    def begin(self, call, args, kwargs=None):
+        """A root call begins that no hook sees (a LightningModule's ``training_step``, which runs
+        the model's parts but never its forward): the integration says so instead of the root's
+        pre hook. ``call(*args, **kwargs)`` is what a replay runs. Its batch number is not counted
+        (the model's forward never runs: the frames of ``watch()`` count none either)."""
+        with self.lock:
+            self.driven = True
+            self._forward_begins()
+            batch = self.decisions.state.batch_number
+            kept = None if self.full is not None else KeptForward(args, kwargs or {}, rng_now(), call_state(), batch,
+                                                                  call)
+            self._calls()[:] = [(None, kept)]
+
+    def end(self, output):
+        """That call's output (the loss its backward runs from), before the backward: as the root's
+        post hook."""
+        calls = self._calls()
+        _, kept = calls.pop() if calls else (None, None)
+        with self.lock:
+            if self.full is not None:
+                self._full_forward_ends(output, False, lambda: None)
+            elif kept is not None:
+                self._forward_ends(kept, output, kept.batch)
 
     def _calls(self):
         calls = getattr(self.thread, "calls", None)
@@ -135,9 +163,9 @@ class StepGuard:
             self._detach_full()
         every = self.options.frames_every
         batch = self.decisions.state.batch_number
-        if self.full is None and every is not None and batch % every == 0:
+        if self.full is None and every is not None and self.decisions.step_of(batch) % every == 0:
             found = []
-            self.full = [self.watcher(self.model, batch, found, True), found, False]
+            self.full = [self.watcher(self.model, batch, found, not self.driven), found, False]
 
     # -- a forward's end -------------------------------------------------------------------------
 
@@ -402,10 +430,11 @@ class StepGuard:
 
     # -- frames_every: a step with the full detector attached -----------------------------------------
 
-    def _full_forward_ends(self, module, args, kwargs, output, raised):
+    def _full_forward_ends(self, output, raised, root_ends):
+        """A frames step's forward ended: ``root_ends()`` runs the full detector's root hook."""
         watching, found, _ = self.full
         try:
-            watching._after_model(module, args, kwargs, output)
+            root_ends()
         except BaseException:
             self._detach_full()
             raise
@@ -419,8 +448,8 @@ class StepGuard:
         elif torch.is_grad_enabled() and any(t.requires_grad for t in root_outputs(output)):
             self._pass_ends(FORWARD_END)
             self.full[2] = True  # its backward is watched too
-            self._watch_gradients(KeptForward(args, kwargs or {}, None, call_state(),
-                                              self.decisions.state.forward_batch), root_outputs(output))
+            self._watch_gradients(KeptForward((), {}, None, call_state(), self.decisions.state.forward_batch),
+                                  root_outputs(output))
         else:
             self._detach_full()
             self._pass_ends(FORWARD_END)

@@ -9,7 +9,15 @@ raises. A LightningModule's ``training_step`` usually calls an inner network and
 forward: each call of that network is a pass that decides when it returns (and with gradient
 checks, each backward pass), so a nan is reported at the step that made it. Detections, errors and
 records carry the trainer's ``global_step`` and ``"train"`` or ``"eval"``.
+
+With ``check="step"`` no module has a hook: each training (validation) step is the guard's root
+call, from its batch's start to the loss its backward runs from (the validation step's outputs),
+and a replay runs ``training_step`` again (``self.log`` does nothing inside it); the loss is read
+before the backward, every gradient after it, before the optimizer step.
 """
+
+import collections.abc
+import contextlib
 
 from ..hooks.detector import DebugUnderflowOverflow
 from ..hooks.options import WATCH_DEFAULTS, Options
@@ -35,10 +43,12 @@ class DetectorCallback(pl.Callback):
     def __init__(self, **options):
         self.options = Options.of(**{**WATCH_DEFAULTS, **options})  # a bad option fails here, not in fit()
         self.detector = None
+        self.guard = None  # check="step": the detector's guard, which this callback drives
 
     def on_fit_start(self, trainer, pl_module):
         self._detach(quiet=False)
         self.detector = DebugUnderflowOverflow.from_options(pl_module, self.options)
+        self.guard = self.detector._driven() if self.options.check == "step" else None
 
     def _batch_start(self, trainer, mode):
         if self.detector is not None:
@@ -50,9 +60,17 @@ class DetectorCallback(pl.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self._batch_start(trainer, "train")
+        if self.guard is not None:
+            self.guard.begin(_replayed(pl_module, "training_step", trainer.accumulate_grad_batches), (batch, batch_idx))
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        if self.guard is not None:
+            self.guard.end(loss)
 
     def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
         self._batch_start(trainer, "eval")
+        if self.guard is not None:
+            self.guard.begin(_replayed(pl_module, "validation_step", 1), (batch, batch_idx))
 
     def on_test_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
         self._batch_start(trainer, "eval")
@@ -64,6 +82,8 @@ class DetectorCallback(pl.Callback):
         self._batch_end()
 
     def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        if self.guard is not None:
+            self.guard.end(outputs)
         self._batch_end()
 
     def on_fit_end(self, trainer, pl_module):
@@ -76,7 +96,7 @@ class DetectorCallback(pl.Callback):
         self._detach(quiet=True)
 
     def _detach(self, quiet):
-        detector, self.detector = self.detector, None
+        detector, self.detector, self.guard = self.detector, None, None
         if detector is None:
             return
         try:
@@ -84,3 +104,28 @@ class DetectorCallback(pl.Callback):
         except ValueError:
             if not quiet:
                 raise
+
+
+def _replayed(pl_module, step, accumulate):
+    """What a replay of a training (validation) step runs: the LightningModule's step on the same
+    batch, its loss as the backward took it (divided over accumulated batches, as Lightning does),
+    logging nothing into the trainer."""
+    def run(batch, batch_idx):
+        with _not_logging(pl_module):
+            output = getattr(pl_module, step)(batch, batch_idx)
+        if isinstance(output, collections.abc.Mapping):
+            output = output.get("loss")
+        return output / accumulate if accumulate > 1 and output is not None else output
+    return run
+
+
+@contextlib.contextmanager
+def _not_logging(pl_module):
+    saved = {name: pl_module.__dict__[name] for name in ("log", "log_dict") if name in pl_module.__dict__}
+    pl_module.__dict__["log"] = pl_module.__dict__["log_dict"] = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        for name in ("log", "log_dict"):
+            pl_module.__dict__.pop(name, None)
+        pl_module.__dict__.update(saved)

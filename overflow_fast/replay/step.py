@@ -33,12 +33,13 @@ class KeptForward:
     """One forward of the model's root, as its replay needs it: its inputs (references) and their
     versions then, the RNG states at its start (``sandbox.rng_state``; None where they could not be
     taken: a forward seen only as it ended), grad mode and autocast (``sandbox.call_state``), its
-    ``batch`` (the detector's batch number), and ``grads``: output index (``root_outputs`` order) ->
-    the gradient that arrived there in backward."""
+    ``batch`` (the detector's batch number), ``grads``: output index (``root_outputs`` order) -> the
+    gradient that arrived there in backward, and ``run``: what a replay calls with the inputs (None:
+    the model; an integration's own root call, a LightningModule's ``training_step``)."""
 
-    __slots__ = ("args", "kwargs", "versions", "rng", "call", "batch", "grads")
+    __slots__ = ("args", "kwargs", "versions", "rng", "call", "batch", "grads", "run")
 
-    def __init__(self, args, kwargs, rng, call, batch):
+    def __init__(self, args, kwargs, rng, call, batch, run=None):
         self.args = args
         self.kwargs = kwargs
         self.versions = versions_of(args, kwargs)
@@ -46,6 +47,7 @@ class KeptForward:
         self.call = call
         self.batch = batch
         self.grads = None
+        self.run = run  # what a replay calls (None: the model)
 
     def changed(self):
         """Whether an input changed in place since the forward started."""
@@ -119,7 +121,11 @@ def replay_step(model, forwards, watcher, backward=False, run_outputs=None, ours
             if watching.detections:
                 return StepReplay(REPRODUCED, False)
             if run_outputs is not None:
-                same = agrees(run_outputs, root_outputs(outputs[-1]))
+                replayed = root_outputs(outputs[-1])
+                if not all(bool(torch.isfinite(tensor).all()) for tensor in replayed):
+                    # made outside every module: the driven call's own code (a LightningModule's step)
+                    return StepReplay(REPRODUCED, False, "made outside every module, in the step's own code")
+                same = agrees(run_outputs, replayed)
             else:
                 same = _same_gradients(module, run_gradients)
             exact = all(kept.rng is not None for kept in forwards) and not generators.drawn
@@ -135,9 +141,12 @@ def replay_step(model, forwards, watcher, backward=False, run_outputs=None, ours
         drawn = (f"its random ops drew from a private torch.Generator ({', '.join(generators.drawn)}), afresh"
                  if generators.drawn else "the RNG states at the step's start are unknown (a compiled model's)")
         return StepReplay(NOT_REPRODUCED, None, f"{drawn}: a transient fault cannot be told")
-    if same is not True:
+    if same is False:
         return StepReplay(NOT_REPRODUCED, None, "the replay's finite values differ from the step's too (a "
                           "nondeterministic kernel, or an input changed unseen): a transient fault cannot be told")
+    if same is None:
+        return StepReplay(NOT_REPRODUCED, None, "and the step's values cannot be compared with the replay's (no "
+                          "finite one, or another shape): a transient fault cannot be told")
     return StepReplay(NOT_REPRODUCED, True, f"{TRANSIENT}")
 
 
@@ -185,7 +194,7 @@ def _forward(module, kept, backward):
         autocast_as(stack, kept.call.get("autocast") or {})
         stack.enter_context(torch.set_grad_enabled(kept.call["grad_enabled"] or backward))
         args, kwargs = copied((tuple(kept.args), dict(kept.kwargs or {})))
-        return module(*args, **kwargs)
+        return (kept.run or module)(*args, **kwargs)
 
 
 def root_outputs(output, depth=0):
@@ -256,6 +265,8 @@ def _backward(gradients, outputs):
     """The backward of the replayed forwards, through the gradients that came from outside
     (outside autocast, as training loops run it)."""
     pairs = _gradient_pairs(gradients, outputs)
+    if not pairs:
+        raise RuntimeError("the replayed step gave none of the outputs its backward ran from")
     with contextlib.ExitStack() as stack:
         autocast_as(stack, {})
         torch.autograd.backward([tensor for _, tensor, _ in pairs], [grad for _, _, grad in pairs])
