@@ -1,7 +1,9 @@
 """find_op: the op and the line of code that made the first nan/inf, found by replaying the one
 module call the Source line names; repro: the file that replays it in another process."""
 
+import contextlib
 import functools
+import io
 import json
 import os
 import subprocess
@@ -544,3 +546,38 @@ def test_a_reproducer_that_names_the_replays_earlier_module_still_loads(tmp_path
     monkeypatch.delitem(sys.modules, old.__name__)
     monkeypatch.undo()
     assert repro.load_repro(path)["width"] == 4
+
+
+class _PrivateDraws(nn.Module):
+    """Dropout-like draws from a generator of its own; ``bad``: a division by zero after them."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.generator = torch.Generator().manual_seed(5)
+        self.bad = False
+
+    def forward(self, x):
+        mask = torch.bernoulli(torch.full_like(x, 0.5), generator=self.generator)
+        y = self.fc(x * mask)
+        return y / (mask.sum() - mask.sum()) if self.bad else y
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_a_replay_leaves_a_private_generator_as_it_was_and_says_its_draws_are_afresh(check):
+    def run(attach):
+        torch.manual_seed(0)
+        model = nn.Sequential(_PrivateDraws(), nn.ReLU())
+        detector = watch(model, check=check, on_detect="record") if attach else None
+        with contextlib.redirect_stdout(io.StringIO()):
+            for step in range(3):
+                model[0].bad = step == 1
+                model(torch.ones(2, 4)).sum().backward()
+                model.zero_grad()
+        return model[0].generator.get_state(), torch.rand(1), detector
+
+    plain, watched = run(False), run(True)
+    assert torch.equal(plain[0], watched[0]) and torch.equal(plain[1], watched[1])  # the run's draws are its own
+    op = watched[2].detections[0]["op"]
+    assert op["reproduced"] == "with fresh random draws (aten.bernoulli from a private torch.Generator)", op
+    assert "version counter" not in str(watched[2].detections)
