@@ -65,6 +65,15 @@ def never_a_compiled_frame(*functions):
         frames.set_code_exec_strategy(function.__code__, skip)
 
 
+def kept_out_of_graphs(*functions):
+    """What ``torch.compiler.disable`` does to these functions, without its wrapper: dynamo never
+    traces them into a graph (a call to one from a traced frame runs eagerly, as a disabled
+    function's does) and never compiles them or what they call as frames of their own."""
+    for function in functions:
+        function._torchdynamo_disable = True
+    never_a_compiled_frame(*functions)
+
+
 # ---- Triton's interpreter (TRITON_INTERPRET=1, the CPU run of the Triton kernels) ---------------
 
 

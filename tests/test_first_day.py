@@ -188,3 +188,31 @@ def test_the_report_demo_writes_under_build_only(tmp_path, monkeypatch, capsys):
     report_demo.main(["--steps", "2", "--tensorboard", ""])
     written = sorted(str(path.relative_to(tmp_path)) for path in tmp_path.rglob("*") if path.is_file())
     assert written and all(path.startswith("build" + os.sep) for path in written), written
+
+
+# -- a quiet traceback ------------------------------------------------------------------------------
+
+class _InfGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("inf")
+
+
+@pytest.mark.parametrize("check", ["module", "batch", "step"])
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_a_reports_traceback_holds_no_dynamo_frame_and_one_of_the_package(check, phase):
+    import traceback
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    watch(model, check=check)
+    x = torch.tensor([[float("inf") if phase == "forward" else 1.0, 1.0]])
+    _, error = capture(lambda: _InfGradient.apply(model(x)).sum().backward())
+    assert isinstance(error, OverflowDetected), error
+    files = [frame.filename for frame in traceback.extract_tb(error.__traceback__)]
+    package = os.path.join(ROOT, "overflow_fast")
+    assert not any(os.sep + "_dynamo" + os.sep in name for name in files), files
+    assert sum(name.startswith(package) for name in files) <= 2, files

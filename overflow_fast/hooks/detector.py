@@ -244,9 +244,11 @@ class DebugUnderflowOverflow:
     def _step_begins(self, module, args, kwargs):
         self._passes.before(module, args, kwargs)
 
-    @torch.compiler.disable
     def _step_ends(self, module, args, kwargs, output):
-        self._passes.after(module, args, kwargs, output)
+        try:
+            self._passes.after(module, args, kwargs, output)
+        except OverflowDetected as error:
+            raise error.with_traceback(None)  # (as _after's)
 
     def _register_forward_hook(self, module):
         # A module shared by two parents is visited twice and so hooked twice, like the reference.
@@ -367,46 +369,48 @@ class DebugUnderflowOverflow:
             return
         self._passes.call_starts(module, sys._getframe(1), args, kwargs)
 
-    @torch.compiler.disable
     def _after_model(self, module, input, kwargs, output):
         self._after(module, input, kwargs, output)
 
     def _after(self, module, input, kwargs, output):
-        if not self._reads_kwargs:
-            kwargs = None
-        run = self._passes
-        if is_compiling():
-            return run.traced.record(module, input, output, kwargs, self.containers, self.backend)
-        ambient, inputs, outermost = run.call_returns(module, input, kwargs)
-        error = sys.exc_info()[1]
-        raised = error is not None and error is not ambient  # run by torch because the call raised
-        if graph_task_id() != -1:
-            # recomputed in backward (activation checkpointing): the backward pass decides it
-            if not raised:
-                with run.lock, _functorch_off() as transformed:
-                    self._forward_call(run.backward_pass(), module, input, output, kwargs, True, transformed,
-                                       inputs)
-            return
-        # _functorch_off() without a Python context manager outside transforms (this runs at every hook)
-        guard = None if transform_level() is None else _FunctorchOff()
-        transformed = guard is not None and guard.__enter__()
         try:
-            with run.lock:
-                current = run.forward_pass()
-                try:
-                    if not raised:
-                        self._forward_call(current, module, input, output, kwargs, False, transformed, inputs)
-                except BaseException as failure:
+            if not self._reads_kwargs:
+                kwargs = None
+            run = self._passes
+            if is_compiling():
+                return run.traced.record(module, input, output, kwargs, self.containers, self.backend)
+            ambient, inputs, outermost = run.call_returns(module, input, kwargs)
+            error = sys.exc_info()[1]
+            raised = error is not None and error is not ambient  # run by torch because the call raised
+            if graph_task_id() != -1:
+                # recomputed in backward (activation checkpointing): the backward pass decides it
+                if not raised:
+                    with run.lock, _functorch_off() as transformed:
+                        self._forward_call(run.backward_pass(), module, input, output, kwargs, True, transformed,
+                                           inputs)
+                return
+            # _functorch_off() without a Python context manager outside transforms (this runs at every hook)
+            guard = None if transform_level() is None else _FunctorchOff()
+            transformed = guard is not None and guard.__enter__()
+            try:
+                with run.lock:
+                    current = run.forward_pass()
+                    try:
+                        if not raised:
+                            self._forward_call(current, module, input, output, kwargs, False, transformed, inputs)
+                    except BaseException as failure:
+                        if outermost:
+                            run.end(current, FORWARD, failure)
+                        raise
                     if outermost:
-                        run.end(current, FORWARD, failure)
-                    raise
-                if outermost:
-                    run.end(current, FORWARD, error if raised else None)
-                    if inputs is not None and not inputs.grad_enabled:
-                        inputs.release()  # decided: an evaluation keeps nothing
-        finally:
-            if transformed:
-                guard.__exit__(None, None, None)
+                        run.end(current, FORWARD, error if raised else None)
+                        if inputs is not None and not inputs.grad_enabled:
+                            inputs.release()  # decided: an evaluation keeps nothing
+            finally:
+                if transformed:
+                    guard.__exit__(None, None, None)
+        except OverflowDetected as error:
+            raise error.with_traceback(None)  # (the report's traceback starts here: the frames below help no reader)
 
     def _forward_call(self, current, module, input, output, kwargs, recomputed, transformed, inputs=None):
         run = self._passes
@@ -440,21 +444,28 @@ class DebugUnderflowOverflow:
         self._passes.keep_gradient(tensor_id, grad)
 
     def _gradient_hook(self, module, items, consumers):
-        run = self._passes
-        with run.lock, _functorch_off() as transformed:
-            current = run.backward_pass()
-            if current.state is _STOPPING:
-                return
-            entries, tensors, dtypes = entries_of(items, True) if transformed else run.entries_of.of(items)
-            run.add(current, self.decisions.state.count_backward(), module, entries, dtypes, tensors, BACKWARD,
-                    consumers)
-            run.decide_when_backward_ends()
+        try:
+            run = self._passes
+            with run.lock, _functorch_off() as transformed:
+                current = run.backward_pass()
+                if current.state is _STOPPING:
+                    return
+                entries, tensors, dtypes = entries_of(items, True) if transformed else run.entries_of.of(items)
+                run.add(current, self.decisions.state.count_backward(), module, entries, dtypes, tensors, BACKWARD,
+                        consumers)
+                run.decide_when_backward_ends()
+        except OverflowDetected as error:
+            raise error.with_traceback(None)  # (as _after's)
 
 
 # A hook that torch.compile meets outside a frame it traces runs eagerly (the module around it ran
 # eagerly too), rather than as a graph of its own per call; inlined, it records into the graph.
 _compat.never_a_compiled_frame(DebugUnderflowOverflow._before, DebugUnderflowOverflow._after,
                                DebugUnderflowOverflow.forward_hook, DebugUnderflowOverflow._step_begins)
+# The model's own post hooks are kept out of a torch.compile graph (their eager run replays the traced
+# calls, and reads the host) as torch.compiler.disable keeps a function out, but without its wrapper,
+# whose frame would stand in every report's traceback
+_compat.kept_out_of_graphs(DebugUnderflowOverflow._after_model, DebugUnderflowOverflow._step_ends)
 
 
 class _Lent:

@@ -498,6 +498,8 @@ class Passes:
             self.flush_task = None
             try:
                 self.end(self.backward_pass(), BACKWARD)
+            except OverflowDetected as error:
+                raise error.with_traceback(None)  # (the report's traceback starts here: the frames below help no reader)
             finally:
                 self._let_go_of_the_forward()
 

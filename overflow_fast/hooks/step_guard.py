@@ -38,7 +38,7 @@ from ..replay.sandbox import call_state
 from ..replay.step import REPRODUCED, KeptForward, replay_step, rng_now, root_outputs
 from ..stats import tensor_stats, unreadable_reason
 from ..stats.layout import NAN, NEGINF, POSINF
-from .errors import OverflowDetectedOnRanks, overflow_error, say
+from .errors import OverflowDetected, OverflowDetectedOnRanks, overflow_error, say
 from .frames import BACKWARD, FORWARD, Frame, class_name, entries_of, graph_task_id, output_items, own_parameters
 from .on_detect import strategy
 from .reads import Reads
@@ -208,6 +208,12 @@ class StepGuard:
     # -- a backward's end --------------------------------------------------------------------------
 
     def _backward_ends(self):
+        try:
+            self._decide_backward()
+        except OverflowDetected as error:
+            raise error.with_traceback(None)  # (the report's traceback starts here: the frames below help no reader)
+
+    def _decide_backward(self):
         with self.lock:
             task, self.task = self.task, None
             through, self.through = self.through, []
