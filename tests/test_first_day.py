@@ -216,3 +216,25 @@ def test_a_reports_traceback_holds_no_dynamo_frame_and_one_of_the_package(check,
     package = os.path.join(ROOT, "overflow_fast")
     assert not any(os.sep + "_dynamo" + os.sep in name for name in files), files
     assert sum(name.startswith(package) for name in files) <= 2, files
+
+
+# -- mistakes said at once --------------------------------------------------------------------------
+
+def test_an_ignore_pattern_that_matches_no_module_is_warned_about_naming_the_nearest():
+    model = nn.Sequential()
+    model.add_module("encoder", nn.Sequential(nn.Linear(2, 2)))
+    model.add_module("rotary_emb", nn.Identity())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        watch(model, ignore=["rotary_embb", "encoder.*:input[mask]", "rotary_emb"]).remove()
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert messages == ["overflow_fast: ignore='rotary_embb' matches no module of this model (did you mean "
+                        "'rotary_emb'?): it ignores nothing"], messages
+    assert caught[0].filename == HERE  # the user's line that made the detector
+
+
+@pytest.mark.parametrize("log", ["/nonexistent/overflow_fast/run.jsonl", ["/nonexistent/overflow_fast/run.jsonl"]])
+def test_a_log_whose_folder_does_not_exist_is_a_clear_error(log):
+    with pytest.raises(ValueError, match="its folder /nonexistent/overflow_fast does not exist"):
+        watch(nn.Linear(2, 2), log=log)
+    assert not os.path.exists("/nonexistent/overflow_fast")

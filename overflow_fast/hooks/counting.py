@@ -101,6 +101,24 @@ class Counting:
                      "class": first_frame.class_name, "entries": bad}
         return detection, first_frame, bad, report_due
 
+    def unmatched(self, module_names):
+        """The ``ignore`` patterns whose module part matches none of ``module_names`` (a typo ignores
+        nothing), each with the nearest name: ``[(pattern, nearest or None)]``."""
+        import difflib
+
+        names = list(module_names)
+        missing = []
+        for pattern, (module, _) in zip(self.ignore, self._ignore):
+            if not any(module.match(name) for name in names):
+                wanted = pattern.partition(":")[0]
+                near = difflib.get_close_matches(wanted, names, n=1, cutoff=0.6)
+                if not near:  # the last part alone: "rotary_embb" for "model.layers.0.rotary_emb"
+                    tails = {name.rpartition(".")[2]: name for name in names}
+                    near = [tails[t] for t in difflib.get_close_matches(wanted.rpartition(".")[2], list(tails), n=1,
+                                                                        cutoff=0.6)]
+                missing.append((pattern, near[0] if near else None))
+        return missing
+
     def ignored(self, module_name, ctx):
         key = (module_name, ctx)
         hit = self._ignored_cache.get(key)

@@ -114,6 +114,7 @@ class DebugUnderflowOverflow:
         self._removed = False
         if not self._inner:
             _warn_if_hooked(self)
+            _warn_unmatched(self.decisions.counting, self.module_names.values())
         self.register_forward_hook()
         if not self._inner:
             _ATTACHED.add(self)
@@ -557,6 +558,14 @@ def _warn_if_hooked(detector):
                       "nan/inf reported, twice. remove() the first (or use one as a context manager: "
                       "`with overflow_fast.watch(model):`)", RuntimeWarning, stacklevel=_outside_frames()[1] + 1)
         return
+
+
+def _warn_unmatched(counting, module_names):
+    """An ``ignore`` pattern that matches no module of the model is a typo until shown otherwise."""
+    for pattern, near in counting.unmatched(module_names):
+        hint = f" (did you mean {near!r}?)" if near is not None else ""
+        warnings.warn(f"overflow_fast: ignore={pattern!r} matches no module of this model{hint}: it ignores nothing",
+                      RuntimeWarning, stacklevel=_outside_frames()[1] + 1)
 
 
 def _usable_backend(backend):

@@ -175,6 +175,10 @@ def _log(name, value):
         if isinstance(target, (str, os.PathLike)):
             if os.fspath(target) in ("", b""):
                 raise ValueError(f"{name} takes a non-empty path, got {target!r}")
+            folder = os.path.dirname(os.path.abspath(os.fsdecode(target)))
+            if not os.path.isdir(folder):  # a typo in a path makes no folders
+                raise ValueError(f"{name}={os.fsdecode(target)!r}: its folder {folder} does not exist (create it "
+                                 "first)")
         elif not is_dashboard(target):
             raise TypeError(f"{name} takes a path, a SummaryWriter, a wandb run or a list of them, got "
                             f"{type(target).__name__}")

@@ -405,8 +405,9 @@ class Recorder:
         self.log_every = log_every
         self.path = rank_path(path, rank, world_size)
         directory = os.path.dirname(self.path)
-        if directory:
-            os.makedirs(directory, exist_ok=True)
+        if directory and not os.path.isdir(directory):  # a typo in a path makes no folders
+            raise FileNotFoundError(f"overflow_fast: cannot write the log {self.path}: its folder {directory} does not "
+                                    "exist (create it first)")
         self._fd, self._own_file = _open_locked(self.path)
         self._pid = os.getpid()
         self._pending = collections.deque()  # (sequence number, [records])
