@@ -581,3 +581,26 @@ def test_a_replay_leaves_a_private_generator_as_it_was_and_says_its_draws_are_af
     op = watched[2].detections[0]["op"]
     assert op["reproduced"] == "with fresh random draws (aten.bernoulli from a private torch.Generator)", op
     assert "version counter" not in str(watched[2].detections)
+
+
+@pytest.mark.parametrize("check", CHECKS)
+@pytest.mark.parametrize("cache", [True, False])
+def test_a_weight_autocast_casts_to_inf_is_named_as_the_cast(check, cache):
+    """A float32 weight of 8.19e4 that float16 autocast casts to inf (65504 is float16's largest):
+    the replay makes the cast again, whether the run's autocast cached it or not."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    with torch.no_grad():
+        model[2].weight[0, 0] = 8.19e4
+    watch(model, check=check)
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.float16, cache_enabled=cache):
+            model(torch.randn(2, 4)).float().sum().backward()
+
+    out, error = capture(step)
+    lines = out.splitlines()
+    assert "Source: born in forward of 2 (Linear): output from finite inputs and weights" in lines
+    assert lines[-1] == ("Op: aten._to_copy in 2 (Linear), torch's own code: weight cast to float16: inf from finite "
+                         "values (abs max 8.2e+04, beyond float16's largest, 6.6e+04); reproduced on the same inputs")
+    assert "                  2 Linear (autocast float16)" in lines  # the frames say what each call computed in

@@ -125,7 +125,10 @@ def test_global_step_and_mode_are_written_when_known_and_left_out_when_not():
     new = frame_records(8, "forward", 0, frame, None, global_step=3, mode="eval")
     assert all("global_step" not in r and "mode" not in r for r in old)
     assert all(r["global_step"] == 3 and r["mode"] == "eval" and r["step"] == 8 for r in new)
-    assert list(new[0]) == list(schema.KEYS["entry"])  # the schema's order, the new fields last
+    assert list(new[0]) == [k for k in schema.KEYS["entry"] if k != "computed_in"]  # the schema's order, the new fields last
+    frame.computed_in = torch.float16  # under autocast
+    assert [r["computed_in"] for r in frame_records(8, "forward", 0, frame, None)] == ["float16"] * len(new)
+    frame.computed_in = None
     assert list(old[0]) == [k for k in schema.KEYS["entry"] if k not in schema.WHEN_KNOWN]
     train = entry_record(8, "forward", 0, "fc", "Linear", "weight", "float32", frame.rows[0], 1, 2 ** 40, "train")
     assert (train["rank"], train["global_step"], train["mode"]) == (1, 2 ** 40, "train")

@@ -244,7 +244,8 @@ def test_the_writers_records_fit_the_schema(tmp_path):
         assert schema.check(json.loads(encode_line(record))) == "entry"
         # the schema's order; global_step and mode are left out when unknown
         assert list(record) == [k for k in schema.KEYS["entry"] if k not in schema.WHEN_KNOWN]
-        record = entry_record(0, "backward", 1, "m", "M", "weight.grad", dtype, [0] * 8, global_step=5, mode="train")
+        record = entry_record(0, "backward", 1, "m", "M", "weight.grad", dtype, [0] * 8, global_step=5, mode="train",
+                              computed_in=torch.float16)
         assert schema.check(json.loads(encode_line(record))) == "entry"
         assert list(record) == list(schema.KEYS["entry"])
 

@@ -269,15 +269,53 @@ def test_warn_above_warns_once_before_the_overflow(check):
     out, error = capture(lambda: [model(torch.tensor([v], dtype=torch.float16)) for v in (1000.0, 40000.0, 50000.0)])
     assert error is None
     lines = [line for line in out.splitlines() if "of the largest float16" in line]
-    # each (module, entry) once, at the batch where it first crossed half of 65504
+    # once, at the batch where it first crossed half of 65504, where it first appears: the entries
+    # after it hold copies of the same value (each (module, entry) is warned of once, too)
     assert lines == [
         "0 Scale input[0]: abs max 4.00e+04 is 61% of the largest float16 (6.55e+04) at batch_number=1",
-        "0 Scale output: abs max 4.00e+04 is 61% of the largest float16 (6.55e+04) at batch_number=1",
-        "1 Scale input[0]: abs max 4.00e+04 is 61% of the largest float16 (6.55e+04) at batch_number=1",
-        "1 Scale output: abs max 4.00e+04 is 61% of the largest float16 (6.55e+04) at batch_number=1",
-        "(model) Sequential input[0]: abs max 4.00e+04 is 61% of the largest float16 (6.55e+04) at batch_number=1",
-        "(model) Sequential output: abs max 4.00e+04 is 61% of the largest float16 (6.55e+04) at batch_number=1",
     ]
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_warn_above_names_a_new_value_and_the_trainers_step(check):
+    model = nn.Sequential(Scale(1.0), Scale(1.5))
+    detector = DebugUnderflowOverflow(model, check=check, warn_above=0.5)
+    detector.set_step(33, "train")
+    out, error = capture(lambda: model(torch.tensor([30000.0], dtype=torch.float16)))
+    assert error is None
+    lines = [line for line in out.splitlines() if "of the largest float16" in line]
+    assert lines == [  # 30000 is 46%, below; 45000, born in 1, is a value of its own
+        "1 Scale output: abs max 4.50e+04 is 69% of the largest float16 (6.55e+04) at optimizer step 33",
+    ]
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_under_autocast_headroom_is_judged_in_the_dtype_a_call_computes_in(check):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), InFloat32())
+    with torch.no_grad():
+        model[0].weight[0, 0] = 4.0e4  # a float32 weight: 61% of float16's largest, which autocast casts it to
+        model[1].weight.fill_(4.0e4)  # a call that computes in float32 under autocast: no warning
+    watch(model, check=check, warn_above=0.5)
+    out, error = capture(lambda: run_autocast(model))
+    assert error is None
+    lines = [line for line in out.splitlines() if "of the largest" in line]
+    assert lines == ["0 Linear weight: abs max 4.00e+04 is 61% of the largest float16 it is cast to under autocast "
+                     "(6.55e+04) at batch_number=0"], out
+
+
+class InFloat32(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        return x.float() * self.weight
+
+
+def run_autocast(model):
+    with torch.autocast("cpu", dtype=torch.float16):
+        model(torch.randn(2, 4) * 1e-3)
 
 
 @pytest.mark.parametrize("check", CHECKS)

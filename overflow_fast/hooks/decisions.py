@@ -29,9 +29,10 @@ NO_ROWS = (None, [], None)  # the sources of a call without tensors
 # entries and dtypes, where its rows are (``sources``), its phase, for an output gradient the
 # modules whose backward produced it, with find_op its inputs (``culprit.KeptCall``), and for a
 # call decided in its own hook its tensors (for a detection's Where line; like the inputs, kept
-# with the last clean pass's calls until the next pass begins).
+# with the last clean pass's calls until the next pass begins), and under autocast the dtype it
+# computed in (``passes.computed_in``).
 Pending = collections.namedtuple("Pending", ("call", "module", "entries", "dtypes", "sources", "phase", "consumers",
-                                             "inputs", "tensors"), defaults=(None, None))
+                                             "inputs", "tensors", "computed_in"), defaults=(None, None, None))
 
 # A detection found by the replay, for the strategy to act on.
 # ``frame``: where it was found; ``first_frame`` and ``bad``: the first frame that counted and its
@@ -62,6 +63,8 @@ class Decisions:
         frame = Frame(self.module_names.get(pending.module, "?"), class_name(pending.module), pending.entries,
                       pending.dtypes, pending.phase, pending.consumers)
         reads.resolve(frame, pending.sources)
+        if self.explain or self.early_warnings is not None:  # (the drop-in prints the reference's frames)
+            frame.computed_in = pending.computed_in
         return frame
 
     def quiet(self, queue):
@@ -113,7 +116,7 @@ class Decisions:
         backoff this reports."""
         lines, detected = self.counting.check(frame, batch, self.step_of(batch), pass_key, scaling)
         if self.early_warnings is not None:
-            lines.extend(self.early_warnings.lines(frame, batch, self.step_of(batch)))
+            lines.extend(self.early_warnings.lines(frame, batch, self.step_of(batch), self.global_step))
         backoff = scaling.take_backoff() if scaling is not None else None
         if backoff is not None:
             self.backoff(backoff, batch)

@@ -19,26 +19,38 @@ class EarlyWarnings:
         self.warn_above = warn_above
         self.warn_gradients = warn_gradients
         self._warned = set()  # (module, entry) already warned of nearing the dtype's largest value
+        self._values = (None, set())  # (batch, the abs-max values warned of in it): their copies are not births
         self._underflow_at = {}  # module -> the step of its last underflow line
 
-    def lines(self, frame, batch_number, step=None):
-        """Lines for entries crossing ``warn_above`` of their dtype's largest finite value (each
-        (module, entry) once), and one line for a module whose entries underflow (an activation
-        or gradient all zeros, any entry mostly subnormal), at most once per UNDERFLOW_EVERY
-        steps (``step``, else the batch number); gradients only with ``warn_gradients``."""
+    def lines(self, frame, batch_number, step=None, global_step=None):
+        """Lines for entries crossing ``warn_above`` of the largest finite value of the dtype they
+        are computed in (under autocast, a float32 weight cast to float16: float16's), each
+        (module, entry) once and each value once per batch (a copy passed on to the next module
+        is not a new birth), named by the trainer's optimizer step where it is known; and one line
+        for a module whose entries underflow (an activation or gradient all zeros, any entry
+        mostly subnormal), at most once per UNDERFLOW_EVERY steps (``step``, else the batch
+        number); gradients only with ``warn_gradients``."""
         lines = []
         underflows = []
         where = f"{frame.module_name or '(model)'} {frame.class_name}"
+        when = f"optimizer step {global_step}" if global_step is not None else f"batch_number={batch_number}"
+        if self._values[0] != batch_number:
+            self._values = (batch_number, set())
+        values = self._values[1]
         for ctx, row, dtype in frame.tensor_entries():
             if not dtype.is_floating_point or row[NUMEL] == 0 or holds_nonfinite(row):
                 continue
             key = (frame.module_name, ctx)
-            limit = torch.finfo(dtype).max
+            judged = _judged(dtype, frame.computed_in)
+            limit = torch.finfo(judged).max
             abs_max = decode_row(row, dtype)["abs_max"]
             if abs_max >= self.warn_above * limit and key not in self._warned:
                 self._warned.add(key)
-                lines.append(f"{where} {ctx}: abs max {abs_max:.2e} is {abs_max / limit:.0%} of the largest "
-                             f"{str(dtype).replace('torch.', '')} ({limit:.2e}) at batch_number={batch_number}")
+                if (abs_max, judged) not in values:
+                    values.add((abs_max, judged))
+                    cast = " it is cast to under autocast" if judged is not dtype else ""
+                    lines.append(f"{where} {ctx}: abs max {abs_max:.2e} is {abs_max / limit:.0%} of the largest "
+                                 f"{str(judged).replace('torch.', '')}{cast} ({limit:.2e}) at {when}")
             gradient = ctx.endswith(".grad")
             if gradient and not self.warn_gradients:
                 continue
@@ -55,3 +67,11 @@ class EarlyWarnings:
                 self._underflow_at[frame.module_name] = step
                 lines.append(f"{where} underflows at batch_number={batch_number}: {'; '.join(underflows)}")
         return lines
+
+
+def _judged(dtype, computed_in):
+    """The dtype an entry's headroom is judged against: the one its call computed in under autocast,
+    where that is narrower than its own (``schema.judged_in``, for torch dtypes)."""
+    if computed_in is None or not computed_in.is_floating_point or torch.finfo(computed_in).max >= torch.finfo(dtype).max:
+        return dtype
+    return computed_in

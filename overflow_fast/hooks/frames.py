@@ -20,7 +20,7 @@ class Frame:
     """One hook call: the module, its entries, and their statistics rows (raw, not text)."""
 
     __slots__ = ("lead", "module_name", "class_name", "entries", "dtypes", "rows", "phase", "consumers",
-                 "bad_shards", "inputs", "tensors", "incoming_read")
+                 "bad_shards", "inputs", "tensors", "incoming_read", "computed_in")
 
     def __init__(self, module_name, class_name, entries, dtypes, phase=FORWARD, consumers=None):
         self.lead = ()  # lines the reference had waiting in `self.frame` (batch markers)
@@ -37,6 +37,7 @@ class Frame:
         # a detection in parameters' gradients: whether the gradient arriving at the module's
         # outputs was read before (None: not asked)
         self.incoming_read = None
+        self.computed_in = None  # under autocast, the dtype the call computed in (its wider entries were cast to it)
 
     def tensor_entries(self):
         """``(ctx, row, dtype)`` of every tensor entry."""

@@ -43,6 +43,7 @@ from ..replay.culprit import autocast_state, root_state, root_state_at_end
 from .decisions import NO_ROWS, Pending
 from .errors import OverflowDetected, overflow_error, say
 from .frames import BACKWARD, FORWARD, class_name, graph_task_id
+from .text import TENSOR
 from .hook_core import entries_reader, kept_call_class
 from .on_detect import strategy
 from .rank_agreement import BACKWARD_END, FORWARD_END, RankAgreement
@@ -73,7 +74,7 @@ class PassState(enum.Enum):
 class Pass:
     """The calls of one pass waiting for their decision, and the rows that hold their statistics."""
 
-    __slots__ = ("reads", "queue", "serial", "state", "stop", "task", "scaling")
+    __slots__ = ("reads", "queue", "serial", "state", "stop", "task", "scaling", "autocast")
 
     def __init__(self, reads, serial):
         self.reads = reads  # None once CLOSED
@@ -83,6 +84,7 @@ class Pass:
         self.stop = None  # STOPPING: (detection, frames), raised at the agreement
         self.task = -1  # a backward pass: the graph task whose end was to decide it
         self.scaling = None  # a backward pass: its GradScaler's (scaling.Scaling), for the graph task it names
+        self.autocast = None  # a forward pass begun under autocast: {device type: dtype} (else None)
 
     def key(self, batch):
         """Which pass a detection belongs to (later frames of the same pass only pass the values on)."""
@@ -125,6 +127,20 @@ class _ThreadState(threading.local):
 
 class _Abandoned(BaseException):
     """The error a pass ends with when its calls never returned (never raised)."""
+
+
+def computed_in(entries, dtypes, tensor):
+    """The dtype a forward call computed in under autocast: autocast's for its tensors' device type,
+    where it is on there and an output has that dtype (its op cast its inputs and weights to it:
+    a Linear's); else None (a LayerNorm under autocast computes in float32)."""
+    device = tensor.device.type
+    if not torch.is_autocast_enabled(device):
+        return None
+    dtype = torch.get_autocast_dtype(device)
+    for kind, ctx, payload in entries:
+        if kind == TENSOR and ctx.startswith("output") and dtypes[payload] == dtype:
+            return dtype
+    return None
 
 
 def on_stack(frame):
@@ -188,6 +204,8 @@ class Passes:
             self.entries_of = entries_reader(self.options.containers)
         reads = self.idle_reads.pop() if self.idle_reads else self.new_reads()
         opened = Pass(reads, serial)
+        if serial is not None:
+            opened.autocast = autocast_state() or None  # (two flags read per forward: the calls ask only under it)
         self.open.append(opened)
         return opened
 
@@ -320,7 +338,9 @@ class Passes:
         # decided now: its tensors stay referenced until then, for a detection's Where line
         queue = current.queue
         queue.append(_pending((call, module, entries, dtypes, sources, phase, consumers, inputs,
-                               tensors if now else None)))
+                               tensors if now else None,
+                               None if current.autocast is None or not tensors else computed_in(entries, dtypes,
+                                                                                               tensors[0]))))
         if now or len(queue) >= self.options.buffer_rows:
             self.flush(current)
 

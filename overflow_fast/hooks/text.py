@@ -96,7 +96,9 @@ def abort_error(batch_number: int, abort_after_batch_num) -> str:
 def frame_text(frame) -> str:
     """One frame as the reference stores it: optional batch-start lines, the header, one line per entry."""
     lines = list(frame.lead)
-    lines.append(frame_header(frame.module_name, frame.class_name))
+    computed_in = getattr(frame, "computed_in", None)
+    header = frame_header(frame.module_name, frame.class_name)
+    lines.append(header if computed_in is None else f"{header} (autocast {str(computed_in).replace('torch.', '')})")
     for kind, ctx, payload in frame.entries:
         if kind == TENSOR:
             lines.append(tensor_line(frame.rows[payload], frame.dtypes[payload], ctx))

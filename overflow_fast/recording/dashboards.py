@@ -30,15 +30,19 @@ def _largest(dtype):
     return value
 
 
-def headroom_bits(row, dtype):
-    """Bits left before ``dtype`` overflows, from an entry's row: None for an empty or all-zero
-    entry (no magnitude to speak of), 0 for one holding a nan/inf."""
+def headroom_bits(row, dtype, computed_in=None):
+    """Bits left before ``dtype`` overflows (under autocast, the narrower dtype the call computed in:
+    ``schema.judged_in``), from an entry's row: None for an empty or all-zero entry (no magnitude
+    to speak of), 0 for one holding a nan/inf."""
     if holds_nonfinite(row):
         return 0.0
     abs_max = decode_row(row, dtype)["abs_max"]
     if not abs_max:
         return None
-    return max(0.0, math.log2(_largest(dtype) / abs_max))
+    largest = _largest(dtype)
+    if computed_in is not None and computed_in.is_floating_point:
+        largest = min(largest, _largest(computed_in))
+    return max(0.0, math.log2(largest / abs_max))
 
 
 def _tag(prefix, name):
@@ -80,7 +84,7 @@ class Dashboard:
             row = frame.rows[payload]
             if not dtype.is_floating_point or not row[NUMEL]:
                 continue
-            bits = headroom_bits(row, dtype)
+            bits = headroom_bits(row, dtype, getattr(frame, "computed_in", None))
             if bits is not None and bits < self._headroom.get(name, math.inf):
                 self._headroom[name] = bits
             fraction = row[SUBNORMAL] / row[NUMEL]

@@ -122,15 +122,18 @@ def meta_record(rank=None, world_size=None, check=None):
     )))
 
 
-def _when_known(record, global_step, mode):
+def _when_known(record, global_step, mode, computed_in=None):
     if global_step is not None:
         record["global_step"] = int(global_step)
     if mode is not None:
         record["mode"] = mode
+    if computed_in is not None:
+        record["computed_in"] = dtype_name(computed_in)
     return record
 
 
-def entry_record(step, phase, call, module, class_name, ctx, dtype, row, rank=None, global_step=None, mode=None):
+def entry_record(step, phase, call, module, class_name, ctx, dtype, row, rank=None, global_step=None, mode=None,
+                 computed_in=None):
     """One tensor entry's record from its raw statistics row (8 ints, ``stats.layout``).
     ``step`` is the detector's batch number; ``global_step`` and ``mode`` the trainer's optimizer
     step and "train"/"eval", written when known (not None).
@@ -151,7 +154,7 @@ def entry_record(step, phase, call, module, class_name, ctx, dtype, row, rank=No
         "entry", int(step), phase, int(call), module, class_name, ctx, dtype_name(dtype), numel,
         abs_min, abs_max, stats["nan"], stats["posinf"], stats["neginf"],
         stats["zero"] / numel if numel else 0.0, stats["subnormal"] / numel if numel else 0.0, rank,
-    ))), global_step, mode)
+    ))), global_step, mode, computed_in)
 
 
 def frame_records(step, phase, call, frame, rank=None, global_step=None, mode=None):
@@ -159,7 +162,7 @@ def frame_records(step, phase, call, frame, rank=None, global_step=None, mode=No
     entry (``None``, non-tensor and unreadable entries have no statistics and no record)."""
     return [
         entry_record(step, phase, call, frame.module_name, frame.class_name, ctx,
-                     frame.dtypes[payload], frame.rows[payload], rank, global_step, mode)
+                     frame.dtypes[payload], frame.rows[payload], rank, global_step, mode, frame.computed_in)
         for kind, ctx, payload in frame.entries
         if kind == TENSOR
     ]

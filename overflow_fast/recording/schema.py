@@ -7,6 +7,10 @@ A log is JSON Lines: one JSON object per line, UTF-8. Four kinds of record, told
 which is not a detection); keys are written in the order below; a reader ignores keys it does not
 know (a newer writer may add some). A field marked nullable may also be missing.
 
+An entry record's ``computed_in`` (the dtype its call computed in under autocast: a float32 weight
+of a Linear run under float16 autocast is cast to float16) is written only under autocast; its
+headroom is judged against that dtype where it is narrower (``judged_in``).
+
 ``global_step`` and ``mode`` (entry, detection and backoff records: the trainer's optimizer step, and
 ``"train"`` or ``"eval"``) are written only when the detector knows them (``set_step``); a log
 without them (an older writer, a loop that never names its steps) reads as before, and ``step``
@@ -67,11 +71,12 @@ class RecordedFrame(Protocol):
     entries: Sequence[tuple]  # (kind, ctx, payload), in the reference's order: payload is the row index for TENSOR
     dtypes: Sequence[Any]  # torch dtype of each row
     rows: Optional[Sequence[Sequence[int]]]  # host rows (stats.layout's eight int64 columns), one per TENSOR entry
+    computed_in: Any  # under autocast, the torch dtype the call computed in, or None
 
 VERSION = 1
 PHASES = ("forward", "backward")
 MODES = ("train", "eval")
-WHEN_KNOWN = ("global_step", "mode")  # written only when known: a record without them is as valid
+WHEN_KNOWN = ("global_step", "mode", "computed_in")  # written only when known: a record without them is as valid
 KINDS = ("meta", "entry", "detection", "backoff")
 NONFINITE = ("nan", "inf", "-inf")
 CHECKS = ("module", "batch", "step")  # the detector's check= that wrote a log (its meta record's ``check``)
@@ -122,6 +127,7 @@ RECORDS = {
         _f("rank", "int", 0, RANK_MAX, nullable=True),
         _f("global_step", "int", 0, STEP_MAX, nullable=True),
         _f("mode", "str", nullable=True, choices=MODES),
+        _f("computed_in", "str", nullable=True),
     ),
     "detection": (
         _f("record", "str", choices=("detection",)),
@@ -172,6 +178,15 @@ DTYPE_MAX = {
 def dtype_max(name):
     """Largest finite value of a floating (or complex) dtype by name; None for the others."""
     return DTYPE_MAX.get(name)
+
+
+def judged_in(dtype, computed_in=None):
+    """The dtype (a name) an entry's headroom is judged against: the one its call computed in under
+    autocast (an entry's ``computed_in``) where that is narrower than its own (a float32 weight cast
+    to float16), else its own."""
+    if computed_in is None or DTYPE_MAX.get(dtype) is None or DTYPE_MAX.get(computed_in) is None:
+        return dtype
+    return computed_in if DTYPE_MAX[computed_in] < DTYPE_MAX[dtype] else dtype
 
 
 # -- checking a parsed line ----------------------------------------------------------------------

@@ -324,6 +324,7 @@ class _Births(TorchDispatchMode):
         self.seq = 0
         self.origins = {}
         self.random_ops = []
+        self.names = {}  # id -> name of the replayed call's parameters, buffers and inputs (a cast names its tensor)
         self.guard = active_guard() or NoCommunication()  # the replay's
         if self.guard.on_refuse is None:
             self.guard.on_refuse = self._refused
@@ -392,9 +393,11 @@ class _Births(TorchDispatchMode):
             magnitudes = [m for m in read_max if m is not None] + [abs(f) for f in floats]
             if not magnitudes:  # an integer tensor cast to a dtype it does not fit
                 magnitudes = [m for m in (_abs_max(t) for t in read) if m is not None]
-            what = f"{_nonfinite_kinds(bad_outputs)} from finite inputs"
-            if magnitudes:
-                what += f" (input abs max {max(magnitudes):.1e})"
+            what = _cast(short, read_floating, read_max, bad_outputs, self.names)
+            if what is None:
+                what = f"{_nonfinite_kinds(bad_outputs)} from finite inputs"
+                if magnitudes:
+                    what += f" (input abs max {max(magnitudes):.1e})"
             origin = self._made("op", name, what)
         for tensor in bad_outputs:
             key = _storage_key(tensor)
@@ -458,6 +461,37 @@ class _Births(TorchDispatchMode):
             result = {"op": origin["op"], "file": origin["file"], "line": origin["line"],
                       "phase": origin["phase"], "what": origin["what"]}
         return {**result, "reproduced": how, "random": earlier, "exact": exact_random}
+
+
+_CASTS = frozenset({"_to_copy", "to", "copy_", "_autocast_to_reduced_precision", "_autocast_to_full_precision"})
+
+
+def _cast(short, read, read_max, bad_outputs, names):
+    """How a cast made a nan/inf of finite values (``autocast`` casting an fp32 weight to float16):
+    the tensor cast (by name where it is a parameter, a buffer or an input of the replayed call),
+    the dtype, the value that did not fit and that dtype's largest; None for another op."""
+    if short not in _CASTS or not read or not bad_outputs:
+        return None
+    target = bad_outputs[0].dtype
+    if not target.is_floating_point or read[0].dtype == target:
+        return None
+    dtype = str(target).replace("torch.", "")
+    name = names.get(id(read[0]))
+    largest = torch.finfo(target).max
+    cast = f"{name} cast to {dtype}" if name else f"a cast to {dtype}"
+    value = f"abs max {read_max[0]:.1e}" if read_max[0] is not None else "a value"
+    return (f"{cast}: {_nonfinite_kinds(bad_outputs)} from finite values ({value}, beyond {dtype}'s largest, "
+            f"{largest:.1e})")
+
+
+def _names_of(module, args, kwargs):
+    """The replayed call's tensors by id: its parameters and buffers by their names in it
+    (``weight``, ``1.bias``), its inputs as its frame names them (``input[0]``, ``input[mask]``)."""
+    names = {id(t): name for name, t in module.named_buffers()}
+    names.update((id(t), name) for name, t in module.named_parameters())
+    names.update((id(t), f"input[{i}]") for i, t in enumerate(args) if isinstance(t, torch.Tensor))
+    names.update((id(t), f"input[{k}]") for k, t in (kwargs or {}).items() if isinstance(t, torch.Tensor))
+    return names
 
 
 def _drawn(name, private):
@@ -568,6 +602,7 @@ def replay_forward(module, args=(), kwargs=None, *, rng=None, call=None, target=
             generators = entered(stack, module, rng, call, without_hooks)
             args, kwargs = copied((tuple(args), dict(kwargs)))
             births = _Births()
+            births.names = _names_of(module, args, kwargs)
             stopped = []
             if target is not None:
                 stack.callback(_stop_at(target, births, stopped).remove)
@@ -637,6 +672,7 @@ def replay_backward(module, args, kwargs, grad_outputs, *, rng=None, call=None, 
             args, kwargs = copied((tuple(args), dict(kwargs)))
             grad_outputs = copied(list(grad_outputs), requires_grad=False)
             births = _Births()
+            births.names = _names_of(module, args, kwargs)
             with births:
                 output = _call_module(module, args, kwargs)
             outputs = floating_outputs(output)

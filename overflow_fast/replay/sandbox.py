@@ -195,13 +195,16 @@ def call_state():
 
 
 def autocast_as(stack, autocast):
-    """Autocast as ``autocast`` says, for the device types that have it; off elsewhere."""
+    """Autocast as ``autocast`` says, for the device types that have it; off elsewhere. Its cache
+    of casts is off: inside the run's own autocast region it holds the run's cast weights, and a
+    replay must make (and see) each cast again: a weight that does not fit the dtype it is cast to
+    becomes inf there."""
     for device in _AUTOCAST_DEVICES:
         dtype = autocast.get(device)
         if dtype is not None:
             if device == "cuda" and not torch.cuda.is_available():
                 continue
-            stack.enter_context(torch.autocast(device, dtype=dtype))
+            stack.enter_context(torch.autocast(device, dtype=dtype, cache_enabled=False))
         elif torch.is_autocast_enabled(device):
             stack.enter_context(torch.autocast(device, enabled=False))
 
