@@ -153,7 +153,21 @@ def test_a_bad_weight_and_a_bad_batch_are_named_as_coming_from_outside(check):
     x[0, 1] = float("nan")
     out, error = capture(lambda: model(x))
     assert error is not None
-    assert out.splitlines()[-1].startswith("Source: born outside any module, in the code before 0 (Linear) input[0]")
+    assert out.splitlines()[-1] == "Source: came in from outside, in the input batch: (model) (Sequential) input[0]"
+    # made in the model's own code, before a module: not the batch
+    model = ScaledFirst()
+    watch(model, check=check)
+    out, error = capture(lambda: model(torch.ones(1, 4)))
+    assert out.splitlines()[-2].startswith("Source: born outside any module, in the code before fc (Linear) input[0]")
+
+
+class ScaledFirst(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x * float("inf"))
 
 
 class Masked(nn.Module):
@@ -482,3 +496,25 @@ def test_a_watched_model_can_be_copied_and_saved(check):
         copied[1].weight.fill_(float("inf"))
     out, error = capture(lambda: copied(torch.randn(2, 4)))
     assert isinstance(error, OverflowDetected) and "weight has infs" in out
+
+
+@pytest.mark.parametrize("check", CHECKS)
+@pytest.mark.parametrize("route", ["sequential", "inputs_embeds"])
+def test_a_nan_in_the_input_batch_is_attributed_to_the_batch_for_any_model(check, route):
+    if route == "sequential":
+        model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+        x = torch.ones(2, 4)
+        x[1, 0] = float("nan")
+        call, entry, where = (lambda: model(x)), "input[0]", "Where: row 1 of 2; first at [1, 0]; 1 of 8 elements is nan"
+    else:
+        model = models.gpt2()
+        embeds = torch.randn(2, 8, 16)
+        embeds[1, 3, 5] = float("nan")
+        call, entry = (lambda: model(inputs_embeds=embeds)), "input[inputs_embeds]"
+        where = "Where: batch row 1 of 2; first at [1, 3, 5] (token 3); 1 of 256 elements is nan"
+    watch(model, check=check)
+    out, error = capture(call)
+    assert isinstance(error, OverflowDetected)
+    lines = out.splitlines()
+    assert lines[-2:] == [where, f"Source: came in from outside, in the input batch: (model) "
+                                 f"({type(model).__name__}) {entry}"], lines[-3:]

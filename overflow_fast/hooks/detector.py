@@ -261,7 +261,9 @@ class DebugUnderflowOverflow:
         if module is self.model and not self._hooks_root:
             return  # check="step"'s guard calls them
         after = self._after_model if module is self.model else self._after
-        self._handles.append(module.register_forward_pre_hook(self._before, with_kwargs=self.options.keeps_calls))
+        # (the model's own call's keyword inputs are read first, as its batch, beyond the reference)
+        with_kwargs = self.options.keeps_calls or (module is self.model and self.decisions.explain)
+        self._handles.append(module.register_forward_pre_hook(self._before, with_kwargs=with_kwargs))
         self._handles.append(module.register_forward_hook(after, with_kwargs=True, always_call=True))
 
     def forward_hook(self, module, input, output):

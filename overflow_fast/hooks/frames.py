@@ -107,6 +107,19 @@ def forward_items(module, input, output, kwargs=None, containers=False):
     ModelOutputs, dataclasses, deeper tuples) are opened instead, one item per tensor inside, named
     by its path (``output[loss]``, ``output[1][0][2]``)."""
     items = own_parameters(module)
+    _add_inputs(items, input, kwargs, containers)
+    _add_outputs(items, output)
+    return _opened(items) if containers else items
+
+
+def input_items(input, kwargs=None, containers=False):
+    """``(value, ctx)`` of a forward call's inputs alone, named as ``forward_items`` names them."""
+    items = []
+    _add_inputs(items, input, kwargs, containers)
+    return _opened(items) if containers else items
+
+
+def _add_inputs(items, input, kwargs, containers):
     if isinstance(input, tuple):
         names = _INPUT_NAMES if len(input) <= len(_INPUT_NAMES) else [f"input[{i}]" for i in range(len(input))]
         items.extend(zip(input, names))
@@ -116,8 +129,6 @@ def forward_items(module, input, output, kwargs=None, containers=False):
         for name, value in kwargs.items():
             if isinstance(value, torch.Tensor) or (containers and _holds_tensors(value)):
                 items.append((value, f"input[{name}]"))
-    _add_outputs(items, output)
-    return _opened(items) if containers else items
 
 
 def output_items(output, containers=False):

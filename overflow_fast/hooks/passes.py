@@ -42,13 +42,14 @@ from ..replay import culprit
 from ..replay.culprit import autocast_state, root_state, root_state_at_end
 from .decisions import NO_ROWS, Pending
 from .errors import OverflowDetected, overflow_error, say
-from .frames import BACKWARD, FORWARD, class_name, graph_task_id
+from .frames import BACKWARD, FORWARD, Frame, class_name, entries_of, graph_task_id, input_items
 from .text import TENSOR
 from .hook_core import entries_reader, kept_call_class
 from .on_detect import strategy
 from .rank_agreement import BACKWARD_END, FORWARD_END, RankAgreement
 from .reads import Reads
 from .scaling import Backoffs
+from ..stats.layout import holds_nonfinite
 
 try:  # how non-reentrant activation checkpointing stops a recompute early: control flow, not an error
     from torch.utils.checkpoint import _StopRecomputationError as _STOP_RECOMPUTATION
@@ -74,7 +75,7 @@ class PassState(enum.Enum):
 class Pass:
     """The calls of one pass waiting for their decision, and the rows that hold their statistics."""
 
-    __slots__ = ("reads", "queue", "serial", "state", "stop", "task", "scaling", "autocast")
+    __slots__ = ("reads", "queue", "serial", "state", "stop", "task", "scaling", "autocast", "model_inputs")
 
     def __init__(self, reads, serial):
         self.reads = reads  # None once CLOSED
@@ -85,6 +86,7 @@ class Pass:
         self.task = -1  # a backward pass: the graph task whose end was to decide it
         self.scaling = None  # a backward pass: its GradScaler's (scaling.Scaling), for the graph task it names
         self.autocast = None  # a forward pass begun under autocast: {device type: dtype} (else None)
+        self.model_inputs = None  # the model's own call's inputs: (entries, dtypes, sources, tensors), read first
 
     def key(self, batch):
         """Which pass a detection belongs to (later frames of the same pass only pass the values on)."""
@@ -109,7 +111,7 @@ class Pass:
     def close(self):
         """CLOSED; returns the detection it stops with at the agreement, if any."""
         stop, self.stop = self.stop, None
-        self.reads, self.state = None, PassState.CLOSED
+        self.reads, self.state, self.model_inputs = None, PassState.CLOSED, None
         return stop
 
 
@@ -254,9 +256,22 @@ class Passes:
             if graph_task_id() == -1:
                 with self.lock:
                     self._forward_begins(module is self.model)
+                    if module is self.model and self.decisions.explain:
+                        self._read_model_inputs(args, kwargs)
         kept = self.kept_call(module, args, kwargs, calls[-1][2] if calls else None, self.autocast, root_state) \
             if self.keeps_calls else None
         calls.append((module, sys.exc_info()[1], kept))
+
+    def _read_model_inputs(self, args, kwargs):
+        """The model's own call's inputs (keyword ones too), read before anything runs: a nan/inf
+        among them came in with the batch, whichever module first shows it."""
+        entries, tensors, dtypes = entries_of(input_items(args, kwargs, self.options.containers))
+        if not tensors:
+            return
+        current = self.forward_pass()
+        sources = current.reads.add(tensors)
+        if sources is not None:
+            current.model_inputs = (entries, dtypes, sources, tensors)
 
     def _forward_begins(self, by_the_model):
         if self.flush_task is not None:  # the last backward failed before its end
@@ -392,6 +407,7 @@ class Passes:
     def _act(self, current, found):
         """What the strategy does with a detection the replay found."""
         decisions = self.decisions
+        found = self._from_the_batch(current, found)
         frame = found.first_frame
         if frame.phase == BACKWARD and found.bad and not any(ctx.startswith("output") for ctx in found.bad):
             # whether the gradient arriving at the module's outputs was read (the Source line's claim)
@@ -430,6 +446,20 @@ class Passes:
             decisions.dump(found)
         self.strategy.went_on(found.detection, found.frames, found.first_frame, found.bad, found.report_due)
         decisions.state.frames.clear()
+
+    def _from_the_batch(self, current, found):
+        """A detection whose first nan/inf was among the model's own inputs (``model_inputs``) came
+        in with the batch: its Source, Where and Op are about that input (the model's frame, that
+        entry), whichever module first showed it."""
+        if current.model_inputs is None or not found.bad or source.origin(found.first_frame, found.bad) != "before":
+            return found
+        entries, dtypes, sources, tensors = current.model_inputs
+        frame = Frame("", class_name(self.model), entries, dtypes)
+        current.reads.resolve(frame, sources)
+        bad = [ctx for kind, ctx, payload in frame.entries if kind == TENSOR and holds_nonfinite(frame.rows[payload])]
+        if not bad:
+            return found
+        return found._replace(first_frame=frame, bad=bad, tensors=tensors)
 
     def _explain(self, found):
         """find_op: the op and the line that made the detection's first nan/inf (its replay), and
