@@ -92,7 +92,7 @@ def test_a_scaler_backoff_is_one_line_and_training_goes_on_as_without_the_detect
     assert scales == alone[2] and all(torch.equal(a, b) for a, b in zip(weights, alone[3]))
     lines = backoff_lines(out)
     assert len(lines) == len(backed_off), out
-    assert lines[0] == (f"{BACKOFF}0: inf/nan gradient at scale {INIT_SCALE:.1e}, first in (model) (Sequential) "
+    assert lines[0] == (f"{BACKOFF}0: inf gradient at scale {INIT_SCALE:.1e}, first in (model) (Sequential) "
                         "output.grad; the scaler skips this step and lowers its scale (1 in a row)")
     for index, (line, scale) in enumerate(zip(lines, backed_off)):
         assert f"at scale {scale:.1e}," in line and line.endswith(f"({index + 1} in a row)"), line
@@ -333,3 +333,37 @@ def test_lightning_16_mixed():
     out, error = capture(lambda: trainer.fit(Module(), data), catch=Exception)
     assert error is None, out
     assert len(backoff_lines(out)) == 4 and scaler.get_scale() == INIT_SCALE / 16
+
+
+class _NanGradient(torch.autograd.Function):
+    """The identity forward; its backward makes a nan of every gradient (at any scale)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * math.nan
+
+
+class _NanInBackward(nn.Module):
+    def forward(self, x):
+        return _NanGradient.apply(x)
+
+
+@pytest.mark.parametrize("check", ["module", "batch", "step"])
+def test_a_nan_at_the_same_entry_at_every_scale_is_its_own_fault_after_three_backoffs(check):
+    def attach(model):
+        model.insert(1, _NanInBackward())  # after the first Linear: its backward makes the nan
+        return watch(model, check=check)
+
+    out, error, scales, _, _ = train(attach, init_scale=2.0 ** 8)
+    assert isinstance(error, OverflowDetected) and error.phase == "backward", out
+    lines = backoff_lines(out)
+    assert [re.search(r": (.*) gradient at scale (\S+),", line).groups() for line in lines] == \
+        [("nan", "2.6e+02"), ("nan", "1.3e+02")], lines  # said as a nan, at two scales; the third is a fault
+    assert "the same entry at every scale is its own fault" in error.detection["scaler"]["why"]
+    report = out.splitlines()
+    assert report.index(next(line for line in report if line.startswith("GradScaler: a nan first in"))) > \
+        report.index(next(line for line in report if line.startswith("Source:")))  # the documented order

@@ -15,7 +15,7 @@ from .step_log import timeline_step
 from .frames import BACKWARD, Frame, class_name
 from .source import source_line
 from .where import line as where_line
-from .scaling import backoff_line, scaler_line
+from .scaling import backoff_line, entry_kind, scaler_line
 
 
 def op_line(op):
@@ -130,7 +130,8 @@ class Decisions:
     def backoff(self, backoff, batch):
         """A GradScaler's backoff (``scaling``): its one line, and its record into the flight recorder."""
         frame, entries, verdict = backoff
-        say(backoff_line(frame.module_name, frame.class_name, entries, verdict, batch, self.global_step))
+        say(backoff_line(frame.module_name, frame.class_name, entries, verdict, batch, self.global_step,
+                         entry_kind(frame, entries)))
         if self.log is not None:
             self.log.backoff({"batch_number": batch, "module": frame.module_name, "class": frame.class_name,
                               "entries": list(entries), "scale": verdict.scale, "in_a_row": verdict.in_a_row,
@@ -174,7 +175,7 @@ class Decisions:
             say(where_line(found.detection["where"]))
         if self.explain and found.bad:
             say(source_line(found.first_frame, found.bad))
-        if "scaler" in found.detection:
-            say(scaler_line(found.detection["scaler"]))
         if "op" in found.detection:
             say(op_line(found.detection["op"]))
+        if "scaler" in found.detection:
+            say(scaler_line(found.detection["scaler"]))

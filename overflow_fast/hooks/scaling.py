@@ -31,8 +31,14 @@ import torch
 from torch.compiler import is_compiling
 
 from .frames import graph_task_id
+from .text import TENSOR
+from ..stats.layout import NAN, NEGINF, POSINF
 
 REMEMBERED_BACKWARDS = 16  # scaled backwards remembered by graph task (a detector asks about its own, at its end)
+# A nan (not an inf: an inf is what a scale too high makes, and it moves or goes as the scale falls)
+# first seen at the same entry at this many backoffs in a row is that entry's own fault: the scale
+# is not why, and no backoff recovers it.
+NAN_REPEATS = 3
 
 _lock = threading.Lock()
 _listeners = weakref.WeakSet()  # the live detectors' Backoffs
@@ -214,6 +220,7 @@ class Backoffs:
         self.min_loss_scale = min_loss_scale
         self.max_backoffs = max_backoffs
         self._last = weakref.WeakKeyDictionary()  # scaler -> (its step of the last backoff seen, in a row)
+        self._nans = weakref.WeakKeyDictionary()  # scaler -> (the entry where a backoff's first nan was, times in a row)
         # check="step"'s guard: told of each scaler's unscale_ (``unscaled(scaler, found_inf)``) and
         # update (``updated(scaler)``), where it takes the scaler's own verdict on its gradients
         self.owner = owner
@@ -228,18 +235,25 @@ class Backoffs:
         scaled = scaled_backward(task)
         return Scaling(self, task, scaled) if scaled is not None else None
 
-    def judge(self, scaled):
+    def judge(self, scaled, first=None):
         """The Verdict on ``scaled`` (a ScaledBackward that found a nan/inf gradient), and whether
-        this backoff is the first this detector sees in its scaler's step; None when the scaler is gone."""
+        this backoff is the first this detector sees in its scaler's step; None when the scaler is
+        gone. ``first``: ``(module, entry, kind)`` of its first non-finite gradient entry, ``kind``
+        "nan", "inf" or "nan and inf" (a nan there at NAN_REPEATS backoffs in a row is a fault)."""
         facts = scaled.facts()
         if facts is None:
             return None, False
         finite, scale, step, scaler = facts
         last_step, in_a_row = self._last.get(scaler, (None, 0))
         first_of_step = last_step != step
+        nans = self._nans.get(scaler, (None, 0))
         if first_of_step:
-            in_a_row = in_a_row + 1 if last_step == step - 1 else 1
+            consecutive = last_step == step - 1
+            in_a_row = in_a_row + 1 if consecutive else 1
             self._last[scaler] = (step, in_a_row)
+            where = first[:2] if first is not None and first[2] == "nan" else None
+            nans = (where, nans[1] + 1 if consecutive and where is not None and nans[0] == where else 1)
+            self._nans[scaler] = nans
         if not finite:
             why = "the loss given to scaler.scale() is non-finite: born in the forward, which no scale explains"
         elif scale <= self.min_loss_scale:
@@ -247,6 +261,10 @@ class Backoffs:
                    "overflows unscaled, which no backoff recovers")
         elif in_a_row > self.max_backoffs:
             why = f"the scaler backed off {in_a_row} steps in a row, more than max_backoffs={self.max_backoffs}"
+        elif nans[0] is not None and nans[1] >= NAN_REPEATS:
+            module, entry = nans[0]
+            why = (f"a nan first in {module or '(model)'} {entry} at {nans[1]} backoffs in a row, the scale down to "
+                   f"{scale:.1e}: the same entry at every scale is its own fault, which no backoff recovers")
         else:
             why = None
         return Verdict(scale, in_a_row, why), first_of_step
@@ -269,7 +287,8 @@ class Scaling:
     def absorbs(self, frame, ctx):
         """Whether the nan/inf of entry ``ctx`` of gradient frame ``frame`` is the scaler's backoff."""
         if self.verdict is None:
-            self.verdict, first_of_step = self.backoffs.judge(self.scaled)
+            self.verdict, first_of_step = self.backoffs.judge(self.scaled, (frame.module_name, ctx,
+                                                                            entry_kind(frame, [ctx])))
             self.due = first_of_step and self.verdict is not None and self.verdict.why is None
         if self.verdict is None or self.verdict.why is not None:
             return False
@@ -293,10 +312,18 @@ class Scaling:
         return {"scale": self.verdict.scale, "in_a_row": self.verdict.in_a_row, "why": self.verdict.why}
 
 
-def backoff_line(module_name, class_name, entries, verdict, batch, global_step=None):
-    """The one line a backoff prints."""
+def entry_kind(frame, entries):
+    """"nan", "inf" or "nan and inf": what the frame's ``entries`` hold (host rows)."""
+    rows = [frame.rows[payload] for kind, ctx, payload in frame.entries if kind == TENSOR and ctx in entries]
+    nan = any(row[NAN] for row in rows)
+    inf = any(row[POSINF] or row[NEGINF] for row in rows)
+    return "nan and inf" if nan and inf else "nan" if nan else "inf"
+
+
+def backoff_line(module_name, class_name, entries, verdict, batch, global_step=None, kind="inf/nan"):
+    """The one line a backoff prints (``kind``: what its first entries hold, ``entry_kind``)."""
     step = f" (optimizer step {global_step})" if global_step is not None else ""
-    return (f"GradScaler backoff in the backward of batch_number={batch}{step}: inf/nan gradient at scale "
+    return (f"GradScaler backoff in the backward of batch_number={batch}{step}: {kind} gradient at scale "
             f"{verdict.scale:.1e}, first in {module_name or '(model)'} ({class_name}) {', '.join(entries)}; the "
             f"scaler skips this step and lowers its scale ({verdict.in_a_row} in a row)")
 

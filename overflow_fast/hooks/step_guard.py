@@ -43,7 +43,7 @@ from .frames import BACKWARD, FORWARD, Frame, class_name, entries_of, graph_task
 from .on_detect import strategy
 from .reads import Reads
 from .rank_agreement import BACKWARD_END, FORWARD_END, REPLAYED, RankAgreement
-from .scaling import Backoffs, backoff_line, scaled_backward
+from .scaling import Backoffs, backoff_line, entry_kind, scaled_backward
 from .text import TENSOR
 
 OUTPUT_ROWS = 1 << 10  # rows for a forward's outputs (more: read apart, one by one)
@@ -403,16 +403,18 @@ class StepGuard:
             pending = [entry for entry in self.scaled if entry[0].scaler() is scaler]
             if not pending or not found_inf:
                 return
-            verdicts = [self.backoffs.judge(scaled) for scaled, _, _ in pending]
+            # the unscaled gradients, read once: where the scaler's nan/inf is, and what it is
+            seen = self._read_gradients() or Seen(_empty_frame(self.model), [])
+            first = ("", seen.bad[0], entry_kind(seen.frame, seen.bad[:1])) if seen.bad else None
+            verdicts = [self.backoffs.judge(scaled, first) for scaled, _, _ in pending]
             batch = pending[-1][2]
             fatal = next((verdict for verdict, _ in verdicts if verdict is not None and verdict.why is not None), None)
             if fatal is None:
                 last = next((verdict for verdict, _ in reversed(verdicts) if verdict is not None), None)
                 if last is not None and any(first for _, first in verdicts):
-                    self._backoff(last, batch)
+                    self._backoff(last, batch, seen)
                 return
             self.scaled = [entry for entry in self.scaled if entry not in pending]
-            seen = self._read_gradients() or Seen(_empty_frame(self.model), [])
             self._pass_ends(BACKWARD_END, self._detected(
                 seen, batch, [forwards for _, forwards, _ in pending], backward=True,
                 scaler={"scale": fatal.scale, "in_a_row": fatal.in_a_row, "why": fatal.why}))
@@ -422,13 +424,12 @@ class StepGuard:
         with self.lock:
             self.scaled = [entry for entry in self.scaled if entry[0].scaler() not in (scaler, None)]
 
-    def _backoff(self, verdict, batch):
-        """A backoff's line and record: the gradients are read once, to say where."""
-        seen = self._read_gradients()
-        entries = seen.bad if seen is not None else []
+    def _backoff(self, verdict, batch, seen):
+        """A backoff's line and record, saying where (``seen``: the gradients' read)."""
+        entries = seen.bad
         name, cls = "", class_name(self.model)
         say(backoff_line(name, cls, entries[:3] + (["..."] if len(entries) > 3 else []), verdict, batch,
-                         self.decisions.global_step))
+                         self.decisions.global_step, entry_kind(seen.frame, entries) if entries else "inf/nan"))
         if self.decisions.log is not None:
             self.decisions.log.backoff({"batch_number": batch, "module": name, "class": cls, "entries": entries,
                                         "scale": verdict.scale, "in_a_row": verdict.in_a_row,
