@@ -303,8 +303,15 @@ def run_replay(args):
         print(f"overflow-fast: {error}", file=sys.stderr)
         return 1
     detection = payload.get("detection") or {}
-    print(f"{args.file}: {payload['phase']} of {detection.get('module') or '(model)'} "
-          f"({detection.get('class', type(payload['module']).__name__)}), rank {payload.get('rank') or 0}, "
+    # the call replayed: the module whose own code ran the op (an enclosing one where the module the
+    # detection names is torch's own, as a Linear is)
+    name = payload.get("name")
+    if name is None:  # a file written before it named its module
+        name = detection.get("module")
+    replayed = f"{name or '(model)'} ({type(payload['module']).__name__})"
+    shown = detection.get("module")
+    first = f", where {shown or '(model)'} ({detection.get('class')}) first showed it" if shown not in (None, name) else ""
+    print(f"{args.file}: {payload['phase']} of {replayed}{first}, rank {payload.get('rank') or 0}, "
           f"step {payload.get('step') or 0}; written by torch {payload.get('torch_version')}, "
           f"overflow_fast {payload.get('overflow_fast_version')}")
     if payload.get("torch_version") != torch_version():

@@ -44,6 +44,9 @@ TRAIN_LINE = first_line_of(train, 1)
 def op_of(out, error):
     assert isinstance(error, OverflowDetected), out[-2000:]
     lines = out.splitlines()
+    if lines[-1].startswith("Repro: "):  # repro=: the file's path, after the Op line
+        assert lines[-1] == f"Repro: {error.detection['repro']} (overflow-fast replay {error.detection['repro']})"
+        lines = lines[:-1]
     assert lines[-2].startswith("Source: "), out[-2000:]
     assert lines[-1].startswith("Op: "), out[-2000:]
     return lines[-1], error.detection["op"]

@@ -238,3 +238,57 @@ def test_a_log_whose_folder_does_not_exist_is_a_clear_error(log):
     with pytest.raises(ValueError, match="its folder /nonexistent/overflow_fast does not exist"):
         watch(nn.Linear(2, 2), log=log)
     assert not os.path.exists("/nonexistent/overflow_fast")
+
+
+def test_a_report_never_starts_inside_a_progress_bars_line():
+    tqdm = pytest.importorskip("tqdm")
+    import contextlib
+    import io
+    import sys as system
+
+    model = nn.Sequential(nn.Linear(2, 2))
+    watch(model)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        bar = tqdm.tqdm(total=4, file=system.stdout, ascii=True)
+        bar.update(1)  # the bar's line is drawn, with no newline
+        try:
+            model(torch.tensor([[float("inf"), 1.0]]))
+        except OverflowDetected:
+            pass
+        bar.close()
+    text = out.getvalue()
+    start = text.index("input[0] has infs")
+    assert text[start - 1] in "\r\n", repr(text[max(0, start - 80):start + 20])  # cleared first
+    assert "Detected inf/nan" in text
+
+
+class Outer(nn.Module):
+    """A module of the user's around a Linear whose weights overflow fp16."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        with torch.no_grad():
+            self.fc.weight.fill_(300.0)
+
+    def forward(self, x):
+        return self.fc(x * 2).relu()
+
+
+def test_the_replay_command_names_the_call_it_replays():
+    """An overflow in a Linear (torch's own code) inside a module of the user's: its Op line comes
+    from replaying that module, and the reproducer's label says so."""
+    import tempfile
+
+    model = nn.Sequential(Outer()).half()
+    folder = tempfile.mkdtemp()
+    watch(model, repro=folder)
+    _, error = capture(lambda: model(torch.full((2, 4), 30.0, dtype=torch.float16)))
+    path = error.detection["repro"]
+    replayed = subprocess.run([sys.executable, "-m", "overflow_fast", "replay", path], capture_output=True, text=True,
+                              env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.dirname(HERE)])},
+                              timeout=300)
+    first = replayed.stdout.splitlines()[0]
+    assert first.startswith(f"{path}: forward of 0 (Outer), where 0.fc (Linear) first showed it, rank 0"), \
+        replayed.stdout + replayed.stderr

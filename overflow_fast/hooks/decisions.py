@@ -177,5 +177,7 @@ class Decisions:
             say(source_line(found.first_frame, found.bad))
         if "op" in found.detection:
             say(op_line(found.detection["op"]))
+        if "repro" in found.detection:
+            say(f"Repro: {found.detection['repro']} (overflow-fast replay {found.detection['repro']})")
         if "scaler" in found.detection:
             say(scaler_line(found.detection["scaler"]))

@@ -1,13 +1,24 @@
 """The errors a detection raises: the reference's ValueError, carrying what was detected as data."""
 
+import sys
+
 from .. import distributed
 from .text import OVERFLOW_ERROR
 
 
 def say(text):
     """Print a report's lines: under torch.distributed each says which rank it comes from; flushed,
-    since a rank killed by its launcher right after the error must leave its report."""
-    print(distributed.with_prefix(text, distributed.rank_prefix()), flush=True)
+    since a rank killed by its launcher right after the error must leave its report. Where a tqdm
+    progress bar is drawn (the trainers'), it is cleared first and drawn again after: a report never
+    starts inside a bar's line."""
+    text = distributed.with_prefix(text, distributed.rank_prefix())
+    tqdm = sys.modules.get("tqdm")
+    bars = getattr(getattr(tqdm, "tqdm", None), "_instances", None)
+    if bars:
+        with tqdm.tqdm.external_write_mode(file=sys.stdout):
+            print(text, flush=True)
+        return
+    print(text, flush=True)
 
 
 class OverflowDetected(ValueError):

@@ -480,7 +480,8 @@ class Passes:
 
             try:
                 found.detection["repro"] = explained.write_repro(
-                    self.options.repro, distributed.rank(), self.decisions.step_of(found.batch), found.detection)
+                    self.options.repro, distributed.rank(), self.decisions.step_of(found.batch), found.detection,
+                    self.decisions.module_names.get(explained.call.module))
             except ReproError as error:
                 warnings.warn(f"overflow_fast: {error}", RuntimeWarning, stacklevel=2)
 

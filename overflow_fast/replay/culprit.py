@@ -197,8 +197,9 @@ class Explained:
                 "phase": result.get("phase"), "what": result.get("what") or result.get("why"),
                 "module": result.get("module"), "reproduced": result.get("reproduced")}
 
-    def write_repro(self, directory, rank, step, detection):
-        """The reproducer file of the call replayed (``repro.write_repro``); its path."""
+    def write_repro(self, directory, rank, step, detection, name=None):
+        """The reproducer file of the call replayed (``repro.write_repro``; ``name``: its module's in
+        the model); its path."""
         from .repro import write_repro
 
         call, target = self.call, None
@@ -207,7 +208,7 @@ class Explained:
             names = {id(m): name for name, m in call.module.named_modules(remove_duplicate=False)}
             target = (names.get(id(submodule)), side)
         return write_repro(directory, rank, step, call.module, self.args, self.kwargs, self.grads, detection,
-                           rng=self.rng, call=call.call_state(), target=target)
+                           rng=self.rng, call=call.call_state(), target=target, name=name)
 
 
 def failed(phase, error):

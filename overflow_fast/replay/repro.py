@@ -29,13 +29,14 @@ def repro_path(directory, rank, step):
 
 
 def write_repro(directory, rank, step, module, args, kwargs, grad_outputs, detection, *, rng=None,
-                call=None, target=None):
+                call=None, target=None, name=None):
     """Write ``repro_path(directory, rank, step)`` with ``torch.save``: the module (pickled; no
     hook goes with it), copies of the call's inputs and keyword inputs, ``grad_outputs`` for a
     backward (None for a forward), ``rng`` (``rng_state()`` at the call), ``call``
     (``call_state()`` at the call; None: now), ``target`` (``(name of the submodule in module,
-    "input" | "output")`` as ``replay_forward`` takes it, or None), the versions of torch and of this
-    package, and the detection dict. Classes and functions of the training script itself
+    "input" | "output")`` as ``replay_forward`` takes it, or None), ``name`` (the module's name in
+    the model, what a replay's label names), the versions of torch and of this package, and the
+    detection dict. Classes and functions of the training script itself
     (``__main__``) are written as references to that script's definitions (``script_definitions``),
     so the file replays in a fresh process; where that cannot work, a warning says so and names the
     fix. Returns the path; raises ``ReproError`` naming it when it cannot be written (nothing
@@ -56,7 +57,7 @@ def write_repro(directory, rank, step, module, args, kwargs, grad_outputs, detec
             "grad_outputs": None if grad_outputs is None else copied(list(grad_outputs), requires_grad=False),
             "rng": rng, "call": call if call is not None else call_state(), "target": target,
             "torch_version": torch.__version__, "overflow_fast_version": __version__,
-            "rank": rank, "step": step, "detection": detection,
+            "rank": rank, "step": step, "detection": detection, "name": name,
         }
         os.makedirs(directory, exist_ok=True)
         with without_hooks(module):  # the detector's hooks are not the model's
