@@ -115,7 +115,7 @@ class KernelDistribution(Distribution):
 setup(
     packages=find_packages(include=["overflow_fast", "overflow_fast.*"]) + ["overflow_fast.csrc"],
     package_dir={"overflow_fast.csrc": "csrc"},
-    package_data={"overflow_fast.csrc": ["*.cpp", "*.h", "*.c"]},
+    package_data={"overflow_fast": ["py.typed"], "overflow_fast.csrc": ["*.cpp", "*.h", "*.c"]},
     cmdclass={"build_py": BuildPyWithKernel},
     distclass=KernelDistribution,
 )

@@ -25,6 +25,7 @@ import importlib
 import os
 import sys
 import time
+from typing import Optional, Sequence
 
 from .report.summary import (
     BadFile,
@@ -331,7 +332,7 @@ def torch_version():
     return torch.__version__
 
 
-def main(argv=None):
+def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)  # usage errors exit with 2
     if args.command in ("report", "diff"):
@@ -347,7 +348,8 @@ def main(argv=None):
         return info_main()
     if args.command == "replay":
         return run_replay(args)
-    parser.error(f"unknown command {args.command!r}")
+    parser.error(f"unknown command {args.command!r}")  # exits with 2
+    return 2
 
 
 def _silence_stdout():

@@ -26,7 +26,10 @@ from .errors import OverflowDetected, OverflowDetectedOnRanks, say  # noqa: F401
 from .step_log import StepLog
 from .frames import BACKWARD, FORWARD, entries_of, forward_items, graph_task_id, transform_level
 from .gradients import GradientHooks
-from .options import WATCH_DEFAULTS, integer, of_arguments  # noqa: F401 - WATCH_DEFAULTS: the integrations'
+from typing import Any, Iterable, Literal, Optional
+
+from .options import (WATCH_DEFAULTS, Backend, BatchNumbers, Check, Folder, LogTargets, OnDetect, Patterns,  # noqa: F401
+                      Seconds, integer, of_arguments)  # (WATCH_DEFAULTS: the integrations')
 from .passes import Passes, PassState
 from .step_guard import StepGuard
 from .counting import Counting
@@ -49,13 +52,15 @@ class DebugUnderflowOverflow:
     records and the report's ``Step:`` line), and ``remove()`` (or use as a context manager),
     which takes the hooks off again."""
 
-    def __init__(self, model, max_frames_to_save=21, trace_batch_nums=None, abort_after_batch_num=None,
-                 check="module", frames_every=None, backend=None, buffer_rows=1 << 16, reuse_stats=True,
-                 kwargs=False, containers=False, backward=False, on_detect="raise", ignore=(),
-                 warn_above=None, sync=True, sync_timeout=None, log=None, log_every=1,
-                 defer=False, stage_bytes=256 << 20, max_skips=10,
-                 warn_gradients=False, find_op=False, repro=None, min_loss_scale=1.0,
-                 max_backoffs=64, **unknown):
+    def __init__(self, model: torch.nn.Module, max_frames_to_save: Optional[int] = 21,
+                 trace_batch_nums: BatchNumbers = None, abort_after_batch_num: Optional[int] = None,
+                 check: Check = "module", frames_every: Optional[int] = None, backend: Backend = None,
+                 buffer_rows: int = 1 << 16, reuse_stats: bool = True, kwargs: bool = False, containers: bool = False,
+                 backward: bool = False, on_detect: OnDetect = "raise", ignore: Patterns = (),
+                 warn_above: Optional[float] = None, sync: bool = True, sync_timeout: Seconds = None,
+                 log: LogTargets = None, log_every: int = 1, defer: bool = False, stage_bytes: int = 256 << 20,
+                 max_skips: int = 10, warn_gradients: bool = False, find_op: bool = False, repro: Folder = None,
+                 min_loss_scale: float = 1.0, max_backoffs: int = 64, **unknown: Any) -> None:
         # every parameter but the model is an option, as options.Options declares it (defaults too:
         # tests/test_options.py holds them equal)
         self._attach(model, of_arguments(locals(), unknown))
@@ -274,7 +279,7 @@ class DebugUnderflowOverflow:
 
     # -- additions --------------------------------------------------------------------------
 
-    def remove(self):
+    def remove(self) -> None:
         """Take every hook off the model, after deciding on any call still pending. The detector
         is done then: to watch the model again, make a new one."""
         _ATTACHED.discard(self)
@@ -291,14 +296,14 @@ class DebugUnderflowOverflow:
                 if self.decisions.log is not None:
                     self.decisions.log.close()
 
-    def __enter__(self):
+    def __enter__(self) -> "DebugUnderflowOverflow":
         if self._removed:
             raise RuntimeError(f"overflow_fast: this detector (made at {self._made_at}) was removed (remove(), or "
                                "the end of its with block) and has no hooks: make a new one, e.g. "
                                "`with overflow_fast.watch(model):`")
         return self
 
-    def __exit__(self, exc_type, exc, tb):
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if exc_type is None:
             self.remove()
             return
@@ -328,13 +333,13 @@ class DebugUnderflowOverflow:
         if not getattr(self, "_removed", False):
             _ATTACHED.add(self)  # a copied model carries the copy's hooks
 
-    def flush(self):
+    def flush(self) -> None:
         """Read the pending statistics of every pass (one host read per device) and replay their
         calls in order. Raises the reference's ValueError if one of them holds a nan/inf."""
         with self._passes.lock:
             self._passes.flush_all()
 
-    def set_batch(self, ids=None):
+    def set_batch(self, ids: Optional[Iterable[int]] = None) -> None:
         """The rows of the batch that runs next are these samples: ``ids`` holds one dataset index
         per row (dim 0) of the batch, e.g. the indices a sampler gave; None: unknown. A detection's
         ``Where:`` line and record then name the samples of the rows that hold the nan/inf. Call it
@@ -351,7 +356,7 @@ class DebugUnderflowOverflow:
         with self._passes.lock:
             self.decisions.samples = ids
 
-    def set_step(self, global_step=None, mode=None):
+    def set_step(self, global_step: Optional[int] = None, mode: Optional[Literal["train", "eval"]] = None) -> None:
         """What runs next belongs to the trainer's optimizer step ``global_step`` (an int) and to
         ``mode`` ("train" or "eval"); detections, errors and records carry them. None: unknown."""
         if global_step is not None:
@@ -525,7 +530,7 @@ def _functorch_off():
 
 
 # Detectors whose hooks are on a model (not removed), to warn when a second one joins them.
-_ATTACHED = weakref.WeakSet()
+_ATTACHED: "weakref.WeakSet[DebugUnderflowOverflow]" = weakref.WeakSet()
 
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -593,7 +598,7 @@ def _row_of(var, caller):
     return reason if reason is not None else tensor_stats([var]).host_rows()[0]
 
 
-def get_abs_min_max(var, ctx):
+def get_abs_min_max(var: torch.Tensor, ctx: str) -> str:
     """``"{abs min:8.2e} {abs max:8.2e} {ctx}"`` for a tensor, as the reference formats it."""
     row = _row_of(var, "get_abs_min_max")
     if isinstance(row, str):
@@ -605,7 +610,7 @@ def get_abs_min_max(var, ctx):
     return text.tensor_line(row, var.dtype, ctx)
 
 
-def detect_overflow(var, ctx):
+def detect_overflow(var: torch.Tensor, ctx: str) -> bool:
     """Print ``"{ctx} has nans"`` / ``"{ctx} has infs"`` and return True if ``var`` holds any."""
     row = _row_of(var, "detect_overflow")
     if isinstance(row, str):
@@ -622,12 +627,14 @@ def detect_overflow(var, ctx):
     return bool(lines)
 
 
-def watch(model, *, max_frames_to_save=21, trace_batch_nums=None, abort_after_batch_num=None, check="batch",
-          frames_every=None, backend=None, buffer_rows=1 << 16, reuse_stats=True, kwargs=True, containers=True,
-          backward=True, on_detect="raise", ignore=(), warn_above=None, sync=True, sync_timeout=None, log=None,
-          log_every=1, defer=False, stage_bytes=256 << 20, max_skips=10,
-          warn_gradients=False, find_op=True, repro=None, min_loss_scale=1.0,
-          max_backoffs=64, **unknown):
+def watch(model: torch.nn.Module, *, max_frames_to_save: Optional[int] = 21, trace_batch_nums: BatchNumbers = None,
+          abort_after_batch_num: Optional[int] = None, check: Check = "batch", frames_every: Optional[int] = None,
+          backend: Backend = None, buffer_rows: int = 1 << 16, reuse_stats: bool = True, kwargs: bool = True,
+          containers: bool = True, backward: bool = True, on_detect: OnDetect = "raise", ignore: Patterns = (),
+          warn_above: Optional[float] = None, sync: bool = True, sync_timeout: Seconds = None,
+          log: LogTargets = None, log_every: int = 1, defer: bool = False, stage_bytes: int = 256 << 20,
+          max_skips: int = 10, warn_gradients: bool = False, find_op: bool = True, repro: Folder = None,
+          min_loss_scale: float = 1.0, max_backoffs: int = 64, **unknown: Any) -> "DebugUnderflowOverflow":
     """The detector with the recommended modern defaults (``options.WATCH_DEFAULTS``): no host sync
     in any hook (``check="batch"``), keyword inputs, tensors inside model outputs and containers,
     gradient checks in backward (a nan/inf there raises before ``backward()`` returns, so the

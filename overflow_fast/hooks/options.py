@@ -14,12 +14,23 @@ import datetime
 import difflib
 import operator
 import os
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Iterable, Literal, Optional, Sequence, Union
 
 from ..stats import BACKEND_NAMES
 
 CHECK_MODES = ("module", "batch", "step")
 ON_DETECT = ("raise", "warn", "record", "skip")
+
+# The options' types, as the signatures of the detector, watch() and the integrations declare them
+Check = Literal["module", "batch", "step"]
+OnDetect = Union[Literal["raise", "warn", "record", "skip"], Callable[[Exception], Any]]
+Backend = Optional[Literal["torch", "cpu", "triton"]]
+Patterns = Union[str, Sequence[str]]
+Seconds = Union[None, float, datetime.timedelta]
+# a path (a JSONL file), a TensorBoard SummaryWriter or a W&B run, or a list of them
+LogTargets = Union[None, str, os.PathLike, Any, Sequence[Any]]
+Folder = Union[None, str, os.PathLike]
+BatchNumbers = Optional[Iterable[int]]
 
 
 def integer(value, name, what):

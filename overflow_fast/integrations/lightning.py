@@ -18,6 +18,7 @@ before the backward, every gradient after it, before the optimizer step.
 
 import collections.abc
 import contextlib
+from typing import Any
 
 from ..hooks.detector import DebugUnderflowOverflow
 from ..hooks.options import WATCH_DEFAULTS, Options
@@ -26,7 +27,7 @@ try:
     import lightning.pytorch as pl
 except ImportError as missing:
     try:
-        import pytorch_lightning as pl  # the older package name
+        import pytorch_lightning as pl  # type: ignore[no-redef]  # the older package name
     except ImportError:
         raise ImportError(
             f"overflow_fast.integrations.lightning needs PyTorch Lightning 2.x: pip install lightning "
@@ -40,7 +41,7 @@ class DetectorCallback(pl.Callback):
     unless overridden: ``check="batch"``, ``kwargs``, ``containers``, ``backward=True``). The
     detector is ``callback.detector`` while it is attached."""
 
-    def __init__(self, **options):
+    def __init__(self, **options: Any) -> None:
         self.options = Options.of(**{**WATCH_DEFAULTS, **options})  # a bad option fails here, not in fit()
         self.detector = None
         self.guard = None  # check="step": the detector's guard, which this callback drives

@@ -22,6 +22,7 @@ callback's ``on_train_end`` on a normal return.
 import functools
 import sys
 import threading
+from typing import Any
 
 try:
     import transformers
@@ -125,8 +126,8 @@ def _reporters(trainer):
     return sinks
 # Patches not undone yet, oldest first, and the name the Trainer had before the first of them:
 # undone in any order, the newest one still active is in place, the original once none is.
-_active = []
-_original = []  # [the Trainer module's own DebugUnderflowOverflow] while any patch is active
+_active: list = []
+_original: list = []  # [the Trainer module's own DebugUnderflowOverflow] while any patch is active
 _patch_lock = threading.Lock()
 
 
@@ -189,7 +190,7 @@ class DetectorCallback(TrainerCallback):
     detections also go to the dashboards of the Trainer's ``report_to`` (TensorBoard, W&B), beside
     any ``log=`` given. ``self.detector`` is the detector while training runs (None otherwise)."""
 
-    def __init__(self, report_to=False, **detector_kwargs):
+    def __init__(self, report_to: bool = False, **detector_kwargs: Any) -> None:
         check_names(detector_kwargs, also=("report_to",))  # a misspelled one names the nearest
         self.options = Options.of(**{**WATCH_DEFAULTS, **detector_kwargs})  # a bad one fails here, not in train()
         self.report_to = validated_flag("report_to", report_to)
@@ -293,7 +294,7 @@ class TrainerPatch:
         self.undo()
 
 
-def use_in_trainer(**detector_kwargs):
+def use_in_trainer(**detector_kwargs: Any) -> "TrainerPatch":
     """From now on ``TrainingArguments(debug="underflow_overflow")`` makes the Trainer build
     ``overflow_fast.DebugUnderflowOverflow(model, **detector_kwargs)`` (``watch()``'s options
     unless overridden); its hooks come off when ``train()`` returns or raises. Returns a

@@ -65,6 +65,8 @@ import time
 import warnings
 import weakref
 
+from typing import Any, Dict, List, Optional, Union
+
 import torch
 
 from . import schema
@@ -74,7 +76,7 @@ from ..stats.layout import decode_row, is_integer_dtype
 try:
     import fcntl
 except ImportError:  # Windows: no advisory locks here; one writer per file is then up to the user
-    fcntl = None
+    fcntl = None  # type: ignore[assignment]
 
 VERSION = schema.VERSION
 PHASES = schema.PHASES
@@ -379,7 +381,7 @@ def _open_error(path, error):
 PIPE_BUF = getattr(select, "PIPE_BUF", 512)  # the largest write a pipe takes atomically (POSIX: at least 512)
 STALL_SECONDS = 5.0  # on SIGTERM, how long a writer that makes no progress is waited for
 
-_live = weakref.WeakSet()  # recorders to flush at exit and on SIGTERM
+_live: "weakref.WeakSet[Recorder]" = weakref.WeakSet()  # recorders to flush at exit and on SIGTERM
 _live_lock = threading.RLock()  # re-entrant: the SIGTERM handler runs on the main thread
 _previous_sigterm = None
 _sigterm_installed = False
@@ -398,7 +400,8 @@ class Recorder:
     warning) rather than let a stalled disk grow the queue without bound.
     """
 
-    def __init__(self, path, rank=None, world_size=None, log_every=1, max_pending=1_000_000, check=None):
+    def __init__(self, path: Union[str, os.PathLike], rank: Optional[int] = None, world_size: Optional[int] = None,
+                 log_every: int = 1, max_pending: int = 1_000_000, check: Optional[str] = None) -> None:
         if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1:
             raise ValueError(f"log_every must be a positive int, got {log_every!r}")
         if rank is None and world_size is None:
@@ -413,7 +416,7 @@ class Recorder:
                                     "exist (create it first)")
         self._fd, self._own_file = _open_locked(self.path)
         self._pid = os.getpid()
-        self._pending = collections.deque()  # (sequence number, [records])
+        self._pending: collections.deque = collections.deque()  # (sequence number, [records])
         self._seq = 0  # last sequence number enqueued
         self._queued = 0  # records enqueued and not yet written
         self.max_pending = max_pending
@@ -437,10 +440,10 @@ class Recorder:
 
     # -- API used by the detector --
 
-    def should_record(self, step) -> bool:
+    def should_record(self, step: int) -> bool:
         return step % self.log_every == 0
 
-    def write(self, records):
+    def write(self, records: List[Dict[str, Any]]) -> None:
         """Enqueue a list of record dicts; returns at once (encoding and I/O on the writer thread)."""
         if os.getpid() != self._pid:  # a forked child (a DataLoader worker): not this file's writer
             return
@@ -466,7 +469,7 @@ class Recorder:
             return
         self._wake.set()
 
-    def flush(self, fsync=False, timeout=None):
+    def flush(self, fsync: bool = False, timeout: Optional[float] = None) -> None:
         """Block until every record enqueued so far is in the file (os.fsync with ``fsync=True``)."""
         if os.getpid() != self._pid:
             return
@@ -489,7 +492,7 @@ class Recorder:
             except OSError:
                 pass
 
-    def close(self):
+    def close(self) -> None:
         """Write everything enqueued, stop the writer thread and close the file. Idempotent."""
         if self._closed or os.getpid() != self._pid:
             return

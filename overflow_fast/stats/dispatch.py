@@ -7,6 +7,7 @@ import importlib
 import os
 import sys
 import warnings
+from typing import Optional, Sequence
 
 import torch
 from torch.compiler import is_compiling as _is_compiling
@@ -369,7 +370,8 @@ def _host_row(row):
         return [int(row[i].item()) for i in range(row.numel())]
 
 
-def tensor_stats(tensors, backend=None, *, out=None) -> StatsBatch:
+def tensor_stats(tensors: Sequence[torch.Tensor], backend: Optional[str] = None, *,
+                 out: Optional[torch.Tensor] = None) -> StatsBatch:
     """Statistics of every tensor in ``tensors`` (a list or tuple), kept on their devices.
 
     Per tensor: abs_min, abs_max (NaN if any element is NaN, None if empty), counts of nan,
