@@ -57,6 +57,9 @@ def main(argv=None):
     parser.add_argument("--tensorboard", default=os.path.join("build", "report-demo-tensorboard"),
                         help="where the dashboard scalars go (needs tensorboard); '' for none")
     args = parser.parse_args(argv)
+    for path in (args.log, args.png):
+        if os.path.dirname(path):
+            os.makedirs(os.path.dirname(path), exist_ok=True)  # build/, which git ignores
     writer = None
     if args.tensorboard:
         try:

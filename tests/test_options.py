@@ -78,14 +78,10 @@ def test_nan_in_a_keyword_input_is_detected_where_the_reference_sees_nothing(che
     assert error is not None
     # found one module earlier than the reference, in the frame of the module that received it
     assert out.splitlines()[0] == "input[hidden_states] has nans"
-    where = ("Where: row 0 of 1; first at [0, 1]; 1 of 4 elements is nan" if check == "module" else
-             "Where: not shown for input[hidden_states] (the call's tensors are not kept: find_op=True keeps them "
-             "until the pass is decided)")
+    # and it was in the model's own input: it came in with the batch
     assert out.endswith("                  layer Gate\n     nan      nan input[hidden_states]\n"
-                        f"0.00e+00 0.00e+00 output\n\n\n\n{where}\n"
-                        "Source: born outside any module, in the code before layer (Gate) input[hidden_states]: "
-                        "every module run before it was finite (an operation in a parent's forward, or an input "
-                        "from outside)\n")
+                        "0.00e+00 0.00e+00 output\n\n\n\nWhere: row 0 of 1; first at [0, 1]; 1 of 4 elements is nan\n"
+                        "Source: came in from outside, in the input batch: (model) (ZeroOut) input[0]\n")
 
 
 @dataclasses.dataclass
