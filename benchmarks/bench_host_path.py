@@ -807,9 +807,10 @@ def _root_gradient_hooks(guard, samples):
     from overflow_fast.replay.step import KeptForward
 
     kept = KeptForward((), {}, None, call_state(), 0)
-    guard._read_gradients()  # (its parameters found)
-    parameters, owners = guard.parameters, guard.owners
-    guard.parameters, guard.owners = [], []
+    reading = guard.reading
+    reading.gradients()  # (its parameters found)
+    parameters, owners = reading.parameters, reading.owners
+    reading.parameters, reading.owners = [], []
     x = torch.ones(4, requires_grad=True)
     gradient = torch.ones(4)
 
@@ -829,7 +830,7 @@ def _root_gradient_hooks(guard, samples):
             without.append(one(False))
             with_hooks.append(one(True))
     finally:
-        guard.parameters, guard.owners = parameters, owners
+        reading.parameters, reading.owners = parameters, owners
     return max(0.0, statistics.median(with_hooks) - statistics.median(without))
 
 

@@ -15,35 +15,32 @@ import os
 import sys
 import warnings
 import weakref
+from typing import Any, Iterable, Literal, Optional
 
 import torch
 from torch.compiler import is_compiling
 
 from . import text
 from .. import _compat
+from .counting import Counting
 from .decisions import Decisions
+from .early_warnings import EarlyWarnings
 from .errors import OverflowDetected, OverflowDetectedOnRanks, say  # noqa: F401 - the package's names
-from .step_log import StepLog
 from .frames import BACKWARD, FORWARD, entries_of, forward_items, graph_task_id, transform_level
 from .gradients import GradientHooks
-from typing import Any, Iterable, Literal, Optional
-
-from .options import (WATCH_DEFAULTS, Backend, BatchNumbers, Check, Folder, LogTargets, OnDetect, Patterns,  # noqa: F401
-                      Seconds, integer, of_arguments)  # (WATCH_DEFAULTS: the integrations')
-from .passes import Passes, PassState
-from .step_guard import StepGuard
-from .counting import Counting
-from .early_warnings import EarlyWarnings
 from .on_detect import kind as on_detect_kind
+from .options import (WATCH_DEFAULTS, Backend, BatchNumbers, Check, Folder, LogTargets, OnDetect,  # noqa: F401
+                      Patterns, Seconds, integer, of_arguments)  # (WATCH_DEFAULTS: the integrations')
+from .passes import Passes, PassState
 from .reference import ReferenceState
-from .text import NONE, NOT_A_TENSOR, UNREADABLE
-from ..stats import cpu_backend, tensor_stats, unreadable_reason
+from .reference_face import ReferenceFace, detect_overflow, get_abs_min_max  # noqa: F401 - the package's names
+from .step_guard import StepGuard, StepMode
+from .step_log import StepLog
+from ..stats import cpu_backend
 from ..stats.dispatch import backend_status, requested_backend
-from ..stats.layout import holds_nonfinite
 
 
-
-class DebugUnderflowOverflow:
+class DebugUnderflowOverflow(ReferenceFace, StepMode):
     """Detect the first inf/nan in a model's weights, inputs and outputs, and print the frames
     that led to it. Same arguments, attributes, text and errors as
     ``transformers.debug_utils.DebugUnderflowOverflow``, plus the options of ``docs/options.md``
@@ -99,16 +96,7 @@ class DebugUnderflowOverflow:
             self.analyse_model()
         else:
             self.module_names = module_names
-        log = StepLog(options.log, options.log_every, options.check) if options.log is not None else None
-        # the Where and Source lines only where the frames already go beyond the reference's: the
-        # drop-in without kwargs, containers or backward prints the reference's text alone
-        beyond_reference = options.kwargs or options.containers or options.backward
-        strategy = on_detect_kind(options.on_detect)
-        self.decisions = Decisions(
-            ReferenceState(options.max_frames_to_save, options.trace_batch_nums),
-            Counting(strategy.reports, strategy.once_per, options.ignore),
-            EarlyWarnings(options.warn_above, options.warn_gradients) if options.warn_above is not None else None,
-            log, self.module_names, beyond_reference, rewinds=strategy.rewinds)
+        self.decisions = _decisions(options, self.module_names)
         # gradient frames: each parameter's gradient, and the gradient arriving at module outputs
         # (check="step" reads the gradients itself, at each backward's end)
         self._gradients = (GradientHooks(model, self.module_names, self._gradient_hook,
@@ -131,27 +119,6 @@ class DebugUnderflowOverflow:
             return guard
         return Passes(self.options, self.decisions, self.model, self.backend, self._gradients)
 
-    def _watcher(self, module, batch, found, frames_step):
-        """check="step": the full detector (``watch()``'s frames, gradients, Where, Source and Op)
-        attached to ``module`` for one step, its batch counter at ``batch``, each detection it
-        reports handed to ``found``. ``frames_step``: a step of ``frames_every``, on the run itself
-        (its root's hooks are the guard's, its records go into this detector's log, its early
-        warnings are this detector's); else a replay's (see ``replay.step``)."""
-        options = self.options.changed(
-            check="batch", frames_every=None, kwargs=True, containers=True, backward=True, find_op=True,
-            sync=False, log=None, trace_batch_nums=None, abort_after_batch_num=None, on_detect=found.append,
-            warn_above=self.options.warn_above if frames_step else None)
-        watching = DebugUnderflowOverflow.__new__(DebugUnderflowOverflow)
-        watching._attach(module, options, self.module_names, self if frames_step else None)
-        decisions = watching.decisions
-        decisions.state.batch_number = decisions.state.forward_batch = batch
-        decisions.global_step, decisions.mode, decisions.samples = (self.decisions.global_step, self.decisions.mode,
-                                                                    self.decisions.samples)
-        if frames_step:
-            decisions.log = None if self.decisions.log is None else _Lent(self.decisions.log)
-            decisions.early_warnings = self.decisions.early_warnings
-        return watching
-
     # the options the hooks read, read-only (``options`` holds them all)
     check = property(lambda self: self.options.check)
     kwargs = property(lambda self: self.options.kwargs)
@@ -161,100 +128,12 @@ class DebugUnderflowOverflow:
     detections = property(lambda self: self.decisions.detections)
     global_step = property(lambda self: self.decisions.global_step)
     mode = property(lambda self: self.decisions.mode)
-    _state = property(lambda self: self.decisions.state)
-
-    # -- the reference's attributes (its state machine's) -------------------------------------
-
-    frames = property(lambda self: self._state.frames, lambda self, value: setattr(self._state, "frames", value))
-    frame = property(lambda self: self._state.frame, lambda self, value: setattr(self._state, "frame", value))
-    batch_number = property(lambda self: self._state.batch_number,
-                            lambda self, value: setattr(self._state, "batch_number", value))
-    total_calls = property(lambda self: self._state.total_calls,
-                           lambda self, value: setattr(self._state, "total_calls", value))
-    detected_overflow = property(lambda self: self._state.detected_overflow,
-                                 lambda self, value: self._state.set_detected_overflow(value))
-
-    # -- the reference's methods ------------------------------------------------------------
-
-    def save_frame(self, frame=None):
-        if frame is not None:
-            self.expand_frame(frame)
-        self.frames.append("\n".join(self.frame))
-        self.frame = []
-
-    def expand_frame(self, line):
-        self.frame.append(line)
-
-    def trace_frames(self):
-        say("\n".join(str(frame) for frame in self.frames))
-        self.frames.clear()
-
-    def reset_saved_frames(self):
-        self.frames.clear()
-
-    def dump_saved_frames(self, during=None):
-        say(text.dump_text(self.batch_number, self.frames, during))
-        self.frames.clear()
-
-    def analyse_model(self):
-        # first name wins for a module reachable under several names
-        self.module_names = {m: name for name, m in self.model.named_modules()}
-
-    def analyse_variable(self, var, ctx):
-        """Add one line for ``var`` to the frame being built, printing its nan/inf lines at once."""
-        if isinstance(var, torch.Tensor):
-            row = _row_of(var, "analyse_variable")  # one read serves the line and the check
-            if isinstance(row, str):
-                self.expand_frame(text.entry_line(UNREADABLE, ctx, row))
-                return
-            self.expand_frame(text.tensor_line(row, var.dtype, ctx))
-            for line in text.overflow_lines(row, ctx):
-                say(line)
-            if holds_nonfinite(row):
-                self.detected_overflow = True
-        elif var is None:
-            self.expand_frame(text.entry_line(NONE, ctx, None))
-        else:
-            self.expand_frame(text.entry_line(NOT_A_TENSOR, ctx, None))
-
-    def batch_start_frame(self):
-        self.frame.extend(text.batch_start_lines(self.batch_number))
-
-    def batch_end_frame(self):
-        self.expand_frame(text.batch_end_line(self.batch_number - 1))
-
-    def create_frame(self, module, input, output):
-        """Build, check and save the frame of one hook call right away (one host read)."""
-        entries, tensors, dtypes = entries_of(forward_items(module, input, output))
-        self._passes.decide_apart(module, entries, dtypes, tensors)
 
     def register_forward_hook(self):
         if self.options.check == "step":
-            # no hook below the root: its own two, which run even when its call raises
-            self._handles.append(self.model.register_forward_pre_hook(self._step_begins, with_kwargs=True))
-            self._handles.append(self.model.register_forward_hook(self._step_ends, with_kwargs=True, always_call=True))
-            self._passes.own_hooks = frozenset(handle.id for handle in self._handles)
+            self._register_step_hooks()
             return
         self.model.apply(self._register_forward_hook)
-
-    def _driven(self):
-        """check="step" driven by an integration (``StepGuard.begin`` and ``end``) instead of the
-        root's hooks, which come off: a LightningModule's steps run its parts, never its forward.
-        Returns the guard."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-        self._passes.driven = True
-        return self._passes
-
-    def _step_begins(self, module, args, kwargs):
-        self._passes.before(module, args, kwargs)
-
-    def _step_ends(self, module, args, kwargs, output):
-        try:
-            self._passes.after(module, args, kwargs, output)
-        except OverflowDetected as error:
-            raise error.with_traceback(None)  # (as _after's)
 
     def _register_forward_hook(self, module):
         # A module shared by two parents is visited twice and so hooked twice, like the reference.
@@ -270,12 +149,6 @@ class DebugUnderflowOverflow:
         with_kwargs = self.options.keeps_calls or (module is self.model and self.decisions.explain)
         self._handles.append(module.register_forward_pre_hook(self._before, with_kwargs=with_kwargs))
         self._handles.append(module.register_forward_hook(after, with_kwargs=True, always_call=True))
-
-    def forward_hook(self, module, input, output):
-        """The reference's hook: record one forward call of ``module`` (a pass of its own when no
-        hooked call is running on this thread)."""
-        self._before(module, input)
-        self._after(module, input, None, output)
 
     # -- additions --------------------------------------------------------------------------
 
@@ -469,26 +342,11 @@ class DebugUnderflowOverflow:
 # A hook that torch.compile meets outside a frame it traces runs eagerly (the module around it ran
 # eagerly too), rather than as a graph of its own per call; inlined, it records into the graph.
 _compat.never_a_compiled_frame(DebugUnderflowOverflow._before, DebugUnderflowOverflow._after,
-                               DebugUnderflowOverflow.forward_hook, DebugUnderflowOverflow._step_begins)
+                               DebugUnderflowOverflow.forward_hook, StepMode._step_begins)
 # The model's own post hooks are kept out of a torch.compile graph (their eager run replays the traced
 # calls, and reads the host) as torch.compiler.disable keeps a function out, but without its wrapper,
 # whose frame would stand in every report's traceback
-_compat.kept_out_of_graphs(DebugUnderflowOverflow._after_model, DebugUnderflowOverflow._step_ends)
-
-
-class _Lent:
-    """A log lent to a frames step's full detector: it writes into it, and leaves it open."""
-
-    __slots__ = ("log",)
-
-    def __init__(self, log):
-        self.log = log
-
-    def __getattr__(self, name):
-        return getattr(self.log, name)
-
-    def close(self):
-        pass
+_compat.kept_out_of_graphs(DebugUnderflowOverflow._after_model, StepMode._step_ends)
 
 
 class _FunctorchOff:
@@ -567,6 +425,21 @@ def _warn_if_hooked(detector):
         return
 
 
+def _decisions(options, module_names):
+    """What replays a detector's calls through the reference's state machine (``decisions``), as
+    its options say."""
+    log = StepLog(options.log, options.log_every, options.check) if options.log is not None else None
+    # the Where and Source lines only where the frames already go beyond the reference's: the
+    # drop-in without kwargs, containers or backward prints the reference's text alone
+    beyond_reference = options.kwargs or options.containers or options.backward
+    strategy = on_detect_kind(options.on_detect)
+    return Decisions(
+        ReferenceState(options.max_frames_to_save, options.trace_batch_nums),
+        Counting(strategy.reports, strategy.once_per, options.ignore),
+        EarlyWarnings(options.warn_above, options.warn_gradients) if options.warn_above is not None else None,
+        log, module_names, beyond_reference, rewinds=strategy.rewinds)
+
+
 def _warn_unmatched(counting, module_names):
     """An ``ignore`` pattern that matches no module of the model is a typo until shown otherwise."""
     for pattern, near in counting.unmatched(module_names):
@@ -588,43 +461,6 @@ def _usable_backend(backend):
                           stacklevel=3)
             return None
     return backend
-
-
-def _row_of(var, caller):
-    """One tensor's host row, or the reason the engine cannot read it (a string)."""
-    if not isinstance(var, torch.Tensor):
-        raise TypeError(f"{caller} expects a tensor, got {type(var).__name__}")
-    reason = unreadable_reason(var)
-    return reason if reason is not None else tensor_stats([var]).host_rows()[0]
-
-
-def get_abs_min_max(var: torch.Tensor, ctx: str) -> str:
-    """``"{abs min:8.2e} {abs max:8.2e} {ctx}"`` for a tensor, as the reference formats it."""
-    row = _row_of(var, "get_abs_min_max")
-    if isinstance(row, str):
-        try:  # the reference's own ops, where torch can run them on this tensor
-            abs_var = var.abs()
-            return f"{abs_var.min():8.2e} {abs_var.max():8.2e} {ctx}"
-        except Exception:
-            return text.entry_line(UNREADABLE, ctx, row)
-    return text.tensor_line(row, var.dtype, ctx)
-
-
-def detect_overflow(var: torch.Tensor, ctx: str) -> bool:
-    """Print ``"{ctx} has nans"`` / ``"{ctx} has infs"`` and return True if ``var`` holds any."""
-    row = _row_of(var, "detect_overflow")
-    if isinstance(row, str):
-        # the engine cannot read it: ask torch as the reference does, rather than answer False
-        try:
-            has_nans, has_infs = bool(torch.isnan(var).any()), bool(torch.isinf(var).any())
-        except Exception:
-            return False
-        lines = ([f"{ctx} has nans"] if has_nans else []) + ([f"{ctx} has infs"] if has_infs else [])
-    else:
-        lines = text.overflow_lines(row, ctx)
-    for line in lines:
-        say(line)
-    return bool(lines)
 
 
 def watch(model: torch.nn.Module, *, max_frames_to_save: Optional[int] = 21, trace_batch_nums: BatchNumbers = None,

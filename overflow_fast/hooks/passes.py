@@ -26,50 +26,30 @@ state, none of which a copy may share, and a detector whose calls wait for their
 to be copied (``waiting``).
 """
 
-import enum
 import functools
 import itertools
 import sys
 import threading
-import warnings
 
 import torch
 
-from . import source, where
+from . import explain
 from .. import distributed
-from .compiled import Traced
-from ..replay import culprit
 from ..replay.culprit import autocast_state, root_state, root_state_at_end
+from .compiled import Traced
 from .decisions import NO_ROWS, Pending
-from .errors import OverflowDetected, overflow_error, say
-from .frames import BACKWARD, FORWARD, Frame, class_name, entries_of, graph_task_id, input_items
-from .text import TENSOR
+from .errors import overflow_error, say
+from .frames import FORWARD, graph_task_id
 from .hook_core import entries_reader, kept_call_class
 from .on_detect import strategy
-from .rank_agreement import BACKWARD_END, FORWARD_END, RankAgreement
+from .pass_ends import PassEnds, PassState
+from .rank_agreement import RankAgreement
 from .reads import Reads
 from .scaling import Backoffs
-from ..stats.layout import holds_nonfinite
-
-try:  # how non-reentrant activation checkpointing stops a recompute early: control flow, not an error
-    from torch.utils.checkpoint import _StopRecomputationError as _STOP_RECOMPUTATION
-except ImportError:
-    _STOP_RECOMPUTATION = ()
-
+from .text import TENSOR
 
 # tuple.__new__ in C: namedtuple's own __new__ and _make are Python calls (this runs at every hook)
 _pending = functools.partial(tuple.__new__, Pending)
-
-
-class PassState(enum.Enum):
-    """Where a pass is. RUNNING, then ENDING, then CLOSED; STOPPING from RUNNING or ENDING;
-    ABANDONED from RUNNING or STOPPING; every pass ends CLOSED."""
-
-    RUNNING = "running"  # its calls are read and queued as they return
-    ENDING = "ending"  # its end decides its calls: a detection now waits for the agreement
-    STOPPING = "stopping"  # this rank detected: later calls never happened; the error waits for the agreement
-    ABANDONED = "abandoned"  # its calls never returned (see the module): its end stops nothing
-    CLOSED = "closed"  # decided, its rows freed: a thread that still holds it opens a new one
 
 
 class Pass:
@@ -127,10 +107,6 @@ class _ThreadState(threading.local):
         self.forward = None
 
 
-class _Abandoned(BaseException):
-    """The error a pass ends with when its calls never returned (never raised)."""
-
-
 def computed_in(entries, dtypes, tensor):
     """The dtype a forward call computed in under autocast: autocast's for its tensors' device type,
     where it is on there and an output has that dtype (its op cast its inputs and weights to it:
@@ -145,6 +121,7 @@ def computed_in(entries, dtypes, tensor):
     return None
 
 
+
 def on_stack(frame):
     """Whether ``frame`` is running on this thread now (its frames are walked: call it rarely)."""
     current = sys._getframe(1)
@@ -155,7 +132,7 @@ def on_stack(frame):
     return False
 
 
-class Passes:
+class Passes(PassEnds):
     """A detector's passes (``options``, ``decisions``, its ``model``, the ``backend`` its hooks ask
     for, its ``gradients.GradientHooks`` or None)."""
 
@@ -257,21 +234,10 @@ class Passes:
                 with self.lock:
                     self._forward_begins(module is self.model)
                     if module is self.model and self.decisions.explain:
-                        self._read_model_inputs(args, kwargs)
+                        explain.read_model_inputs(self, args, kwargs)
         kept = self.kept_call(module, args, kwargs, calls[-1][2] if calls else None, self.autocast, root_state) \
             if self.keeps_calls else None
         calls.append((module, sys.exc_info()[1], kept))
-
-    def _read_model_inputs(self, args, kwargs):
-        """The model's own call's inputs (keyword ones too), read before anything runs: a nan/inf
-        among them came in with the batch, whichever module first shows it."""
-        entries, tensors, dtypes = entries_of(input_items(args, kwargs, self.options.containers))
-        if not tensors:
-            return
-        current = self.forward_pass()
-        sources = current.reads.add(tensors)
-        if sources is not None:
-            current.model_inputs = (entries, dtypes, sources, tensors)
 
     def _forward_begins(self, by_the_model):
         if self.flush_task is not None:  # the last backward failed before its end
@@ -407,23 +373,7 @@ class Passes:
     def _act(self, current, found):
         """What the strategy does with a detection the replay found."""
         decisions = self.decisions
-        found = self._from_the_batch(current, found)
-        frame = found.first_frame
-        if frame.phase == BACKWARD and found.bad and not any(ctx.startswith("output") for ctx in found.bad):
-            # whether the gradient arriving at the module's outputs was read (the Source line's claim)
-            frame.incoming_read = (self.gradients is None or self.gradients.incoming_read(
-                decisions.modules_by_name().get(frame.module_name)))
-        if found.bad:  # where in the tensor the Source line names
-            found.detection["where"] = where.facts(
-                found.first_frame, source.source_entry(found.first_frame, found.bad),
-                where.Held(found.tensors, found.inputs, self.kept_forward, self.kept_gradients,
-                           decisions.modules_by_name(), self.options.kwargs, self.options.containers,
-                           decisions.samples))
-        scaler = current.scaling.unrecoverable() if current.scaling is not None else None
-        if scaler is not None and found.first_frame.phase == BACKWARD:
-            found.detection["scaler"] = scaler  # a GradScaler's backward that no backoff recovers
-        if self.options.keeps_calls:
-            self._explain(found)
+        found = explain.beyond_the_reference(self, current, found)
         decisions.log_detection(found)
         if current.state is PassState.ABANDONED:  # reported, and the next forward is checked afresh
             decisions.dump(found)
@@ -446,130 +396,6 @@ class Passes:
             decisions.dump(found)
         self.strategy.went_on(found.detection, found.frames, found.first_frame, found.bad, found.report_due)
         decisions.state.frames.clear()
-
-    def _from_the_batch(self, current, found):
-        """A detection whose first nan/inf was among the model's own inputs (``model_inputs``) came
-        in with the batch: its Source, Where and Op are about that input (the model's frame, that
-        entry), whichever module first showed it."""
-        if current.model_inputs is None or not found.bad or source.origin(found.first_frame, found.bad) != "before":
-            return found
-        entries, dtypes, sources, tensors = current.model_inputs
-        frame = Frame("", class_name(self.model), entries, dtypes)
-        current.reads.resolve(frame, sources)
-        bad = [ctx for kind, ctx, payload in frame.entries if kind == TENSOR and holds_nonfinite(frame.rows[payload])]
-        if not bad:
-            return found
-        return found._replace(first_frame=frame, bad=bad, tensors=tensors)
-
-    def _explain(self, found):
-        """find_op: the op and the line that made the detection's first nan/inf (its replay), and
-        whether it is transient, into the detection; repro: the reproducer file of that call.
-        Never fails the run it explains."""
-        try:
-            explained = culprit.op_of(found, source.origin(found.first_frame, found.bad), self.kept_forward,
-                                      self.kept_gradients, self.decisions.modules_by_name(), class_name)
-        except Exception as error:  # noqa: BLE001 - a replay must never break training
-            explained = culprit.failed(found.first_frame.phase, error)
-        if explained is None:
-            return
-        if self.options.find_op:
-            found.detection["op"] = explained.record()
-            found.detection["transient"] = explained.transient
-        if self.options.repro is not None and explained.call is not None:
-            from ..replay.repro import ReproError
-
-            try:
-                found.detection["repro"] = explained.write_repro(
-                    self.options.repro, distributed.rank(), self.decisions.step_of(found.batch), found.detection,
-                    self.decisions.module_names.get(explained.call.module))
-            except ReproError as error:
-                warnings.warn(f"overflow_fast: {error}", RuntimeWarning, stacklevel=2)
-
-    # -- the end of a pass -------------------------------------------------------------------------
-
-    def end(self, ended, phase, error=None):
-        """A pass ended (its outermost call returned or raised ``error``; its backward finished):
-        decide on its calls, free its rows, then (under torch.distributed) agree with the other ranks."""
-        ended.begin_ending()
-        try:
-            if isinstance(error, OverflowDetected):
-                ended.queue = []  # reported already, here or by another detector on this model
-            else:
-                try:
-                    self.flush(ended)
-                except ValueError:
-                    if error is None or isinstance(error, _STOP_RECOMPUTATION):
-                        raise
-                    # torch silences (with a warning) what a hook raises here: annotate its error
-                    if hasattr(error, "add_note"):
-                        error.add_note("overflow_fast: an inf/nan was detected earlier in this forward; "
-                                       "its report is printed above")
-        finally:
-            abandoned = ended.state is PassState.ABANDONED
-            stop = self._close(ended)
-            if self.sync_wanted() and not abandoned:  # the other ranks are elsewhere by now
-                self._agree(stop, phase)
-
-    def abandon_forward(self):
-        """This thread's hooked calls never returned (see the module): their pass ends now."""
-        thread = self.thread
-        del thread.calls[:]  # (the pre hook holds this list)
-        thread.outer = None
-        abandoned = thread.forward
-        if abandoned is not None and abandoned.state is not PassState.CLOSED:
-            abandoned.abandon()
-            self.end(abandoned, FORWARD, _Abandoned())
-
-    def abandon_backward(self):
-        """The backward whose end was to decide the backward pass failed (see the module): the pass
-        ends now, and what find_op kept for its replay goes."""
-        task, self.flush_task = self.flush_task, None
-        try:
-            abandoned = self.backward
-            if abandoned is not None and abandoned.state is not PassState.CLOSED:
-                abandoned.abandon()
-                abandoned.task = task
-                self.end(abandoned, BACKWARD, _Abandoned())
-        finally:
-            self._let_go_of_the_forward()
-
-    def decide_when_backward_ends(self):
-        """Decide the backward pass when this backward ends, before ``backward()`` returns and so
-        before the optimizer step."""
-        if not (not self.decides_each_call or self.keeps_calls or self.sync_wanted()):
-            return
-        task = graph_task_id()
-        if self.flush_task == task:
-            return
-        self.flush_task = task
-        torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
-
-    def _backward_ended(self):
-        with self.lock:
-            self.flush_task = None
-            try:
-                self.end(self.backward_pass(), BACKWARD)
-            except OverflowDetected as error:
-                raise error.with_traceback(None)  # (the report's traceback starts here: the frames below help no reader)
-            finally:
-                self._let_go_of_the_forward()
-
-    def _let_go_of_the_forward(self):
-        """find_op: the backward that the last forward's calls were kept for ended. Autograd lets go
-        of their activations now; so do they (a pass's finished calls wait until the next begins)."""
-        for inputs in self.kept_forward:
-            inputs.release()
-        self.kept_forward = []
-        self.kept_gradients = {}
-
-    def sync_wanted(self):
-        """Whether this detector's decisions are agreed between ranks (see overflow_fast.distributed)."""
-        return self.ranks.wanted()
-
-    def _agree(self, stop, phase):
-        """Every rank learns which ranks detected; all raise together (``rank_agreement``).
-        ``stop``: this rank's detection, (detection, frames), or None."""
-        self.ranks.end_of_pass(stop, BACKWARD_END if phase == BACKWARD else FORWARD_END, self.decisions.state)
 
     def close(self):
         """The hooks are off: decide what waits (its records and detection still reach the log),

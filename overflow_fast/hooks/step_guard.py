@@ -23,7 +23,6 @@ intermediate ``-inf`` mask, a value a later op drops), and a backward that does 
 the root's outputs (a loss made from a tensor taken out of the model by a hook of the user's).
 """
 
-import collections
 import functools
 import sys
 import threading
@@ -36,23 +35,13 @@ from . import text
 from .. import distributed
 from ..replay.sandbox import call_state
 from ..replay.step import REPRODUCED, KeptForward, replay_step, rng_now, root_outputs
-from ..stats import tensor_stats, unreadable_reason
-from ..stats.layout import NAN, NEGINF, POSINF
 from .errors import OverflowDetected, OverflowDetectedOnRanks, overflow_error, say
-from .frames import BACKWARD, FORWARD, Frame, class_name, entries_of, graph_task_id, output_items, own_parameters
+from .frames import BACKWARD, FORWARD, Frame, class_name, graph_task_id
 from .on_detect import strategy
-from .reads import Reads
 from .rank_agreement import BACKWARD_END, FORWARD_END, REPLAYED, RankAgreement
 from .scaling import Backoffs, backoff_line, entry_kind, scaled_backward
+from .step_reads import SHOWN_GRADIENTS, Seen, StepReads
 from .text import TENSOR
-
-OUTPUT_ROWS = 1 << 10  # rows for a forward's outputs (more: read apart, one by one)
-_FEW_ROWS = 8  # rows read as a list (more: counted on their device, and one number read)
-SHOWN_GRADIENTS = 20  # gradient entries the guard's own frame shows (the first ones holding a nan/inf)
-
-# What a read found: the frame of the entries to show, with host rows; the names of the entries
-# that count (``ignore`` aside), in order.
-Seen = collections.namedtuple("Seen", ("frame", "bad"))
 
 
 class StepGuard:
@@ -72,19 +61,15 @@ class StepGuard:
         self.strategy = strategy(options.on_detect, model, options.max_skips)
         self.lock = threading.RLock()
         self.ranks = RankAgreement(options.sync, options.sync_timeout, self.strategy)
-        self.backoffs = Backoffs(options.min_loss_scale, options.max_backoffs, owner=self)
+        self.scaled = ScaledSteps(self, options)  # backwards a GradScaler scaled: its own check decides them
         self.thread = threading.local()  # .calls: (exception being handled at its start, KeptForward) per root call
         self.through = []  # the forwards whose outputs the backward running now went through
         self.task = None  # the backward (graph task) whose end is queued
-        self.scaled = []  # (ScaledBackward, its forwards, batch) since their scaler's last update
         self.full = None  # frames_every: [the full detector of this step, what it found, its backward to come]
         self.closed = False
         self.driven = False  # an integration calls begin() and end() (no root hook sees its calls)
         self.own_hooks = ()  # the ids of the detector's hooks on the root (a replay tells them from others')
-        self.reads = None  # the rows of the root's outputs (made at the first forward: the extension may be built then)
-        # the parameters whose gradients are read, with their module's and entry's names, and whether
-        # any is sharded: found at the first backward (a copy of the model is still being made here)
-        self.parameters = self.owners = self.sharded = None
+        self.reading = StepReads(model, decisions, backend)  # what a healthy step reads
 
     # -- the root's hooks ----------------------------------------------------------------------
 
@@ -171,9 +156,8 @@ class StepGuard:
 
     def _forward_ends(self, kept, output, batch):
         outputs = root_outputs(output)
-        if self._outputs_nonfinite(outputs):
-            entries, tensors, dtypes = entries_of(output_items(output, containers=True))
-            seen = self._seen(tensors, dtypes, FORWARD, entries=entries)
+        if self.reading.outputs_nonfinite(outputs):
+            seen = self.reading.outputs_seen(output)
             if seen is not None:
                 self._pass_ends(FORWARD_END, self._detected(seen, batch, [kept], backward=False,
                                                             run_outputs=outputs))
@@ -225,87 +209,11 @@ class StepGuard:
             batch = min(kept.batch for kept in through) if through else self.decisions.state.forward_batch
             scaled = scaled_backward(task)
             if scaled is not None:  # the scaler reads these gradients: its verdict comes with its unscale_
-                self.scaled.append((scaled, through, batch))
+                self.scaled.add(scaled, through, batch)
                 self._pass_ends(BACKWARD_END)
                 return
-            seen = self._read_gradients()
+            seen = self.reading.gradients()
             self._pass_ends(BACKWARD_END, None if seen is None else self._detected(seen, batch, through, backward=True))
-
-    def _read_gradients(self):
-        """Every parameter's gradient in one engine call (this rank's shards of sharded ones: the
-        agreement tells the other ranks): what holds a nan/inf, or None."""
-        if self.parameters is None:
-            gradients = _parameters(self.model, self.decisions.module_names)
-            self.parameters = [parameter for parameter, _, _ in gradients]
-            self.owners = [(name, ctx) for _, name, ctx in gradients]
-            self.sharded = any(distributed.local_shard(p) is not p for p in self.parameters)
-        grads = [grad for parameter in self.parameters if (grad := parameter.grad) is not None]
-        if self.sharded:
-            grads = [distributed.local_shard(grad) for grad in grads]
-        if not self._nonfinite(grads):
-            return None
-        held = [(grad, owner) for parameter, owner in zip(self.parameters, self.owners)
-                if (grad := parameter.grad) is not None]
-        grads = [distributed.local_shard(grad) for grad, _ in held] if self.sharded else [grad for grad, _ in held]
-        return self._seen(grads, [grad.dtype for grad in grads], BACKWARD, owners=[owner for _, owner in held])
-
-    def _outputs_nonfinite(self, outputs):
-        """Whether a root output holds a nan/inf: the hook layer's rows (``reads``: one C++ call that
-        reads them, one host read)."""
-        if not outputs:
-            return False
-        if self.reads is None:
-            self.reads = Reads(self.backend, OUTPUT_ROWS, False, 0)
-        reads = self.reads
-        try:
-            reads.add(outputs)
-            return reads.read()
-        finally:
-            reads.reset()
-
-    def _nonfinite(self, tensors):
-        """Whether a tensor of ``tensors`` holds a nan/inf: one engine call, one host read."""
-        if not tensors:
-            return False
-        try:
-            stats = tensor_stats(tensors, backend=self.backend)
-        except TypeError:  # a tensor the engine cannot read: the others are read
-            tensors = [tensor for tensor in tensors if unreadable_reason(tensor) is None]
-            if not tensors:
-                return False
-            stats = tensor_stats(tensors, backend=self.backend)
-        for _, values in stats.groups:
-            if len(values) <= _FEW_ROWS:  # a handful of rows: to the host as they are
-                if any(row[NAN] or row[POSINF] or row[NEGINF] for row in values.tolist()):
-                    return True
-            elif torch.count_nonzero(values[:, NAN:NEGINF + 1]):
-                return True
-        return False
-
-    def _seen(self, tensors, dtypes, phase, entries=None, owners=None):
-        """Read ``tensors`` again, at a detection: what holds a nan/inf that counts (``ignore``
-        aside), or None. A forward's ``entries`` are its outputs'; a backward's tensors are
-        gradients of the parameters named by ``owners`` (module, entry)."""
-        rows = tensor_stats(tensors, backend=self.backend).host_rows() if tensors else []
-        if entries is None:
-            entries = [(TENSOR, f"{name}.{ctx}" if name else ctx, index) for index, (name, ctx) in enumerate(owners)]
-        counting = self.decisions.counting
-        bad = []
-        for kind, ctx, payload in entries:
-            row = rows[payload] if kind == TENSOR else None
-            if row is None or not (row[NAN] or row[POSINF] or row[NEGINF]):
-                continue
-            module, entry = owners[payload] if owners is not None else ("", ctx)
-            if not (counting.ignore and counting.ignored(module, entry)):
-                bad.append((kind, ctx, payload))
-        if not bad:
-            return None
-        shown = entries if phase == FORWARD else bad[:SHOWN_GRADIENTS]
-        frame = Frame("", class_name(self.model), [(kind, ctx, i if kind == TENSOR else payload)
-                                                   for i, (kind, ctx, payload) in enumerate(shown)],
-                      [dtypes[payload] if kind == TENSOR else None for kind, _, payload in shown], phase)
-        frame.rows = [rows[payload] if kind == TENSOR else None for kind, _, payload in shown]
-        return Seen(frame, [ctx for _, ctx, _ in bad])
 
     # -- a detection ----------------------------------------------------------------------------
 
@@ -316,14 +224,14 @@ class StepGuard:
         takes: (detection, frames, the replay, phase)."""
         for attempt in forwards if scaler is not None else [forwards]:
             found = []
-            replayed = replay_step(self.model, attempt, self._replay_watcher(batch, found), backward, run_outputs,
+            replayed = replay_step(self.model, attempt, _replay_watcher(self, batch, found), backward, run_outputs,
                                    self.own_hooks)
             if replayed.outcome == REPRODUCED:
                 break
         if found:
             detection, frames = dict(found[0].detection), found[0].frames
         else:
-            detection, frames = self._own_report(seen, batch)
+            detection, frames = _own_report(seen, batch, self.strategy, self.decisions)
         if scaler is not None:
             detection["scaler"] = scaler
             if self.strategy.reports != "none":
@@ -364,76 +272,6 @@ class StepGuard:
             raise OverflowDetectedOnRanks(ranks, distributed.world()[1], *(stop or ()))
         if stop is not None:
             raise overflow_error(*stop)
-
-    def _replay_watcher(self, batch, found):
-        def watch(module):
-            watching = self.watcher(module, batch, found, False)
-            watching.decisions.counting.reports = self.strategy.reports  # the strategy says what is printed
-            return watching
-        return watch
-
-    def _own_report(self, seen, batch):
-        """What the guard saw, where the replay reported nothing: the reference's lines of the
-        entries that count, then the frame of what it read."""
-        frame, bad = seen
-        backward = frame.phase == BACKWARD
-        if self.strategy.reports != "none":
-            rows = {ctx: frame.rows[payload] for kind, ctx, payload in frame.entries if kind == TENSOR}
-            for ctx in bad[:SHOWN_GRADIENTS]:
-                for line in text.overflow_lines(rows[ctx], ctx) if ctx in rows else []:
-                    say(line)
-            if len(bad) > SHOWN_GRADIENTS:
-                say(f"... and {len(bad) - SHOWN_GRADIENTS} more gradients hold a nan/inf")
-            say(text.dump_text(batch, [frame], f"the backward of batch_number={batch}" if backward else None, backward))
-        detection = {"batch_number": batch, "phase": frame.phase, "module": "", "class": frame.class_name,
-                     "entries": list(bad)}
-        if self.decisions.global_step is not None:
-            detection["global_step"] = self.decisions.global_step
-        if self.decisions.mode is not None:
-            detection["mode"] = self.decisions.mode
-        return detection, [text.frame_data(frame)]
-
-    # -- under a GradScaler ---------------------------------------------------------------------
-
-    def unscaled(self, scaler, found_inf):
-        """A scaler unscaled an optimizer's gradients and found ``found_inf``: a backoff it recovers
-        from (one line), or one it cannot (``scaling.Backoffs``): a detection, replayed from the
-        first micro-batch whose replay reproduces it."""
-        with self.lock:
-            pending = [entry for entry in self.scaled if entry[0].scaler() is scaler]
-            if not pending or not found_inf:
-                return
-            # the unscaled gradients, read once: where the scaler's nan/inf is, and what it is
-            seen = self._read_gradients() or Seen(_empty_frame(self.model), [])
-            first = ("", seen.bad[0], entry_kind(seen.frame, seen.bad[:1])) if seen.bad else None
-            verdicts = [self.backoffs.judge(scaled, first) for scaled, _, _ in pending]
-            batch = pending[-1][2]
-            fatal = next((verdict for verdict, _ in verdicts if verdict is not None and verdict.why is not None), None)
-            if fatal is None:
-                last = next((verdict for verdict, _ in reversed(verdicts) if verdict is not None), None)
-                if last is not None and any(first for _, first in verdicts):
-                    self._backoff(last, batch, seen)
-                return
-            self.scaled = [entry for entry in self.scaled if entry not in pending]
-            self._pass_ends(BACKWARD_END, self._detected(
-                seen, batch, [forwards for _, forwards, _ in pending], backward=True,
-                scaler={"scale": fatal.scale, "in_a_row": fatal.in_a_row, "why": fatal.why}))
-
-    def updated(self, scaler):
-        """A scaler moved to its next step: its unscale_ judged what this step's backwards held."""
-        with self.lock:
-            self.scaled = [entry for entry in self.scaled if entry[0].scaler() not in (scaler, None)]
-
-    def _backoff(self, verdict, batch, seen):
-        """A backoff's line and record, saying where (``seen``: the gradients' read)."""
-        entries = seen.bad
-        name, cls = "", class_name(self.model)
-        say(backoff_line(name, cls, entries[:3] + (["..."] if len(entries) > 3 else []), verdict, batch,
-                         self.decisions.global_step, entry_kind(seen.frame, entries) if entries else "inf/nan"))
-        if self.decisions.log is not None:
-            self.decisions.log.backoff({"batch_number": batch, "module": name, "class": cls, "entries": entries,
-                                        "scale": verdict.scale, "in_a_row": verdict.in_a_row,
-                                        "global_step": self.decisions.global_step, "mode": self.decisions.mode})
 
     # -- frames_every: a step with the full detector attached -----------------------------------------
 
@@ -490,11 +328,167 @@ class StepGuard:
     def close(self):
         self.closed = True
         self.strategy.close()
-        self.backoffs.close()
+        self.scaled.close()
         self.thread = threading.local()
         self.through = []
-        self.scaled = []
         self._detach_full()
+
+
+class ScaledSteps:
+    """Under a ``GradScaler``: the backwards it scaled since its last update, whose gradients the
+    guard does not read (the scaler reads them in its ``unscale_`` and tells ``scaling``'s listeners
+    what it found): a backoff it recovers from is one line, one it cannot a detection, replayed
+    from the first micro-batch whose replay reproduces it (``scaling.Backoffs``)."""
+
+    def __init__(self, guard, options):
+        self.guard = guard
+        self.pending = []  # (ScaledBackward, its forwards, batch) since their scaler's last update
+        self.backoffs = Backoffs(options.min_loss_scale, options.max_backoffs, owner=self)
+
+    def add(self, scaled, forwards, batch):
+        self.pending.append((scaled, forwards, batch))
+
+    def unscaled(self, scaler, found_inf):
+        """A scaler unscaled an optimizer's gradients and found ``found_inf`` (``scaling``)."""
+        guard = self.guard
+        with guard.lock:
+            pending = [entry for entry in self.pending if entry[0].scaler() is scaler]
+            if not pending or not found_inf:
+                return
+            # the unscaled gradients, read once: where the scaler's nan/inf is, and what it is
+            seen = guard.reading.gradients() or Seen(_empty_frame(guard.model), [])
+            first = ("", seen.bad[0], entry_kind(seen.frame, seen.bad[:1])) if seen.bad else None
+            verdicts = [self.backoffs.judge(scaled, first) for scaled, _, _ in pending]
+            batch = pending[-1][2]
+            fatal = next((verdict for verdict, _ in verdicts if verdict is not None and verdict.why is not None), None)
+            if fatal is None:
+                last = next((verdict for verdict, _ in reversed(verdicts) if verdict is not None), None)
+                if last is not None and any(first for _, first in verdicts):
+                    self._backoff(last, batch, seen)
+                return
+            self.pending = [entry for entry in self.pending if entry not in pending]
+            guard._pass_ends(BACKWARD_END, guard._detected(
+                seen, batch, [forwards for _, forwards, _ in pending], backward=True,
+                scaler={"scale": fatal.scale, "in_a_row": fatal.in_a_row, "why": fatal.why}))
+
+    def updated(self, scaler):
+        """A scaler moved to its next step: its unscale_ judged what this step's backwards held."""
+        with self.guard.lock:
+            self.pending = [entry for entry in self.pending if entry[0].scaler() not in (scaler, None)]
+
+    def _backoff(self, verdict, batch, seen):
+        """A backoff's line and record, saying where (``seen``: the gradients' read)."""
+        decisions, entries = self.guard.decisions, seen.bad
+        name, cls = "", class_name(self.guard.model)
+        say(backoff_line(name, cls, entries[:3] + (["..."] if len(entries) > 3 else []), verdict, batch,
+                         decisions.global_step, entry_kind(seen.frame, entries) if entries else "inf/nan"))
+        if decisions.log is not None:
+            decisions.log.backoff({"batch_number": batch, "module": name, "class": cls, "entries": entries,
+                                   "scale": verdict.scale, "in_a_row": verdict.in_a_row,
+                                   "global_step": decisions.global_step, "mode": decisions.mode})
+
+    def close(self):
+        self.pending = []
+        self.backoffs.close()
+
+
+def _replay_watcher(guard, batch, found):
+    """What ``replay_step`` attaches: the guard's full detector, printing what the strategy prints."""
+    def watch(module):
+        watching = guard.watcher(module, batch, found, False)
+        watching.decisions.counting.reports = guard.strategy.reports
+        return watching
+    return watch
+
+
+def _own_report(seen, batch, strategy, decisions):
+    """What a guard saw, where its replay reported nothing: the reference's lines of the entries
+    that count, then the frame of what it read; and the detection as data, with its frames."""
+    frame, bad = seen
+    backward = frame.phase == BACKWARD
+    if strategy.reports != "none":
+        rows = {ctx: frame.rows[payload] for kind, ctx, payload in frame.entries if kind == TENSOR}
+        for ctx in bad[:SHOWN_GRADIENTS]:
+            for line in text.overflow_lines(rows[ctx], ctx) if ctx in rows else []:
+                say(line)
+        if len(bad) > SHOWN_GRADIENTS:
+            say(f"... and {len(bad) - SHOWN_GRADIENTS} more gradients hold a nan/inf")
+        say(text.dump_text(batch, [frame], f"the backward of batch_number={batch}" if backward else None, backward))
+    detection = {"batch_number": batch, "phase": frame.phase, "module": "", "class": frame.class_name,
+                 "entries": list(bad)}
+    if decisions.global_step is not None:
+        detection["global_step"] = decisions.global_step
+    if decisions.mode is not None:
+        detection["mode"] = decisions.mode
+    return detection, [text.frame_data(frame)]
+
+
+class StepMode:
+    """What the detector does in check="step" beyond its other modes (a base of the detector, which
+    has ``options``, ``model``, ``module_names``, ``decisions``, ``_handles`` and ``_passes``, the
+    guard): the root's two hooks, a full detector for one step (``_watcher``), and the guard driven
+    by an integration instead (``_driven``)."""
+
+    def _register_step_hooks(self):
+        # no hook below the root: its own two, which run even when its call raises
+        self._handles.append(self.model.register_forward_pre_hook(self._step_begins, with_kwargs=True))
+        self._handles.append(self.model.register_forward_hook(self._step_ends, with_kwargs=True, always_call=True))
+        self._passes.own_hooks = frozenset(handle.id for handle in self._handles)
+
+    def _step_begins(self, module, args, kwargs):
+        self._passes.before(module, args, kwargs)
+
+    def _step_ends(self, module, args, kwargs, output):
+        try:
+            self._passes.after(module, args, kwargs, output)
+        except OverflowDetected as error:
+            raise error.with_traceback(None)  # (the report's traceback starts here: the frames below help no reader)
+
+    def _watcher(self, module, batch, found, frames_step):
+        """check="step": the full detector (``watch()``'s frames, gradients, Where, Source and Op)
+        attached to ``module`` for one step, its batch counter at ``batch``, each detection it
+        reports handed to ``found``. ``frames_step``: a step of ``frames_every``, on the run itself
+        (its root's hooks are the guard's, its records go into this detector's log, its early
+        warnings are this detector's); else a replay's (see ``replay.step``)."""
+        options = self.options.changed(
+            check="batch", frames_every=None, kwargs=True, containers=True, backward=True, find_op=True,
+            sync=False, log=None, trace_batch_nums=None, abort_after_batch_num=None, on_detect=found.append,
+            warn_above=self.options.warn_above if frames_step else None)
+        watching = type(self).__new__(type(self))
+        watching._attach(module, options, self.module_names, self if frames_step else None)
+        decisions = watching.decisions
+        decisions.state.batch_number = decisions.state.forward_batch = batch
+        decisions.global_step, decisions.mode, decisions.samples = (self.decisions.global_step, self.decisions.mode,
+                                                                    self.decisions.samples)
+        if frames_step:
+            decisions.log = None if self.decisions.log is None else _Lent(self.decisions.log)
+            decisions.early_warnings = self.decisions.early_warnings
+        return watching
+
+    def _driven(self):
+        """check="step" driven by an integration (``StepGuard.begin`` and ``end``) instead of the
+        root's hooks, which come off: a LightningModule's steps run its parts, never its forward.
+        Returns the guard."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._passes.driven = True
+        return self._passes
+
+
+class _Lent:
+    """A log lent to a frames step's full detector: it writes into it, and leaves it open."""
+
+    __slots__ = ("log",)
+
+    def __init__(self, log):
+        self.log = log
+
+    def __getattr__(self, name):
+        return getattr(self.log, name)
+
+    def close(self):
+        pass
 
 
 def _gradient_arrived(guard, kept, index, grad):
@@ -503,19 +497,6 @@ def _gradient_arrived(guard, kept, index, grad):
     if guard is not None and not guard.closed:
         guard.gradient_arrived(kept, index, grad)
     # returns None: the gradient flows on unchanged
-
-
-def _parameters(model, module_names):
-    """``(parameter, its module's name, "name.grad")`` of each parameter that takes a gradient,
-    under its first owner, as the gradient frames name them."""
-    seen, found = set(), []
-    for module in model.modules():
-        for parameter, name in own_parameters(module):
-            if id(parameter) in seen or not parameter.requires_grad or not parameter.is_leaf:
-                continue
-            seen.add(id(parameter))
-            found.append((parameter, module_names.get(module, "?"), f"{name}.grad"))
-    return found
 
 
 def _empty_frame(model):

@@ -1,0 +1,122 @@
+"""How a pass ends (``passes``): its calls decided, its rows freed, the ranks agreed, and a pass that
+never ends on its own (a ``KeyboardInterrupt`` in a forward, an exception in a backward: see
+``passes``) abandoned at the next forward's first hook. A base of ``Passes``, whose state it uses."""
+
+import enum
+
+import torch
+
+from .errors import OverflowDetected
+from .frames import BACKWARD, FORWARD, graph_task_id
+from .rank_agreement import BACKWARD_END, FORWARD_END
+
+try:  # how non-reentrant activation checkpointing stops a recompute early: control flow, not an error
+    from torch.utils.checkpoint import _StopRecomputationError as _STOP_RECOMPUTATION
+except ImportError:
+    _STOP_RECOMPUTATION = ()
+
+
+class PassState(enum.Enum):
+    """Where a pass is. RUNNING, then ENDING, then CLOSED; STOPPING from RUNNING or ENDING;
+    ABANDONED from RUNNING or STOPPING; every pass ends CLOSED."""
+
+    RUNNING = "running"  # its calls are read and queued as they return
+    ENDING = "ending"  # its end decides its calls: a detection now waits for the agreement
+    STOPPING = "stopping"  # this rank detected: later calls never happened; the error waits for the agreement
+    ABANDONED = "abandoned"  # its calls never returned (see the module): its end stops nothing
+    CLOSED = "closed"  # decided, its rows freed: a thread that still holds it opens a new one
+
+
+class _Abandoned(BaseException):
+    """The error a pass ends with when its calls never returned (never raised)."""
+
+
+class PassEnds:
+    """The end of the detector's passes (its ``Passes``)."""
+
+    # -- the end of a pass -------------------------------------------------------------------------
+
+    def end(self, ended, phase, error=None):
+        """A pass ended (its outermost call returned or raised ``error``; its backward finished):
+        decide on its calls, free its rows, then (under torch.distributed) agree with the other ranks."""
+        ended.begin_ending()
+        try:
+            if isinstance(error, OverflowDetected):
+                ended.queue = []  # reported already, here or by another detector on this model
+            else:
+                try:
+                    self.flush(ended)
+                except ValueError:
+                    if error is None or isinstance(error, _STOP_RECOMPUTATION):
+                        raise
+                    # torch silences (with a warning) what a hook raises here: annotate its error
+                    if hasattr(error, "add_note"):
+                        error.add_note("overflow_fast: an inf/nan was detected earlier in this forward; "
+                                       "its report is printed above")
+        finally:
+            abandoned = ended.state is PassState.ABANDONED
+            stop = self._close(ended)
+            if self.sync_wanted() and not abandoned:  # the other ranks are elsewhere by now
+                self._agree(stop, phase)
+
+    def abandon_forward(self):
+        """This thread's hooked calls never returned (see the module): their pass ends now."""
+        thread = self.thread
+        del thread.calls[:]  # (the pre hook holds this list)
+        thread.outer = None
+        abandoned = thread.forward
+        if abandoned is not None and abandoned.state is not PassState.CLOSED:
+            abandoned.abandon()
+            self.end(abandoned, FORWARD, _Abandoned())
+
+    def abandon_backward(self):
+        """The backward whose end was to decide the backward pass failed (see the module): the pass
+        ends now, and what find_op kept for its replay goes."""
+        task, self.flush_task = self.flush_task, None
+        try:
+            abandoned = self.backward
+            if abandoned is not None and abandoned.state is not PassState.CLOSED:
+                abandoned.abandon()
+                abandoned.task = task
+                self.end(abandoned, BACKWARD, _Abandoned())
+        finally:
+            self._let_go_of_the_forward()
+
+    def decide_when_backward_ends(self):
+        """Decide the backward pass when this backward ends, before ``backward()`` returns and so
+        before the optimizer step."""
+        if not (not self.decides_each_call or self.keeps_calls or self.sync_wanted()):
+            return
+        task = graph_task_id()
+        if self.flush_task == task:
+            return
+        self.flush_task = task
+        torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
+
+    def _backward_ended(self):
+        with self.lock:
+            self.flush_task = None
+            try:
+                self.end(self.backward_pass(), BACKWARD)
+            except OverflowDetected as error:
+                raise error.with_traceback(None)  # (the report's traceback starts here: the frames below help no reader)
+            finally:
+                self._let_go_of_the_forward()
+
+    def _let_go_of_the_forward(self):
+        """find_op: the backward that the last forward's calls were kept for ended. Autograd lets go
+        of their activations now; so do they (a pass's finished calls wait until the next begins)."""
+        for inputs in self.kept_forward:
+            inputs.release()
+        self.kept_forward = []
+        self.kept_gradients = {}
+
+    def sync_wanted(self):
+        """Whether this detector's decisions are agreed between ranks (see overflow_fast.distributed)."""
+        return self.ranks.wanted()
+
+    def _agree(self, stop, phase):
+        """Every rank learns which ranks detected; all raise together (``rank_agreement``).
+        ``stop``: this rank's detection, (detection, frames), or None."""
+        self.ranks.end_of_pass(stop, BACKWARD_END if phase == BACKWARD else FORWARD_END, self.decisions.state)
+
