@@ -120,7 +120,9 @@ def test_a_gpt2_in_training_replays_its_attention_dropout_exactly(check, attenti
                                            "transformer.h.1.attn.c_proj (Conv1D) input[0]")
     assert line.endswith(SAME) and op["reproduced"] == "on the same inputs", line
     assert os.path.basename(os.path.dirname(op["file"])) in ("gpt2", "integrations"), op
-    assert op["what"].startswith("inf from finite inputs"), op
+    # sdpa casts its result back to float16, where the row that did not fit becomes inf
+    assert op["what"].startswith("inf from finite inputs" if attention == "eager" else
+                                 "a cast to float16: inf from finite values"), op
     assert error.detection["transient"] is False
 
 

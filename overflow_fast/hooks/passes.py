@@ -39,7 +39,7 @@ from ..replay.culprit import autocast_state, root_state, root_state_at_end
 from .compiled import Traced
 from .decisions import NO_ROWS, Pending
 from .errors import overflow_error, say
-from .frames import FORWARD, graph_task_id
+from .frames import FORWARD, graph_task_id, transform_level
 from .hook_core import entries_reader, kept_call_class
 from .on_detect import strategy
 from .pass_ends import PassEnds, PassState
@@ -233,8 +233,8 @@ class Passes(PassEnds):
             if graph_task_id() == -1:
                 with self.lock:
                     self._forward_begins(module is self.model)
-                    if module is self.model and self.decisions.explain:
-                        explain.read_model_inputs(self, args, kwargs)
+                    if module is self.model and self.decisions.explain and transform_level() is None:
+                        explain.read_model_inputs(self, args, kwargs)  # (inside torch.func: its own tensors)
         kept = self.kept_call(module, args, kwargs, calls[-1][2] if calls else None, self.autocast, root_state) \
             if self.keeps_calls else None
         calls.append((module, sys.exc_info()[1], kept))
