@@ -380,7 +380,7 @@ class Watchdog:
 CHILDREN = []  # child processes, ended with the run
 
 torch = None  # imported by startup(), inside the budget
-triton_be = triton_devices = triton_read = triton_table = torch_be = cpu_be = StatsBatch = None
+triton_be = triton_devices = triton_list = triton_table = torch_be = cpu_be = StatsBatch = None
 random_bits = reference_stats = same_stats = special_values = None
 
 
@@ -400,7 +400,7 @@ class Context:
 def startup(ctx):
     """Import torch, the package (which builds or loads the C++ kernel), Triton and transformers,
     each timed; pick the device. False when nothing can be measured."""
-    global triton_devices, triton_read, triton_table
+    global triton_devices, triton_list, triton_table
     global torch, triton_be, torch_be, cpu_be, StatsBatch, random_bits, reference_stats, same_stats, special_values
     report, args = ctx.report, ctx.args
     if args.dry_run:
@@ -429,11 +429,11 @@ def startup(ctx):
     from overflow_fast.stats import torch_backend as _torch_be
     from overflow_fast.stats import triton_backend as _triton_be
     from overflow_fast.stats import triton_devices as _triton_devices
-    from overflow_fast.stats import triton_read as _triton_read
+    from overflow_fast.stats import triton_list as _triton_list
     from overflow_fast.stats import triton_table as _triton_table
 
     StatsBatch, torch_be, triton_be = _StatsBatch, _torch_be, _triton_be
-    triton_devices, triton_read, triton_table = _triton_devices, _triton_read, _triton_table
+    triton_devices, triton_list, triton_table = _triton_devices, _triton_list, _triton_table
     ctx.missing["triton"] = triton_be.unavailable_reason()
     timings.append(f"the triton backend {time.perf_counter() - started:.1f} s")
 
@@ -597,7 +597,7 @@ def direct_launch_child(dry_run):
     variant through Triton's launch, then directly), then reads of 1 to 17 tensors (one to three
     launches) through the hooks' entry on torch's stream and on a side stream, each against the
     torch backend, and a sync. One ``PROBE <json>`` line; exit status 0 passed, 1 not."""
-    global torch, triton_be, triton_devices, triton_read, triton_table, torch_be
+    global torch, triton_be, triton_devices, triton_list, triton_table, torch_be
     result = {"passed": False}
     if dry_run:  # the interpreter is chosen when the backend is imported
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -607,15 +607,15 @@ def direct_launch_child(dry_run):
         from overflow_fast.stats import torch_backend as _torch_be
         from overflow_fast.stats import triton_backend as _triton_be
         from overflow_fast.stats import triton_devices as _triton_devices
-        from overflow_fast.stats import triton_read as _triton_read
+        from overflow_fast.stats import triton_list as _triton_list
         from overflow_fast.stats import triton_table as _triton_table
 
         torch, triton_be, torch_be = _torch, _triton_be, _torch_be
-        triton_devices, triton_read, triton_table = _triton_devices, _triton_read, _triton_table
+        triton_devices, triton_list, triton_table = _triton_devices, _triton_list, _triton_table
         if triton_be.unavailable_reason() is not None:
             raise RuntimeError(f"the triton backend is unavailable: {triton_be.unavailable_reason()}")
         device = torch.device("cpu") if dry_run else torch.device("cuda", torch.cuda.current_device())
-        state = triton_be.check_device(device, read=None if device.type == "cuda" else triton_read._read)
+        state = triton_be.check_device(device, read=None if device.type == "cuda" else triton_list._read)
         result.update(self_check=state.self_check, check_ms=state.check_ms or 0.0, launch=state.launch)
         if state.self_check != "passed":
             raise RuntimeError(f"the self-check {state.self_check}")
@@ -672,7 +672,7 @@ def _direct_reads(device):
                     stream.synchronize()
                 if taken is not True:
                     raise RuntimeError(f"read_into did not take {count} tensors on {where}")
-                problem = triton_devices._row_difference(rows.cpu(), want, tensors)
+                problem = triton_list._row_difference(rows.cpu(), want, tensors)
                 if problem is not None:
                     raise RuntimeError(f"the {attempt} read of {count} tensors on {where}: {problem}")
                 reads += 1
@@ -737,7 +737,7 @@ def _read_rows(tensors):
     """The per-hook kernel's rows (whatever the device's self-check said)."""
     rows = torch.full((len(tensors), 8), -1, dtype=torch.int64, device=tensors[0].device)
     state = triton_devices._DEVICES.get((rows.device.type, rows.device.index)) or triton_be.check_device(rows.device)
-    if triton_read._read(tensors, rows, state) is False:
+    if triton_list._read(tensors, rows, state) is False:
         raise Mismatch(f"the per-hook kernel did not take {len(tensors)} tensors")
     return rows
 
@@ -848,10 +848,10 @@ def self_check(ctx, deadline):
     # on a GPU the second check runs with its kernels compiled, the figure that counts
     for attempt in ("first use",) if ctx.tiny else ("first use", "warm"):
         triton_be.forget_devices()
-        state = triton_be.check_device(device, read=None if device.type == "cuda" else triton_read._read)
+        state = triton_be.check_device(device, read=None if device.type == "cuda" else triton_list._read)
         print(f"  self-check ({attempt}): {state.self_check}, {state.check_ms:.0f} ms; path {state.path}; "
               f"launch {state.launch}", flush=True)
-    passed = state.path == triton_be.PER_HOOK
+    passed = state.path == triton_be.LIST
     if not passed:
         ctx.report.checks_failed.append("self-check")
     launcher = state.launcher
@@ -899,7 +899,7 @@ def fits(numel, dtype, device):
 def per_hook_path(device):
     """Whether ``device`` reads with the per-hook kernel (its self-check passed, or has not run)."""
     state = triton_devices._DEVICES.get((device.type, device.index))
-    return state is None or state.path == triton_be.PER_HOOK
+    return state is None or state.path == triton_be.LIST
 
 
 def bench_sizes(device, timer, sizes, dtypes, copy_gbps, deadline=math.inf):
@@ -1426,7 +1426,7 @@ def _counted_forward(hp, model, run, hooks, variant):
     direct and ordinary ones, the Python read's, the table kernels' two per call), and
     bench_host_path's count of the Python-side engine calls and the time in them."""
     calls = {"_launch": 0, "_launch_read": 0}
-    owners = {"_launch": triton_table, "_launch_read": triton_read}  # the modules whose code calls them
+    owners = {"_launch": triton_table, "_launch_read": triton_list}  # the modules whose code calls them
     wrapped = {}
     for name in calls:  # counted, then the real function
         real = wrapped[name] = getattr(owners[name], name)

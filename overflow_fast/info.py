@@ -60,7 +60,7 @@ def _per_hook_paths():
     the launch would be made."""
     import torch
 
-    from .stats import triton_backend, triton_devices
+    from .stats import triton_backend, triton_list
 
     if triton_backend.unavailable_reason() is not None:
         return {"gpu": "none here (the triton backend, which reads each hook's GPU tensors, is unavailable: "
@@ -68,13 +68,13 @@ def _per_hook_paths():
     if torch.cuda.is_available():
         for index in range(torch.cuda.device_count()):
             try:
-                triton_devices._state(torch.device("cuda", index))
+                triton_list.device_state(torch.device("cuda", index))
             except Exception as error:  # noqa: BLE001 - info reports, it never fails
                 return {f"cuda:{index}": f"cannot be set up ({type(error).__name__}: {error})"}
     report = {device: f"{path}; self-check {check}; launch {launch}"
               for device, (path, check, launch) in triton_backend.device_report().items()}
     if not report:
-        report["none used yet"] = f"{triton_backend.PER_HOOK} on first use; launch {triton_backend.launch_path()}"
+        report["none used yet"] = f"{triton_backend.LIST} on first use; launch {triton_backend.launch_path()}"
     return report
 
 
@@ -88,7 +88,7 @@ def info():
     ({name: value})."""
     import torch
 
-    import overflow_fast
+    from ._version import __version__
     from .report import logscan
     from .stats import cpu_backend, dispatch
 
@@ -118,7 +118,7 @@ def info():
     environment = {name: value for name, value in sorted(os.environ.items())
                    if name.startswith("OVERFLOW_FAST_") or name in RELATED_ENV}
     return {
-        "overflow_fast": f"{overflow_fast.__version__} ({os.path.dirname(overflow_fast.__file__)})",
+        "overflow_fast": f"{__version__} ({os.path.dirname(os.path.abspath(__file__))})",
         "python": f"{platform.python_version()} ({sys.executable})",
         "torch": f"{torch.__version__} (C++ ABI {'cxx11' if torch._C._GLIBCXX_USE_CXX11_ABI else 'pre-cxx11'})",
         "triton": _triton(),

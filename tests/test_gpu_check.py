@@ -279,16 +279,16 @@ def test_a_wrong_kernel_is_a_row_and_the_measuring_goes_on(tmp_path):
     # the per-hook read off by one: exactness and the self-check say so, and the bandwidth is
     # measured all the same (on the table kernels)
     process = launch(["--dry-run", "--phases", "exactness,self-check,bandwidth", "--out", str(tmp_path)], """
-from overflow_fast.stats import triton_read
+from overflow_fast.stats import triton_list
 
-real_read = triton_read._read
+real_read = triton_list._read
 
 def off_by_one(tensors, out, *args, **kwargs):
     taken = real_read(tensors, out, *args, **kwargs)
     out[-1, 5] += 1  # one zero count wrong
     return taken
 
-triton_read._read = off_by_one
+triton_list._read = off_by_one
 """)
     status, output = finish(process)
     rows, headline = table(tmp_path)

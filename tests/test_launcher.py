@@ -6,7 +6,7 @@ a call's tensors in the same call. What it declines, it leaves untouched for Pyt
 path; a launcher that fails is unbound and its tensors handed back.
 
 The CUDA driver (cuLaunchKernel) needs a GPU: its predicate and packing are the same code
-(test_triton_read.py reads the predicate with the benchmark's counting driver, and the per-hook
+(test_triton_list.py reads the predicate with the benchmark's counting driver, and the per-hook
 kernel through the interpreter takes this packing); its driver call is measured on a lent GPU only.
 """
 

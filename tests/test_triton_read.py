@@ -1,4 +1,4 @@
-"""The per-hook kernel (``triton_backend.read_into``, through the device's C++ launcher): how many
+"""The list kernel (``triton_backend.read_into``, through the device's C++ launcher): how many
 launches a call takes, what it declines, that its accumulators are left at identity for the next
 launch, its self-check, when its launch is direct (Triton's launch hooks, read from the installed
 Triton), and (compiled for sm90 without a GPU) int64 offsets and the metadata the direct launch
@@ -21,7 +21,7 @@ import torch
 from oracle import assert_stats_equal, random_bits, special_values
 from overflow_fast.stats import StatsBatch
 from overflow_fast.stats import triton_backend as tb
-from overflow_fast.stats import triton_common, triton_devices, triton_kernels, triton_launch, triton_read
+from overflow_fast.stats import triton_common, triton_devices, triton_kernels, triton_launch, triton_list
 
 if tb.unavailable_reason() is not None:
     DEVICE = None
@@ -43,11 +43,11 @@ def _dicts(rows, tensors):
 
 
 class Launches:
-    """Counts ``_read_kernel`` launches (and their programs), passing them through."""
+    """Counts ``_list_kernel`` launches (and their programs), passing them through."""
 
     def __init__(self, monkeypatch):
         self.grids = []
-        kernel = triton_kernels._read_kernel
+        kernel = triton_kernels._list_kernel
         launches = self
 
         class Counting:
@@ -55,7 +55,7 @@ class Launches:
                 launches.grids.append(grid[0])
                 return kernel[grid]
 
-        monkeypatch.setattr(triton_kernels, "_read_kernel", Counting())
+        monkeypatch.setattr(triton_kernels, "_list_kernel", Counting())
 
 
 @needs_backend
@@ -148,19 +148,19 @@ def test_views_far_into_their_storage_and_copied_layouts():
 
 @needs_backend
 def test_self_check_passes_and_a_wrong_result_keeps_the_table_kernels():
-    """The self-check runs the fixed set through the per-hook path twice against the torch
+    """The self-check runs the fixed set through the list read twice against the torch
     backend. A path that gets one count wrong fails it: one warning naming the tensor, and that
-    device then declines the per-hook path (its reads go to the table kernels)."""
+    device then declines the list read (its reads go to the table kernels)."""
     device = torch.device(DEVICE)
     tb.forget_devices()
     try:
         assert tb.self_check(device) is None
 
-        state = tb.check_device(device, read=triton_read._read)
-        assert state.self_check == "passed" and state.path == tb.PER_HOOK
+        state = tb.check_device(device, read=triton_list._read)
+        assert state.self_check == "passed" and state.path == tb.LIST
 
         def off_by_one(tensors, rows):
-            triton_read._read(tensors, rows)
+            triton_list._read(tensors, rows)
             if len(tensors) > 5:  # the first call: tensors[5] of the check's set
                 rows[5, 2] += 1  # a nan count
 
@@ -168,7 +168,7 @@ def test_self_check_passes_and_a_wrong_result_keeps_the_table_kernels():
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             state = tb.check_device(device, read=off_by_one)
-        messages = [str(w.message) for w in caught if "per-hook" in str(w.message)]
+        messages = [str(w.message) for w in caught if "list kernel" in str(w.message)]
         assert len(messages) == 1 and "tensors[5]" in messages[0], messages
         assert state.path == tb.TABLE and state.self_check.startswith("failed: first read: tensors[5]")
         report = tb.device_report()[str(device)]
@@ -184,7 +184,7 @@ def test_self_check_passes_and_a_wrong_result_keeps_the_table_kernels():
             warnings.simplefilter("always")
             state = tb.check_device(device, read=raises)
         assert state.path == tb.TABLE and "simulated launch failure" in state.self_check
-        assert sum("per-hook" in str(w.message) for w in caught) == 1
+        assert sum("list kernel" in str(w.message) for w in caught) == 1
     finally:
         tb.forget_devices()
 
@@ -199,7 +199,7 @@ def test_the_hooks_reads_go_through_the_launcher_s_packing():
     where it cannot launch directly (here: the interpreter), hands each launch to Triton's
     ordinary call, arguments and constexprs as the kernel takes them."""
     device = torch.device(DEVICE)
-    state = triton_devices._state(device)
+    state = triton_list.device_state(device)
     launcher = state.launcher_for(*SMALL.values())
     before = launcher.ordinary_launches + launcher.direct_launches
     gen = _gen(3)
@@ -234,14 +234,14 @@ def test_the_launch_hooks_predicate_reads_the_installed_triton():
     launcher = triton_common._EXTENSION.Launcher("count", torch.device("cpu"), triton_common._PLAIN_TYPES,
                                                  triton_common._FORMAT_WORD, triton_common._ALIGNED_BIT,
                                                  tb.BLOCK_SIZE * tb.BLOCKS_PER_CHUNK, tb.MAX_READ_LAUNCHES, pool,
-                                                 tb.STREAM_GROUPS, runtime, triton_kernels._read_kernel, ordinary)
+                                                 tb.STREAM_GROUPS, runtime, triton_kernels._list_kernel, ordinary)
     x = torch.ones(3, dtype=torch.bfloat16)
     rows = torch.full((1, 8), -1, dtype=torch.int64)
 
     def path():
         launched = launcher.direct_launches, len(calls)
         assert launcher.read([x], rows)
-        reason = triton_common._EXTENSION.launch_hooks_reason(runtime, triton_kernels._read_kernel)
+        reason = triton_common._EXTENSION.launch_hooks_reason(runtime, triton_kernels._list_kernel)
         assert launcher.hooks_reason() == reason
         took = "direct" if launcher.direct_launches > launched[0] else "ordinary"
         assert (took == "direct") == (reason is None), (took, reason)
@@ -263,11 +263,11 @@ def test_the_launch_hooks_predicate_reads_the_installed_triton():
         assert path() == "ordinary"
     finally:
         runtime.launch_exit_hook.remove(hook)
-    triton_kernels._read_kernel.add_pre_run_hook(hook)
+    triton_kernels._list_kernel.add_pre_run_hook(hook)
     try:
         assert path() == "ordinary"
     finally:
-        triton_kernels._read_kernel.pre_run_hooks.remove(hook)
+        triton_kernels._list_kernel.pre_run_hooks.remove(hook)
     assert path() == "direct"
 
 
@@ -286,7 +286,7 @@ def test_the_launch_hooks_predicate_reads_the_older_tritons_form():
         launch_enter_hook = hook
         launch_exit_hook = None
 
-    kernel = triton_kernels._read_kernel
+    kernel = triton_kernels._list_kernel
     assert triton_common._EXTENSION.launch_hooks_reason(OlderRuntime, kernel) is not None
     OlderRuntime.launch_enter_hook = None
     assert triton_common._EXTENSION.launch_hooks_reason(OlderRuntime, kernel) is None
@@ -330,12 +330,12 @@ from triton.compiler import ASTSource
 import triton
 from overflow_fast.stats import triton_backend as tb, triton_common, triton_kernels
 assert not triton_common._INTERPRET
-names = list(__import__("inspect").signature(triton_kernels._read_kernel.fn).parameters)
+names = list(__import__("inspect").signature(triton_kernels._list_kernel.fn).parameters)
 code = triton_common._FORMAT_WORD[__import__("torch").bfloat16] & triton_common._CODE_MASK
 constexprs = dict(K=8, FORMATS=1 << code, ANY_UNALIGNED=True, BLOCK_SIZE=tb.BLOCK_SIZE,
                   BLOCKS_PER_CHUNK=tb.BLOCKS_PER_CHUNK)
 signature = {name: ("constexpr" if name in constexprs else "i64") for name in names}
-kernel = triton.compile(ASTSource(triton_kernels._read_kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32),
+kernel = triton.compile(ASTSource(triton_kernels._list_kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32),
                         options={"num_warps": tb.NUM_WARPS, **triton_common._REGISTER_CAP})
 ttir = kernel.asm["ttir"]
 offsets = re.findall(r"tt\.addptr[^\n]*:\s*tensor<\d+x!tt\.ptr<[^>]+>>,\s*tensor<\d+x(i\d+)", ttir)
@@ -350,11 +350,11 @@ assert atomics and len({line.split()[0] for line in atomics}) == 1 and atomics[0
 assert tb.metadata_mismatch(kernel) is None, tb.metadata_mismatch(kernel)
 params = tb.ptx_parameters(ptx, kernel.metadata.name)
 assert len(params) == 28 and params[26].startswith(".u64 .ptr"), params
-one = triton.compile(ASTSource(triton_kernels._read_kernel, signature, dict(constexprs, K=1, ANY_UNALIGNED=False)),
+one = triton.compile(ASTSource(triton_kernels._list_kernel, signature, dict(constexprs, K=1, ANY_UNALIGNED=False)),
                      target=GPUTarget("cuda", 90, 32),
                      options={"num_warps": tb.NUM_WARPS, **triton_common._REGISTER_CAP})
 assert tb.metadata_mismatch(one) is None, tb.metadata_mismatch(one)  # unused slots stay parameters
-pdl = triton.compile(ASTSource(triton_kernels._read_kernel, signature, dict(constexprs, K=1, ANY_UNALIGNED=False)),
+pdl = triton.compile(ASTSource(triton_kernels._list_kernel, signature, dict(constexprs, K=1, ANY_UNALIGNED=False)),
                      target=GPUTarget("cuda", 90, 32), options={"num_warps": tb.NUM_WARPS, "launch_pdl": True})
 assert "launch_pdl=True" in tb.metadata_mismatch(pdl), tb.metadata_mismatch(pdl)
 assert tb.direct_mismatch(one) == "no CUfunction: not a compiled CUDA kernel"  # not loaded: no GPU here
@@ -393,7 +393,7 @@ def test_info_names_each_devices_path_self_check_and_launch():
         rows = torch.empty(1, 8, dtype=torch.int64, device=DEVICE)
         assert tb.read_into([torch.ones(3, device=DEVICE)], rows)
         lines = [line for line in info.lines(info.info()) if line.startswith("per-hook read")]
-        assert len(lines) == 1 and f"({torch.device(DEVICE)}): per-hook kernel; self-check" in lines[0], lines
+        assert len(lines) == 1 and f"({torch.device(DEVICE)}): list kernel; self-check" in lines[0], lines
         assert "launch ordinary (" in lines[0] if DEVICE == "cpu" else "launch direct" in lines[0]
     finally:
         tb.forget_devices()

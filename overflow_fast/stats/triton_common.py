@@ -1,11 +1,12 @@
 """What every part of the Triton backend shares: Triton's import and the interpreter switch, the
 launch shape, the formats the kernels read and their format words, and the extension
-(``overflow_fast._C``: the table's C++ loop and the per-hook launcher), loaded on first use.
+(``overflow_fast._C``: the table's C++ loop and the list read's launcher), loaded on first use.
 
-The files of the backend, one concern each (``triton_backend`` is their face):
-triton_common (this), triton_kernels (the kernels), triton_table (the table kernels' path and its
-pinned staging), triton_launch (the per-hook kernel's launch through the C++ launcher),
-triton_devices (the per-device state and its self-check), triton_read (the per-hook read).
+The files of the backend, one concern each (``triton_backend`` is their face), each importing only
+those before it: triton_common (this), triton_kernels (the kernels), triton_table (the table
+kernels' path and its pinned staging), triton_launch (the list kernel's launch through the C++
+launcher), triton_devices (the list read's state on each device), triton_list (the list read: a
+call's tensors passed by value, and its first use on a device).
 """
 
 import os

@@ -1,4 +1,4 @@
-"""The per-hook kernel's launch, with the extension: the C++ ``Launcher`` of a device, its ordinary
+"""The list kernel's launch, with the extension: the C++ ``Launcher`` of a device, its ordinary
 launches through Triton, the registration of compiled variants for the direct launch, and how
 the kernel is launched now (``launch_path``)."""
 
@@ -24,11 +24,11 @@ from .triton_common import (_ALIGNED_BIT, _FORMAT_WORD, _PLAIN_TYPES, NUM_WARPS,
 SLOT_VARIANTS = (1, 2, 4, 8)
 MAX_SLOTS = SLOT_VARIANTS[-1]
 MAX_READ_LAUNCHES = 4
-STREAM_GROUPS = 64  # accumulator groups per device: the streams that can run the per-hook kernel
+STREAM_GROUPS = 64  # accumulator groups per device: the streams that can run the list kernel
 _IDENTITY_ROW = (2**63 - 1, -(2**63), 0, 0, 0, 0, 0, 0)  # keys at the ends of int64, counts and counter 0
 
 DIRECT = "direct (cuLaunchKernel from C++)"
-# the per-hook kernel's parameters, in order: what the C++ launcher packs (csrc/launch.h)
+# the list kernel's parameters, in order: what the C++ launcher packs (csrc/launch.h)
 _RUNTIME_ARGS = ("Out", "Accumulators", *(f"{c}{i}" for i in range(MAX_SLOTS) for c in "anw"))
 _CONSTEXPRS = ("K", "FORMATS", "ANY_UNALIGNED", "BLOCK_SIZE", "BLOCKS_PER_CHUNK")
 _SCRATCH_POINTERS = 2  # Triton's global and profile scratch, after the kernel's own parameters
@@ -80,18 +80,18 @@ def _new_launcher(state, pool, block_size, blocks_per_chunk):
     def ordinary(grid, args, slots, formats, any_unaligned):
         known = owner()
         if known is None:  # forget_devices() dropped it: a core that still holds this launcher unbinds it
-            raise RuntimeError("the per-hook state of this device was forgotten")
+            raise RuntimeError("the list read's state of this device was forgotten")
         _ordinary_launch(known, known.launcher_for(*shape), grid, args, slots, formats, any_unaligned, *shape)
 
     try:
         launcher = _extension().Launcher(driver, state.device, _PLAIN_TYPES, _FORMAT_WORD, _ALIGNED_BIT,
                                        block_size * blocks_per_chunk, MAX_READ_LAUNCHES, pool, STREAM_GROUPS,
-                                       runtime, triton_kernels._read_kernel, ordinary)
+                                       runtime, triton_kernels._list_kernel, ordinary)
     except Exception as error:  # noqa: BLE001 - e.g. no libcuda.so.1: Triton's own launches
         driver, reason = "ordinary", f"{type(error).__name__}: {error}"
         launcher = _extension().Launcher(driver, state.device, _PLAIN_TYPES, _FORMAT_WORD, _ALIGNED_BIT,
                                        block_size * blocks_per_chunk, MAX_READ_LAUNCHES, pool, STREAM_GROUPS,
-                                       runtime, triton_kernels._read_kernel, ordinary)
+                                       runtime, triton_kernels._list_kernel, ordinary)
     return launcher, reason
 
 
@@ -99,7 +99,7 @@ def _ordinary_launch(state, launcher, grid, args, slots, formats, any_unaligned,
     """A launch the C++ launcher could not make directly, through Triton (``JITFunction.run``,
     which compiles the variant on its first launch); the compiled variant is then registered for
     direct launches where its metadata allows."""
-    kernel = triton_kernels._read_kernel[(grid,)](*args, K=slots, FORMATS=formats, ANY_UNALIGNED=any_unaligned,
+    kernel = triton_kernels._list_kernel[(grid,)](*args, K=slots, FORMATS=formats, ANY_UNALIGNED=any_unaligned,
                                    BLOCK_SIZE=block_size, BLOCKS_PER_CHUNK=blocks_per_chunk, num_warps=NUM_WARPS,
                                    **_REGISTER_CAP)
     key = (slots, formats, any_unaligned, block_size, blocks_per_chunk)
@@ -121,7 +121,7 @@ def _register(state, launcher, key, kernel):
 
 
 def direct_mismatch(kernel):
-    """None when the compiled per-hook kernel ``kernel`` (loaded on its device) takes exactly what the
+    """None when the compiled list kernel ``kernel`` (loaded on its device) takes exactly what the
     direct launch passes, else what differs (``metadata_mismatch``)."""
     if not isinstance(getattr(kernel, "function", None), int):
         return "no CUfunction: not a compiled CUDA kernel"
@@ -129,7 +129,7 @@ def direct_mismatch(kernel):
 
 
 def metadata_mismatch(kernel):
-    """None when the compiled per-hook kernel's metadata and PTX say that it takes exactly what the
+    """None when the compiled list kernel's metadata and PTX say that it takes exactly what the
     direct launch passes (csrc/table.cpp, Launcher::launch_direct: grid (programs, 1, 1), 32 *
     num_warps threads, its dynamic shared memory, no launch attribute; the 26 int64 values, then
     the two scratch pointers, null), else what differs. Read in Triton 3.6's and 3.9's CUDA
@@ -141,7 +141,7 @@ def metadata_mismatch(kernel):
     signature = getattr(getattr(kernel, "src", None), "signature", None)
     expected = {**{name: "i64" for name in _RUNTIME_ARGS}, **{name: "constexpr" for name in _CONSTEXPRS}}
     if signature != expected:
-        return f"its signature {signature} is not the per-hook kernel's"
+        return f"its signature {signature} is not the list kernel's"
     for name, wanted in (("num_ctas", 1), ("launch_cooperative_grid", False), ("launch_pdl", False),
                          ("global_scratch_size", 0), ("profile_scratch_size", 0), ("instrumentation_mode", "")):
         value = getattr(metadata, name, wanted)  # absent or None: this Triton has no such feature
@@ -183,7 +183,7 @@ def ptx_parameters(ptx, name):
 
 
 def launch_path(state=None):
-    """How the per-hook kernel is launched on ``state``'s device now (default: a device not set up
+    """How the list kernel is launched on ``state``'s device now (default: a device not set up
     yet): ``DIRECT``, or "ordinary (why)" for Triton's own launch. The launch hooks are read now,
     by the C++ launcher's own predicate."""
     if state is not None and state.launcher is not None:
@@ -203,5 +203,5 @@ def launch_path(state=None):
     driver, reason = _launcher_driver(device)
     if reason is None:
         runtime, _ = _runtime_knobs()
-        reason = _extension().launch_hooks_reason(runtime, triton_kernels._read_kernel)
+        reason = _extension().launch_hooks_reason(runtime, triton_kernels._list_kernel)
     return f"{DIRECT} after its self-check" if reason is None else f"ordinary ({reason})"

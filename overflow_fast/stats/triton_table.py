@@ -10,6 +10,7 @@ import struct
 import torch
 
 from . import triton_common, triton_kernels
+from .kinds import tensor_device
 from .layout import NUM_COLUMNS, host_bytes
 from .triton_common import (_ALIGNED_BIT, _CODE_MASK, _FORMAT_WORD, _PLAIN_TYPES, BLOCK_SIZE, BLOCKS_PER_CHUNK,
                             COMBINE_BLOCK, NUM_WARPS, _functorch_interpreter, _REGISTER_CAP, _triton_table)
@@ -129,7 +130,7 @@ class _PinnedStaging:
         event.record()  # on the current stream: the copy above
 
 
-_STAGING = {}  # CUDA device index -> _PinnedStaging
+_STAGING = {}  # CUDA device (as its tensors report it) -> _PinnedStaging
 
 
 def _buffer(table, num_chunks, device):
@@ -148,9 +149,12 @@ def _buffer(table, num_chunks, device):
 
 
 def _staging(device):
-    staging = _STAGING.get(device.index)
+    staging = _STAGING.get(device)
     if staging is None:
-        staging = _STAGING[device.index] = _PinnedStaging()
+        device = tensor_device(device)
+        staging = _STAGING.get(device)
+        if staging is None:
+            staging = _STAGING[device] = _PinnedStaging()
     return staging
 
 
