@@ -20,6 +20,7 @@ import torch
 
 from oracle import assert_stats_equal, random_bits, special_values
 from overflow_fast.stats import StatsBatch
+from overflow_fast.stats.kinds import tensor_device
 from overflow_fast.stats import triton_backend as tb
 from overflow_fast.stats import triton_common, triton_devices, triton_kernels, triton_launch, triton_list
 
@@ -190,6 +191,49 @@ def test_self_check_passes_and_a_wrong_result_keeps_the_table_kernels():
 
 
 needs_extension = pytest.mark.skipif(triton_common._EXTENSION is None, reason="the C++ extension is unavailable")
+
+
+def test_a_device_is_keyed_in_the_form_its_tensors_report(monkeypatch):
+    """``torch.device("cuda")`` names the current CUDA device, whose tensors say "cuda:N"; CPU
+    tensors say "cpu" whatever index a caller wrote: every per-device table keys that form."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert tensor_device(torch.device("cuda")) == torch.device("cuda", 1)
+    assert tensor_device("cuda") == torch.device("cuda", 1)
+    assert tensor_device("cuda:0") == torch.device("cuda", 0)
+    assert tensor_device(torch.device("cpu", 0)) == torch.device("cpu") == torch.ones(1).device
+    assert tensor_device("cpu") == torch.device("cpu")
+    assert tensor_device("meta") == torch.device("meta")
+    assert triton_devices.key("cuda") == ("cuda", 1) and triton_devices.key("cpu:0") == ("cpu", None)
+
+
+@needs_backend
+def test_a_device_named_in_another_form_is_the_one_its_tensors_read_on():
+    """End to end on the paths this machine runs: a device set up and self-checked under a name its
+    tensors do not report (as ``torch.device("cuda")`` on a GPU: here "cpu:0") is the state their
+    reads find, the launcher and reader a caller binds for it are that state's, and nothing is set
+    up twice."""
+    from overflow_fast.stats import dispatch
+
+    if DEVICE != "cpu":
+        pytest.skip("the CPU's other form; on a GPU gpu_check's self-check names torch.device('cuda')")
+    other = torch.device("cpu", 0)
+    tb.forget_devices()
+    try:
+        state = tb.check_device(other, read=triton_list._read)
+        assert state.self_check == "passed" and state.path == tb.LIST, state.self_check
+        assert tb.check_device(other).path == tb.LIST  # its own read, through the launcher where there is one
+        state = triton_devices.lookup(other)
+        x = random_bits(torch.bfloat16, (70,), _gen(4))
+        rows = torch.full((1, 8), -1, dtype=torch.int64)
+        assert tb.read_into([x], rows) and triton_devices.lookup(x.device) is state
+        assert_stats_equal(_dicts(rows, [x]), [x], "read on the device named cpu:0")
+        assert list(tb.device_report()) == ["cpu"]
+        with dispatch.preferring("cpu", "triton"):
+            assert dispatch.rows_reader("triton", other) is tb.read_into
+            assert dispatch.rows_launcher("triton", other) is state.launcher
+        assert list(tb.device_report()) == ["cpu"]
+    finally:
+        tb.forget_devices()
 
 
 @needs_backend

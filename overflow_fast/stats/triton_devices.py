@@ -33,9 +33,14 @@ class _DeviceState:
         self.shapes = {}  # (block_size, blocks_per_chunk) -> (launcher, its accumulators) of a test's launch shape
         self.warned = False
         self.probe = None  # the direct launch's verdict on this device (triton_verdicts), once known
-        with triton_table.on_device(device):
+        self.pool = self.launcher = self.launch_reason = None
+
+    def set_up(self):
+        """Allocate the accumulators on the device and make its C++ launcher (what may fail: the
+        caller guards it)."""
+        with triton_table.on_device(self.device):
             identity = torch.tensor(_IDENTITY_ROW, dtype=torch.int64)
-            self.pool = identity.repeat(STREAM_GROUPS * MAX_SLOTS, 1).to(device)
+            self.pool = identity.repeat(STREAM_GROUPS * MAX_SLOTS, 1).to(self.device)
         self.launcher, self.launch_reason = triton_launch._new_launcher(self, self.pool, BLOCK_SIZE, BLOCKS_PER_CHUNK)
 
     @property

@@ -206,35 +206,38 @@ def launcher(device):
 
 
 def check_device(device, read=None):
-    """Set up the list read on ``device`` and, on a CUDA device, run ``self_check`` (once per
-    process and device; ``read``: the path checked, default this one; tests pass a wrong one).
-    A failed check warns once and leaves the device on the table kernels. Returns its state."""
+    """Set up the list read on ``device`` (any form of it) and, on a CUDA device, run
+    ``self_check`` (once per process and device; ``read``: the path checked, default this one;
+    tests pass a wrong one). A set-up or a check that fails warns once and leaves the device on the
+    table kernels. Returns its state."""
     device = tensor_device(device)
     key = (device.type, device.index)
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(f"overflow_fast: the first read on {device} is inside CUDA graph capture; its "
                            "self-check needs one eager call first (run one step before capturing)")
     state = triton_devices._DEVICES[key] = _DeviceState(device)
-    if device.type == "cuda" or read is not None:
-        started = time.perf_counter()
-        try:
-            problem = self_check(device, read)
-        except Exception as error:  # noqa: BLE001 - a failing fast path must not fail the read
-            problem = f"{type(error).__name__}: {error}"
+    checks = device.type == "cuda" or read is not None
+    started = time.perf_counter()
+    stage = "set-up: "
+    try:  # a failing fast path must not fail the read: whatever fails here leaves the table kernels
+        state.set_up()
+        stage = ""
+        problem = self_check(device, read, state) if checks else None
+    except Exception as error:  # noqa: BLE001
+        problem = f"{stage}{type(error).__name__}: {error}"
+    if checks or problem is not None:
         state.check_ms = (time.perf_counter() - started) * 1e3
-        if problem is None:
-            state.self_check = "passed"
-            if read is None and state.launcher is not None and state.launcher.driver == "cuda":
-                state.launcher.allow_direct()
-        else:
-            state.self_check = f"failed: {problem}"
-            state.path = TABLE
-            if key not in triton_devices._warned_devices:
-                triton_devices._warned_devices.add(key)
-                warnings.warn(f"overflow_fast: the list kernel gave wrong statistics on {device} "
-                              f"({problem}); that device uses the table kernels", RuntimeWarning, stacklevel=3)
+    if problem is None:
+        state.self_check = "passed" if checks else "not run (CPU tensors under the interpreter)"
+        if checks and read is None and state.launcher is not None and state.launcher.driver == "cuda":
+            state.launcher.allow_direct()
     else:
-        state.self_check = "not run (CPU tensors under the interpreter)"
+        state.self_check = f"failed: {problem}"
+        state.path = TABLE
+        if key not in triton_devices._warned_devices:
+            triton_devices._warned_devices.add(key)
+            warnings.warn(f"overflow_fast: the list kernel gave wrong statistics on {device} "
+                          f"({problem}); that device uses the table kernels", RuntimeWarning, stacklevel=3)
     return state
 
 
@@ -277,21 +280,24 @@ def _check_set(device):
     return [t.to(device) for t in tensors]
 
 
-def self_check(device, read=None):
+def self_check(device, read=None, state=None):
     """None when the list read (``read(tensors, rows)`` on up to MAX_SLOTS tensors at a time,
     default this device's list read) gives the torch backend's rows for ``_check_set`` twice in
     a row, else the first difference. The default read goes through the device's C++ launcher, the
     path its callers take: the first time through Triton's launch (which compiles each variant, then
     registers it), the second time directly wherever a variant is registered; where no launch of
     the second time could be direct, the device's launch path says why."""
+    device = tensor_device(device)
     tensors = _check_set(device)
     want = torch_backend.compute(tensors).cpu()
-    state = None
     if read is None:
-        state = triton_devices.lookup(device) or _DeviceState(device)
+        state = state or triton_devices.lookup(device)
+        if state is None:
+            state = _DeviceState(device)
+            state.set_up()
         _check_stream(state)
     for attempt in ("first", "second"):
-        reader = read if state is None else _checked_read(state, attempt)
+        reader = read if read is not None else _checked_read(state, attempt)
         rows = torch.full((len(tensors), NUM_COLUMNS), -1, dtype=torch.int64, device=device)
         for begin in range(0, len(tensors), MAX_SLOTS):  # one launch each, as a caller's call
             if reader(tensors[begin:begin + MAX_SLOTS], rows[begin:begin + MAX_SLOTS]) is False:
