@@ -228,7 +228,7 @@ def test_one_launch_pair_and_one_table_per_call(monkeypatch):
                                          (torch.bfloat16, torch.int64, torch.bool, torch.float32))
     assert partials[2]["ANY_UNALIGNED"] and partials[2]["SEARCH_STEPS"] == 3
     assert combine[1] == (5,)
-    table, formats, any_unaligned, num_chunks = triton_table._table(
+    table, formats, unaligned, num_chunks = triton_table._table(
         [triton_table._flat_source(t) for t in tensors], [triton_common._FORMAT_WORD[t.dtype] for t in tensors], 32)
     assert len(table) == 4 * 5 + 1 and table[-6:] == [0, 4, 5, 5, 6, 8] and num_chunks == 8
     launches.clear()

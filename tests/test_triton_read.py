@@ -44,17 +44,21 @@ def _dicts(rows, tensors):
 
 
 class Launches:
-    """Counts ``_list_kernel`` launches (and their programs), passing them through."""
+    """Counts ``_list_kernel`` launches (their programs and FORMATS), passing them through."""
 
     def __init__(self, monkeypatch):
         self.grids = []
+        self.formats = []
         kernel = triton_kernels._list_kernel
         launches = self
 
         class Counting:
             def __getitem__(self, grid):
-                launches.grids.append(grid[0])
-                return kernel[grid]
+                def launch(*args, **kwargs):
+                    launches.grids.append(grid[0])
+                    launches.formats.append(kwargs["FORMATS"])
+                    return kernel[grid](*args, **kwargs)
+                return launch
 
         monkeypatch.setattr(triton_kernels, "_list_kernel", Counting())
 
@@ -62,8 +66,9 @@ class Launches:
 @needs_backend
 @pytest.mark.parametrize("count", [1, 2, 3, 5, 8, 9, 17])
 def test_one_launch_per_eight_tensors(monkeypatch, count):
-    """A call's tensors take ceil(count / 8) launches, each of one program per chunk of each
-    tensor (one for an empty one), whatever the mix of dtypes; nothing else runs."""
+    """A call's tensors take one launch per 8 of them and per group of at most MAX_FORMATS of
+    their formats (no compiled variant holds more), each of one program per chunk of each of the 8
+    tensors (one for an empty one); nothing else runs."""
     launches = Launches(monkeypatch)
     gen = _gen(count)
     dtypes = [torch.bfloat16, torch.float32, torch.int64, torch.bool, torch.float8_e4m3fn]
@@ -72,8 +77,43 @@ def test_one_launch_per_eight_tensors(monkeypatch, count):
     rows = torch.full((count, 8), -1, dtype=torch.int64, device=DEVICE)
     assert tb.read_into(tensors, rows, **SMALL)
     programs = [max(-(-t.numel() // 32), 1) for t in tensors]
-    assert launches.grids == [sum(programs[i:i + 8]) for i in range(0, count, 8)]
+    want = []
+    for begin in range(0, count, 8):
+        formats = len({t.dtype for t in tensors[begin:begin + 8]})
+        want += [sum(programs[begin:begin + 8])] * -(-formats // triton_common.MAX_FORMATS)
+    assert launches.grids == want
+    assert all(bin(formats).count("1") <= triton_common.MAX_FORMATS for formats in launches.formats)
     assert_stats_equal(_dicts(rows, tensors), [t.cpu() for t in tensors], f"{count} tensors")
+
+
+@needs_backend
+def test_no_launch_holds_more_formats_than_the_cap(monkeypatch):
+    """Eight tensors of eight formats, all starting unaligned, several programs each: two launches
+    of four formats, each tensor's row written by the launch holding its format (its partials
+    merged there), exact; the table kernels split their partials launches the same way."""
+    launches = Launches(monkeypatch)
+    gen = _gen(11)
+    dtypes = [torch.bfloat16, torch.float32, torch.int64, torch.bool, torch.float16, torch.float8_e4m3fn,
+              torch.int32, torch.uint8]
+    tensors = [random_bits(dtype, (97,), gen).to(DEVICE)[1:] for dtype in dtypes]
+    rows = torch.full((8, 8), -1, dtype=torch.int64, device=DEVICE)
+    assert tb.read_into(tensors, rows, **SMALL)
+    assert len(launches.formats) == 2 and all(bin(f).count("1") == 4 for f in launches.formats)
+    assert launches.formats[0] | launches.formats[1] == sum(1 << (triton_common._FORMAT_WORD[d] & 31) for d in dtypes)
+    assert_stats_equal(_dicts(rows, tensors), [t.cpu() for t in tensors], "eight formats")
+    partials = []
+    kernel = triton_kernels._stats_partials_kernel
+
+    class Counting:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                partials.append(kwargs["FORMATS"])
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(triton_kernels, "_stats_partials_kernel", Counting())
+    assert torch.equal(tb.compute(tensors, block_size=16, blocks_per_chunk=2), rows)
+    assert len(partials) == 2 and all(bin(f).count("1") == 4 for f in partials)
 
 
 @needs_backend
@@ -257,14 +297,26 @@ def test_the_hooks_reads_go_through_the_launcher_s_packing():
     assert tb.launch_path(state).startswith("ordinary (") or DEVICE == "cuda"
 
 
+def _count_launcher(ordinary, runtime=None, kernel=None):
+    """A launcher with the benchmark's counting driver (the stand-in for the GPU's: it launches
+    nothing and writes zero rows), reading ``runtime``'s launch hooks (default Triton's)."""
+    pool = torch.tensor(triton_launch._IDENTITY_ROW).repeat(tb.STREAM_GROUPS * tb.MAX_SLOTS, 1)
+    hooks = lambda: triton_launch.launch_hooks(runtime, kernel)  # noqa: E731
+    return triton_common._EXTENSION.Launcher("count", torch.device("cpu"), triton_common._PLAIN_TYPES,
+                                             triton_common._FORMAT_WORD, triton_common._ALIGNED_BIT,
+                                             tb.BLOCK_SIZE * tb.BLOCKS_PER_CHUNK, tb.MAX_READ_LAUNCHES,
+                                             triton_common.MAX_FORMATS, pool, tb.STREAM_GROUPS, hooks(), hooks, True,
+                                             ordinary)
+
+
 @pytest.mark.skipif(triton_common.triton is None, reason="triton is not installed")
 @needs_extension
 def test_the_launch_hooks_predicate_reads_the_installed_triton():
     """Triton's launch hooks decide each launch: none registered (the installed Triton's empty
-    HookChain) means direct; one added to the chain, or a kernel's pre-run hook, means Triton's own
-    launch, which calls it. Decided by the launcher's real predicate on
-    the real knobs (the benchmark's counting driver stands for the GPU: it launches nothing);
-    ``overflow-fast info`` reads the same predicate."""
+    HookChain) means direct; one added to the chain, or a kernel's pre-run hook, or a chain
+    replaced by a hook of its own, means Triton's own launch, which calls it. Decided by the
+    launcher's real predicate on the real knobs (the benchmark's counting driver stands for the
+    GPU); ``overflow-fast info`` reads the same predicate."""
     from triton import knobs
 
     runtime = knobs.runtime
@@ -274,18 +326,14 @@ def test_the_launch_hooks_predicate_reads_the_installed_triton():
     def ordinary(grid, args, slots, formats, any_unaligned):
         calls.append((grid, len(args), slots, formats, any_unaligned))
 
-    pool = torch.tensor(triton_launch._IDENTITY_ROW).repeat(tb.STREAM_GROUPS * tb.MAX_SLOTS, 1)
-    launcher = triton_common._EXTENSION.Launcher("count", torch.device("cpu"), triton_common._PLAIN_TYPES,
-                                                 triton_common._FORMAT_WORD, triton_common._ALIGNED_BIT,
-                                                 tb.BLOCK_SIZE * tb.BLOCKS_PER_CHUNK, tb.MAX_READ_LAUNCHES, pool,
-                                                 tb.STREAM_GROUPS, runtime, triton_kernels._list_kernel, ordinary)
+    launcher = _count_launcher(ordinary)
     x = torch.ones(3, dtype=torch.bfloat16)
     rows = torch.full((1, 8), -1, dtype=torch.int64)
 
     def path():
         launched = launcher.direct_launches, len(calls)
         assert launcher.read([x], rows)
-        reason = triton_common._EXTENSION.launch_hooks_reason(runtime, triton_kernels._list_kernel)
+        reason = triton_launch.hooks_reason()
         assert launcher.hooks_reason() == reason
         took = "direct" if launcher.direct_launches > launched[0] else "ordinary"
         assert (took == "direct") == (reason is None), (took, reason)
@@ -313,6 +361,46 @@ def test_the_launch_hooks_predicate_reads_the_installed_triton():
     finally:
         triton_kernels._list_kernel.pre_run_hooks.remove(hook)
     assert path() == "direct"
+    with runtime.scope():  # a chain replaced by a plain hook, the earlier Tritons' way
+        runtime.launch_enter_hook = hook
+        assert path() == "ordinary"
+    assert path() == "direct"
+
+
+@pytest.mark.skipif(triton_common.triton is None, reason="triton is not installed")
+@needs_extension
+def test_a_launch_reads_no_python_attribute():
+    """The launch hooks reach the launcher as plain data (the lists hooks are added to, the size of
+    the dict that holds the chains): a launch reads no attribute of Triton's objects, yet sees a
+    hook added at once, and a chain replaced."""
+    from triton import knobs
+
+    reads = []
+
+    class Runtime:  # shaped as Triton's: the chains on the class, an instance that may replace them
+        launch_enter_hook = knobs.HookChain()
+        launch_exit_hook = knobs.HookChain(reversed=True)
+
+        def __getattribute__(self, name):
+            reads.append(name)
+            return object.__getattribute__(self, name)
+
+    runtime = Runtime()
+    launcher = _count_launcher(lambda *args: None, runtime)
+    x, rows = torch.ones(3), torch.empty(1, 8, dtype=torch.int64)
+    reads.clear()
+    for _ in range(3):
+        assert launcher.read([x], rows)
+    assert reads == [] and launcher.direct_launches == 3 and launcher.hooks_reason() is None
+    object.__getattribute__(runtime, "launch_exit_hook").add(print)
+    assert launcher.read([x], rows) and launcher.direct_launches == 3 and reads == []
+    object.__getattribute__(runtime, "launch_exit_hook").remove(print)
+    assert launcher.read([x], rows) and launcher.direct_launches == 4
+    object.__getattribute__(runtime, "__dict__")["launch_enter_hook"] = print  # replaced, not added to
+    assert launcher.read([x], rows) and launcher.direct_launches == 4
+    assert "a Triton launch hook is set" in launcher.hooks_reason()
+    del object.__getattribute__(runtime, "__dict__")["launch_enter_hook"]
+    assert launcher.read([x], rows) and launcher.direct_launches == 5
 
 
 @pytest.mark.skipif(triton_common.triton is None, reason="triton is not installed")
@@ -331,10 +419,42 @@ def test_the_launch_hooks_predicate_reads_the_older_tritons_form():
         launch_exit_hook = None
 
     kernel = triton_kernels._list_kernel
-    assert triton_common._EXTENSION.launch_hooks_reason(OlderRuntime, kernel) is not None
+    reason = triton_common._EXTENSION.launch_hooks_reason
+    assert reason(triton_launch.launch_hooks(OlderRuntime, kernel)) is not None
     OlderRuntime.launch_enter_hook = None
-    assert triton_common._EXTENSION.launch_hooks_reason(OlderRuntime, kernel) is None
-    assert triton_common._EXTENSION.launch_hooks_reason(knobs.runtime, kernel) is None  # the installed one
+    assert reason(triton_launch.launch_hooks(OlderRuntime, kernel)) is None
+    assert reason(triton_launch.launch_hooks(knobs.runtime, kernel)) is None  # the installed one
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or tb.unavailable_reason() is not None, reason="needs a CUDA device")
+@pytest.mark.parametrize("direct", ["1", "0"], ids=["as decided", "every launch Triton's"])
+def test_every_launch_takes_its_device_and_its_stream_s_accumulators(monkeypatch, direct):
+    """Whatever the launch (direct, or Triton's own with OVERFLOW_FAST_DIRECT_LAUNCH=0): tensors on
+    the last CUDA device read while another is current, and two streams reading tensors that span
+    many programs (merged through their stream's accumulators) at once, give the oracle's rows."""
+    monkeypatch.setenv("OVERFLOW_FAST_DIRECT_LAUNCH", direct)
+    tb.forget_devices()
+    try:
+        device = torch.device("cuda", torch.cuda.device_count() - 1)
+        gen = _gen(21)
+        big = [random_bits(torch.bfloat16, (3 * tb.BLOCK_SIZE * tb.BLOCKS_PER_CHUNK + 5,), gen) for _ in range(2)]
+        on_device = [t.to(device) for t in big]
+        with torch.cuda.device(0):
+            rows = torch.full((2, 8), -1, dtype=torch.int64, device=device)
+            assert tb.read_into(on_device, rows)
+            assert_stats_equal(_dicts(rows, on_device), big, "on the last device")
+        streams = [torch.cuda.Stream(device) for _ in range(2)]
+        outs = [torch.full((1, 8), -1, dtype=torch.int64, device=device) for _ in streams]
+        torch.cuda.synchronize(device)
+        for _ in range(20):
+            for stream, tensor, out in zip(streams, on_device, outs):
+                with torch.cuda.stream(stream):
+                    assert tb.read_into([tensor], out)
+        torch.cuda.synchronize(device)
+        for tensor, out, host in zip(on_device, outs, big):
+            assert_stats_equal(_dicts(out, [tensor]), [host], "two streams at once")
+    finally:
+        tb.forget_devices()
 
 
 @pytest.mark.skipif(triton_common.triton is None, reason="triton is not installed")

@@ -65,7 +65,7 @@ class _DeviceState:
                 pool = torch.tensor(_IDENTITY_ROW, dtype=torch.int64).repeat(STREAM_GROUPS * MAX_SLOTS, 1)
             pool = pool.to(self.device)
             known = self.shapes[shape] = (triton_launch._new_launcher(self, pool, *shape)[0], pool)
-            if self.launcher.driver == "cuda" and self.self_check == "passed":
+            if self.launcher.direct_allowed:
                 known[0].allow_direct()
         return known[0]
 
@@ -89,6 +89,11 @@ def forget_devices():
     """Forget every device's state: the next read on each sets it up and checks it again."""
     _DEVICES.clear()
     _warned_devices.clear()
+
+
+def forget(device):
+    """Forget ``device``'s state (``overflow-fast info`` set it up only to report it)."""
+    _DEVICES.pop(key(device), None)
 
 
 def device_report():

@@ -9,11 +9,11 @@ import warnings
 
 import torch
 
-from . import torch_backend, triton_common, triton_devices, triton_kernels, triton_table
+from . import torch_backend, triton_common, triton_devices, triton_kernels, triton_table, triton_verdicts
 from .kinds import is_zero3_released, tensor_device
 from .layout import NUM_COLUMNS
 from .triton_common import (_ALIGNED_BIT, _CODE_MASK, _FORMAT_WORD, _PLAIN_TYPES, BLOCK_SIZE, BLOCKS_PER_CHUNK,
-                            NUM_WARPS, SUPPORTED_DTYPES, _functorch_interpreter, _REGISTER_CAP)
+                            NUM_WARPS, SUPPORTED_DTYPES, _functorch_interpreter, _REGISTER_CAP, format_groups)
 from .triton_devices import LIST, TABLE, _DeviceState
 from .triton_launch import MAX_READ_LAUNCHES, MAX_SLOTS, SLOT_VARIANTS, STREAM_GROUPS
 
@@ -106,8 +106,6 @@ def _python_read(tensors, out, state, block_size=BLOCK_SIZE, blocks_per_chunk=BL
     slots = []  # (address, numel, word) per tensor
     programs = []  # per launch
     keep = None  # flat copies, alive until the launches are enqueued
-    formats = 0
-    any_unaligned = False
     for tensor in tensors:
         if (type(tensor) not in _PLAIN_TYPES or tensor.layout is not _STRIDED or tensor.is_cuda is not cuda
                 or tensor.get_device() != index or tensor.is_meta):
@@ -128,8 +126,6 @@ def _python_read(tensors, out, state, block_size=BLOCK_SIZE, blocks_per_chunk=BL
         address = slot[0]
         if numel and address < out_last and out_first < address + numel * tensor.element_size():
             return False  # out shares memory with a tensor: the general path says so
-        any_unaligned = any_unaligned or not slot[2] & _ALIGNED_BIT
-        formats |= 1 << (word & _CODE_MASK)
         if len(slots) % MAX_SLOTS == 0:
             programs.append(0)
         programs[-1] += -(-numel // chunk) or 1
@@ -146,11 +142,16 @@ def _python_read(tensors, out, state, block_size=BLOCK_SIZE, blocks_per_chunk=BL
         for launch, begin in enumerate(range(0, count, MAX_SLOTS)):
             group = slots[begin:begin + MAX_SLOTS]
             args = [out_first + begin * 64, accumulators]
+            formats = unaligned = 0
             for slot in group:
                 args += slot
+                formats |= 1 << (slot[2] & _CODE_MASK)
+                unaligned |= 0 if slot[2] & _ALIGNED_BIT else 1 << (slot[2] & _CODE_MASK)
             args += _PADDING * (MAX_SLOTS - len(group))
-            _launch_read(programs[launch], args, _variant(len(group)), formats, any_unaligned, block_size,
-                         blocks_per_chunk)
+            # one launch per group of formats, as the C++ launcher makes them
+            for these, any_unaligned in format_groups(formats, unaligned):
+                _launch_read(programs[launch], args, _variant(len(group)), these, any_unaligned, block_size,
+                             blocks_per_chunk)
     del keep
     return True
 
@@ -183,10 +184,11 @@ _PADDING = (0, -1, 0)  # an unused slot: no programs
 # -- first use on a device: its state and self-check ------------------------------------------------
 #
 # The first use of a CUDA device runs ``self_check``: a small fixed set of tensors through this
-# path and through the torch backend, twice: first through Triton's launcher (which compiles the
-# variants and checks the C++ packing against Triton's own argument handling), then through the
-# direct launch. On any difference, or an error, it warns once and that device keeps the table
-# kernels. Only after it passed does the launcher launch directly.
+# path and through the torch backend, twice, every launch through Triton's own launcher (which
+# compiles the variants, then registers them for the direct launch). On any difference, or an
+# error, it warns once and that device keeps the table kernels. Then the direct launch waits for
+# its verdict (triton_verdicts: a probe in a child process, once per kind of GPU, driver, Triton
+# and build), the only place where a first direct launch is made.
 
 
 def device_state(device):
@@ -205,11 +207,14 @@ def launcher(device):
     return state.launcher
 
 
-def check_device(device, read=None):
+def check_device(device, read=None, direct=False, before_direct=None, probe=True):
     """Set up the list read on ``device`` (any form of it) and, on a CUDA device, run
     ``self_check`` (once per process and device; ``read``: the path checked, default this one;
     tests pass a wrong one). A set-up or a check that fails warns once and leaves the device on the
-    table kernels. Returns its state."""
+    table kernels. Then the direct launch's verdict decides whether it launches directly
+    (``probe``: start a probe where none is known); ``direct``: the probe's own process, which
+    checks the direct launch here instead (``before_direct`` is called before its first one).
+    Returns its state."""
     device = tensor_device(device)
     key = (device.type, device.index)
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -222,15 +227,18 @@ def check_device(device, read=None):
     try:  # a failing fast path must not fail the read: whatever fails here leaves the table kernels
         state.set_up()
         stage = ""
-        problem = self_check(device, read, state) if checks else None
+        problem = self_check(device, read, state, direct, before_direct) if checks else None
     except Exception as error:  # noqa: BLE001
         problem = f"{stage}{type(error).__name__}: {error}"
     if checks or problem is not None:
         state.check_ms = (time.perf_counter() - started) * 1e3
     if problem is None:
         state.self_check = "passed" if checks else "not run (CPU tensors under the interpreter)"
-        if checks and read is None and state.launcher is not None and state.launcher.driver == "cuda":
+        if direct and state.launcher is not None:
+            state.probe = "is tried in this process (the probe's)"
             state.launcher.allow_direct()
+        elif read is None:
+            triton_verdicts.first_use(state, start=probe)
     else:
         state.self_check = f"failed: {problem}"
         state.path = TABLE
@@ -280,13 +288,14 @@ def _check_set(device):
     return [t.to(device) for t in tensors]
 
 
-def self_check(device, read=None, state=None):
+def self_check(device, read=None, state=None, direct=False, before_direct=None):
     """None when the list read (``read(tensors, rows)`` on up to MAX_SLOTS tensors at a time,
     default this device's list read) gives the torch backend's rows for ``_check_set`` twice in
     a row, else the first difference. The default read goes through the device's C++ launcher, the
-    path its callers take: the first time through Triton's launch (which compiles each variant, then
-    registers it), the second time directly wherever a variant is registered; where no launch of
-    the second time could be direct, the device's launch path says why."""
+    path its callers take, each time through Triton's launch (the first compiles each variant, then
+    registers it); with ``direct`` (the probe's process) the second time directly wherever a variant
+    is registered (``before_direct`` called first), and where none of its launches could be direct,
+    the device's launch path says why."""
     device = tensor_device(device)
     tensors = _check_set(device)
     want = torch_backend.compute(tensors).cpu()
@@ -297,7 +306,9 @@ def self_check(device, read=None, state=None):
             state.set_up()
         _check_stream(state)
     for attempt in ("first", "second"):
-        reader = read if read is not None else _checked_read(state, attempt)
+        if attempt == "second" and direct and read is None and before_direct is not None:
+            before_direct()
+        reader = read if read is not None else _checked_read(state, attempt, direct)
         rows = torch.full((len(tensors), NUM_COLUMNS), -1, dtype=torch.int64, device=device)
         for begin in range(0, len(tensors), MAX_SLOTS):  # one launch each, as a caller's call
             if reader(tensors[begin:begin + MAX_SLOTS], rows[begin:begin + MAX_SLOTS]) is False:
@@ -319,17 +330,18 @@ def _check_stream(state):
                                f"{stream:#x}")
 
 
-def _checked_read(state, attempt):
+def _checked_read(state, attempt, direct=False):
     """``self_check``'s default read on ``state``'s device, ``attempt`` "first" or "second": the
-    launcher's (Triton's launch, then the direct one), or the Python read where there is none."""
+    launcher's (Triton's launch; with ``direct`` the second time the direct one), or the Python
+    read where there is none."""
     launcher = state.launcher
     if launcher is None:
         return lambda tensors, rows: _python_read(tensors, rows, state)
 
     def read(tensors, rows):
         before = launcher.direct_launches
-        taken = launcher.read(tensors, rows, -1 if attempt == "first" else 1)
-        if taken and attempt == "second" and launcher.driver == "cuda" and launcher.direct_launches == before:
+        taken = launcher.read(tensors, rows, 1 if direct and attempt == "second" else -1)
+        if taken and direct and attempt == "second" and launcher.driver == "cuda" and launcher.direct_launches == before:
             reason = next(iter(state.refused.values()), "no variant was registered")
             state.launch_reason = state.launch_reason or f"the self-check launched nothing directly: {reason}"
         return taken
