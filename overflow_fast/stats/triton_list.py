@@ -251,8 +251,10 @@ def check_device(device, read=None, direct=False, before_direct=None, probe=True
 
 def _check_set(device):
     """The self-check's tensors: every dtype's special values and random bit patterns, empty and
-    0-dim tensors, an unaligned view, a transposed (dense) one, and bf16 and int64 tensors that
-    span several programs with their specials in the middle and last chunks."""
+    0-dim tensors, and bf16 and int64 tensors that span several programs with their specials in the
+    middle and last chunks; and views made on the device (as a caller's are): unaligned starts, one
+    deep into its storage, a transposed and a permuted one (dense), a gapped one (read through a
+    copy)."""
     gen = torch.Generator().manual_seed(0)
     tensors = []
     for dtype in sorted(SUPPORTED_DTYPES, key=str):
@@ -274,7 +276,7 @@ def _check_set(device):
             noise = torch.randint(0, 2, (77,), generator=gen, dtype=torch.uint8).view(torch.bool)
         else:
             noise = torch.randint(-128, 128, (77 * size,), generator=gen, dtype=torch.int8).view(dtype)
-        tensors += [special, noise]
+        tensors += [special.to(device), noise.to(device)]
     chunk = BLOCK_SIZE * BLOCKS_PER_CHUNK
     wide = torch.full((2 * chunk + 77,), 1.5, dtype=torch.bfloat16)
     wide[chunk + 5] = float("nan")
@@ -283,9 +285,13 @@ def _check_set(device):
     ints = torch.arange(chunk + 3, dtype=torch.int64)
     ints[-1] = -(2**63)
     square = torch.randint(-100, 100, (30, 40), generator=gen).to(torch.float16)
-    tensors += [wide, wide[1:], ints, torch.empty(0, dtype=torch.float32), torch.tensor(-3.0), square.t(),
-                torch.zeros(70, dtype=torch.float32)[1:]]
-    return [t.to(device) for t in tensors]
+    cube = torch.randint(-100, 100, (4, 5, 6), generator=gen).to(torch.float32)
+    cube[3, 4, 5] = float("inf")
+    wide, ints, square, cube = (t.to(device) for t in (wide, ints, square, cube))
+    zeros = torch.zeros(70, dtype=torch.float32, device=device)
+    tensors += [wide, wide[1:], wide[chunk + 3:2 * chunk + 60], ints, torch.empty(0, dtype=torch.float32, device=device),
+                torch.tensor(-3.0, device=device), square.t(), square[:, 1::3], cube.permute(2, 0, 1), zeros[1:]]
+    return tensors
 
 
 def self_check(device, read=None, state=None, direct=False, before_direct=None):
