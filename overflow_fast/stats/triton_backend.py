@@ -73,7 +73,7 @@ replaces a name replaces it in the module that owns it (and here too where the e
 reads it).
 """
 
-from .triton_common import (BLOCK_SIZE, BLOCKS_PER_CHUNK, COMBINE_BLOCK, MAX_REGISTERS, NUM_WARPS,
+from .triton_common import (BLOCK_SIZE, BLOCKS_PER_CHUNK, COMBINE_BLOCK, MAX_FORMATS, MAX_REGISTERS, NUM_WARPS,
                             SUPPORTED_DTYPES, supports, unavailable_reason)
 from .triton_devices import LIST, TABLE, device_report, forget_devices
 from .triton_launch import (DIRECT, MAX_READ_LAUNCHES, MAX_SLOTS, SLOT_VARIANTS, STREAM_GROUPS, direct_mismatch,
@@ -84,7 +84,8 @@ from .triton_table import Scanned, compute, compute_scanned, on_device, scan, ta
 NAME = "triton"
 
 __all__ = [
-    "BLOCK_SIZE", "BLOCKS_PER_CHUNK", "COMBINE_BLOCK", "DIRECT", "MAX_READ_LAUNCHES", "MAX_REGISTERS", "MAX_SLOTS",
+    "BLOCK_SIZE", "BLOCKS_PER_CHUNK", "COMBINE_BLOCK", "DIRECT", "MAX_FORMATS", "MAX_READ_LAUNCHES", "MAX_REGISTERS",
+    "MAX_SLOTS",
     "LIST", "NAME", "NUM_WARPS", "SLOT_VARIANTS", "STREAM_GROUPS", "SUPPORTED_DTYPES", "Scanned", "TABLE",
     "check_device", "compute", "compute_scanned", "device_report", "direct_mismatch", "forget_devices",
     "launch_path", "launcher", "metadata_mismatch", "on_device", "ptx_parameters", "read_into", "scan",

@@ -162,12 +162,12 @@ def _child_environment():
     return env
 
 
-def run_probe(device, timeout, command=None):
+def run_probe(device, timeout, command=None, keep=True):
     """Run the probe of ``device`` in a child process for at most ``timeout`` seconds and return
     its verdict: {"outcome": passed / failed / not measured, "detail", "seconds", "result" (the
-    child's report, or None), "output" (its last lines)}. A passed or failed verdict is recorded
-    for the device's key; a probe that ran out of time, could not start, or made no direct launch
-    (nothing to judge) is "not measured" and leaves none."""
+    child's report, or None), "output" (its last lines), "recorded"}. A passed or failed verdict
+    is kept for the device's key (``keep``); a probe that ran out of time, could not start, or made
+    no direct launch (nothing to judge) is "not measured" and leaves none."""
     key = verdict_key(device)
     command = command or probe_command(device)
     started = time.perf_counter()
@@ -194,6 +194,7 @@ def run_probe(device, timeout, command=None):
     tail = "\n".join(lines[-12:])
     result = next((json.loads(line[len("PROBE "):]) for line in reversed(lines) if line.startswith("PROBE ")), None)
     launched = "DIRECT" in lines  # the child had started its direct launches
+    last = next((line.strip() for line in reversed(lines) if line.strip() and not line.startswith("PROBE ")), "")
     if ended is None and process.returncode:
         code = process.returncode
         ended = (f"died of {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals()
@@ -205,13 +206,15 @@ def run_probe(device, timeout, command=None):
             verdict = _verdict(PASSED, f"{result['direct_launches']} direct launches exact", started, result, tail)
         else:
             verdict = _verdict(NOT_MEASURED, f"nothing launched directly ({result.get('launch')})", started, result, tail)
-    elif launched or (result or {}).get("stage") == "direct":
+    else:
         why = (result or {}).get("error") or f"the probe {ended or 'gave no result'}"
-        verdict = _verdict(FAILED, why, started, result, tail)
-    else:  # it never reached a direct launch: nothing is known of it
-        why = (result or {}).get("error") or f"the probe {ended or 'gave no result'}"
-        verdict = _verdict(NOT_MEASURED, f"before any direct launch: {why}", started, result, tail)
-    verdict["recorded"] = record(key, verdict)
+        if result is None and last and last != "DIRECT":
+            why += f" ({last[:200]})"
+        if launched or (result or {}).get("stage") == "direct":
+            verdict = _verdict(FAILED, why, started, result, tail)
+        else:  # it never reached a direct launch: nothing is known of it
+            verdict = _verdict(NOT_MEASURED, f"before any direct launch: {why}", started, result, tail)
+    verdict["recorded"] = keep and record(key, verdict)
     return verdict
 
 
