@@ -307,7 +307,8 @@ class Report:
             return None
         lines = [f"{'phase':>20} {'took':>7} {'box':>6}  on a GPU (--budget {DEFAULT_BUDGET:.0f})"]
         for phase, took, box, compiles in self.phase_times:
-            lines.append(f"{phase:>20} {took:>6.1f}s {box:>5.0f}s  {gpu_projection(phase, compiles)}")
+            shown = "-" if phase == "startup" else f"{box:.0f}s"
+            lines.append(f"{phase:>20} {took:>6.1f}s {shown:>6}  {gpu_projection(phase, compiles)}")
         return "\n".join(lines)
 
     def table(self):
@@ -438,7 +439,8 @@ COMPILE_S = {
 }
 COMBINE_S = 0.5  # the combine kernel: one variant, one loop
 PROBE_CHILD_S = (6.0, 13.4)  # the probe's child: its imports (measured here), its 10 variants (priced as above)
-STARTUP_S = "imports about 10 s; a cold C++ build about 60 s (6 units; 78-97 s on this 2-core CPU)"
+STARTUP_S = ("imports about 10 s; a cold C++ build about 60 s (6 units in parallel; 78-137 s measured on a 2-core "
+             "AMD EPYC, loaded)")
 
 
 def compile_seconds(key):

@@ -491,20 +491,22 @@ def test_the_dry_run_measures_every_phase(tmp_path):
     rows, headline = table(tmp_path)
     assert status == 0, output
     assert "0 mismatches" in rows["exactness"] and rows["self-check"] == "passed", rows
+    assert rows["exactness float32, float64, float16, bfloat16"].endswith(" tensors exact"), rows  # a row per group
     # the real child: no direct launch under the interpreter, its self-check and reads exact
     assert rows["direct launch"] == "not taken: ordinary (the interpreter runs the kernels (TRITON_INTERPRET=1))", rows
     for regime in ("gpu-bound", "host-bound", "large"):
         assert rows[f"step {regime} none"].endswith(" ms"), rows
         for variant in ("reference", "batch", "watch"):
             assert rows[f"step {regime} {variant}"].endswith("%)"), rows
-        assert rows[f"step {regime} compiled"].endswith(")"), rows
+    assert rows["step gpu-bound compiled"].endswith(")"), rows  # one compiled regime a run
     for variant in ("module", "batch", "watch"):
         assert rows[f"host us/hook {variant}"].endswith(" us"), rows
         assert rows[f"host us/hook {variant}, ordinary launch"].endswith(" us"), rows  # the count driver, then Triton's
     assert rows["launch path cpu, ordinary launch"] == "ordinary (OVERFLOW_FAST_DIRECT_LAUNCH=0)", rows
     assert rows["host us/hook direct vs ordinary launch"].startswith("batch "), rows
     text = table_text(tmp_path)
-    assert "Not measured" not in text
+    assert "Not measured (yet), for a second run: `python3 benchmarks/gpu_check.py --phases compiled-host-bound --dry-run`" in text
+    assert "phase times (here; on a GPU: projected)" in text and "first compiles" in text
     # one counted forward each: the same per-hook launches on either path, defer's one table call (two launches)
     lines = {line.split(" | ")[0][2:]: line for line in text.splitlines() if line.startswith("| host us/hook ")}
     direct = re.search(r"per forward: (\d+) direct and 0 ordinary per-hook launches, 0 table", lines["host us/hook batch"])
