@@ -246,6 +246,7 @@ class Report:
         # here), "failed", "not measured" (out of time, or dead before a direct launch), "skipped"
         self.probe = None
         self.phase_times = []  # (phase, seconds it took, its time box, its first compiles)
+        self.ended = False  # the run has ended (a table written before says it may still be running, or killed)
         self.lock = threading.RLock()
 
     def add(self, measure, value, detail=""):
@@ -276,7 +277,8 @@ class Report:
 
     def headline(self):
         elapsed = time.perf_counter() - STARTED
-        parts = [f"exit status {self.status()}", f"{elapsed:.0f} s of a {self.budget_s:.0f} s budget"]
+        state = f"exit status {self.status()}" if self.ended else "running (or killed: no end was written)"
+        parts = [state, f"{elapsed:.0f} s of a {self.budget_s:.0f} s budget"]
         if self.checks_failed:
             parts.append("checks failed: " + ", ".join(self.checks_failed))
         if self.phases_failed:
@@ -352,6 +354,7 @@ class Report:
 
     def finish(self):
         with self.lock:
+            self.ended = True
             self.write()
             print()
             for title, block in self.blocks():

@@ -118,8 +118,9 @@ gpu_check.RUNNERS["bandwidth"] = hangs("bandwidth", swallow=True)
     finally:
         process.send_signal(signal.SIGKILL)
         finish(process)
-    rows, _ = table(tmp_path)
+    rows, headline = table(tmp_path)
     assert rows == {"startup": "stand-in", "exactness": "measured", "bandwidth started": "yes"}
+    assert headline.startswith("gpu_check: running (or killed: no end was written)"), headline
     assert "== bandwidth" in _read(tmp_path / "gpu_check.log")
 
 
