@@ -88,7 +88,7 @@ from overflow_fast import DebugUnderflowOverflow
 from overflow_fast.hooks.passes import Passes
 from overflow_fast.hooks.frames import forward_items
 from overflow_fast.stats import (cpu_backend, dispatch, triton_backend, triton_common, triton_devices, triton_kernels,
-                                 triton_launch, triton_read, triton_table)
+                                 triton_launch, triton_list, triton_table)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _results  # noqa: E402
@@ -298,7 +298,7 @@ def triton_on_cpu():
             (triton_common, "unavailable_reason", lambda: None),
             (triton_kernels, "_stats_partials_kernel", _StubKernel("partials")),
             (triton_kernels, "_stats_combine_kernel", _StubKernel("combine")),
-            (triton_read, "_launch_read", _python_read_launch),  # the Python read (no extension)
+            (triton_list, "_launch_read", _python_read_launch),  # the Python read (no extension)
             (triton_launch, "_launcher_driver", _count_driver),
             (triton_launch, "_ordinary_launch", _ordinary_launch),
             (triton_table, "_launch", _counting_launch(triton_table._launch)),

@@ -3,13 +3,15 @@
 It measures the kernels and the detector's cost in training, and always returns what it measured.
 
     python3 benchmarks/gpu_check.py              # from the repository root, no install step; --budget 330 s
-    python3 benchmarks/gpu_check.py --phases compiled-host-bound,compiled-large   # the second run
+    python3 benchmarks/gpu_check.py --phases compiled-host-bound --skip direct-launch   # a second run
     python3 benchmarks/gpu_check.py --dry-run    # no GPU: every phase on CPU tensors, TRITON_INTERPRET=1; 1200 s
 
-A run on a GPU leaves two phases to a second run (a cold inductor compile each, which the first
-run's budget cannot hold), and says so at its start with the command. Whatever a run did not
-measure (left out, skipped for the budget, stopped by a time box or the watchdog, not reached) is
-named in ``gpu_check.md`` with the exact command of a second run, from the first row on.
+A run takes one compiled regime (a cold inductor compile each, which one run's budget cannot hold
+twice), the most valuable first; the others are left to the next runs, and a run says so at its
+start with the command. Whatever a run did not measure (left out, skipped for the budget, stopped
+by a time box or the watchdog, not reached) is named in ``gpu_check.md`` with the exact command of
+the next run, from the first row on; that command skips the direct launch's probe once it passed
+(its verdict is kept: later processes launch directly without one).
 
 It puts this checkout (and its tests/ folder, for the float64 oracle) first on ``sys.path``: nothing
 is installed. The C++ kernel builds on first use, inside the budget.
@@ -19,36 +21,46 @@ What comes back, whatever happens: ``gpu_check.md`` (the summary table, rewritte
 ``$OUT``, the lent machine's folder of results). Every phase is guarded: an error becomes a
 ``failed: <error>`` row and the next phase runs. An exactness mismatch or a failed self-check is a
 row too, and the measuring goes on (a device whose self-check failed reads with the table kernels).
+Phases write their rows as they go (exactness a row per group of formats, a step phase a row per
+variant as soon as it has a median), and check their deadline inside: the time box's signal is the
+last resort. At the end a table says how long each phase took, its time box, and what the same
+phase's compiles may take on a GPU (projected from bench_triton_compile's figures).
 
 The budget's clock starts at this file's first line, before the imports and the C++ build. Each
-phase gets a time box, a share of what is left (a signal stops a phase that overruns it); a
-watchdog thread writes the table and ends the process when the budget is spent, whatever hangs
+phase gets a time box, a share of what is left (a signal stops a phase that overruns it; the
+direct launch's probe gets at least 60 s, the self-check at least 20 s, where the budget allows);
+a watchdog thread writes the table and ends the process when the budget is spent, whatever hangs
 (and faulthandler kills it 3 s later if the hang holds the interpreter). The default budget, 330 s,
 leaves room for a second run within 15 minutes of device time. The dry run's, 1200 s, holds no
 device time: on a 2-core CPU a cold C++ build alone takes 100 s, and the interpreter's kernels are
-slow (330 s cuts its phases short there, which says nothing of a GPU run).
+slow.
 
 Exit status: 0 every phase ran (or was skipped for the budget) and every check passed; 1 an
-exactness mismatch, a failed self-check or a failed direct launch; 2 nothing to measure (no CUDA device without
-``--dry-run``, no torch); 3 a phase failed; 4 the watchdog (or a SIGTERM) stopped the run. The first that applies
-in the order 1, 2, 4, 3.
+exactness mismatch, a failed self-check or a direct launch that failed its probe; 2 nothing to
+measure (no CUDA device without ``--dry-run``, no torch); 3 a phase failed; 4 the watchdog (or a
+SIGTERM) stopped the run. The first that applies in the order 1, 2, 4, 3.
 
 Phases, in order (``--phases`` picks some, ``--skip`` drops some):
 - ``direct-launch`` (first on a GPU whatever ``--phases`` says, unless skipped or
-  OVERFLOW_FAST_DIRECT_LAUNCH=0 is set): the per-hook read's direct launch (cuLaunchKernel on
-  Triton's compiled kernel, from C++) has its first go in a child process, bounded by the time box,
-  since a wrong argument layout can kill the CUDA context and every phase after with it: a
-  device's first use (the self-check: each variant through Triton's launch, then directly), then
-  reads of 1 to 17 tensors, twice each, on torch's stream and a side stream, against the torch
-  backend. If the child dies, hangs or fails, its error output is the row and the rest of the run
-  has OVERFLOW_FAST_DIRECT_LAUNCH=0 (every launch Triton's; a second run's command sets it too).
+  OVERFLOW_FAST_DIRECT_LAUNCH=0 is set): the library's probe of the list kernel's direct launch
+  (cuLaunchKernel on Triton's compiled kernel, from C++; stats/triton_probe), in a child process
+  bounded by the time box, since a wrong argument layout can kill the CUDA context and every
+  phase after with it: the self-check with direct launches, then reads of 1 to 17 tensors on
+  torch's stream and a side stream, against the torch backend. Its verdict is kept (the phases
+  after it, and later processes, launch directly once it passed). A child that dies in its direct
+  launches, or is wrong, fails it (its error output is the row; the rest of the run has
+  OVERFLOW_FAST_DIRECT_LAUNCH=0). A probe that runs out of time, or dies before its first direct
+  launch, is "not measured": the rest of the run launches through Triton and the next run probes
+  again.
 - ``exactness``: the triton backend bit for bit against the torch backend, the CPU backend (host
-  copies) and the float64 oracle (tests/oracle.py, the small tensors), every dtype: random bit
-  patterns, special values, tails, views, empty, 0-dim, mixed-dtype batches, and one tensor over
-  2**31 elements; the per-hook kernel against the table kernels on the same tensors.
-- ``self-check``: the per-hook kernel's self-check, at first use and again with its kernels compiled,
-  its time and its launches (direct, ordinary), and the launch path.
-- ``bandwidth``: ``dst.copy_(src)`` on 1 GiB, then the per-hook kernel, the torch backend and the
+  copies) and the float64 oracle (tests/oracle.py, the small tensors), in groups of at most four
+  formats (a row each): random bit patterns, special values, tails, views made on the device
+  (unaligned starts, offsets into a larger storage, strided, transposed and permuted), empty,
+  0-dim, a mixed batch of the group; then a batch of every format, and one tensor over 2**31
+  elements; the list kernel against the table kernels on the same tensors.
+- ``self-check``: the list kernel's self-check, at first use and again with its kernels compiled,
+  its time and its launches (direct, ordinary), the launch path and the probe's verdict.
+- ``bandwidth``: ``dst.copy_(src)`` on 1 GiB, then the list kernel, the torch backend and the
   reference's per-tensor ops (``triton.testing.do_bench`` medians) at 4K..1G elements, fp32 and
   bf16, and the table kernels on 300 mixed tensors of 256..270K elements.
 - ``step-gpu-bound``, ``step-host-bound``, ``step-large``: training steps (AdamW, bf16, random
@@ -66,14 +78,15 @@ Phases, in order (``--phases`` picks some, ``--skip`` drops some):
   (Triton's own launch) if the time box allows: host us per hook, direct against ordinary.
 - ``compiled-gpu-bound``, ``compiled-host-bound``, ``compiled-large``: the same steps under
   ``torch.compile`` (inductor) with ``check="batch"``, and without the detector when the budget
-  allows, timed against the eager step without one; the compile is in the warm-up.
-- ``sweep``: GB/s of a few (BLOCK_SIZE, NUM_WARPS) at 256M elements, if budget is left.
+  allows, timed against the eager step without one; the compile is in the warm-up. One a run.
+- ``sweep``: GB/s of a few (BLOCK_SIZE, NUM_WARPS) at 256M elements, each passed to the launch.
 - ``e2e`` (only when asked): ``benchmarks/bench_end_to_end.py --device cuda --quick``.
 
-``--dry-run`` runs the same code on CPU tensors, every phase by default: the kernels through
-Triton's interpreter (the direct-launch child's too: no direct launch there), the host-per-hook
-phase with the driver call stubbed (bench_host_path's count driver), tiny models (1-2 layers, a
-few tokens), every row marked "dry-run" (not GPU figures).
+``--dry-run`` runs the same code on CPU tensors: the kernels through Triton's interpreter (the
+probe's child too: no direct launch there), the host-per-hook phase with the driver call stubbed
+(bench_host_path's count driver), tiny models (1-2 layers, a few tokens), every row marked
+"dry-run" (not GPU figures). Its device is named ``cpu:0``, a form its tensors never report (as
+``cuda`` is on a GPU): the engine's per-device tables must take it as theirs.
 """
 
 import time
@@ -124,8 +137,8 @@ PHASES = (  # name, share of the budget, what it needs besides torch
 )
 PHASE_NAMES = tuple(name for name, _, _ in PHASES)
 OPT_IN = ("e2e",)
-# left to a second run on a GPU: a cold inductor compile each, which the first run's budget cannot hold
-SECOND_RUN = ("compiled-host-bound", "compiled-large")
+# a cold inductor compile each: one a run (one run's budget cannot hold two), the most valuable first
+COMPILED = ("compiled-gpu-bound", "compiled-host-bound", "compiled-large")
 PROBE = "direct-launch"  # runs first wherever the direct launch may run (module docstring)
 DIRECT_LAUNCH = "OVERFLOW_FAST_DIRECT_LAUNCH"
 COMMAND = "python3 benchmarks/gpu_check.py"
@@ -133,6 +146,10 @@ DEFAULT_BUDGET = 330.0
 DRY_RUN_BUDGET = 1200.0
 RESERVE = 2.0  # seconds kept after the last phase's time box, for the table
 MIN_PHASE = 2.0  # a phase that would get less is skipped
+# the least time box of a phase whose work cannot stop at a deadline of its own, where the budget
+# allows (at most half of what is left): the probe's child (its imports and compiles, about 20 s
+# on a 2-core CPU) and the self-check (a library call)
+FLOORS = {"direct-launch": 60.0, "self-check": 20.0}
 
 
 def parse_args(argv=None):
@@ -145,13 +162,13 @@ def parse_args(argv=None):
     parser.add_argument("--out", default=os.environ.get("OUT") or None,
                         help="folder for gpu_check.md, .csv and .log (default $OUT; none: print only)")
     parser.add_argument("--phases", default=None,
-                        help="comma-separated phases to run (default all but " + ", ".join(OPT_IN) + ")")
+                        help="comma-separated phases to run (default all but " + ", ".join(OPT_IN) + "; one compiled "
+                             "regime a run)")
     parser.add_argument("--skip", default="", help="comma-separated phases not to run")
     parser.add_argument("--e2e", action="store_true", help="add the e2e phase")
     parser.add_argument("--max-numel", type=float, default=2**30, help="largest tensor timed in bandwidth")
     parser.add_argument("--steps", type=int, default=None,
                         help="timed round-robin training steps per variant (default 6; dry run 2)")
-    parser.add_argument("--direct-launch-child", action="store_true", help=argparse.SUPPRESS)  # the probe's child
     args = parser.parse_args(argv)
     if args.budget is None:
         args.budget = DRY_RUN_BUDGET if args.dry_run else DEFAULT_BUDGET
@@ -160,16 +177,17 @@ def parse_args(argv=None):
         chosen = [p for p in args.phases.split(",") if p]
         if not args.dry_run and PROBE not in chosen:
             chosen.append(PROBE)  # before anything launches on the device (it sorts first)
-    else:  # the dry run has no inductor compile to leave out: every phase
-        chosen = [n for n in names if n not in OPT_IN and (args.dry_run or n not in SECOND_RUN)]
+    else:
+        chosen = [n for n in names if n not in OPT_IN]
     if args.e2e and "e2e" not in chosen:
         chosen.append("e2e")
     skipped = [p for p in args.skip.split(",") if p]
     unknown = sorted(set(chosen + skipped) - set(names))
     if unknown:
         parser.error(f"unknown phase(s) {', '.join(unknown)}; the phases: {', '.join(names)}")
-    args.selected = [n for n in names if n in chosen and n not in skipped]
-    args.left_out = [n for n in SECOND_RUN if not args.phases and not args.dry_run and n not in skipped]
+    compiled = [n for n in COMPILED if n in chosen and n not in skipped]
+    args.selected = [n for n in names if n in chosen and n not in skipped and (n not in COMPILED or n == compiled[0])]
+    args.left_out = compiled[1:]
     return args
 
 
@@ -224,14 +242,28 @@ class Report:
         self.planned = []  # this run's phases
         self.left_out = []  # phases left to a second run from the start
         self.finished = set()  # phases that ran to their end (or failed for a reason a rerun keeps)
-        self.env_prefix = ""  # what a second run sets first (the direct launch off, when its probe failed)
+        # the probe's outcome: None (not run), "passed", "not taken" (nothing to launch directly
+        # here), "failed", "not measured" (out of time, or dead before a direct launch), "skipped"
+        self.probe = None
+        self.phase_times = []  # (phase, seconds it took, its time box, its first compiles)
+        self.ended = False  # the run has ended (a table written before says it may still be running, or killed)
         self.lock = threading.RLock()
 
     def add(self, measure, value, detail=""):
+        self.set(measure, value, detail, replace=False)
+
+    def set(self, measure, value, detail="", replace=True):
+        """A row, written at once; ``replace``: in the place of the row of the same measure (a
+        median that more steps refine)."""
         clean = lambda text: " ".join(str(text).replace("|", "/").split())  # noqa: E731 - one table cell
+        row = (clean(measure), clean(value), clean(detail))
         with self.lock:
-            self.rows.append((clean(measure), clean(value), clean(detail)))
-            print(f"  -> | {self.rows[-1][0]} | {self.rows[-1][1]} | {self.rows[-1][2]} |", flush=True)
+            index = next((i for i, known in enumerate(self.rows) if known[0] == row[0]), None) if replace else None
+            if index is None:
+                self.rows.append(row)
+            else:
+                self.rows[index] = row
+            print(f"  -> | {row[0]} | {row[1]} | {row[2]} |", flush=True)
             self.write()
 
     def status(self):
@@ -245,7 +277,8 @@ class Report:
 
     def headline(self):
         elapsed = time.perf_counter() - STARTED
-        parts = [f"exit status {self.status()}", f"{elapsed:.0f} s of a {self.budget_s:.0f} s budget"]
+        state = f"exit status {self.status()}" if self.ended else "running (or killed: no end was written)"
+        parts = [state, f"{elapsed:.0f} s of a {self.budget_s:.0f} s budget"]
         if self.checks_failed:
             parts.append("checks failed: " + ", ".join(self.checks_failed))
         if self.phases_failed:
@@ -255,25 +288,47 @@ class Report:
         return "gpu_check: " + "; ".join(parts)
 
     def second_run(self):
-        """The command that measures what this run has not (yet): the phases left out, skipped for
-        the budget, stopped by their time box or the watchdog, or not reached; None when none."""
+        """The command of the next run, for what this one has not measured (yet): the phases left
+        out, skipped for the budget, stopped by their time box or the watchdog, or not reached,
+        with one compiled regime (the next); the probe again where it was not measured, skipped
+        once it passed, the direct launch off where it failed. None when nothing is left."""
         rest = [name for name in PHASE_NAMES if name != PROBE and (
             name in self.left_out or (name in self.planned and name not in self.finished))]
+        rest = [name for name in rest if name not in COMPILED or name == next(n for n in rest if n in COMPILED)]
         if not rest:
             return None
-        return f"{self.env_prefix}{COMMAND} --phases {','.join(rest)}" + (" --dry-run" if self.dry_run else "")
+        if self.probe in ("not measured", "skipped"):
+            rest.insert(0, PROBE)
+        prefix = f"{DIRECT_LAUNCH}=0 " if self.probe == "failed" else ""
+        skip = " --skip direct-launch" if self.probe in ("passed", "not taken") and not self.dry_run else ""
+        return f"{prefix}{COMMAND} --phases {','.join(rest)}{skip}" + (" --dry-run" if self.dry_run else "")
+
+    def timing(self):
+        """The phases' times: here, their time boxes, and what their compiles may take on a GPU."""
+        if not self.phase_times:
+            return None
+        lines = [f"{'phase':>20} {'took':>7} {'box':>6}  on a GPU (--budget {DEFAULT_BUDGET:.0f})"]
+        for phase, took, box, compiles in self.phase_times:
+            shown = "-" if phase == "startup" else f"{box:.0f}s"
+            lines.append(f"{phase:>20} {took:>6.1f}s {shown:>6}  {gpu_projection(phase, compiles)}")
+        return "\n".join(lines)
 
     def table(self):
         lines = ["| measure | value | detail | run |", "|---|---|---|---|"]
         lines += [f"| {m} | {v} | {d} | {self.source} |" for m, v, d in self.rows]
         return "\n".join(lines)
 
+    def blocks(self):
+        """The notes, then the phases' times."""
+        timing = self.timing()
+        return self.notes + ([("phase times (here; on a GPU: projected)", timing)] if timing else [])
+
     def markdown(self):
         text = self.headline() + "\n\n"
         if self.second_run():
             text += f"Not measured (yet), for a second run: `{self.second_run()}`\n\n"
         text += self.table() + "\n"
-        for title, block in self.notes:
+        for title, block in self.blocks():
             text += f"\n{title}:\n\n" + "".join(f"    {line}\n" for line in block.splitlines())
         return text
 
@@ -299,9 +354,10 @@ class Report:
 
     def finish(self):
         with self.lock:
+            self.ended = True
             self.write()
             print()
-            for title, block in self.notes:
+            for title, block in self.blocks():
                 print(f"{title}:\n{block}\n")
             print(self.headline())
             if self.second_run():
@@ -352,9 +408,9 @@ class Watchdog:
     def stop_run(self, why):
         """Write the table with a row for the phase that was running, and end the process (and the
         child processes it started)."""
-        for child in CHILDREN:
-            with contextlib.suppress(OSError):
-                child.kill()
+        for child in CHILDREN:  # processes, or modules that own theirs
+            with contextlib.suppress(Exception):
+                child.kill() if hasattr(child, "kill") else child._end_children()
         frame = sys._current_frames().get(self.main)
         where = "".join(traceback.format_stack(frame)[-2:]).strip().replace("\n", " ") if frame else "?"
         acquired = self.report.lock.acquire(timeout=2.0)
@@ -375,12 +431,113 @@ class Watchdog:
         signal.signal(signal.SIGTERM, self.previous_term)
 
 
+# --------------------------------------------------------------------------- what a phase compiles
+
+# Seconds of one compile of a variant for sm_90, by kernel and its formats, (aligned, with the
+# unaligned loops): benchmarks/bench_triton_compile.py on a 2-core AMD EPYC (AVX-512), Triton 3.6,
+# a shared machine's quieter run. On the lent machine's CPU these are projections.
+COMPILE_S = {
+    "list": {1: (1.0, 0.6), 2: (0.8, 1.1), 4: (1.4, 2.5)},
+    "partials": {1: (0.5, 0.5), 2: (0.6, 1.0), 4: (1.1, 1.8)},
+}
+COMBINE_S = 0.5  # the combine kernel: one variant, one loop
+PROBE_CHILD_S = (6.0, 13.4)  # the probe's child: its imports (measured here), its 10 variants (priced as above)
+STARTUP_S = ("imports about 10 s; a cold C++ build about 60 s (6 units in parallel; 78-137 s measured on a 2-core "
+             "AMD EPYC, loaded)")
+
+
+def compile_seconds(key):
+    """The projected compile of one variant (``FirstLaunches``' key)."""
+    kernel, formats, unaligned = key[:3]
+    if kernel == "combine":
+        return COMBINE_S
+    table = COMPILE_S[kernel]
+    count = next((n for n in sorted(table) if n >= formats), max(table))
+    seconds = table[count][1 if unaligned else 0]
+    return seconds * max(formats / count, 1.0)
+
+
+class FirstLaunches:
+    """The variants of the kernels each phase launches first in this run: on a GPU each one is a
+    compile (unless Triton's cache holds it from an earlier run), which ``gpu_projection`` prices.
+    Counted where the engine launches them (its Python launch paths), passed through."""
+
+    def __init__(self):
+        self.seen = set()
+        self.new = []
+
+    def install(self):
+        from overflow_fast.stats import triton_common, triton_launch, triton_list, triton_table
+
+        def note(key):
+            if key not in self.seen:
+                self.seen.add(key)
+                self.new.append(key)
+
+        def ordinary(real):
+            def launch(state, launcher, grid, args, slots, formats, any_unaligned, *shape):
+                note(("list", bin(formats).count("1"), any_unaligned, slots, formats, *shape))
+                return real(state, launcher, grid, args, slots, formats, any_unaligned, *shape)
+            return launch
+
+        def python_read(real):
+            def launch(programs, args, slots, formats, any_unaligned, *shape):
+                note(("list", bin(formats).count("1"), any_unaligned, slots, formats, *shape))
+                return real(programs, args, slots, formats, any_unaligned, *shape)
+            return launch
+
+        def table(real):
+            def launch(buffer, out, num_tensors, num_chunks, formats, unaligned, *shape, **kwargs):
+                if num_chunks:
+                    for group, any_unaligned in triton_common.format_groups(formats, unaligned):
+                        note(("partials", bin(group).count("1"), any_unaligned, group, (num_tensors - 1).bit_length(),
+                              *shape, *kwargs.values()))
+                note(("combine", 0, False))
+                return real(buffer, out, num_tensors, num_chunks, formats, unaligned, *shape, **kwargs)
+            return launch
+
+        triton_launch._ordinary_launch = ordinary(triton_launch._ordinary_launch)
+        triton_list._launch_read = python_read(triton_list._launch_read)
+        triton_table._launch = table(triton_table._launch)
+
+    def take(self):
+        new, self.new = self.new, []
+        return new
+
+
+def gpu_boxes(selected, startup_s=20.0, budget=DEFAULT_BUDGET):
+    """{phase: its time box} in a GPU run of ``selected`` whose startup took ``startup_s``, each
+    phase taking its whole box (what main() gives them)."""
+    left = budget - RESERVE - startup_s
+    boxes = {}
+    for i, name in enumerate(selected):
+        boxes[name] = phase_box(name, selected[i:], left)
+        left -= boxes[name]
+    return boxes
+
+
+def gpu_projection(phase, compiles, boxes=None):
+    """What ``phase`` may take on a GPU: its box at the default budget, and its compiles priced."""
+    if boxes is None:
+        selected = parse_args([]).selected if PHASE_NAMES else []
+        boxes = gpu_boxes(selected)
+    box = boxes.get(phase)
+    where = f"box {box:.0f} s; " if box is not None else "(a later run's phase); "
+    if phase == "startup":
+        return STARTUP_S
+    if phase == PROBE:
+        return where + (f"the child: imports about {PROBE_CHILD_S[0]:.0f} s and its 10 compiles about "
+                        f"{PROBE_CHILD_S[1]:.0f} s (projected), then its reads")
+    seconds = sum(compile_seconds(key) for key in compiles)
+    return where + f"{len(compiles)} first compiles, about {seconds:.0f} s (projected), then its measuring"
+
+
 # --------------------------------------------------------------------------- the run's state
 
 CHILDREN = []  # child processes, ended with the run
 
 torch = None  # imported by startup(), inside the budget
-triton_be = triton_devices = triton_read = triton_table = torch_be = cpu_be = StatsBatch = None
+triton_be = triton_devices = triton_list = triton_table = torch_be = cpu_be = StatsBatch = None
 random_bits = reference_stats = same_stats = special_values = None
 
 
@@ -394,13 +551,14 @@ class Context:
         self.regimes = {}  # regime -> what its step phase built, for its compiled phase
         self.copy_gbps = None
         self.kernel_rows = []
-        self.direct = None  # the direct-launch phase's outcome: "passed", "not taken", "failed", "off"
+        self.direct = None  # the direct-launch phase's outcome: "passed", "not taken", "failed", "not measured", "off"
+        self.first_launches = FirstLaunches()
 
 
 def startup(ctx):
     """Import torch, the package (which builds or loads the C++ kernel), Triton and transformers,
     each timed; pick the device. False when nothing can be measured."""
-    global triton_devices, triton_read, triton_table
+    global triton_devices, triton_list, triton_table
     global torch, triton_be, torch_be, cpu_be, StatsBatch, random_bits, reference_stats, same_stats, special_values
     report, args = ctx.report, ctx.args
     if args.dry_run:
@@ -429,12 +587,13 @@ def startup(ctx):
     from overflow_fast.stats import torch_backend as _torch_be
     from overflow_fast.stats import triton_backend as _triton_be
     from overflow_fast.stats import triton_devices as _triton_devices
-    from overflow_fast.stats import triton_read as _triton_read
+    from overflow_fast.stats import triton_list as _triton_list
     from overflow_fast.stats import triton_table as _triton_table
 
     StatsBatch, torch_be, triton_be = _StatsBatch, _torch_be, _triton_be
-    triton_devices, triton_read, triton_table = _triton_devices, _triton_read, _triton_table
+    triton_devices, triton_list, triton_table = _triton_devices, _triton_list, _triton_table
     ctx.missing["triton"] = triton_be.unavailable_reason()
+    ctx.first_launches.install()
     timings.append(f"the triton backend {time.perf_counter() - started:.1f} s")
 
     import oracle
@@ -451,11 +610,10 @@ def startup(ctx):
             ctx.missing["transformers"] = f"{type(error).__name__}: {error}"
         timings.append(f"transformers {time.perf_counter() - started:.1f} s")
 
-    if args.dry_run:
-        ctx.device = torch.device("cpu")
-    elif torch.cuda.is_available():
-        ctx.device = torch.device("cuda")
-        report.source = torch.cuda.get_device_name()
+    if args.dry_run or torch.cuda.is_available():
+        ctx.device = torch_device(args)
+        if ctx.device.type == "cuda":
+            report.source = torch.cuda.get_device_name(ctx.device)
     else:
         report.nothing_to_measure = "no CUDA device (run with --dry-run to exercise this script without one)"
     report.add("startup", f"{time.perf_counter() - STARTED:.1f} s", "; ".join(timings) + "; " + environment(ctx))
@@ -463,6 +621,17 @@ def startup(ctx):
         report.add("device", f"failed: {report.nothing_to_measure}", "")
         return False
     return True
+
+
+def torch_device(args):
+    """The run's device: the current CUDA device, with its index (the form its tensors report);
+    the dry run's CPU as "cpu:0", a form its tensors never report (they say "cpu"), as "cuda" is on
+    a GPU: what the engine keeps per device must take it as theirs all the same."""
+    import torch as _torch
+
+    if args.dry_run:
+        return _torch.device("cpu", 0)
+    return _torch.device("cuda", _torch.cuda.current_device())
 
 
 def environment(ctx):
@@ -481,7 +650,7 @@ def environment(ctx):
     if ctx.missing.get("triton"):
         parts.append(f"no triton backend ({ctx.missing['triton']})")
     else:
-        parts.append(f"per-hook launch {triton_be.launch_path()}")  # overflow-fast info's, before any device
+        parts.append(f"list kernel launch {triton_be.launch_path()}")  # overflow-fast info's, before any device
     if ctx.missing.get("transformers"):
         parts.append(f"no transformers ({ctx.missing['transformers']})")
     commit = git_commit()
@@ -524,159 +693,67 @@ def _free(device):
 # --------------------------------------------------------------------------- the direct launch, first in a child
 
 def probe_command(args):
-    """The child process of the direct-launch phase: this script, in its child mode."""
-    return [sys.executable, os.path.abspath(__file__), "--direct-launch-child"] + (["--dry-run"] if args.dry_run else [])
+    """The probe's child process (None: the library's own, stats/triton_probe); tests stand in for it."""
+    return None
 
 
 def direct_launch(ctx, deadline):
-    """The per-hook read's direct launch (cuLaunchKernel on Triton's compiled kernel, from C++) tried
-    first in a child process, bounded by the time box: a wrong argument layout there can kill the
-    CUDA context, and with it every phase after. Until the child has passed, and for the rest of
-    the run when it has not, OVERFLOW_FAST_DIRECT_LAUNCH=0 keeps every launch Triton's."""
+    """The list kernel's direct launch (cuLaunchKernel on Triton's compiled kernel, from C++) tried
+    first by the library's probe in a child process, bounded by the time box: a wrong argument
+    layout there can kill the CUDA context, and with it every phase after. Until the probe has
+    passed, and for the rest of the run when it has not, OVERFLOW_FAST_DIRECT_LAUNCH=0 keeps every
+    launch Triton's (and no probe of the library's own starts during the measuring)."""
+    from overflow_fast.stats import triton_verdicts
+
     report = ctx.report
     if os.environ.get(DIRECT_LAUNCH, "1") == "0":
-        ctx.direct = "off"
-        report.add("direct launch", f"not tried: {DIRECT_LAUNCH}=0", "every per-hook launch of this run is Triton's")
+        ctx.direct = report.probe = "off"
+        report.add("direct launch", f"not tried: {DIRECT_LAUNCH}=0", "every launch of the list kernel in this run is Triton's")
         return
     previous = os.environ.get(DIRECT_LAUNCH)
     os.environ[DIRECT_LAUNCH] = "0"  # off until the child passed: a time box or the watchdog meanwhile leaves it off
-    child_env = {name: value for name, value in os.environ.items() if name != DIRECT_LAUNCH}
+    device = ctx.device if ctx.device is not None else torch_device(ctx.args)
     timeout = max(deadline - time.perf_counter(), 1.0)
-    started = time.perf_counter()
-    print(f"  the per-hook self-check and reads through the direct launch, in a child process ({timeout:.0f} s at most)",
-          flush=True)
-    process = subprocess.Popen(probe_command(ctx.args), cwd=ROOT, env=child_env, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
-    CHILDREN.append(process)
+    print(f"  the probe: the self-check and reads through the direct launch, in a child process ({timeout:.0f} s at "
+          "most)", flush=True)
+    CHILDREN.append(triton_verdicts)  # the watchdog ends its children too
     try:
-        output, errors = process.communicate(timeout=timeout)
-        ended = None
-    except subprocess.TimeoutExpired:
-        process.kill()
-        output, errors = process.communicate()
-        ended = f"ran past its {timeout:.0f} s and was killed"
-    except BaseException:  # the time box or an interrupt: the child goes with the phase
-        process.kill()
-        process.wait()
-        raise
+        verdict = triton_verdicts.run_probe(device, timeout, command=probe_command(ctx.args),
+                                            keep=device.type == "cuda")
     finally:
-        CHILDREN.remove(process)
-    seconds = time.perf_counter() - started
-    print(output + errors, end="", flush=True)
-    result = next((json.loads(line[len("PROBE "):]) for line in reversed(output.splitlines())
-                   if line.startswith("PROBE ")), None)
-    if ended is None and process.returncode:
-        code = process.returncode
-        ended = f"died of {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals() else f"ended with exit status {code}"
-    if ended is None and result is not None and result.get("passed"):
+        CHILDREN.remove(triton_verdicts)
+    print(verdict["output"], flush=True)
+    result = verdict["result"] or {}
+    tail = " ".join(verdict["output"].strip().splitlines()[-12:])[-700:]
+    outcome = verdict["outcome"]
+    if outcome == "passed" or (outcome == "not measured" and result.get("passed")):  # passed, or nothing to launch directly
         if previous is None:
             del os.environ[DIRECT_LAUNCH]
         else:
             os.environ[DIRECT_LAUNCH] = previous
-        direct = result["direct_launches"]
-        ctx.direct = "passed" if direct else "not taken"
-        value = f"passed: {direct} direct launches in a child process" if direct else f"not taken: {result['launch']}"
+        direct = result.get("direct_launches", 0)
+        ctx.direct = report.probe = "passed" if outcome == "passed" else "not taken"
+        value = f"passed: {direct} direct launches in a child process" if direct else f"not taken: {result.get('launch')}"
+        kept = ("; its verdict kept for later processes" if verdict.get("recorded") else
+                "; no verdict kept" + ("" if device.type == "cuda" else " (not a GPU)"))
         report.add("direct launch", value,
-                   f"self-check {result['self_check']} in {result['check_ms']:.0f} ms (first use: its kernels "
-                   f"compiled), then {result['reads']} reads exact ({result['read_launches']}); launch "
-                   f"{result['launch']}; {direct} direct and {result['ordinary_launches']} ordinary launches; "
-                   f"{seconds:.0f} s with the child's start")
+                   f"self-check {result.get('self_check')} in {result.get('check_ms', 0):.0f} ms (first use: its kernels "
+                   f"compiled), then {result.get('reads')} reads exact (1 to 17 tensors, 1 to 3 launches each, views "
+                   f"made on the device{', on two streams' if device.type == 'cuda' else ''}); launch "
+                   f"{result.get('launch')}; {direct} direct and {result.get('ordinary_launches')} ordinary launches; "
+                   f"{verdict['seconds']:.0f} s with the child's start{kept}")
         return
-    ctx.direct = "failed"
+    if outcome == "not measured":
+        ctx.direct = report.probe = "not measured"
+        report.add("direct launch", f"not measured: {verdict['detail']}",
+                   f"{DIRECT_LAUNCH}=0 for the rest of the run; the next run probes again; launch "
+                   f"{result.get('launch', '?')}; the child's last output: {tail or '(none)'}")
+        return
+    ctx.direct = report.probe = "failed"
     report.checks_failed.append(PROBE)
-    report.env_prefix = f"{DIRECT_LAUNCH}=0 "
-    why = ended or (result or {}).get("error") or "no result"
-    tail = " ".join((errors or output).strip().splitlines()[-12:])[-700:]
-    report.add("direct launch", f"failed: the child {why}" if ended else f"failed: {why}",
-               f"{DIRECT_LAUNCH}=0 for the rest of the run; launch {(result or {}).get('launch', '?')}; "
+    report.add("direct launch", f"failed: {verdict['detail']}",
+               f"{DIRECT_LAUNCH}=0 for the rest of the run; launch {result.get('launch', '?')}; "
                f"the child's last output: {tail or '(none)'}")
-
-
-def direct_launch_child(dry_run):
-    """The child's side of the direct-launch phase: a device's first use (its self-check: every
-    variant through Triton's launch, then directly), then reads of 1 to 17 tensors (one to three
-    launches) through the hooks' entry on torch's stream and on a side stream, each against the
-    torch backend, and a sync. One ``PROBE <json>`` line; exit status 0 passed, 1 not."""
-    global torch, triton_be, triton_devices, triton_read, triton_table, torch_be
-    result = {"passed": False}
-    if dry_run:  # the interpreter is chosen when the backend is imported
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    try:
-        import torch as _torch
-
-        from overflow_fast.stats import torch_backend as _torch_be
-        from overflow_fast.stats import triton_backend as _triton_be
-        from overflow_fast.stats import triton_devices as _triton_devices
-        from overflow_fast.stats import triton_read as _triton_read
-        from overflow_fast.stats import triton_table as _triton_table
-
-        torch, triton_be, torch_be = _torch, _triton_be, _torch_be
-        triton_devices, triton_read, triton_table = _triton_devices, _triton_read, _triton_table
-        if triton_be.unavailable_reason() is not None:
-            raise RuntimeError(f"the triton backend is unavailable: {triton_be.unavailable_reason()}")
-        device = torch.device("cpu") if dry_run else torch.device("cuda", torch.cuda.current_device())
-        state = triton_be.check_device(device, read=None if device.type == "cuda" else triton_read._read)
-        result.update(self_check=state.self_check, check_ms=state.check_ms or 0.0, launch=state.launch)
-        if state.self_check != "passed":
-            raise RuntimeError(f"the self-check {state.self_check}")
-        reads, launches = _direct_reads(device)
-        _sync(device)
-        launcher = state.launcher
-        result.update(reads=reads, read_launches=launches, launch=state.launch, passed=True,
-                      direct_launches=launcher.direct_launches if launcher is not None else 0,
-                      ordinary_launches=launcher.ordinary_launches if launcher is not None else 0)
-    except Exception as error:  # noqa: BLE001 - the parent reports it
-        traceback.print_exc()
-        message = str(error).strip().splitlines()
-        result["error"] = f"{type(error).__name__}: {message[0][:300] if message else ''}"
-    print("PROBE " + json.dumps(result), flush=True)
-    return 0 if result["passed"] else 1
-
-
-def _direct_reads(device):
-    """Reads of 1, 3, 9 and 17 fp32 and bf16 tensors (one to three launches, of 1, 4 and 8 slots; an
-    unaligned view, a transposed one, a strided slice read through a copy) through ``read_into``,
-    each twice (the first launch of a variant is Triton's, which compiles it; the second direct),
-    on torch's stream and, on CUDA, on a side stream, each against the torch backend: (reads, what
-    they launched)."""
-    import random
-
-    from oracle import random_bits
-
-    gen = torch.Generator().manual_seed(1)
-    rng = random.Random(1)
-    streams = [None] + ([torch.cuda.Stream(device)] if device.type == "cuda" else [])
-    reads = 0
-    for stream in streams:
-        for count in (1, 3, 9, 17):
-            tensors = []
-            for i in range(count):
-                tensor = random_bits((torch.bfloat16, torch.float32)[i % 2], (40 * rng.randint(1, 80),), gen).to(device)
-                kind = i % 4
-                if kind == 1:
-                    tensor = tensor[1:]  # unaligned
-                elif kind == 2:
-                    tensor = tensor.view(40, -1).t()  # transposed: dense, read in place
-                elif kind == 3:
-                    tensor = tensor[::3]  # strided: read through a flat copy
-                tensors.append(tensor)
-            want = torch_be.compute(tensors).cpu()
-            where = "a side stream" if stream is not None else "torch's stream"
-            for attempt in ("first", "second"):
-                rows = torch.full((count, 8), -1, dtype=torch.int64, device=device)
-                if stream is not None:
-                    stream.wait_stream(torch.cuda.current_stream(device))
-                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                    taken = triton_be.read_into(tensors, rows)
-                if stream is not None:
-                    stream.synchronize()
-                if taken is not True:
-                    raise RuntimeError(f"read_into did not take {count} tensors on {where}")
-                problem = triton_devices._row_difference(rows.cpu(), want, tensors)
-                if problem is not None:
-                    raise RuntimeError(f"the {attempt} read of {count} tensors on {where}: {problem}")
-                reads += 1
-    return reads, "1 to 17 tensors, 1 to 3 launches each" + (", on two streams" if len(streams) > 1 else "")
 
 
 # --------------------------------------------------------------------------- exactness
@@ -708,17 +785,17 @@ def _cpu_backend_dicts(tensors):
 
 
 def check_batch(tensors, label, counts, oracle_dtypes, oracle_max=5000):
-    """Triton's table kernels equal its per-hook kernel, the torch backend, the CPU backend, and
-    the oracle on the small tensors."""
+    """Triton's table kernels equal its list kernel (in calls of as many tensors as it takes), the
+    torch backend, the CPU backend, and the oracle on the small tensors."""
     table_rows = triton_be.compute(tensors)
     got = _dicts(table_rows, tensors)
     want = _dicts(torch_be.compute(tensors), tensors)
-    if len(tensors) <= triton_be.MAX_SLOTS * triton_be.MAX_READ_LAUNCHES:
-        read_rows = _read_rows(tensors)
-        if not torch.equal(read_rows, table_rows):
-            bad = next(i for i in range(len(tensors)) if not torch.equal(read_rows[i], table_rows[i]))
-            raise Mismatch(f"{label}[{bad}] {tensors[bad].dtype} {tuple(tensors[bad].shape)}: per-hook kernel "
-                           f"{read_rows[bad].tolist()} != table kernels {table_rows[bad].tolist()}")
+    most = triton_be.MAX_SLOTS * triton_be.MAX_READ_LAUNCHES
+    read_rows = torch.cat([_read_rows(tensors[begin:begin + most]) for begin in range(0, len(tensors), most)])
+    if not torch.equal(read_rows, table_rows):
+        bad = next(i for i in range(len(tensors)) if not torch.equal(read_rows[i], table_rows[i]))
+        raise Mismatch(f"{label}[{bad}] {tensors[bad].dtype} {tuple(tensors[bad].shape)}: list kernel "
+                       f"{read_rows[bad].tolist()} != table kernels {table_rows[bad].tolist()}")
     on_cpu = _cpu_backend_dicts(tensors)
     counts["cpu"] += len(on_cpu)
     for i, (g, w, t) in enumerate(zip(got, want, tensors)):
@@ -734,11 +811,11 @@ def check_batch(tensors, label, counts, oracle_dtypes, oracle_max=5000):
 
 
 def _read_rows(tensors):
-    """The per-hook kernel's rows (whatever the device's self-check said)."""
+    """The list kernel's rows (whatever the device's self-check said)."""
     rows = torch.full((len(tensors), 8), -1, dtype=torch.int64, device=tensors[0].device)
-    state = triton_devices._DEVICES.get((rows.device.type, rows.device.index)) or triton_be.check_device(rows.device)
-    if triton_read._read(tensors, rows, state) is False:
-        raise Mismatch(f"the per-hook kernel did not take {len(tensors)} tensors")
+    state = triton_devices.lookup(rows.device) or triton_be.check_device(rows.device)
+    if triton_list._read(tensors, rows, state) is False:
+        raise Mismatch(f"the list kernel did not take {len(tensors)} tensors")
     return rows
 
 
@@ -756,55 +833,125 @@ def _readable(dtype, device):
 
 
 def exactness(ctx, deadline):
+    """Every dtype the device reads, in groups of at most MAX_FORMATS formats, a row each, written
+    as it is checked, the deadline checked before each; then a call of eight formats, and on a GPU
+    (first) one tensor over 2**31 elements. A group is one batch whose dtypes alternate, a multiple
+    of eight tensors: each launch of the list kernel holds the group's formats and an unaligned
+    tensor, so that a group compiles one variant of each kernel (a variant is a compile on a GPU,
+    about a second or two: gpu_check's phase times project them)."""
     device, tiny, report = ctx.device, ctx.tiny, ctx.report
     cpu_note = ("the cpu backend" if cpu_be.unavailable_reason() is None
                 else f"not the cpu backend ({cpu_be.unavailable_reason()})")
     print(f"  against the torch backend, {cpu_note} and the float64 oracle", flush=True)
-    counts = {"checked": 0, "cpu": 0}
-    complete = True
-    try:
-        complete = _check_every_dtype(device, tiny, deadline, counts)
-    except Mismatch as error:
-        report.checks_failed.append("exactness")
-        report.add("exactness", f"MISMATCH: {error}",
-                   f"after {counts['checked']} tensors exact; the phases after this one still run")
-        return
-    report.add("exactness", f"{counts['checked']} tensors exact, 0 mismatches" + ("" if complete else " (time box: partial)"),
-               f"table kernels = per-hook kernel = torch backend = oracle (small ones); = cpu backend on {counts['cpu']}"
-               + ("" if cpu_be.unavailable_reason() is None else f" ({cpu_note})"))
-
-
-def _check_every_dtype(device, tiny, deadline, counts):
-    """Every case, or as many as the time box allows (False then; at least one dtype runs)."""
     gen = torch.Generator().manual_seed(0)
+    all_dtypes, wide_unsigned = check_dtypes()
+    dtypes = [dtype for dtype in all_dtypes + wide_unsigned if _readable(dtype, device)]
+    for dtype in sorted(set(all_dtypes + wide_unsigned) - set(dtypes), key=str):
+        print(f"  {dtype}: skipped, not readable by the triton or the torch backend on {device}")
+    size = triton_be.MAX_FORMATS
+    groups = [dtypes[begin:begin + size] for begin in range(0, len(dtypes), size)]
+    oracle_dtypes = set(all_dtypes)
+    total = {"checked": 0, "cpu": 0}
+    mismatches = []
+    complete = True
+
+    def checked(label, run, what):
+        counts = {"checked": 0, "cpu": 0}
+        try:
+            run(counts)
+        except Mismatch as error:
+            mismatches.append(str(error))
+            report.add(label, f"MISMATCH: {error}", f"after {counts['checked']} tensors exact; the groups after it still run")
+        else:
+            report.add(label, f"{counts['checked']} tensors exact", what + (f"; = cpu backend on {counts['cpu']}"
+                                                                             if counts["cpu"] else ""))
+        total["checked"] += counts["checked"]
+        total["cpu"] += counts["cpu"]
+
+    if not tiny:  # first: the one case that only a GPU's memory holds
+        checked("exactness over 2**31 elements", lambda counts: counts.update(checked=check_huge(device)),
+                "fp16 with its NaN, -inf and a subnormal past element 2**31, and int8: the int64 offsets")
+    plan = [("exactness " + ", ".join(str(d)[6:] for d in group), group) for group in groups]
+    plan.append(("exactness eight formats in one launch", dtypes[:2 * size]))
+    for label, group in plan:
+        if time.perf_counter() > deadline:
+            complete = False
+            print(f"  time box spent: stopped before {label}", flush=True)
+            break
+        if label.endswith("one launch"):
+            checked(label, lambda counts, group=group: _check_formats(device, group, gen, counts, oracle_dtypes),
+                    "one call of a tensor of each: two launches of the list kernel, the table kernels' partials in two")
+        else:
+            checked(label, lambda counts, group=group: _check_group(device, tiny, group, gen, counts, oracle_dtypes),
+                    "table kernels = list kernel = torch backend = oracle (small ones); sizes around a chunk, special "
+                    "values, empty, 0-dim, views made on the device")
+    if mismatches:
+        report.checks_failed.append("exactness")
+        report.add("exactness", f"MISMATCH: {mismatches[0]}", f"{len(mismatches)} check(s) with a mismatch; "
+                   f"{total['checked']} tensors exact; the phases after this one still run")
+        return
+    report.add("exactness", f"{total['checked']} tensors exact, 0 mismatches" + ("" if complete else " (time box: partial)"),
+               f"in groups of at most {size} formats (rows above); table kernels = list kernel = torch backend = oracle "
+               f"(small ones); = cpu backend on {total['cpu']}" + ("" if cpu_be.unavailable_reason() is None else
+                                                                    f" ({cpu_note})"))
+
+
+def _maker(dtype, wide_unsigned, gen):
+    """Random bit patterns of ``dtype`` (host tensors), and its special values."""
+    if dtype in wide_unsigned:
+        signed = {2: torch.int16, 4: torch.int32, 8: torch.int64}[dtype.itemsize]
+        special = torch.tensor([0, -1, 1, torch.iinfo(signed).min], dtype=signed).view(dtype)
+        return (lambda shape: random_bits(signed, shape, gen).view(dtype)), special
+    return (lambda shape: random_bits(dtype, shape, gen)), special_values(dtype)
+
+
+def _device_views(make, device):
+    """Views made on the device (as a model's are): an unaligned start, one starting deep into a
+    larger storage, a transposed and a permuted one (dense: read in place), gapped ones (read
+    through a copy). A view the device cannot make for this dtype is left out."""
+    views = []
+    for build in (lambda: make((1001,)).to(device)[1:],
+                  lambda: make((4096 + 300,)).to(device)[4096 + 3:4096 + 250],
+                  lambda: make((40, 30)).to(device).t(),
+                  lambda: make((4, 5, 6)).to(device).permute(2, 0, 1),
+                  lambda: make((40, 30)).to(device)[:, ::7],
+                  lambda: make((6, 8, 10)).to(device)[:, 1:7:2, ::3]):
+        try:
+            views.append(build())
+        except (RuntimeError, NotImplementedError) as error:
+            print(f"  a view left out on {device}: {type(error).__name__}: {str(error).splitlines()[0][:120]}")
+    return views
+
+
+def _check_group(device, tiny, group, gen, counts, oracle_dtypes):
+    """One batch of the dtypes of ``group``, alternating, a multiple of 8 tensors: for each, sizes
+    around the chunk, special values, a tail after a chunk, empty, 0-dim and views on the device."""
+    _, wide_unsigned = check_dtypes()
     chunk = triton_be.BLOCK_SIZE * triton_be.BLOCKS_PER_CHUNK
     sizes = [1, 7, 100, 4097] if tiny else [1, 7, 100, 4097, chunk - 1, chunk + 1, 2 * chunk + 77]
-    all_dtypes, wide_unsigned = check_dtypes()
-    dtypes = [dtype for dtype in all_dtypes if _readable(dtype, device)]
-    for dtype in sorted(set(all_dtypes) - set(dtypes), key=str):
-        print(f"  {dtype}: skipped, not readable by the triton or the torch backend on {device}")
-    oracle_dtypes = set(all_dtypes)
-    if not tiny:  # first: the one case that only a GPU's memory can hold
-        counts["checked"] += check_huge(device)
-    for dtype in dtypes + wide_unsigned:
-        if counts["checked"] and time.perf_counter() > deadline:
-            print(f"  time box spent: stopped before {dtype}")
-            return False
-        if dtype in wide_unsigned:
-            signed = {2: torch.int16, 4: torch.int32, 8: torch.int64}[dtype.itemsize]
-            make = lambda shape, signed=signed, dtype=dtype: random_bits(signed, shape, gen).view(dtype)  # noqa: E731
-            special = torch.tensor([0, -1, 1, torch.iinfo(signed).min], dtype=signed).view(dtype)
-        else:
-            make = lambda shape, dtype=dtype: random_bits(dtype, shape, gen)  # noqa: E731
-            special = special_values(dtype)
-        tensors = [make((n,)) for n in sizes]
-        tensors += [special, torch.cat([make((chunk + 3,) if not tiny else (45,)), special])]
-        tensors += [torch.empty(0, dtype=dtype), make(()), make((40, 30)).t(), make((40, 30))[:, ::7],
-                    make((1001,))[1:]]
-        counts["checked"] += check_batch([t.to(device) for t in tensors], f"{dtype}", counts, oracle_dtypes)
-    mixed = [random_bits(d, (50 + 31 * i,), gen) for i, d in enumerate(dtypes * 2)]
-    counts["checked"] += check_batch([t.to(device) for t in mixed], "mixed dtypes", counts, oracle_dtypes)
-    return True
+    each = []
+    for dtype in group:
+        make, special = _maker(dtype, wide_unsigned, gen)
+        tensors = [make((n,)).to(device) for n in sizes]
+        tensors += [special.to(device), torch.cat([make((chunk + 3,) if not tiny else (45,)), special]).to(device),
+                    torch.empty(0, dtype=dtype, device=device), make(()).to(device)]
+        each.append(tensors + _device_views(make, device))
+    batch = [tensors[i] for i in range(max(len(t) for t in each)) for tensors in each if i < len(tensors)]
+    while len(batch) % triton_be.MAX_SLOTS:
+        batch.append(each[len(batch) % len(each)][0])  # the same tensor again: a multiple of 8
+    counts["checked"] += check_batch(batch, ", ".join(str(d)[6:] for d in group), counts, oracle_dtypes)
+
+
+def _check_formats(device, dtypes, gen, counts, oracle_dtypes):
+    """One tensor of each of ``dtypes`` (eight formats) in one call: the list kernel's launch split
+    by its formats, the table kernels' partials too."""
+    _, wide_unsigned = check_dtypes()
+    batch = []
+    for i, dtype in enumerate(dtypes):
+        make, _ = _maker(dtype, wide_unsigned, gen)
+        tensor = make((50 + 31 * i + 1,)).to(device)
+        batch.append(tensor[1:] if i % 3 == 1 else tensor)
+    counts["checked"] += check_batch(batch, "eight formats", counts, oracle_dtypes)
 
 
 def check_huge(device):
@@ -821,7 +968,7 @@ def check_huge(device):
     table = triton_be.compute([x])
     got = _dicts(table, [x])[0]
     if not torch.equal(_read_rows([x]), table):
-        raise Mismatch(f"fp16 tensor of {n} elements: the per-hook kernel differs from the table kernels")
+        raise Mismatch(f"fp16 tensor of {n} elements: the list kernel differs from the table kernels")
     want = {"abs_min": math.nan, "abs_max": math.nan, "nan": 1, "posinf": 0, "neginf": 1, "zero": 0,
             "subnormal": 1, "numel": n}
     if not same_stats(got, want):
@@ -841,17 +988,18 @@ def check_huge(device):
 
 
 def self_check(ctx, deadline):
-    """The per-hook kernel's self-check as on a device's first use, then again with its kernels
-    compiled; a failure leaves the device on the table kernels for the phases after this one."""
+    """The list kernel's self-check as on a device's first use, then again with its kernels
+    compiled (every launch Triton's: a process's direct launches wait for the probe's verdict); a
+    failure leaves the device on the table kernels for the phases after this one."""
     device = ctx.device
     state = None
     # on a GPU the second check runs with its kernels compiled, the figure that counts
     for attempt in ("first use",) if ctx.tiny else ("first use", "warm"):
         triton_be.forget_devices()
-        state = triton_be.check_device(device, read=None if device.type == "cuda" else triton_read._read)
+        state = triton_be.check_device(device, read=None if device.type == "cuda" else triton_list._read)
         print(f"  self-check ({attempt}): {state.self_check}, {state.check_ms:.0f} ms; path {state.path}; "
               f"launch {state.launch}", flush=True)
-    passed = state.path == triton_be.PER_HOOK
+    passed = state.path == triton_be.LIST
     if not passed:
         ctx.report.checks_failed.append("self-check")
     launcher = state.launcher
@@ -859,7 +1007,8 @@ def self_check(ctx, deadline):
                 f"{launcher.direct_launches} direct and {launcher.ordinary_launches} ordinary launches")
     ctx.report.add("self-check", state.self_check if passed else f"failed: {state.self_check}",
                    f"{state.check_ms:.1f} ms" + ("" if ctx.tiny else " with its kernels compiled (target <= 50 ms)")
-                   + f" ({launches}); path {state.path}; launch {state.launch}")
+                   + f" ({launches}); path {state.path}; launch {state.launch}"
+                   + (f"; the direct launch {state.probe}" if state.probe else ""))
 
 
 # --------------------------------------------------------------------------- kernel timings
@@ -897,9 +1046,10 @@ def fits(numel, dtype, device):
 
 
 def per_hook_path(device):
-    """Whether ``device`` reads with the per-hook kernel (its self-check passed, or has not run)."""
-    state = triton_devices._DEVICES.get((device.type, device.index))
-    return state is None or state.path == triton_be.PER_HOOK
+    """Whether ``device`` reads a hook's tensors with the list kernel (its self-check passed, or has
+    not run)."""
+    state = triton_devices.lookup(device)
+    return state is None or state.path == triton_be.LIST
 
 
 def bench_sizes(device, timer, sizes, dtypes, copy_gbps, deadline=math.inf):
@@ -993,14 +1143,23 @@ def bandwidth(ctx, deadline):
     for row in rows:
         largest[row["case"]] = row  # sizes ascend: the last one of a case is its largest
     for case, row in largest.items():
-        kernel = "table kernels" if case.startswith("mixed") or not per_hook_path(device) else "per-hook kernel"
+        kernel = "table kernels" if case.startswith("mixed") or not per_hook_path(device) else "list kernel"
         report.add(f"bandwidth {case.strip()} {row['numel']}", f"{row['GB/s']:.0f} GB/s ({row['%copy']:.0f}% of copy)",
                    f"{kernel} {row['triton_us']:.1f} us; {row['x_torch']:.1f}x faster than the torch backend, "
                    f"{row['x_ref']:.1f}x than the reference's ops (target >= 85% of copy at >= 256 MB)")
     if rows:
-        one = "the per-hook kernel" if per_hook_path(device) else "the table kernels (the self-check failed)"
+        one = "the list kernel" if per_hook_path(device) else "the table kernels (the self-check failed)"
         report.notes.append((f"kernel timings (medians; {one} for one tensor, the table kernels for the mixed "
                              "batch)", format_table(rows)))
+
+
+SWEEP = [(block, warps) for block in (2048, 4096, 8192) for warps in (4, 8)]
+
+
+def sweep_launch(x, block, warps):
+    """The table kernels on ``x`` with BLOCK_SIZE ``block`` and ``warps`` warps, passed to the
+    launch (each pair its own compiled kernel)."""
+    return triton_be.compute([x], block_size=block, num_warps=warps)
 
 
 def sweep(ctx, deadline):
@@ -1011,26 +1170,20 @@ def sweep(ctx, deadline):
         ctx.copy_gbps, _ = copy_bandwidth(device, make_timer(device), 2**20 if ctx.tiny else 2**28)
     timer = make_timer(device)
     lines = []
-    saved = triton_be.BLOCK_SIZE, triton_be.NUM_WARPS
-    try:
-        for dtype in (torch.float32, torch.bfloat16):
-            if not fits(numel, dtype, device):
+    for dtype in (torch.float32, torch.bfloat16):
+        if not fits(numel, dtype, device):
+            continue
+        x = torch.randn(numel, device=device).to(dtype)
+        for block, warps in SWEEP:
+            if time.perf_counter() > deadline:
+                lines.append(f"{str(dtype)[6:]:>9} BLOCK_SIZE={block:<5} NUM_WARPS={warps}: skipped, time box spent")
                 continue
-            x = torch.randn(numel, device=device).to(dtype)
-            for block in (2048, 4096, 8192):
-                for warps in (4, 8):
-                    if time.perf_counter() > deadline:
-                        lines.append(f"{str(dtype)[6:]:>9} BLOCK_SIZE={block:<5} NUM_WARPS={warps}: skipped, time box spent")
-                        continue
-                    triton_be.BLOCK_SIZE, triton_be.NUM_WARPS = block, warps
-                    seconds = timer(lambda x=x: triton_be.compute([x]))
-                    gbps = numel * dtype.itemsize / seconds / 1e9
-                    lines.append(f"{str(dtype)[6:]:>9} BLOCK_SIZE={block:<5} NUM_WARPS={warps}: "
-                                 f"{gbps:7.0f} GB/s ({100 * gbps / ctx.copy_gbps:3.0f}% of copy)")
-                    print("  " + lines[-1], flush=True)
-            del x
-    finally:
-        triton_be.BLOCK_SIZE, triton_be.NUM_WARPS = saved
+            seconds = timer(lambda x=x, block=block, warps=warps: sweep_launch(x, block, warps))
+            gbps = numel * dtype.itemsize / seconds / 1e9
+            lines.append(f"{str(dtype)[6:]:>9} BLOCK_SIZE={block:<5} NUM_WARPS={warps}: "
+                         f"{gbps:7.0f} GB/s ({100 * gbps / ctx.copy_gbps:3.0f}% of copy)")
+            print("  " + lines[-1], flush=True)
+        del x
     best = max((line for line in lines if "GB/s" in line), key=lambda line: float(line.split(":")[1].split()[0]),
                default=None)
     ctx.report.add("launch-shape sweep", best.split(":")[0].strip() if best else "-",
@@ -1172,7 +1325,22 @@ class Steps:
             self.peaks[variant] = max(self.peaks.get(variant, 0), torch.cuda.max_memory_allocated() - resident)
         return seconds
 
-    def rounds(self, count, deadline):
+    def warm_up(self, count, deadline):
+        """``count`` steps of each variant before timing (the allocator, the kernels' compiles, lazy
+        buffers), the deadline checked before each: a variant left cold is not timed (its note says so)."""
+        for round_ in range(count):
+            for variant in list(self.steps):
+                if time.perf_counter() > deadline:
+                    if round_ == 0:
+                        del self.steps[variant]
+                        self.notes[variant] = "not measured: the time box was spent in the warm-up of the variants before it"
+                        print(f"  {variant}: {self.notes[variant]}", flush=True)
+                    continue
+                self.run(variant)
+
+    def rounds(self, count, deadline, after_round=None):
+        """Round-robin timed steps, the deadline checked before each round after the first;
+        ``after_round()`` after each (the rows written as soon as each variant has a median)."""
         for round_ in range(count):
             if round_ and time.perf_counter() > deadline:
                 print(f"  time box spent after {round_} rounds", flush=True)
@@ -1181,6 +1349,8 @@ class Steps:
                 seconds = self.run(variant)
                 if seconds is not None:
                     self.times[variant].append(seconds)
+            if after_round is not None:
+                after_round()
 
     def median(self, variant):
         times = self.times.get(variant)
@@ -1214,15 +1384,19 @@ def eager_steps(ctx, deadline, regime):
         steps.add(variant, training_step(model, attach(variant, model), ids))
     ctx.regimes[regime] = (base, ids, what, steps.steps["none"])  # the compiled phase times against it
     warmup, count = (1, ctx.args.steps or 2) if ctx.tiny else (2, ctx.args.steps or 6)
-    for _ in range(warmup):  # the allocator, the kernels' compilation, lazy buffers
-        for variant in list(steps.steps):
-            steps.run(variant)
-    steps.rounds(count, deadline)
-    base_median = steps.median("none")
-    for variant in EAGER_VARIANTS:
-        median = steps.median(variant)
-        report.add(f"step {regime} {variant}", _relative(median, None if variant == "none" else base_median),
-                   steps.detail(variant, what))
+    steps.warm_up(warmup, deadline)
+
+    def write():
+        base_median = steps.median("none")
+        for variant in EAGER_VARIANTS:
+            median = steps.median(variant)
+            if median is not None or variant in steps.notes:
+                report.set(f"step {regime} {variant}", _relative(median, None if variant == "none" else base_median),
+                           steps.detail(variant, what))
+
+    steps.rounds(count, deadline, write)
+    if not any(steps.times.values()):
+        write()  # no round ran: the notes of what was left cold
     steps.steps.clear()
     _free(device)
 
@@ -1253,23 +1427,29 @@ def compiled_steps(ctx, deadline, regime):
         compile_s[variant] = time.perf_counter() - started
         print(f"  {variant}: warm-up (the compile) {compile_s[variant]:.1f} s", flush=True)
     steps.run("none")
-    steps.rounds((ctx.args.steps or 2) if ctx.tiny else (ctx.args.steps or 6), deadline)
-    eager = steps.median("none")
-    alone = steps.median("compiled, no detector")
-    for variant in ("compiled", "compiled, no detector"):
-        median = steps.median(variant)
-        if median is None:
-            value = "-" if variant in steps.notes else "failed: no step ran"
-        elif variant == "compiled" and alone is not None:
-            value = f"{median * 1e3:.1f} ms ({100 * (median / alone - 1):+.1f}% vs compiled without the detector)"
-        else:
-            value = f"{median * 1e3:.1f} ms ({100 * (median / eager - 1):+.1f}% vs eager without a detector)" if eager else "-"
-        detail = steps.detail(variant, what) + ("; backend aot_eager" if ctx.tiny else "; backend inductor")
-        if variant in compile_s:
-            detail += f"; warm-up with the compile {compile_s[variant]:.0f} s"
-        if eager is not None:
-            detail += f"; eager without a detector {eager * 1e3:.1f} ms in the same rounds"
-        report.add(f"step {regime} {variant}", value, detail)
+
+    def write(final=False):
+        eager = steps.median("none")
+        alone = steps.median("compiled, no detector")
+        for variant in ("compiled", "compiled, no detector"):
+            median = steps.median(variant)
+            if median is None and not final:
+                continue
+            if median is None:
+                value = "-" if variant in steps.notes else "failed: no step ran"
+            elif variant == "compiled" and alone is not None:
+                value = f"{median * 1e3:.1f} ms ({100 * (median / alone - 1):+.1f}% vs compiled without the detector)"
+            else:
+                value = f"{median * 1e3:.1f} ms ({100 * (median / eager - 1):+.1f}% vs eager without a detector)" if eager else "-"
+            detail = steps.detail(variant, what) + ("; backend aot_eager" if ctx.tiny else "; backend inductor")
+            if variant in compile_s:
+                detail += f"; warm-up with the compile {compile_s[variant]:.0f} s"
+            if eager is not None:
+                detail += f"; eager without a detector {eager * 1e3:.1f} ms in the same rounds"
+            report.set(f"step {regime} {variant}", value, detail)
+
+    steps.rounds((ctx.args.steps or 2) if ctx.tiny else (ctx.args.steps or 6), deadline, write)
+    write(final=True)
     del ctx.regimes[regime]
     steps.steps.clear()
     _free(device)
@@ -1401,7 +1581,7 @@ def _host_pass(ctx, hp, model, run, hooks, what, repeats, inner, deadline, suffi
                        f"{c['ordinary']} ordinary per-hook launches, {c['table']} table-kernel launches, "
                        f"{c['engine_calls']} Python engine calls ({c['engine_us']:.1f} us/hook in them)")
     for name, (path, check, launch) in triton_be.device_report().items():
-        state = triton_devices._DEVICES.get((torch.device(name).type, torch.device(name).index))
+        state = triton_devices.lookup(name)
         check_ms = f" ({state.check_ms:.1f} ms)" if state is not None and state.check_ms is not None else ""
         ctx.report.add(f"launch path {name}{suffix}", launch,
                        f"check='batch' launched {label}; {path}; self-check {check}{check_ms}; the line of "
@@ -1426,7 +1606,7 @@ def _counted_forward(hp, model, run, hooks, variant):
     direct and ordinary ones, the Python read's, the table kernels' two per call), and
     bench_host_path's count of the Python-side engine calls and the time in them."""
     calls = {"_launch": 0, "_launch_read": 0}
-    owners = {"_launch": triton_table, "_launch_read": triton_read}  # the modules whose code calls them
+    owners = {"_launch": triton_table, "_launch_read": triton_list}  # the modules whose code calls them
     wrapped = {}
     for name in calls:  # counted, then the real function
         real = wrapped[name] = getattr(owners[name], name)
@@ -1529,9 +1709,20 @@ def run_phase(ctx, watchdog, name, box):
         report.add(name, f"failed: {type(error).__name__}: {message[0][:300] if message else ''}",
                    "the traceback is in gpu_check.log")
     finally:
-        print(f"  ({name}: {time.perf_counter() - started:.1f} s)", flush=True)
+        took = time.perf_counter() - started
+        print(f"  ({name}: {took:.1f} s)", flush=True)
+        report.phase_times.append((name, took, box, ctx.first_launches.take()))
         with contextlib.suppress(Exception):
             _free(ctx.device)
+
+
+def phase_box(name, remaining, left):
+    """The time box of ``name``, the first of the phases ``remaining``, with ``left`` seconds of the
+    budget: a share of what is left, in proportion to the shares of the phases still to run, and
+    at least its floor where that is at most half of what is left."""
+    shares = dict((phase, share) for phase, share, _ in PHASES)
+    box = left * shares[name] / sum(shares[n] for n in remaining)
+    return max(box, min(FLOORS.get(name, 0.0), 0.5 * left))
 
 
 def main(args):
@@ -1549,8 +1740,9 @@ def main(args):
     print(f"gpu_check: phases {', '.join(args.selected)}; budget {args.budget:.0f} s"
           + ("; DRY RUN on CPU tensors (TRITON_INTERPRET=1)" if args.dry_run else ""), flush=True)
     if args.left_out:
-        print(f"gpu_check: left to a second run (a cold inductor compile each): "
-              f"{COMMAND} --phases {','.join(args.left_out)}", flush=True)
+        print(f"gpu_check: left to the next runs (a cold inductor compile each, one a run): "
+              f"{COMMAND} --phases {args.left_out[0]}" + (" --dry-run" if args.dry_run else "")
+              + (f", then {', '.join(args.left_out[1:])}" if args.left_out[1:] else ""), flush=True)
     report.write()
     try:
         ok = startup(ctx)
@@ -1560,15 +1752,16 @@ def main(args):
         report.add("startup", f"failed: {type(error).__name__}: {str(error)[:300]}", "the traceback is in gpu_check.log")
         ok = False
     if ok:
-        shares = dict((name, share) for name, share, _ in PHASES)
+        report.phase_times.append(("startup", time.perf_counter() - STARTED, args.budget, []))
+        ctx.first_launches.take()
         for i, name in enumerate(args.selected):
             left = STARTED + args.budget - RESERVE - time.perf_counter()
-            # a share of what is left, in proportion to the shares of the phases still to run
-            box = left * shares[name] / sum(shares[n] for n in args.selected[i:])
+            box = phase_box(name, args.selected[i:], left)
             if box < MIN_PHASE:
                 untried = ""
                 if name == PROBE:  # never untried on the device
                     os.environ[DIRECT_LAUNCH] = "0"
+                    report.probe = "skipped"
                     untried = f"; {DIRECT_LAUNCH}=0 for the rest of the run"
                 report.add(name, "skipped (budget)", f"{max(left, 0):.0f} s of the budget left{untried}")
                 continue
@@ -1589,7 +1782,7 @@ def cli(argv=None):
     """Run, then leave at once: nothing at interpreter exit (compile workers, CUDA teardown) can hang
     past the budget."""
     args = parse_args(argv)
-    status = direct_launch_child(args.dry_run) if args.direct_launch_child else main(args)
+    status = main(args)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)

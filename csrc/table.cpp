@@ -1,9 +1,9 @@
 // What the Triton backend's kernels read of a list of tensors, in one loop: the table of its table
-// kernels (overflow_fast._C.triton_table, triton_table.py's _table) and the per-hook launch
-// (Launcher: the per-hook kernel's arguments, launched from here).
+// kernels (overflow_fast._C.triton_table, triton_table.py's _table) and the list read
+// (Launcher: the list kernel's arguments, launched from here).
 //
 // On a GPU the host only issues kernels, so the per-tensor Python of describing tensors (a dozen
-// attribute reads and list appends per tensor) is the cost of a detector hook. Here it is a few
+// attribute reads and list appends per tensor) is the cost of a caller's read. Here it is a few
 // tens of nanoseconds per tensor. Only the common case is handled: any tensor this loop does not
 // recognise as a plain strided tensor makes it decline, and Python takes its usual path.
 #include "launch.h"
@@ -153,9 +153,10 @@ Packed pack_tensor(PyObject* object, const PackRules& rules, Slot& slot, c10::Sc
 // listed (their exact extent is Python's to check). list_empty: list the empty tensors (ZeRO-3).
 //
 // Returns None when some tensor is not taken here (nothing else to use from the call), else
-// (formats, any_unaligned, num_chunks, flat, overlaps, empties, dtypes): flat lists the tensors
+// (formats, unaligned, num_chunks, flat, overlaps, empties, dtypes): formats and unaligned are
+// bitmasks of format codes (those present; those of a tensor starting unaligned); flat lists the tensors
 // whose memory is not exactly their elements (not dense, or a lazy negation); their address and
-// alignment bit are Python's to patch after its copy, and any_unaligned does not count them.
+// alignment bit are Python's to patch after its copy, and unaligned does not count them.
 py::object triton_table(const py::list& tensors, const py::tuple& plain_types, const at::Device& device,
                         const py::dict& words, int64_t chunk, const at::Tensor& table, int64_t aligned_bit,
                         int64_t overlap_first, int64_t overlap_last, bool list_empty) {
@@ -172,7 +173,7 @@ py::object triton_table(const py::list& tensors, const py::tuple& plain_types, c
   int64_t* table_words = addresses + 2 * count;
   int64_t* firsts = addresses + 3 * count;
   int64_t formats = 0;
-  bool any_unaligned = false;
+  int64_t unaligned = 0;
   int64_t num_chunks = 0;
   py::list flat, overlaps, empties;
   py::list dtypes(count);
@@ -195,7 +196,7 @@ py::object triton_table(const py::list& tensors, const py::tuple& plain_types, c
     if (packed == Packed::kFlat) {
       flat.append(index);  // read through a copy: its own alignment counts, not this one
     } else {
-      any_unaligned = any_unaligned || (slot.word & aligned_bit) == 0;
+      unaligned |= (slot.word & aligned_bit) == 0 ? int64_t{1} << (slot.word & code_mask) : 0;
     }
     if (slot.numel == 0) {
       if (list_empty) {
@@ -208,7 +209,7 @@ py::object triton_table(const py::list& tensors, const py::tuple& plain_types, c
                     py::reinterpret_borrow<py::object>(rules.dtype_of[static_cast<size_t>(dtype)]).release().ptr());
   }
   firsts[count] = num_chunks;
-  return py::make_tuple(formats, any_unaligned, num_chunks, flat, overlaps, empties, dtypes);
+  return py::make_tuple(formats, unaligned, num_chunks, flat, overlaps, empties, dtypes);
 }
 
 // ---- the CUDA driver, loaded at run time ----------------------------------------------------------
@@ -291,27 +292,33 @@ int64_t variant_slots(int64_t used) {
 
 }  // namespace
 
-// ---- the per-hook launcher -------------------------------------------------------------------------
+// ---- the list read's launcher ------------------------------------------------------------------
 
 Launcher::Launcher(const std::string& driver, const c10::Device& device, const py::tuple& plain_types,
                    const py::dict& words, int64_t aligned_bit, int64_t chunk, int64_t max_launches,
-                   const at::Tensor& accumulators, int64_t groups, py::object runtime_knobs, py::object kernel,
+                   int64_t max_formats, const at::Tensor& accumulators, int64_t groups,
+                   const py::object& launch_hooks, py::object refresh_hooks, bool direct_allowed,
                    py::object ordinary)
     : driver_(driver_named(driver)),
       rules_(plain_types, words, aligned_bit, device),
       chunk_(chunk),
       max_launches_(max_launches),
+      max_formats_(max_formats),
       accumulators_(accumulators),
       groups_(groups),
-      runtime_knobs_(std::move(runtime_knobs)),
-      kernel_(std::move(kernel)),
+      hooks_(launch_hooks, std::move(refresh_hooks)),
       ordinary_(std::move(ordinary)),
-      direct_allowed_(driver_ != Driver::kCuda) {
+      direct_allowed_(direct_allowed && driver_ != Driver::kCuda) {
   TORCH_CHECK(chunk > 0, "Launcher: chunk must be positive");
   TORCH_CHECK(max_launches > 0 && max_launches <= kMaxLaunches, "Launcher: max_launches must be in [1, ",
               kMaxLaunches, "]");
+  TORCH_CHECK(max_formats > 0, "Launcher: max_formats must be positive");
+  // the form its tensors report: a tensor's device is compared with it, and an index-less CUDA
+  // device (or an indexed CPU one) would match none
+  TORCH_CHECK(device.is_cpu() ? !device.has_index() : device.has_index(), "Launcher: the device must be named as its ",
+              "tensors report it (cuda:N, cpu), got ", device);
   if (driver_ == Driver::kCuda) {
-    TORCH_CHECK(device.is_cuda() && device.has_index(), "Launcher: the cuda driver needs a CUDA device with an index");
+    TORCH_CHECK(device.is_cuda(), "Launcher: the cuda driver needs a CUDA device");
     TORCH_CHECK(cuda_driver().missing.empty(), "Launcher: ", cuda_driver().missing);
   }
   if (driver_ != Driver::kCpu) {
@@ -326,11 +333,6 @@ Launcher::Launcher(const std::string& driver, const c10::Device& device, const p
       dtype_of_code_.at(static_cast<size_t>(rules_.word_of[type] & rules_.code_mask())) =
           static_cast<c10::ScalarType>(type);
     }
-  }
-  if (!runtime_knobs_.is_none()) {
-    hook_chain_type_ = py::module_::import("triton.knobs").attr("HookChain");
-  } else {
-    hook_chain_type_ = py::none();
   }
 }
 
@@ -350,65 +352,70 @@ void* native_handle_of(const S& stream) {
   }
 }
 
-const char* launch_hooks_reason(PyObject* runtime_knobs, PyObject* hook_chain_type, PyObject* kernel) {
-  if (runtime_knobs == Py_None) {
-    return nullptr;
+LaunchHooks::LaunchHooks(const py::object& hooks, py::object refresh) : refresh_(std::move(refresh)) { set(hooks); }
+
+void LaunchHooks::set(const py::object& hooks) {
+  fixed_.clear();
+  lists_.clear();
+  dict_ = py::none();
+  if (hooks.is_none()) {
+    return;
   }
+  const auto parts = hooks.cast<py::tuple>();
+  TORCH_CHECK(parts.size() == 3, "launch hooks: (fixed reason or None, ((list, reason), ...), dict or None)");
+  if (!parts[0].is_none()) {
+    fixed_ = parts[0].cast<std::string>();
+  }
+  for (const auto& item : parts[1].cast<py::tuple>()) {
+    const auto pair = item.cast<py::tuple>();
+    TORCH_CHECK(pair.size() == 2 && PyList_Check(pair[0].ptr()), "launch hooks: each watched entry is (list, reason)");
+    lists_.emplace_back(py::reinterpret_borrow<py::object>(pair[0]), pair[1].cast<std::string>());
+  }
+  if (!parts[2].is_none()) {
+    TORCH_CHECK(PyDict_CheckExact(parts[2].ptr()), "launch hooks: the watched holder must be a dict");
+    dict_ = py::reinterpret_borrow<py::object>(parts[2]);
+    dict_size_ = PyDict_GET_SIZE(dict_.ptr());
+  }
+}
+
+const char* LaunchHooks::reason() {
   if (!HasNativeHandle<c10::Stream>::value) {
     return "this torch's c10::Stream has no native_handle (as torch 2.7's): the direct launch needs it";
   }
-  // A hook Triton calls around every launch (a profiler's): registered in a HookChain (Triton
-  // >= 3.4: an empty chain is none), or set as the attribute itself (earlier Tritons' way).
-  // interned once: this runs at every launch (held for the process, as CPython's own are)
-  static PyObject* const kNames[] = {PyUnicode_InternFromString("launch_enter_hook"),
-                                     PyUnicode_InternFromString("launch_exit_hook")};
-  static PyObject* const kCalls = PyUnicode_InternFromString("calls");
-  static PyObject* const kPreRunHooks = PyUnicode_InternFromString("pre_run_hooks");
-  static const char* const kReasons[] = {
-      "a Triton launch hook is set (triton.knobs.runtime.launch_enter_hook)",
-      "a Triton launch hook is set (triton.knobs.runtime.launch_exit_hook)"};
-  for (int i = 0; i < 2; ++i) {
-    PyObject* hook = PyObject_GetAttr(runtime_knobs, kNames[i]);
-    if (hook == nullptr) {
-      PyErr_Clear();
-      return "triton.knobs.runtime has no launch hooks to read";
-    }
-    bool none = hook == Py_None;
-    if (!none && reinterpret_cast<PyObject*>(Py_TYPE(hook)) == hook_chain_type) {
-      PyObject* calls = PyObject_GetAttr(hook, kCalls);
-      if (calls == nullptr) {
-        PyErr_Clear();
-      } else {
-        none = PyList_Check(calls) && PyList_GET_SIZE(calls) == 0;
-        Py_DECREF(calls);
-      }
-    }
-    Py_DECREF(hook);
-    if (!none) {
-      return kReasons[i];
-    }
+  if (!dict_.is_none() && PyDict_GET_SIZE(dict_.ptr()) != dict_size_) {
+    refresh();  // a chain replaced, not added to: read them again
   }
-  if (kernel != Py_None) {
-    PyObject* hooks = PyObject_GetAttr(kernel, kPreRunHooks);
-    if (hooks == nullptr) {
-      PyErr_Clear();
-    } else {
-      const bool empty = PyList_Check(hooks) && PyList_GET_SIZE(hooks) == 0;
-      Py_DECREF(hooks);
-      if (!empty) {
-        return "the per-hook kernel has a pre-run hook (JITFunction.add_pre_run_hook)";
-      }
+  if (!fixed_.empty()) {
+    return fixed_.c_str();
+  }
+  for (const auto& [list, why] : lists_) {
+    if (PyList_GET_SIZE(list.ptr()) != 0) {
+      return why.c_str();
     }
   }
   return nullptr;
 }
 
-const char* Launcher::hooks_reason() const {
-  return launch_hooks_reason(runtime_knobs_.ptr(), hook_chain_type_.ptr(), kernel_.ptr());
+void LaunchHooks::refresh() {
+  if (refresh_.is_none()) {
+    return;
+  }
+  try {
+    set(refresh_());
+  } catch (py::error_already_set& error) {
+    if (error.matches(PyExc_KeyboardInterrupt)) {
+      throw;
+    }
+    fixed_ = std::string("Triton's launch hooks cannot be read (") + error.what() + ")";
+    lists_.clear();
+    dict_ = py::none();
+  }
 }
 
+const char* Launcher::hooks_reason() { return hooks_.reason(); }
+
 void* Launcher::current_stream() const {
-  if (driver_ != Driver::kCuda) {
+  if (!rules_.device.is_cuda()) {
     return nullptr;
   }
   const c10::impl::DeviceGuardImplInterface* guard = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
@@ -462,7 +469,7 @@ std::string Launcher::add_variant(int64_t slots, int64_t formats, bool any_unali
   return "";
 }
 
-int64_t Launcher::accumulators_of(void* stream) {
+int64_t Launcher::accumulators_of(int64_t stream) {
   for (const auto& [known, address] : stream_groups_) {
     if (known == stream) {
       return address;
@@ -488,8 +495,6 @@ bool Launcher::read(PyObject* const* items, int64_t count, int64_t out, int64_t 
   // Every tensor is checked before anything is launched: a refusal leaves nothing half done.
   std::array<Slot, kSlots * kMaxLaunches> slots;
   std::array<int64_t, kMaxLaunches> grids{};
-  int64_t formats = 0;
-  bool any_unaligned = false;
   const int64_t code_mask = rules_.code_mask();
   int zero3 = -1;  // whether DeepSpeed is loaded: asked at the first empty tensor
   int64_t bytes = 0;
@@ -526,7 +531,6 @@ bool Launcher::read(PyObject* const* items, int64_t count, int64_t out, int64_t 
         return false;  // the rows would overwrite it: the general path says so
       }
     }
-    formats |= int64_t{1} << (slot.word & code_mask);
     bytes += slot.numel * static_cast<int64_t>(c10::elementSize(dtype));
     // an empty tensor takes one program (its row is written), an unused slot none
     const int64_t programs = std::max<int64_t>((slot.numel + chunk_ - 1) / chunk_, 1);
@@ -537,19 +541,24 @@ bool Launcher::read(PyObject* const* items, int64_t count, int64_t out, int64_t 
     grid += programs;
   }
 
+  // On a CUDA device, whatever the driver (Triton's ordinary launch too): the tensors' device
+  // current (cuda:1 under device_map="auto"), as Triton's launch and ATen's guards do, and the
+  // accumulators of torch's current stream there (two streams' launches may run at once).
   std::optional<c10::DeviceGuard> guard;
   void* stream = nullptr;
-  if (driver_ == Driver::kCuda) {
-    // the tensors' device (cuda:1 under device_map="auto"), as Triton's launch and ATen's guards do
+  int64_t stream_id = 0;
+  if (rules_.device.is_cuda()) {
     const c10::impl::DeviceGuardImplInterface* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
     if (impl->getDevice() != rules_.device) {
       guard.emplace(rules_.device);
     }
-    stream = current_stream();
+    const c10::Stream current = impl->getStream(rules_.device);
+    stream = native_handle_of(current);
+    stream_id = static_cast<int64_t>(current.id());
   }
   int64_t accumulators = 0;
   if (driver_ != Driver::kCpu) {
-    accumulators = accumulators_of(stream);
+    accumulators = accumulators_of(stream_id);
     if (accumulators < 0) {
       return false;  // more streams than accumulator groups
     }
@@ -578,9 +587,6 @@ bool Launcher::read(PyObject* const* items, int64_t count, int64_t out, int64_t 
     copy_bytes += copy.numel() * static_cast<int64_t>(copy.element_size());
     copies.push_back(std::move(copy));
   }
-  for (int64_t index = 0; index < count; ++index) {
-    any_unaligned = any_unaligned || (slots[index].word & rules_.aligned_bit) == 0;
-  }
   tensors_read += count;
   bytes_read += bytes;
   bool may_direct = driver_ != Driver::kOrdinary && direct >= 0 &&
@@ -596,22 +602,43 @@ bool Launcher::read(PyObject* const* items, int64_t count, int64_t out, int64_t 
     std::array<int64_t, kArgs> args;
     args[0] = out + begin * 64;
     args[1] = accumulators;
+    // each format code present, in code order, and whether a tensor of it starts unaligned
+    uint32_t present = 0;
+    uint32_t unaligned = 0;
     for (int64_t i = 0; i < kSlots; ++i) {
       const bool filled = i < used;
-      args[2 + 3 * i] = filled ? slots[begin + i].address : 0;
-      args[3 + 3 * i] = filled ? slots[begin + i].numel : -1;  // an unused slot: no programs
-      args[4 + 3 * i] = filled ? slots[begin + i].word : 0;
+      const Slot& slot = slots[begin + (filled ? i : 0)];
+      args[2 + 3 * i] = filled ? slot.address : 0;
+      args[3 + 3 * i] = filled ? slot.numel : -1;  // an unused slot: no programs
+      args[4 + 3 * i] = filled ? slot.word : 0;
+      if (filled) {
+        const uint32_t bit = uint32_t{1} << (slot.word & code_mask);
+        present |= bit;
+        unaligned |= (slot.word & rules_.aligned_bit) == 0 ? bit : 0;
+      }
     }
     const int64_t variant = variant_slots(used);
-    const Variant* compiled = nullptr;
-    if (may_direct && driver_ == Driver::kCuda) {
-      const auto found = variants_.find(variant_key(variant, formats, any_unaligned));
-      compiled = found == variants_.end() ? nullptr : &found->second;
-    }
-    if (may_direct && (driver_ != Driver::kCuda || compiled != nullptr)) {
-      launch_direct(compiled, stream, grids[launch], args.data(), used);
-    } else {
-      launch_ordinary(grids[launch], args.data(), variant, formats, any_unaligned);
+    // one launch per group of at most max_formats formats: its programs of other formats do nothing
+    // (the CPU kernel compiles nothing and reads every format at once)
+    const int64_t group = driver_ == Driver::kCpu ? 32 : max_formats_;
+    while (present != 0) {
+      uint32_t formats = 0;
+      for (int64_t taken = 0; taken < group && present != 0; ++taken) {
+        const uint32_t lowest = present & (~present + 1);
+        formats |= lowest;
+        present &= ~lowest;
+      }
+      const bool any_unaligned = (unaligned & formats) != 0;
+      const Variant* compiled = nullptr;
+      if (may_direct && driver_ == Driver::kCuda) {
+        const auto found = variants_.find(variant_key(variant, formats, any_unaligned));
+        compiled = found == variants_.end() ? nullptr : &found->second;
+      }
+      if (may_direct && (driver_ != Driver::kCuda || compiled != nullptr)) {
+        launch_direct(compiled, stream, grids[launch], args.data(), used);
+      } else {
+        launch_ordinary(grids[launch], args.data(), variant, formats, any_unaligned);
+      }
     }
   }
   return true;
@@ -655,7 +682,7 @@ void Launcher::launch_direct(const Variant* variant, void* stream, int64_t grid,
                                                variant->threads, 1, 1, variant->shared, stream, params, nullptr);
   if (result != 0) {
     disabled_ = "cuLaunchKernel failed: " + cuda_error(result);
-    TORCH_CHECK(false, "overflow_fast: the per-hook kernel's direct launch failed: ", cuda_error(result));
+    TORCH_CHECK(false, "overflow_fast: the list kernel's direct launch failed: ", cuda_error(result));
   }
 }
 
@@ -675,22 +702,22 @@ void Launcher::launch_ordinary(int64_t grid, const int64_t* args, int64_t slots,
 void add_launcher(py::module& m) {
   m.def(
       "launch_hooks_reason",
-      [](const py::object& runtime_knobs, const py::object& kernel) -> py::object {
-        const py::object chain = runtime_knobs.is_none() ? py::object(py::none())
-                                                         : py::module_::import("triton.knobs").attr("HookChain");
-        const char* reason = launch_hooks_reason(runtime_knobs.ptr(), chain.ptr(), kernel.ptr());
+      [](const py::object& hooks) -> py::object {
+        LaunchHooks watched(hooks, py::none());
+        const char* reason = watched.reason();
         return reason == nullptr ? py::none() : py::object(py::str(reason));
       },
-      py::arg("runtime_knobs"), py::arg("kernel"),
-      "Why a Triton launch must go through Triton (a launch hook, a pre-run hook of `kernel`), or None: the "
-      "predicate of Launcher's direct launch");
+      py::arg("launch_hooks"),
+      "Why a Triton launch must go through Triton (a launch hook, a pre-run hook), or None, from the plain data "
+      "of triton_launch.launch_hooks: the predicate of Launcher's direct launch");
   py::class_<Launcher, std::shared_ptr<Launcher>>(
-      m, "Launcher", "The per-hook read of one device: pack a call's tensors, launch the per-hook kernel (table.cpp)")
+      m, "Launcher", "The list read of one device: pack a call's tensors, launch the list kernel (table.cpp)")
       .def(py::init<const std::string&, const c10::Device&, const py::tuple&, const py::dict&, int64_t, int64_t, int64_t,
-                    const at::Tensor&, int64_t, py::object, py::object, py::object>(),
+                    int64_t, const at::Tensor&, int64_t, const py::object&, py::object, bool, py::object>(),
            py::arg("driver"), py::arg("device"), py::arg("plain_types"), py::arg("words"), py::arg("aligned_bit"),
-           py::arg("chunk"), py::arg("max_launches"), py::arg("accumulators"), py::arg("groups"),
-           py::arg("runtime_knobs"), py::arg("kernel"), py::arg("ordinary"))
+           py::arg("chunk"), py::arg("max_launches"), py::arg("max_formats"), py::arg("accumulators"),
+           py::arg("groups"), py::arg("launch_hooks"), py::arg("refresh_hooks"), py::arg("direct_allowed"),
+           py::arg("ordinary"))
       .def(
           "read",
           [](Launcher& self, const py::list& tensors, const at::Tensor& out, int direct) {
@@ -706,14 +733,16 @@ void add_launcher(py::module& m) {
           py::arg("tensors"), py::arg("out"), py::arg("direct") = 0,
           "Rows of `tensors` into `out` ([len, 8] int64 on the device); False when declined (nothing launched)")
       .def("hooks_reason",
-           [](const Launcher& self) -> py::object {
+           [](Launcher& self) -> py::object {
              const char* reason = self.hooks_reason();
              return reason == nullptr ? py::none() : py::object(py::str(reason));
            })
       .def("add_variant", &Launcher::add_variant, py::arg("slots"), py::arg("formats"), py::arg("any_unaligned"),
            py::arg("function"), py::arg("threads"), py::arg("shared"))
       .def("current_stream", [](const Launcher& self) { return reinterpret_cast<int64_t>(self.current_stream()); })
+      .def("refresh_hooks", &Launcher::refresh_hooks)
       .def("allow_direct", &Launcher::allow_direct)
+      .def_property_readonly("direct_allowed", &Launcher::direct_allowed)
       .def("disable", &Launcher::disable, py::arg("why"))
       .def_property_readonly("disabled", [](const Launcher& self) -> py::object {
         return self.disabled().empty() ? py::none() : py::object(py::str(self.disabled()));

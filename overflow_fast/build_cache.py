@@ -462,3 +462,8 @@ def prebuilt_library(directory, ident, *, target):
     return None
 
 
+
+
+# Other records of this user's kept under the same rules (the direct launch's verdicts: a record
+# nobody else could have written, written whole, one writer at a time).
+FileLock, read_trusted, write_atomic = _FileLock, _read_trusted, _write_atomic

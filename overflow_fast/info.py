@@ -55,27 +55,47 @@ def _default_backends(status):
 
 
 def _per_hook_paths():
-    """{device: "<path>; self-check <result>; launch <how>"} of the triton backend's per-hook read:
-    every CUDA device is set up (and self-checked) now, as its first use would; without one, how
-    the launch would be made."""
+    """{device: "<path>; self-check <result>; launch <how>"} of the triton backend's list read, which
+    reads each hook's GPU tensors: every CUDA device is set up (and self-checked) now, as its first
+    use would, but no probe of its direct launch is started here (the first read starts it), and a
+    device set up only for this report is forgotten again; without one, how the launch would be
+    made."""
     import torch
 
-    from .stats import triton_backend, triton_devices
+    from .stats import triton_backend, triton_devices, triton_list
 
     if triton_backend.unavailable_reason() is not None:
         return {"gpu": "none here (the triton backend, which reads each hook's GPU tensors, is unavailable: "
                        f"{triton_backend.unavailable_reason()})"}
+    report, made = {}, []
     if torch.cuda.is_available():
         for index in range(torch.cuda.device_count()):
+            device = torch.device("cuda", index)
             try:
-                triton_devices._state(torch.device("cuda", index))
+                if triton_devices.lookup(device) is None:
+                    triton_list.check_device(device, probe=False)
+                    made.append(device)
             except Exception as error:  # noqa: BLE001 - info reports, it never fails
-                return {f"cuda:{index}": f"cannot be set up ({type(error).__name__}: {error})"}
-    report = {device: f"{path}; self-check {check}; launch {launch}"
-              for device, (path, check, launch) in triton_backend.device_report().items()}
+                report[f"cuda:{index}"] = f"cannot be set up ({type(error).__name__}: {error})"
+    report.update({device: f"{path}; self-check {check}; launch {launch}"
+                   for device, (path, check, launch) in triton_backend.device_report().items()})
+    for device in made:
+        triton_devices.forget(device)
     if not report:
-        report["none used yet"] = f"{triton_backend.PER_HOOK} on first use; launch {triton_backend.launch_path()}"
+        report["none used yet"] = f"{triton_backend.LIST} on first use; launch {triton_backend.launch_path()}"
     return report
+
+
+def _direct_launch():
+    """When the list kernel's direct launch is probed, what that costs, and where verdicts are kept."""
+    try:
+        from .stats import triton_backend, triton_verdicts
+
+        if triton_backend.unavailable_reason() is not None:
+            return "none (no triton backend)"
+        return triton_verdicts.describe()
+    except Exception as error:  # noqa: BLE001 - info reports, it never fails
+        return f"cannot be said ({type(error).__name__}: {error})"
 
 
 def info():
@@ -84,11 +104,12 @@ def info():
     ``cpu_kernel_file``, ``cpu_kernel_origin``, ``cpu_kernel_cache``, ``log_reader`` (how
     ``diff`` reads logs: "C (<file>)" or "Python (<why not C>)"), ``default_backend``
     ({device type: backend}), ``cuda_devices`` (list), ``per_hook_read`` ({device: the triton
-    backend's per-hook path there, its self-check and how it launches}) and ``environment``
+    backend's per-hook path there, its self-check and how it launches}), ``direct_launch`` (when
+    the direct launch of that path is probed and what the probe costs) and ``environment``
     ({name: value})."""
     import torch
 
-    import overflow_fast
+    from ._version import __version__
     from .report import logscan
     from .stats import cpu_backend, dispatch
 
@@ -118,7 +139,7 @@ def info():
     environment = {name: value for name, value in sorted(os.environ.items())
                    if name.startswith("OVERFLOW_FAST_") or name in RELATED_ENV}
     return {
-        "overflow_fast": f"{overflow_fast.__version__} ({os.path.dirname(overflow_fast.__file__)})",
+        "overflow_fast": f"{__version__} ({os.path.dirname(os.path.abspath(__file__))})",
         "python": f"{platform.python_version()} ({sys.executable})",
         "torch": f"{torch.__version__} (C++ ABI {'cxx11' if torch._C._GLIBCXX_USE_CXX11_ABI else 'pre-cxx11'})",
         "triton": _triton(),
@@ -130,6 +151,7 @@ def info():
         "default_backend": _default_backends(status),
         "cuda_devices": _cuda_devices(),
         "per_hook_read": _per_hook_paths(),
+        "direct_launch": _direct_launch(),
         "environment": environment,
     }
 
@@ -147,6 +169,7 @@ def lines(facts):
     out.append(f"cuda devices: {len(facts['cuda_devices']) or 'none'}")
     out += [f"cuda device {device}" for device in facts["cuda_devices"]]
     out += [f"per-hook read ({device}): {path}" for device, path in facts["per_hook_read"].items()]
+    out.append(f"direct launch: {facts['direct_launch']}")
     if not any(name.startswith("OVERFLOW_FAST_") for name in facts["environment"]):
         out.append("environment: no OVERFLOW_FAST_* variable set")
     out += [f"environment: {name}={value}" for name, value in facts["environment"].items()]

@@ -392,7 +392,8 @@ def test_fallback_when_the_interface_version_differs(monkeypatch, fresh_cpu_back
 # ---- overflow-fast info -----------------------------------------------------------------------
 
 INFO_KEYS = {"overflow_fast", "python", "torch", "triton", "cpu_kernel", "cpu_kernel_file", "cpu_kernel_origin",
-             "cpu_kernel_cache", "log_reader", "default_backend", "cuda_devices", "per_hook_read", "environment"}
+             "cpu_kernel_cache", "log_reader", "default_backend", "cuda_devices", "per_hook_read", "direct_launch",
+             "environment"}
 
 
 def test_info_keys():

@@ -6,7 +6,7 @@ a call's tensors in the same call. What it declines, it leaves untouched for Pyt
 path; a launcher that fails is unbound and its tensors handed back.
 
 The CUDA driver (cuLaunchKernel) needs a GPU: its predicate and packing are the same code
-(test_triton_read.py reads the predicate with the benchmark's counting driver, and the per-hook
+(test_triton_list.py reads the predicate with the benchmark's counting driver, and the per-hook
 kernel through the interpreter takes this packing); its driver call is measured on a lent GPU only.
 """
 
@@ -65,6 +65,19 @@ def test_one_launch_per_eight_tensors_of_any_mix_and_the_packing_of_each_slot():
         rows, launches = _read(tensors)
         assert launches == -(-count // 8), count
         assert_stats_equal(_dicts(rows, tensors), tensors, f"{count} tensors")
+
+
+def test_a_launcher_takes_its_device_only_in_the_form_its_tensors_report():
+    """A launcher compares each tensor's device with its own: one named "cpu:0" (or "cuda" without
+    an index) would take no tensor, so it is refused where it is made (the engine names devices as
+    their tensors do where they enter it: kinds.tensor_device)."""
+    from overflow_fast.stats import triton_common, triton_launch
+
+    pool = torch.tensor(triton_launch._IDENTITY_ROW).repeat(8, 1)
+    for device in (torch.device("cpu", 0), torch.device("cuda")):
+        with pytest.raises(RuntimeError, match="named as its tensors report it"):
+            C.Launcher("ordinary", device, triton_common._PLAIN_TYPES, triton_common._FORMAT_WORD,
+                       triton_common._ALIGNED_BIT, 1024, 4, 4, pool, 1, None, None, True, None)
 
 
 def test_it_declines_what_it_cannot_take_and_writes_nothing():
@@ -165,9 +178,8 @@ def test_a_launcher_that_fails_is_unbound_and_its_tensors_handed_back():
     def launcher(callback):
         pool = torch.tensor(triton_launch._IDENTITY_ROW).repeat(tb.STREAM_GROUPS * tb.MAX_SLOTS, 1)
         return C.Launcher("ordinary", torch.device("cpu"), triton_common._PLAIN_TYPES, triton_common._FORMAT_WORD,
-                          triton_common._ALIGNED_BIT,
-                          tb.BLOCK_SIZE * tb.BLOCKS_PER_CHUNK, tb.MAX_READ_LAUNCHES, pool, tb.STREAM_GROUPS, None,
-                          None, callback)
+                          triton_common._ALIGNED_BIT, tb.BLOCK_SIZE * tb.BLOCKS_PER_CHUNK, tb.MAX_READ_LAUNCHES,
+                          triton_common.MAX_FORMATS, pool, tb.STREAM_GROUPS, None, None, True, callback)
 
     core, key, buffer = _bound()
     broken = launcher(failing)

@@ -110,3 +110,55 @@ def test_the_hook_layers_cpp_is_apart_from_the_engines():
                 if os.path.join(PACKAGE, "stats") in path:
                     for name_of_the_hook_layer in ("HookCore", "OutputGradients", "EntriesOf"):
                         assert name_of_the_hook_layer not in text, f"{path} names {name_of_the_hook_layer}"
+
+
+def _import_graph():
+    """{module: the package's modules it imports, anywhere in its file (an import inside a function
+    too: it only hides a cycle)}; ``from . import name`` counts as the submodule where there is
+    one, else as the package's ``__init__``."""
+    modules = {}
+    for folder, _, files in os.walk(PACKAGE):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                parts = ["overflow_fast", *os.path.relpath(path[:-3], PACKAGE).split(os.sep)]
+                modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {}
+    for module, path in modules.items():
+        package = module if path.endswith("__init__.py") else module.rsplit(".", 1)[0]
+        found = set()
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    target = node.module or ""
+                for alias in node.names:
+                    found.add(f"{target}.{alias.name}" if f"{target}.{alias.name}" in modules else target)
+            elif isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+        graph[module] = {name for name in found if name in modules and name != module}
+    return graph
+
+
+def test_no_import_cycle_and_no_module_imports_the_package_s_init():
+    """Imports flow one way inside the package too: no module reaches itself again through its
+    imports, and none imports the package's ``__init__`` (which imports ``info``), but the demo,
+    written as a user writes it (nothing the package's ``__init__`` imports reaches it)."""
+    graph = _import_graph()
+    state = {}
+
+    def visit(module, path):
+        state[module] = "open"
+        for imported in sorted(graph[module]):
+            assert state.get(imported) != "open", "import cycle: " + " -> ".join(path + [imported])
+            if imported not in state:
+                visit(imported, path + [imported])
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    for module, imported in graph.items():
+        assert "overflow_fast" not in imported or module == "overflow_fast.demo", f"{module} imports overflow_fast/__init__"

@@ -19,7 +19,7 @@ from oracle import ALL_DTYPES, E8M0, assert_stats_equal, has_inf, random_bits, s
 from overflow_fast import tensor_stats
 from overflow_fast.stats import StatsBatch, dispatch
 from overflow_fast.stats import triton_backend as tb
-from overflow_fast.stats import triton_common, triton_devices, triton_kernels, triton_read, triton_table
+from overflow_fast.stats import triton_common, triton_devices, triton_kernels, triton_list, triton_table
 
 if tb.unavailable_reason() is not None:
     DEVICE = None
@@ -47,7 +47,7 @@ def _rows_to_dicts(rows, tensors):
 
 
 def _read_rows(tensors, **launch):
-    """The per-hook kernel's rows (``read_into``), written over rows of -1; several launches when
+    """The list kernel's rows (``read_into``), written over rows of -1; several launches when
     there are more tensors than its largest variant holds."""
     rows = torch.full((len(tensors), 8), -1, dtype=torch.int64, device=DEVICE)
     assert tb.read_into(tensors, rows, **launch)
@@ -56,13 +56,13 @@ def _read_rows(tensors, **launch):
 
 def _check(tensors, label, **launch):
     """Triton rows equal the oracle and the torch backend, through compute() (the table kernels)
-    and tensor_stats(); the per-hook kernel's rows equal the table kernels' bit for bit."""
+    and tensor_stats(); the list kernel's rows equal the table kernels' bit for bit."""
     tensors = [t.to(DEVICE) for t in tensors]
     want_torch = tensor_stats(tensors, backend="torch").tolist()
     table_rows = tb.compute(tensors, **launch)
     if len(tensors) <= tb.MAX_SLOTS * tb.MAX_READ_LAUNCHES:
         read_rows = _read_rows(tensors, **launch)
-        assert torch.equal(read_rows, table_rows), f"{label}: per-hook kernel {read_rows} != table kernels {table_rows}"
+        assert torch.equal(read_rows, table_rows), f"{label}: list kernel {read_rows} != table kernels {table_rows}"
     got = _rows_to_dicts(table_rows, tensors)
     assert_stats_equal(got, [t.cpu() for t in tensors], label)
     for i, (g, w) in enumerate(zip(got, want_torch)):
@@ -228,7 +228,7 @@ def test_one_launch_pair_and_one_table_per_call(monkeypatch):
                                          (torch.bfloat16, torch.int64, torch.bool, torch.float32))
     assert partials[2]["ANY_UNALIGNED"] and partials[2]["SEARCH_STEPS"] == 3
     assert combine[1] == (5,)
-    table, formats, any_unaligned, num_chunks = triton_table._table(
+    table, formats, unaligned, num_chunks = triton_table._table(
         [triton_table._flat_source(t) for t in tensors], [triton_common._FORMAT_WORD[t.dtype] for t in tensors], 32)
     assert len(table) == 4 * 5 + 1 and table[-6:] == [0, 4, 5, 5, 6, 8] and num_chunks == 8
     launches.clear()
@@ -512,7 +512,7 @@ def test_detector_reads_each_hook_or_with_defer_the_forward_at_once(monkeypatch,
     data[3][0, 0] = float("inf")
     calls = []
     real = triton_table._launch
-    real_read = triton_read._launch_read
+    real_read = triton_list._launch_read
 
     def counting(buffer, out, num_tensors, *args):
         # one per engine call through the table kernels: compute() or dispatch's C++ table
@@ -520,17 +520,17 @@ def test_detector_reads_each_hook_or_with_defer_the_forward_at_once(monkeypatch,
         return real(buffer, out, num_tensors, *args)
 
     def counting_read(*args):
-        calls.append("per-hook")  # one per engine call through the per-hook kernel in Python (no extension)
+        calls.append("list")  # one per engine call through the list kernel in Python (no extension)
         return real_read(*args)
 
     def launcher_reads():
-        """Launches of the per-hook kernel by the device's C++ launcher (at most 8 tensors here: one a call)."""
+        """Launches of the list kernel by the device's C++ launcher (at most 8 tensors here: one a call)."""
         state = triton_devices._DEVICES.get((torch.device(DEVICE).type, torch.device(DEVICE).index))
         launcher = state.launcher if state is not None else None
         return 0 if launcher is None else launcher.direct_launches + launcher.ordinary_launches
 
     monkeypatch.setattr(triton_table, "_launch", counting)
-    monkeypatch.setattr(triton_read, "_launch_read", counting_read)
+    monkeypatch.setattr(triton_list, "_launch_read", counting_read)
     monkeypatch.setattr(overflow_fast.stats.kinds, "CPU_AS_DEVICE", True)  # the interpreter's tensors are on the CPU
     model = model.to(DEVICE)
     data = [x.to(DEVICE) for x in data]
@@ -543,7 +543,7 @@ def test_detector_reads_each_hook_or_with_defer_the_forward_at_once(monkeypatch,
         calls.clear()
         before = launcher_reads()
         forward(model, x)
-        calls += ["per-hook"] * (launcher_reads() - before)
+        calls += ["list"] * (launcher_reads() - before)
     if defer:
         # forwards 2 and 3: the ReLU(inplace=True) rewrites the second Linear's output after its
         # hook, so that Linear reads in its hook; everything else waits for the end of the forward

@@ -28,7 +28,7 @@ def _python_table(tensors, sources, chunk):
 
 def _assert_same_table(tensors, chunk=CHUNK):
     """scan() gives _table's ints (with the flat copies scan made as the sources), FORMATS bitmask,
-    unaligned flag and chunk count; the flat copies are of exactly the tensors _flat_source copies."""
+    the bitmask of the formats of an unaligned tensor and the chunk count; the flat copies are of exactly the tensors _flat_source copies."""
     scanned = tb.scan(tensors, triton_common._FORMAT_WORD, chunk)
     assert scanned is not None
     sources = list(tensors)
@@ -36,10 +36,10 @@ def _assert_same_table(tensors, chunk=CHUNK):
         sources[index] = source
     flat = {index for index, _ in scanned.flat or ()}
     assert flat == {i for i, t in enumerate(tensors) if triton_table._flat_source(t) is not t}
-    table, formats, any_unaligned, num_chunks = _python_table(tensors, sources, chunk)
+    table, formats, unaligned, num_chunks = _python_table(tensors, sources, chunk)
     n = 4 * len(tensors) + 1
     assert scanned.table[:n].tolist() == table
-    assert (scanned.formats, scanned.any_unaligned, scanned.num_chunks) == (formats, any_unaligned, num_chunks)
+    assert (scanned.formats, scanned.unaligned, scanned.num_chunks) == (formats, unaligned, num_chunks)
     assert scanned.dtypes == [t.dtype for t in tensors]
     return scanned
 
@@ -102,9 +102,10 @@ def test_a_table_in_a_larger_buffer_is_written_at_its_start():
     result = triton_common._TRITON_TABLE(tensors, triton_common._PLAIN_TYPES, torch.device("cpu"),
                                          triton_common._FORMAT_WORD, CHUNK, table, triton_common._ALIGNED_BIT, 0, 0, False)
     assert result is not None
-    want, formats, any_unaligned, num_chunks = _python_table(tensors, tensors, CHUNK)
+    want, formats, unaligned, num_chunks = _python_table(tensors, tensors, CHUNK)
     assert table[:9].tolist() == want and table[9:].tolist() == [7] * 11
-    assert result[:3] == (formats, any_unaligned, num_chunks) == (formats, True, 3)
+    int8 = 1 << (triton_common._FORMAT_WORD[torch.int8] & triton_common._CODE_MASK)
+    assert result[:3] == (formats, unaligned, num_chunks) == (formats, int8, 3)
 
 
 class _Subclass(torch.Tensor):

@@ -118,9 +118,10 @@ def launcher():
     if module is None:
         return None
     if _launcher is None or _launcher[0] is not module:
-        # no chunks (one "program" a tensor), no accumulators, no Triton and no fallback launch
-        made = module.Launcher("cpu", torch.device("cpu"), tuple(PLAIN_TYPES), _WORDS, 32, 1 << 62, 4,
-                               torch.empty(0, 8, dtype=torch.int64), 1, None, None, None)
+        # no chunks (one "program" a tensor), no format groups (nothing compiled), no accumulators,
+        # no Triton and no fallback launch
+        made = module.Launcher("cpu", torch.device("cpu"), tuple(PLAIN_TYPES), _WORDS, 32, 1 << 62, 4, 32,
+                               torch.empty(0, 8, dtype=torch.int64), 1, None, None, True, None)
         _launcher = (module, made)
     return _launcher[1]
 

@@ -14,7 +14,7 @@ from torch.compiler import is_compiling as _is_compiling
 
 from . import kinds
 from .batch import StatsBatch
-from .kinds import PLAIN_TYPES, unreadable_reason
+from .kinds import PLAIN_TYPES, tensor_device, unreadable_reason
 from .layout import ABS_MIN, NAN, NUM_COLUMNS, NUMEL, ZERO
 
 BACKEND_NAMES = ("torch", "cpu", "triton")
@@ -283,8 +283,9 @@ _READERS = {}  # (requested backend, device) -> that device's read into rows, or
 def rows_launcher(backend, device):
     """The C++ launcher that writes the rows of a few tensors on ``device`` into a preallocated
     buffer for ``backend`` (as ``tensor_stats`` takes it), called from C++ by whoever binds it:
-    the triton backend's per-hook kernel, or on the CPU the C++ kernel; None where neither applies
+    the triton backend's list kernel, or on the CPU the C++ kernel; None where neither applies
     (the torch backend, no extension, a device whose self-check failed)."""
+    device = tensor_device(device)
     requested, _ = requested_backend(backend)
     name = requested if requested is not None else _PREFERRED.get(device.type)
     if name not in ("triton", "cpu") or (name == "cpu" and device.type != "cpu"):
@@ -303,6 +304,7 @@ def rows_reader(backend, device):
     """The backend's read of a few tensors on ``device`` into preallocated rows, when ``backend``
     (as ``tensor_stats`` takes it) means the triton backend there: ``read_into(tensors, out)``,
     True when it wrote the rows, False when the caller must take ``tensor_stats``. Else None."""
+    device = tensor_device(device)
     requested, _ = requested_backend(backend)
     key = (requested, device)
     if key not in _READERS:

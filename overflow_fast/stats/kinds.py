@@ -39,6 +39,26 @@ def host_device_types():
     CPU float read with an early exit): the CPU's, none with ``CPU_AS_DEVICE``."""
     return frozenset() if CPU_AS_DEVICE else frozenset({"cpu"})
 
+
+def tensor_device(device):
+    """``device`` (a torch.device, a string or an index) as the tensors on it report theirs: an
+    accelerator's with its index (``"cuda"`` is the current CUDA device), the CPU's without one.
+    Every table kept per device is keyed by this form, where a device enters the engine: a key
+    of another form misses every tensor's lookup."""
+    device = torch.device(device) if not isinstance(device, torch.device) else device
+    if device.type == "cpu":
+        return _CPU if device.index is not None else device
+    if device.index is None:
+        if device.type == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        accelerator = getattr(torch, "accelerator", None)  # xpu, mps, ...: torch >= 2.7
+        index = getattr(accelerator, "current_device_index", None)
+        if index is not None and accelerator.is_available() and accelerator.current_accelerator().type == device.type:
+            return torch.device(device.type, index())
+    return device
+
+
+_CPU = torch.device("cpu")
 _PYTHON_KEY = torch._C.DispatchKey.Python
 _SPARSE_LAYOUTS = frozenset({torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr,
                              torch.sparse_bsc})

@@ -9,7 +9,7 @@ graphs.
 - ``overflow_fast::tensor_stats_triton(Tensor[] tensors) -> Tensor``,
   ``overflow_fast::tensor_stats_triton_out(Tensor[] tensors, Tensor(a!) out) -> ()`` and the read of
   a few tensors into rows, ``overflow_fast::read_into(Tensor[] tensors, Tensor(a!) rows, int first) -> ()``:
-  the Triton kernels (CUDA tensors; CPU tensors under ``TRITON_INTERPRET=1``; the per-hook kernel where it
+  the Triton kernels (CUDA tensors; CPU tensors under ``TRITON_INTERPRET=1``; the list kernel where it
   takes the tensors, else the table kernels), registered with ``torch.library.custom_op``.
 
 Why ``custom_op`` and not ``torch.library.triton_op`` for Triton: a ``triton_op`` body is traced

@@ -21,9 +21,9 @@ of Python per tensor. When the extension ``overflow_fast._C`` is loaded, one C++
 (``_C.triton_table``, csrc/table.cpp; ``scan`` here) checks every tensor and writes the table
 straight into the host tensor the upload reads; ``dispatch.tensor_stats`` calls it directly for
 lists of plain tensors on one device, so that its own per-tensor checks run in the same loop. Its
-per-tensor step (table.cpp's ``pack_tensor``) is also the per-hook launcher's (below). Calls it does
+per-tensor step (table.cpp's ``pack_tensor``) is also the list read's launcher's. Calls it does
 not take (any tensor not plain, or no extension) build the same table in Python (``_table``, whose
-per-tensor step ``_slot`` the Python per-hook read shares).
+per-tensor step ``_slot`` the Python list read shares).
 
 The format word of a tensor carries its format code, its 16-byte alignment and the parameters of
 its format. The partials kernel branches on the code at run time to a loop specialised for that
@@ -66,26 +66,27 @@ a plain CPU tensor: no staging, no upload.
 The backend's files, one concern each (this module is their face, re-exporting what callers use):
 triton_common (Triton's import, the interpreter switch, launch shape, formats, the extension loaded
 on first use), triton_kernels (the kernels), triton_table (``compute``, ``scan``, the pinned
-staging), triton_launch (the per-hook kernel's launch through the C++ launcher), triton_devices
-(the per-device state and its self-check), triton_read (``read_into``). A test or benchmark that
+staging), triton_launch (the list kernel's launch through the C++ launcher), triton_devices
+(the list read's state on each device), triton_list (``read_into`` and its first use on a device:
+the set-up and the self-check). A test or benchmark that
 replaces a name replaces it in the module that owns it (and here too where the engine's dispatch
 reads it).
 """
 
-from .triton_common import (BLOCK_SIZE, BLOCKS_PER_CHUNK, COMBINE_BLOCK, MAX_REGISTERS, NUM_WARPS,
+from .triton_common import (BLOCK_SIZE, BLOCKS_PER_CHUNK, COMBINE_BLOCK, MAX_FORMATS, MAX_REGISTERS, NUM_WARPS,
                             SUPPORTED_DTYPES, supports, unavailable_reason)
-from .triton_devices import (PER_HOOK, TABLE, check_device, device_report, forget_devices, launcher,
-                             self_check)
+from .triton_devices import LIST, TABLE, device_report, forget_devices
 from .triton_launch import (DIRECT, MAX_READ_LAUNCHES, MAX_SLOTS, SLOT_VARIANTS, STREAM_GROUPS, direct_mismatch,
                             launch_path, metadata_mismatch, ptx_parameters)
-from .triton_read import read_into
+from .triton_list import check_device, launcher, read_into, self_check
 from .triton_table import Scanned, compute, compute_scanned, on_device, scan, table_words
 
 NAME = "triton"
 
 __all__ = [
-    "BLOCK_SIZE", "BLOCKS_PER_CHUNK", "COMBINE_BLOCK", "DIRECT", "MAX_READ_LAUNCHES", "MAX_REGISTERS", "MAX_SLOTS",
-    "NAME", "NUM_WARPS", "PER_HOOK", "SLOT_VARIANTS", "STREAM_GROUPS", "SUPPORTED_DTYPES", "Scanned", "TABLE",
+    "BLOCK_SIZE", "BLOCKS_PER_CHUNK", "COMBINE_BLOCK", "DIRECT", "MAX_FORMATS", "MAX_READ_LAUNCHES", "MAX_REGISTERS",
+    "MAX_SLOTS",
+    "LIST", "NAME", "NUM_WARPS", "SLOT_VARIANTS", "STREAM_GROUPS", "SUPPORTED_DTYPES", "Scanned", "TABLE",
     "check_device", "compute", "compute_scanned", "device_report", "direct_mismatch", "forget_devices",
     "launch_path", "launcher", "metadata_mismatch", "on_device", "ptx_parameters", "read_into", "scan",
     "self_check", "supports", "table_words", "unavailable_reason",

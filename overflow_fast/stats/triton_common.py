@@ -1,11 +1,12 @@
 """What every part of the Triton backend shares: Triton's import and the interpreter switch, the
 launch shape, the formats the kernels read and their format words, and the extension
-(``overflow_fast._C``: the table's C++ loop and the per-hook launcher), loaded on first use.
+(``overflow_fast._C``: the table's C++ loop and the list read's launcher), loaded on first use.
 
-The files of the backend, one concern each (``triton_backend`` is their face):
-triton_common (this), triton_kernels (the kernels), triton_table (the table kernels' path and its
-pinned staging), triton_launch (the per-hook kernel's launch through the C++ launcher),
-triton_devices (the per-device state and its self-check), triton_read (the per-hook read).
+The files of the backend, one concern each (``triton_backend`` is their face), each importing only
+those before it: triton_common (this), triton_kernels (the kernels), triton_table (the table
+kernels' path and its pinned staging), triton_launch (the list kernel's launch through the C++
+launcher), triton_devices (the list read's state on each device), triton_list (the list read: a
+call's tensors passed by value, and its first use on a device).
 """
 
 import os
@@ -88,6 +89,23 @@ COMBINE_BLOCK = 128
 # moves most of the bytes. 128 keeps two, without spills (cuobjdump of every format for sm90:
 # LOCAL:0). A CUDA option (HIP's Triton rejects it; the interpreter ignores it).
 MAX_REGISTERS = 128
+# The formats one compiled variant of a kernel holds at most: a launch whose tensors have more is
+# made once per group of them (a program whose tensor's format is not in its launch's group does
+# nothing), so that a first use never waits for one variant holding every loop
+# (benchmarks/bench_triton_compile.py: what a variant costs by its formats).
+MAX_FORMATS = 4
+
+
+def format_groups(formats, unaligned=0, max_formats=MAX_FORMATS):
+    """The launches of a call whose tensors' format codes are the bits of ``formats`` (those of a
+    tensor starting unaligned: of ``unaligned``): [(FORMATS, ANY_UNALIGNED)], at most
+    ``max_formats`` formats each, in code order (the C++ launcher groups them the same way)."""
+    codes = [code for code in range(formats.bit_length()) if formats >> code & 1]
+    groups = []
+    for begin in range(0, len(codes), max_formats):
+        group = sum(1 << code for code in codes[begin:begin + max_formats])
+        groups.append((group, bool(unaligned & group)))
+    return groups
 _REGISTER_CAP = {"maxnreg": MAX_REGISTERS} if getattr(torch.version, "hip", None) is None else {}
 
 # The formats the kernels read, in the order of their codes; ``_stats_partials_kernel`` has one

@@ -1,6 +1,6 @@
 """The Triton kernels: the table kernels (``_stats_partials_kernel``, ``_stats_combine_kernel``) and
-the per-hook kernel (``_read_kernel``), with the jitted helpers they share. How they classify and
-combine is told in triton_backend's docstring. Defined only where Triton imports."""
+the list kernel (``_list_kernel``: a call's few tensors passed by value), with the jitted helpers
+they share. How they classify and combine is told in triton_backend's docstring. Defined only where Triton imports."""
 
 from .triton_common import tl, triton
 
@@ -141,7 +141,7 @@ if triton is not None:
                    EXP_BITS: tl.constexpr, MANT_BITS: tl.constexpr, SPECIALS: tl.constexpr,
                    KEY_DTYPE: tl.constexpr, FLIP: tl.constexpr, BLOCK_SIZE: tl.constexpr):
         """The chunk's partial: stored as a partial row at ``out`` (the table kernels), or with
-        ``MERGE`` merged into its tensor's row (the per-hook kernel, ``_merge``)."""
+        ``MERGE`` merged into its tensor's row (the list kernel, ``_merge``)."""
         if MERGE:
             lo, hi, nan, posinf, neginf, zero, subnormal = _chunk_partial(
                 X, start, end, KIND, EXP_BITS, MANT_BITS, SPECIALS, KEY_DTYPE, FLIP, BLOCK_SIZE)
@@ -366,7 +366,7 @@ if triton is not None:
 
     @triton.jit
     def _merge(lo, hi, nan, posinf, neginf, zero, subnormal, programs, numel, word, out, acc):
-        """The per-hook kernel's end of a program: its chunk's partial (``_chunk_partial``) made
+        """The list kernel's end of a program: its chunk's partial (``_chunk_partial``) made
         its tensor's row at ``out``. A tensor read by one program writes its row at once. Else
         every program merges its partial into the tensor's accumulator row ``acc`` with integer
         atomics (min/max of the keys, which order like magnitudes; adds of the counts), then
@@ -416,7 +416,7 @@ if triton is not None:
         return first + count, address, numel, word, programs, start, slot
 
     @triton.jit(do_not_specialize=["Out", "Accumulators"] + [f"{c}{i}" for i in range(8) for c in "anw"])
-    def _read_kernel(
+    def _list_kernel(
         Out: tl.int64,  # address of the first of K destination rows (8 int64 each, consecutive)
         Accumulators: tl.int64,  # address of this stream's K accumulator rows, at their identity
         a0: tl.int64, n0: tl.int64, w0: tl.int64,  # slot 0

@@ -10,9 +10,11 @@ import struct
 import torch
 
 from . import triton_common, triton_kernels
+from .kinds import tensor_device
 from .layout import NUM_COLUMNS, host_bytes
 from .triton_common import (_ALIGNED_BIT, _CODE_MASK, _FORMAT_WORD, _PLAIN_TYPES, BLOCK_SIZE, BLOCKS_PER_CHUNK,
-                            COMBINE_BLOCK, NUM_WARPS, _functorch_interpreter, _REGISTER_CAP, _triton_table)
+                            COMBINE_BLOCK, NUM_WARPS, _functorch_interpreter, _REGISTER_CAP, _triton_table,
+                            format_groups)
 
 
 def table_words(device: torch.device) -> dict:
@@ -63,19 +65,20 @@ def _table(sources, words, chunk):
         address[T], numel[T], format word[T] (alignment bit set), first chunk[T + 1]
 
     where first chunk is the prefix sum of the chunk counts (its last entry: all chunks). Also the
-    FORMATS bitmask, whether a tensor is unaligned, and the number of chunks. The per-tensor cost
-    is a few attribute reads, nothing per chunk.
+    bitmasks of the format codes present and of those of a tensor starting unaligned, and the
+    number of chunks. The per-tensor cost is a few attribute reads, nothing per chunk.
     """
     slots = [_slot(s, w) for s, w in zip(sources, words)]
     addresses = [slot[0] for slot in slots]
     numels = [slot[1] for slot in slots]
     words = [slot[2] for slot in slots]
-    formats = 0
+    formats = unaligned = 0
     for word in set(words):
         formats |= 1 << (word & _CODE_MASK)
-    any_unaligned = any(a & 15 for a in addresses)
+        if not word & _ALIGNED_BIT:
+            unaligned |= 1 << (word & _CODE_MASK)
     firsts = [0, *itertools.accumulate([-(-n // chunk) for n in numels])]
-    return addresses + numels + words + firsts, formats, any_unaligned, firsts[-1]
+    return addresses + numels + words + firsts, formats, unaligned, firsts[-1]
 
 
 class _PinnedStaging:
@@ -129,7 +132,7 @@ class _PinnedStaging:
         event.record()  # on the current stream: the copy above
 
 
-_STAGING = {}  # CUDA device index -> _PinnedStaging
+_STAGING = {}  # CUDA device (as its tensors report it) -> _PinnedStaging
 
 
 def _buffer(table, num_chunks, device):
@@ -148,17 +151,22 @@ def _buffer(table, num_chunks, device):
 
 
 def _staging(device):
-    staging = _STAGING.get(device.index)
+    staging = _STAGING.get(device)
     if staging is None:
-        staging = _STAGING[device.index] = _PinnedStaging()
+        device = tensor_device(device)
+        staging = _STAGING.get(device)
+        if staging is None:
+            staging = _STAGING[device] = _PinnedStaging()
     return staging
 
 
-def compute(tensors, out=None, block_size=BLOCK_SIZE, blocks_per_chunk=BLOCKS_PER_CHUNK) -> torch.Tensor:
+def compute(tensors, out=None, block_size=BLOCK_SIZE, blocks_per_chunk=BLOCKS_PER_CHUNK,
+            num_warps=NUM_WARPS) -> torch.Tensor:
     """Statistics rows, ``[len(tensors), 8]`` int64 on the tensors' (common) device, no host sync;
     written into ``out`` when given (every column of every row is written).
 
-    ``block_size`` and ``blocks_per_chunk`` override the launch shape (tests use small chunks).
+    ``block_size``, ``blocks_per_chunk`` and ``num_warps`` override the launch shape (tests use
+    small chunks; gpu_check's sweep tries others), read at each call.
     """
     reason = triton_common.unavailable_reason()
     if reason is not None:
@@ -170,7 +178,7 @@ def compute(tensors, out=None, block_size=BLOCK_SIZE, blocks_per_chunk=BLOCKS_PE
     if _triton_table() is not None and triton_common.supports(tensors[0]):
         scanned = scan(tensors, _FORMAT_WORD, block_size * blocks_per_chunk)
         if scanned is not None:  # else some tensor is not plain: the Python path below decides
-            return compute_scanned(scanned, out, block_size, blocks_per_chunk)
+            return compute_scanned(scanned, out, block_size, blocks_per_chunk, num_warps)
     # supports() for every tensor, with the device type checked once (a few attribute reads per
     # tensor are most of the host cost of a call)
     words = [_FORMAT_WORD.get(t.dtype) for t in tensors]
@@ -180,12 +188,12 @@ def compute(tensors, out=None, block_size=BLOCK_SIZE, blocks_per_chunk=BLOCKS_PE
         raise ValueError(f"triton backend cannot read a {bad.dtype} tensor on {bad.device} in this batch")
 
     sources = [_flat_source(t) for t in tensors]  # kept alive until the kernels are enqueued
-    table, formats, any_unaligned, num_chunks = _table(sources, words, block_size * blocks_per_chunk)
+    table, formats, unaligned, num_chunks = _table(sources, words, block_size * blocks_per_chunk)
     with on_device(device):  # the upload and the launches go to the tensors' device and stream
         buffer = _buffer(table, num_chunks, device)
         if out is None:
             out = torch.empty((len(tensors), NUM_COLUMNS), dtype=torch.int64, device=device)
-        _launch(buffer, out, len(tensors), num_chunks, formats, any_unaligned, block_size, blocks_per_chunk)
+        _launch(buffer, out, len(tensors), num_chunks, formats, unaligned, block_size, blocks_per_chunk, num_warps)
     return out
 
 
@@ -194,7 +202,7 @@ class Scanned:
     what the launch needs; ``flat`` ([(index, copy)] or None) keeps the copies of the tensors read
     through one alive until the kernels are enqueued."""
 
-    __slots__ = ("tensors", "device", "table", "staged", "formats", "any_unaligned", "num_chunks",
+    __slots__ = ("tensors", "device", "table", "staged", "formats", "unaligned", "num_chunks",
                  "flat", "overlaps", "empties", "dtypes")
 
 
@@ -227,7 +235,7 @@ def scan(tensors, words, chunk, out_storage=None, list_empty=False):
     scanned.device = device
     scanned.table = table
     scanned.staged = staged
-    (scanned.formats, scanned.any_unaligned, scanned.num_chunks, flat, scanned.overlaps, scanned.empties,
+    (scanned.formats, scanned.unaligned, scanned.num_chunks, flat, scanned.overlaps, scanned.empties,
      scanned.dtypes) = result
     scanned.flat = None
     if flat:
@@ -242,13 +250,13 @@ def scan(tensors, words, chunk, out_storage=None, list_empty=False):
             table[index] = address
             if address & 15:
                 table[2 * count + index] &= ~_ALIGNED_BIT
-                scanned.any_unaligned = True
+                scanned.unaligned |= 1 << (int(table[2 * count + index]) & _CODE_MASK)
             else:
                 table[2 * count + index] |= _ALIGNED_BIT
     return scanned
 
 
-def compute_scanned(scanned, out=None, block_size=BLOCK_SIZE, blocks_per_chunk=BLOCKS_PER_CHUNK):
+def compute_scanned(scanned, out=None, block_size=BLOCK_SIZE, blocks_per_chunk=BLOCKS_PER_CHUNK, num_warps=NUM_WARPS):
     """``compute`` of the tensors of ``scanned`` (from ``scan`` with the same launch shape)."""
     device = scanned.device
     num_tensors = len(scanned.tensors)
@@ -261,8 +269,8 @@ def compute_scanned(scanned, out=None, block_size=BLOCK_SIZE, blocks_per_chunk=B
             _PinnedStaging.send(scanned.staged, n, buffer)
         if out is None:
             out = torch.empty((num_tensors, NUM_COLUMNS), dtype=torch.int64, device=device)
-        _launch(buffer, out, num_tensors, scanned.num_chunks, scanned.formats, scanned.any_unaligned,
-                block_size, blocks_per_chunk)
+        _launch(buffer, out, num_tensors, scanned.num_chunks, scanned.formats, scanned.unaligned,
+                block_size, blocks_per_chunk, num_warps)
     return out
 
 
@@ -272,13 +280,18 @@ def on_device(device: torch.device):
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
-def _launch(buffer, out, num_tensors, num_chunks, formats, any_unaligned, block_size, blocks_per_chunk):
+def _launch(buffer, out, num_tensors, num_chunks, formats, unaligned, block_size, blocks_per_chunk,
+            num_warps=NUM_WARPS):
+    """The table kernels' launches: the partials kernel once per group of at most MAX_FORMATS
+    formats (each chunk's partial row is written by the launch holding its format), then the
+    combine kernel."""
     if num_chunks:  # a batch of empty tensors has no chunks
-        triton_kernels._stats_partials_kernel[(num_chunks,)](
-            buffer, num_tensors, FORMATS=formats, ANY_UNALIGNED=any_unaligned,
-            SEARCH_STEPS=(num_tensors - 1).bit_length(), BLOCK_SIZE=block_size,
-            BLOCKS_PER_CHUNK=blocks_per_chunk, num_warps=NUM_WARPS, **_REGISTER_CAP,
-        )
+        for group, any_unaligned in format_groups(formats, unaligned):
+            triton_kernels._stats_partials_kernel[(num_chunks,)](
+                buffer, num_tensors, FORMATS=group, ANY_UNALIGNED=any_unaligned,
+                SEARCH_STEPS=(num_tensors - 1).bit_length(), BLOCK_SIZE=block_size,
+                BLOCKS_PER_CHUNK=blocks_per_chunk, num_warps=num_warps, **_REGISTER_CAP,
+            )
     triton_kernels._stats_combine_kernel[(num_tensors,)](buffer, out, num_tensors, BLOCK_SIZE=COMBINE_BLOCK,
                                                          num_warps=2)
 
