@@ -36,6 +36,7 @@
 #include <c10/util/intrusive_ptr.h>
 
 #include <array>
+#include <iterator>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -265,6 +266,33 @@ class HookCore {
   int64_t used(int64_t key) const { return devices_.at(key).used; }
   c10::Device device(int64_t key) const { return devices_.at(key).device; }
 
+  // The collector's tp_traverse: the tensors held for a read or watched until the pass ends.
+  int traverse(visitproc visit, void* arg) const {
+    for (const auto& rows : devices_) {
+      for (const auto& held : rows.deferred) {
+        Py_VISIT(held.object.ptr());
+      }
+    }
+    for (const auto& held : watched_) {
+      Py_VISIT(held.object.ptr());
+    }
+    return 0;
+  }
+
+  // The collector's tp_clear: every row free and no tensor held (as reset(), learning nothing).
+  void clear() {
+    std::vector<Held> released;  // dropped last: a tensor's dealloc may run any code
+    for (auto& rows : devices_) {
+      std::move(rows.deferred.begin(), rows.deferred.end(), std::back_inserter(released));
+      rows.deferred.clear();
+      rows.used = rows.launched = rows.deferred_bytes = 0;
+    }
+    std::move(watched_.begin(), watched_.end(), std::back_inserter(released));
+    watched_.clear();
+    watched_bytes_ = 0;
+    seen_.clear();
+  }
+
  private:
   int64_t device_key(const c10::Device& device) {
     for (size_t key = 0; key < devices_.size(); ++key) {
@@ -373,19 +401,41 @@ class HookCore {
   int64_t watched_bytes_ = 0;
 };
 
-// What an output-gradient hook registered from C++ calls: `callback(owner, grad)`, with the GIL held,
-// as a Python hook on the tensor would be called. Its references are dropped with the GIL held,
-// wherever autograd frees the graph (a worker thread included); after Python's end they are left.
+// What the gradient hooks of one OutputGradients share with it: the callback, held while that
+// OutputGradients holds it (its collector's traverse sees it there) and dropped when it is cleared
+// or goes. A hook lives as long as autograd keeps the tensor's node, which no collector sees: it
+// holds no Python object but this and its owner, whose modules are weak references, so a hook that
+// outlives its detector (a loss kept after remove()) keeps neither the detector nor the model alive.
+struct GradientTarget {
+  PyObject* callback = nullptr;  // strong; null once dropped
+
+  GradientTarget() = default;
+  GradientTarget(const GradientTarget&) = delete;
+  GradientTarget& operator=(const GradientTarget&) = delete;
+  ~GradientTarget() { drop(); }
+
+  void drop() {
+    if (callback != nullptr && Py_IsInitialized()) {
+      py::gil_scoped_acquire gil;
+      Py_CLEAR(callback);
+    }
+  }
+};
+
+// What an output-gradient hook registered from C++ calls: `callback(owner, grad)` while its target
+// holds one, with the GIL held, as a Python hook on the tensor would be called. Its owner is dropped
+// with the GIL held, wherever autograd frees the graph (a worker thread included); after Python's
+// end it is left.
 class GradientCallback {
  public:
-  GradientCallback(py::object callback, py::object owner) : callback_(callback.release().ptr()), owner_(owner.release().ptr()) {}
+  GradientCallback(std::shared_ptr<GradientTarget> target, py::object owner)
+      : target_(std::move(target)), owner_(owner.release().ptr()) {}
   GradientCallback(const GradientCallback&) = delete;
   GradientCallback& operator=(const GradientCallback&) = delete;
 
   ~GradientCallback() {
     if (Py_IsInitialized()) {
       py::gil_scoped_acquire gil;
-      Py_DECREF(callback_);
       Py_DECREF(owner_);
     }
   }
@@ -393,37 +443,64 @@ class GradientCallback {
   void operator()(const at::TensorBase& grad) const {
     py::gil_scoped_acquire gil;
     PyObject* wrapped = THPVariable_Wrap(grad);  // None where the gradient is undefined
-    PyObject* result = wrapped == nullptr ? nullptr : PyObject_CallFunctionObjArgs(callback_, owner_, wrapped, nullptr);
+    const bool called = wrapped != nullptr && call(wrapped);
     Py_XDECREF(wrapped);
-    if (result == nullptr) {
+    if (!called) {
       python_error error;
       error.persist();  // while this thread holds the GIL: autograd raises it where backward was called
       throw error;
     }
-    Py_DECREF(result);
+  }
+
+  // With the GIL held: false with the Python error set.
+  bool call(PyObject* grad) const {
+    if (target_->callback == nullptr) {
+      return true;  // its OutputGradients was cleared: the gradient flows on unchanged
+    }
+    PyObject* callback = Py_NewRef(target_->callback);  // (the call may clear the target)
+    PyObject* result = PyObject_CallFunctionObjArgs(callback, owner_, grad, nullptr);
+    Py_DECREF(callback);
+    Py_XDECREF(result);
+    return result != nullptr;
   }
 
  private:
-  PyObject* callback_;
+  std::shared_ptr<GradientTarget> target_;
   PyObject* owner_;
 };
+
+// A weak reference to a module (the shared one Python gives it), as an owner holds its modules.
+py::object weak_module(const py::handle& module) {
+  PyObject* reference = PyWeakref_NewRef(module.ptr(), nullptr);
+  if (reference == nullptr) {
+    throw py::error_already_set();
+  }
+  return py::reinterpret_steal<py::object>(reference);
+}
 
 // The gradients arriving at forward outputs (hooks/gradients.py's GradientHooks, whose twin in
 // hooks/hook_core.py is the specification): `watch` takes a forward hook call's entries; for each
 // output tensor that requires a gradient, first seen in this forward, it registers a hook that
-// runs `callback(owner, grad)` in backward, owner = [module, "<ctx>.grad", consumers, id(tensor)];
-// a tensor that several modules return (a block's last layer and the block itself) keeps its one
-// hook and is named after the outermost (hooks run inner first: the last one wins); a module that
-// takes a hooked tensor as input is one of its consumers (its backward produces that gradient).
-// Plain tensors get a C++ hook (no Python handle or hook dict per tensor); a subclass is handed to
-// `hook_apart(tensor, owner)`, whose register_hook is its own.
+// runs `callback(owner, grad)` in backward, owner = [module, "<ctx>.grad", consumers, id(tensor)]
+// with weak references to the modules; a tensor that several modules return (a block's last layer
+// and the block itself) keeps its one hook and is named after the outermost (hooks run inner first:
+// the last one wins); a module that takes a hooked tensor as input is one of its consumers (its
+// backward produces that gradient). Plain tensors get a C++ hook (no Python handle or hook dict per
+// tensor); a subclass is handed to `hook_apart(tensor, hook)`, whose register_hook is its own.
+// `clear()` drops the callback: every hook registered so far does nothing from then on.
+// It takes part in garbage collection (add_hook_layer: the callback and its owners may lead back to it).
 class OutputGradients {
  public:
   OutputGradients(py::object callback, py::object hook_apart)
-      : callback_(std::move(callback)), hook_apart_(std::move(hook_apart)) {}
+      : target_(std::make_shared<GradientTarget>()), hook_apart_(std::move(hook_apart)) {
+    target_->callback = callback.release().ptr();
+  }
+  OutputGradients(const OutputGradients&) = delete;
+  OutputGradients& operator=(const OutputGradients&) = delete;
+  ~OutputGradients() { clear(); }
 
   void watch(const py::handle& module, const py::list& entries, const py::list& tensors) {
-    if (!at::GradMode::is_enabled()) {
+    if (!at::GradMode::is_enabled() || target_->callback == nullptr) {
       return;
     }
     if (owners_.size() > kMaxOwners) {  // submodules driven alone never start a new forward
@@ -456,8 +533,9 @@ class OutputGradients {
       if (is_input) {
         if (found != owners_.end()) {
           PyObject* consumers = PyList_GET_ITEM(found->second.owner.ptr(), 2);
-          const int contained = PySequence_Contains(consumers, module.ptr());
-          if (contained < 0 || (contained == 0 && PyList_Append(consumers, module.ptr()) < 0)) {
+          const py::object consumer = weak_module(module);
+          const int contained = PySequence_Contains(consumers, consumer.ptr());
+          if (contained < 0 || (contained == 0 && PyList_Append(consumers, consumer.ptr()) < 0)) {
             throw py::error_already_set();
           }
         }
@@ -470,20 +548,24 @@ class OutputGradients {
       }
       if (found != owners_.end()) {
         PyObject* owner = found->second.owner.ptr();
-        PyList_SetItem(owner, 0, py::reinterpret_borrow<py::object>(module).release().ptr());
+        PyList_SetItem(owner, 0, weak_module(module).release().ptr());
         PyList_SetItem(owner, 1, gradient_ctx.release().ptr());
         continue;
       }
       py::list owner(4);
-      PyList_SET_ITEM(owner.ptr(), 0, py::reinterpret_borrow<py::object>(module).release().ptr());
+      PyList_SET_ITEM(owner.ptr(), 0, weak_module(module).release().ptr());
       PyList_SET_ITEM(owner.ptr(), 1, gradient_ctx.release().ptr());
       PyList_SET_ITEM(owner.ptr(), 2, PyList_New(0));
       PyList_SET_ITEM(owner.ptr(), 3, PyLong_FromVoidPtr(object.ptr()));  // id(tensor)
+      auto call = std::make_shared<GradientCallback>(target_, owner);
       if (THPVariable_CheckExact(object.ptr())) {
-        auto call = std::make_shared<GradientCallback>(callback_, owner);
         tensor.register_hook([call](const at::TensorBase& grad) { (*call)(grad); });
       } else {
-        hook_apart_(object, owner);
+        hook_apart_(object, py::cpp_function([call](const py::object& grad) {
+                      if (!call->call(grad.ptr())) {
+                        throw py::error_already_set();
+                      }
+                    }));
       }
       owners_.insert_or_assign(impl, Known{c10::weak_intrusive_ptr<c10::TensorImpl>(tensor.getIntrusivePtr()),
                                            std::move(owner)});
@@ -499,6 +581,24 @@ class OutputGradients {
   // Whether the gradient arriving at `module`'s outputs is read, as the last forward hooked them.
   bool incoming_read(const py::handle& module) const { return incoming_.count(module.ptr()) > 0; }
 
+  // The hooks are off: the callback goes (hooks still on live tensors do nothing), and so does
+  // every Python object held here. Also the collector's tp_clear.
+  void clear() {
+    target_->drop();
+    hook_apart_ = py::none();
+    new_forward();
+  }
+
+  // The collector's tp_traverse.
+  int traverse(visitproc visit, void* arg) const {
+    Py_VISIT(target_->callback);
+    Py_VISIT(hook_apart_.ptr());
+    for (const auto& [impl, known] : owners_) {
+      Py_VISIT(known.owner.ptr());
+    }
+    return 0;
+  }
+
  private:
   static constexpr size_t kMaxOwners = 1 << 16;
 
@@ -507,7 +607,7 @@ class OutputGradients {
     py::object owner;
   };
 
-  py::object callback_;
+  std::shared_ptr<GradientTarget> target_;
   py::object hook_apart_;
   const py::str input_{"input"};
   const py::str output_{"output"};
@@ -644,6 +744,21 @@ class EntriesOf {
       add_value(out, output.ptr(), py::str("output"), false);
     }
     return out.result();
+  }
+
+  // The collector's tp_traverse and tp_clear: the callables it asks (frames.py's functions).
+  int traverse(visitproc visit, void* arg) const {
+    Py_VISIT(unreadable_reason_.ptr());
+    Py_VISIT(own_parameters_.ptr());
+    Py_VISIT(leaves_.ptr());
+    Py_VISIT(module_named_parameters_.ptr());
+    return 0;
+  }
+
+  void clear() {
+    unreadable_reason_ = py::none();
+    own_parameters_ = py::none();
+    leaves_ = py::none();
   }
 
  private:
@@ -983,12 +1098,43 @@ void add_kept_call(py::module& m) {
   m.add_object("KeptCall", py::handle(reinterpret_cast<PyObject*>(&kept_call_type)));
 }
 
+// The C++ object of a pybind11 instance, or null before its constructor ran (the collector may
+// traverse an instance whose construction failed).
+template <typename T>
+T* constructed(PyObject* self) {
+  const auto holder = reinterpret_cast<py::detail::instance*>(self)->get_value_and_holder();
+  return holder.holder_constructed() ? holder.template value_ptr<T>() : nullptr;
+}
+
+// A class whose C++ object holds Python objects takes part in garbage collection, through its
+// traverse(visit, arg) and clear(): a reference cycle through it (a detector's callback that
+// leads back to the detector, and to the model) is then collected, not kept forever.
+template <typename T>
+py::custom_type_setup collected() {
+  return py::custom_type_setup([](PyHeapTypeObject* heap_type) {
+    PyTypeObject* type = &heap_type->ht_type;
+    type->tp_flags |= Py_TPFLAGS_HAVE_GC;
+    type->tp_traverse = [](PyObject* self, visitproc visit, void* arg) -> int {
+      Py_VISIT(Py_TYPE(self));  // an instance of a heap type holds its type
+      const T* object = constructed<T>(self);
+      return object == nullptr ? 0 : object->traverse(visit, arg);
+    };
+    type->tp_clear = [](PyObject* self) -> int {
+      if (T* object = constructed<T>(self)) {
+        object->clear();
+      }
+      return 0;
+    };
+  });
+}
+
 }  // namespace
 
 void add_hook_layer(py::module& m) {
   add_kept_call(m);
   py::class_<HookCore>(m, "HookCore",
-                       "The detector's bookkeeping of when each hook's tensors are read (csrc/hooks.cpp)")
+                       "The detector's bookkeeping of when each hook's tensors are read (csrc/hooks.cpp)",
+                       collected<HookCore>())
       .def(py::init<int64_t, int64_t, int64_t>(), py::arg("capacity"), py::arg("defer_bytes"),
            py::arg("max_remembered"))
       .def("add", &HookCore::add, py::arg("tensors"), py::arg("site"), py::arg("defer"))
@@ -999,7 +1145,8 @@ void add_hook_layer(py::module& m) {
       .def("device", &HookCore::device, py::arg("key"));
   m.attr("HOOK_FULL") = kFull;
   m.attr("HOOK_MIXED_DEVICES") = kMixedDevices;
-  py::class_<EntriesOf>(m, "EntriesOf", "frames.py's entries of a hook call in one C++ pass (csrc/hooks.cpp)")
+  py::class_<EntriesOf>(m, "EntriesOf", "frames.py's entries of a hook call in one C++ pass (csrc/hooks.cpp)",
+                        collected<EntriesOf>())
       .def(py::init<const py::iterable&, py::object, py::object, py::object, bool>(), py::arg("supported_dtypes"),
            py::arg("unreadable_reason"), py::arg("own_parameters"), py::arg("leaves"), py::arg("containers"))
       .def("of", &EntriesOf::of, py::arg("items"))
@@ -1008,8 +1155,10 @@ void add_hook_layer(py::module& m) {
   m.def("versions_of", &versions_of, py::arg("args"), py::arg("kwargs"),
         "culprit.versions_of's answer in one C++ call (csrc/hooks.cpp)");
   py::class_<OutputGradients>(m, "OutputGradients",
-                              "The gradients arriving at forward outputs, hooked in one C++ pass (csrc/hooks.cpp)")
+                              "The gradients arriving at forward outputs, hooked in one C++ pass (csrc/hooks.cpp)",
+                              collected<OutputGradients>())
       .def(py::init<py::object, py::object>(), py::arg("callback"), py::arg("hook_apart"))
+      .def("clear", &OutputGradients::clear)
       .def("watch", &OutputGradients::watch, py::arg("module"), py::arg("entries"), py::arg("tensors"))
       .def("new_forward", &OutputGradients::new_forward)
       .def("incoming_read", &OutputGradients::incoming_read, py::arg("module"));

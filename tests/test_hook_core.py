@@ -5,6 +5,7 @@ devices; a full buffer, a small deferral budget, a small reuse table) they give 
 The detector's behaviour on the Python one is tested by the compatibility, detector and reads tests
 under OVERFLOW_FAST_WITHOUT_EXTENSION=1 (`make test` runs them so)."""
 
+import gc
 import random
 import weakref
 
@@ -363,8 +364,8 @@ def test_output_gradients_are_seen_as_tensor_hooks_see_them_and_change_nothing(m
     forward(lambda module, items: outputs.watch(module, *_entries(items))).backward()
     assert [owner[1] for owner, _ in seen] == [ctx for ctx, _ in expected]
     assert all(torch.equal(got, want) for (_, got), (_, want) in zip(seen, expected))
-    assert all(owner[0] is inner for owner, _ in seen) and not apart
-    consumers = {owner[1]: owner[2] for owner, _ in seen}
+    assert all(owner[0]() is inner for owner, _ in seen) and not apart  # modules held weakly
+    consumers = {owner[1]: [module() for module in owner[2]] for owner, _ in seen}
     assert consumers == {"output[0].grad": [], "output[1][0].grad": [consumer], "output[1][1].grad": [],
                          "output[2].grad": [consumer]}
     assert torch.equal(weight.grad, plain[0]) and torch.equal(x.grad, plain[1])
@@ -378,7 +379,12 @@ def test_output_gradients_are_seen_as_tensor_hooks_see_them_and_change_nothing(m
 def test_an_output_several_modules_return_is_hooked_once_under_the_outermost(make):
     x = torch.randn(3, requires_grad=True)
     seen, apart = [], []
-    outputs = make(lambda owner, grad: seen.append(list(owner)), lambda tensor, owner: apart.append(owner))
+
+    def hook_apart(tensor, hook):  # a subclass's own register_hook
+        apart.append(tensor)
+        tensor.register_hook(hook)
+
+    outputs = make(lambda owner, grad: seen.append(list(owner)), hook_apart)
     inner, outer = torch.nn.Identity(), torch.nn.Identity()
     y = x * 2
     sub = (x * 3).as_subclass(Sub)
@@ -386,9 +392,11 @@ def test_an_output_several_modules_return_is_hooked_once_under_the_outermost(mak
     outputs.watch(outer, *_entries([(y, "output[0]"), (sub, "output[1]")]))
     with torch.no_grad():
         outputs.watch(inner, *_entries([(x * 4, "output")]))  # no gradient: nothing hooked
+    assert apart == [sub]
     y.sum().backward()
-    assert [(owner[0], owner[1], owner[3]) for owner in seen] == [(outer, "output[0].grad", id(y))]
-    assert [(owner[0], owner[1]) for owner in apart] == [(outer, "output[1].grad")]  # a subclass's own hook
+    assert [(owner[0](), owner[1], owner[3]) for owner in seen] == [(outer, "output[0].grad", id(y))]
+    sub.sum().backward()
+    assert [(owner[0](), owner[1], owner[3]) for owner in seen[1:]] == [(outer, "output[1].grad", id(sub))]
 
 
 @pytest.mark.parametrize("make", OUTPUT_GRADIENTS)
@@ -399,23 +407,68 @@ def test_an_output_gradient_callback_that_raises_raises_from_backward(make):
     def fails(owner, grad):
         raise ValueError(f"bad {owner[1]}")
 
-    make(fails, None).watch(torch.nn.Identity(), *_entries([(y, "output")]))
+    outputs = make(fails, None)  # (its hooks call back while it lives)
+    outputs.watch(torch.nn.Identity(), *_entries([(y, "output")]))
     with pytest.raises(ValueError, match="bad output.grad"):
         y.sum().backward()
 
 
 @pytest.mark.parametrize("make", OUTPUT_GRADIENTS)
-def test_output_gradient_hooks_let_go_of_their_owner_with_the_graph(make):
-    module = torch.nn.Linear(2, 2)
-    alive = weakref.ref(module)
-    outputs = make(lambda owner, grad: None, None)
+def test_output_gradient_hooks_hold_their_modules_weakly(make):
+    module, consumer = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    alive = weakref.ref(module), weakref.ref(consumer)
+    seen = []
+    outputs = make(lambda owner, grad: seen.append(owner[1]), None)
     y = torch.ones(2, requires_grad=True) * 3
     outputs.watch(module, *_entries([(y, "output")]))
+    outputs.watch(consumer, *_entries([(y, "input[0]")]))
     outputs.new_forward()
-    del module
-    assert alive() is not None  # the graph holds it until the graph goes
-    del y
+    del module, consumer
+    assert [ref() for ref in alive] == [None, None]  # the graph holds y's hook, which holds them weakly
+    y.sum().backward()
+    assert seen == ["output.grad"]
+
+
+@pytest.mark.parametrize("make", OUTPUT_GRADIENTS)
+def test_cleared_output_gradients_hooks_do_nothing_and_hold_nothing(make):
+    class Callback:
+        def __init__(self):
+            self.seen = []
+
+        def __call__(self, owner, grad):
+            self.seen.append(owner[1])
+
+    callback = Callback()
+    alive = weakref.ref(callback)
+    outputs = make(callback, lambda tensor, hook: tensor.register_hook(hook))
+    y = torch.ones(2, requires_grad=True) * 3
+    sub = (torch.ones(2, requires_grad=True) * 2).as_subclass(Sub)
+    outputs.watch(torch.nn.Identity(), *_entries([(y, "output[0]"), (sub, "output[1]")]))
+    outputs.clear()
+    outputs.watch(torch.nn.Identity(), *_entries([(y * 2, "output")]))  # cleared: hooks nothing
+    del callback
+    assert alive() is None  # the hooks on y and sub (alive) hold nothing of it
+    (y.sum() + sub.sum()).backward()
+
+
+@pytest.mark.parametrize("make", OUTPUT_GRADIENTS)
+def test_a_reference_cycle_through_output_gradients_is_collected(make):
+    """Its callback leads back to it (as the detector's does, through the model): the collector
+    sees the references it holds, so the cycle goes once nothing else holds it."""
+    class Owner:
+        def callback(self, owner, grad):
+            pass
+
+    holder = Owner()
+    holder.outputs = make(holder.callback, lambda tensor, hook: tensor.register_hook(hook))
+    y = torch.ones(2, requires_grad=True) * 3
+    holder.outputs.watch(torch.nn.Identity(), *_entries([(y, "output")]))
+    assert gc.is_tracked(holder.outputs)
+    alive = weakref.ref(holder)
+    del holder
+    gc.collect()
     assert alive() is None
+    y.sum().backward()  # its hook outlived it: a no-op
 
 
 # -- a hook call's entries: csrc/hooks.cpp's EntriesOf and frames.entries_of -------------------------
@@ -567,6 +620,37 @@ def test_the_cpp_tuples_of_plain_values_leave_the_collector_nothing_to_traverse(
     reader = C.EntriesOf(SUPPORTED_DTYPES, reason_as_a_list, own_parameters, container_leaves, False)
     (entry,), _, _ = reader.of([(torch.ones(2, device="meta"), "output")])
     assert isinstance(entry[2], list) and gc.is_tracked(entry)
+
+
+@needs_extension
+def test_the_cpp_objects_that_hold_python_objects_take_part_in_garbage_collection():
+    """HookCore (the tensors a read waits for) and EntriesOf (the callables it asks): a cycle
+    through either is collected, as one through OutputGradients is (above)."""
+    from overflow_fast.hooks.frames import container_leaves, own_parameters
+    from overflow_fast.stats import unreadable_reason
+    from overflow_fast.stats.kinds import SUPPORTED_DTYPES
+
+    class Holder:
+        pass
+
+    core_holder = Holder()
+    core_holder.core = C.HookCore(8, 1 << 20, 16)
+    tensor = torch.ones(2)
+    tensor.holder = core_holder  # the tensor the core holds leads back to it
+    core_holder.core.add([tensor], 0, True)  # read at once, and watched until the pass ends
+    core_holder.core.add([torch.ones(3)], 1, False)  # held until it is read
+    del tensor
+    entries_holder = Holder()
+
+    def own(module):  # a callable that leads back to the EntriesOf holding it
+        return own_parameters(module) if entries_holder else []
+
+    entries_holder.reader = C.EntriesOf(SUPPORTED_DTYPES, unreadable_reason, own, container_leaves, False)
+    assert gc.is_tracked(core_holder.core) and gc.is_tracked(entries_holder.reader)
+    alive = weakref.ref(core_holder), weakref.ref(entries_holder)
+    del core_holder, entries_holder, own
+    gc.collect()
+    assert [ref() for ref in alive] == [None, None]
 
 
 def _kept_fields(call, ids):

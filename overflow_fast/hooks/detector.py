@@ -82,7 +82,7 @@ class DebugUnderflowOverflow(ReferenceFace, StepMode):
         cpu_backend.extension()
         self.options = options  # frozen: every option, as validated
         # the reference's attributes
-        self.model = model
+        self._model = model
         self.trace_batch_nums = options.trace_batch_nums
         self.abort_after_batch_num = options.abort_after_batch_num
         self.prefix = text.PREFIX
@@ -125,6 +125,16 @@ class DebugUnderflowOverflow(ReferenceFace, StepMode):
     containers = property(lambda self: self.options.containers)
     backward = property(lambda self: self.options.backward)
 
+    @property
+    def model(self):
+        """The model (the reference's attribute); once removed, held weakly: None once it is gone."""
+        model = self._model
+        return model() if isinstance(model, weakref.ref) else model
+
+    @model.setter
+    def model(self, value):
+        self._model = value
+
     detections = property(lambda self: self.decisions.detections)
     global_step = property(lambda self: self.decisions.global_step)
     mode = property(lambda self: self.decisions.mode)
@@ -154,7 +164,8 @@ class DebugUnderflowOverflow(ReferenceFace, StepMode):
 
     def remove(self) -> None:
         """Take every hook off the model, after deciding on any call still pending. The detector
-        is done then: to watch the model again, make a new one."""
+        is done then: to watch the model again, make a new one. It keeps nothing of the model
+        alive from then on (``model`` and ``module_names`` hold it weakly)."""
         _ATTACHED.discard(self)
         self._removed = True
         with self._passes.lock:
@@ -166,8 +177,17 @@ class DebugUnderflowOverflow(ReferenceFace, StepMode):
             try:
                 self._passes.close()
             finally:
-                if self.decisions.log is not None:
-                    self.decisions.log.close()
+                try:
+                    if self.decisions.log is not None:
+                        self.decisions.log.close()
+                finally:
+                    self._let_go_of_the_model()
+
+    def _let_go_of_the_model(self):
+        model = self.model
+        self._model = weakref.ref(model) if model is not None else None
+        self.module_names = weakref.WeakKeyDictionary(self.module_names)
+        self.decisions.module_names = self.module_names
 
     def __enter__(self) -> "DebugUnderflowOverflow":
         if self._removed:
@@ -196,8 +216,11 @@ class DebugUnderflowOverflow(ReferenceFace, StepMode):
                                "which a copy cannot carry): copy the model between steps, outside its "
                                "forward and after backward() returns")
         state = {name: value for name, value in self.__dict__.items() if name != "_passes"}
+        state["_model"] = self.model  # (a removed detector's weak references are not carried)
+        state["module_names"] = dict(self.module_names)
         state["decisions"] = copy.copy(self.decisions)
         state["decisions"].log = None
+        state["decisions"].module_names = state["module_names"]
         return state
 
     def __setstate__(self, state):

@@ -7,7 +7,7 @@ Output gradients are taken with a hook on the output tensor itself, not a module
 follow the module (``ReLU(inplace=True)``), and a debugging tool must not change what runs.
 """
 
-import functools
+import weakref
 
 from .frames import own_parameters
 from .hook_core import output_gradients
@@ -34,14 +34,20 @@ class GradientHooks:
                 if id(parameter) in seen or not parameter.requires_grad or not parameter.is_leaf:
                     continue
                 seen.add(id(parameter))
-                hook = functools.partial(self._parameter_hook, module, f"{name}.grad")
+                hook = _ParameterHook(self, module, f"{name}.grad")
                 self._handles.append(parameter.register_post_accumulate_grad_hook(hook))
 
     def remove(self):
-        self.active = False  # output hooks on tensors still alive fire as no-ops
+        self.active = False
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        # output hooks on tensors still alive (a loss kept after remove()) fire as no-ops, and
+        # nothing here leads to the model any more
+        if self._outputs is not None:
+            self._outputs.clear()
+            self._outputs = None
+        self._module_names = {}
 
     def __getstate__(self):
         # deepcopy(model) / torch.save(model) reach these hooks through the parameters; the
@@ -69,8 +75,9 @@ class GradientHooks:
             outputs = self._outputs = output_gradients(self._output_hook, self._hook_apart)
         outputs.watch(module, entries, tensors)
 
-    def _hook_apart(self, tensor, owner):
-        tensor.register_hook(functools.partial(self._output_hook, owner))  # a subclass's own
+    @staticmethod
+    def _hook_apart(tensor, hook):
+        tensor.register_hook(hook)  # a subclass's own
 
     def _parameter_hook(self, module, ctx, parameter):
         if self.active and parameter.grad is not None:
@@ -78,8 +85,39 @@ class GradientHooks:
 
     def _output_hook(self, owner, grad):
         if self.active:
-            module, ctx, consumers, tensor_id = owner
+            module, ctx, consumers, tensor_id = owner  # (the modules: weak references)
+            module = module()
+            if module is None:
+                return
             if self._on_output_gradient is not None:
                 self._on_output_gradient(tensor_id, grad)
-            self._on_frame(module, [(grad, ctx)], [self._module_names.get(m, "?") for m in consumers])
+            names = self._module_names
+            self._on_frame(module, [(grad, ctx)], [names.get(consumer(), "?") for consumer in consumers])
         # returns None: the gradient flows on unchanged
+
+
+class _ParameterHook:
+    """A parameter's gradient hook: ``hooks._parameter_hook(module, ctx, parameter)``. torch keeps a
+    parameter's hooks where no collector sees them (its C++ autograd metadata), so a strong
+    reference back to the detector would keep the model alive for good once both are dropped
+    without remove(): it holds them weakly. A copy of the model (deepcopy, pickle) carries the
+    hook with its own copies of both, as a plain reference would."""
+
+    __slots__ = ("hooks", "module", "ctx")
+
+    def __init__(self, hooks, module, ctx):
+        self.hooks = weakref.ref(hooks) if hooks is not None else _gone
+        self.module = weakref.ref(module) if module is not None else _gone
+        self.ctx = ctx
+
+    def __call__(self, parameter):
+        hooks, module = self.hooks(), self.module()
+        if hooks is not None and module is not None:
+            hooks._parameter_hook(module, self.ctx, parameter)
+
+    def __reduce__(self):
+        return _ParameterHook, (self.hooks(), self.module(), self.ctx)
+
+
+def _gone():
+    return None

@@ -54,7 +54,11 @@ def output_gradients(callback, hook_apart):
 class OutputGradients:
     """The twin of csrc/hooks.cpp's ``OutputGradients`` (whose comment says the rules): ``watch``
     hooks the gradients of a forward call's output tensors that require one, and notes the module
-    as a consumer of the hooked tensors it took as inputs."""
+    as a consumer of the hooked tensors it took as inputs; ``clear`` turns every hook into a no-op.
+    A hook holds this object weakly and its owner, whose modules are weak references: one that
+    outlives the detector (on a loss kept after ``remove()``) keeps nothing of it alive."""
+
+    __slots__ = ("_callback", "_hook_apart", "_owners", "_incoming", "__weakref__")
 
     def __init__(self, callback, hook_apart):
         self._callback = callback
@@ -63,7 +67,7 @@ class OutputGradients:
         self._incoming = set()  # ids of the modules whose outputs' gradients are hooked
 
     def watch(self, module, entries, tensors):
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or self._callback is None:
             return
         if len(self._owners) > 1 << 16:  # submodules driven alone never start a new forward
             self.new_forward()
@@ -78,18 +82,20 @@ class OutputGradients:
             if known is not None and known[0]() is not tensor:
                 known = None
             if is_input:
-                if known is not None and module not in known[1][2]:
-                    known[1][2].append(module)
+                consumer = weakref.ref(module)
+                if known is not None and consumer not in known[1][2]:
+                    known[1][2].append(consumer)
                 continue
             self._incoming.add(id(module))
             if known is not None:
-                known[1][:2] = [module, f"{ctx}.grad"]  # hooks run inner first: the outer one wins
+                known[1][:2] = [weakref.ref(module), f"{ctx}.grad"]  # hooks run inner first: the outer one wins
                 continue
-            owner = [module, f"{ctx}.grad", [], id(tensor)]
+            owner = [weakref.ref(module), f"{ctx}.grad", [], id(tensor)]
+            hook = functools.partial(_gradient_hook, weakref.ref(self), owner)
             if type(tensor) in PLAIN_TYPES:
-                tensor.register_hook(functools.partial(self._callback, owner))
+                tensor.register_hook(hook)
             else:
-                self._hook_apart(tensor, owner)
+                self._hook_apart(tensor, hook)
             self._owners[id(tensor)] = (weakref.ref(tensor), owner)
 
     def new_forward(self):
@@ -98,6 +104,19 @@ class OutputGradients:
 
     def incoming_read(self, module):
         return id(module) in self._incoming
+
+    def clear(self):
+        self._callback = None
+        self._hook_apart = None
+        self.new_forward()
+
+
+def _gradient_hook(outputs, owner, grad):
+    outputs = outputs()
+    callback = outputs._callback if outputs is not None else None
+    if callback is not None:
+        callback(owner, grad)
+    # returns None: the gradient flows on unchanged
 
 
 def entries_reader(containers):

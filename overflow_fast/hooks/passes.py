@@ -412,6 +412,10 @@ class Passes(PassEnds):
         finally:
             for open_pass in list(self.open):
                 self._close(open_pass)
+            # nothing of the model stays reachable from a removed detector
             self.spent = None
+            self.model = self.gradients = self.apart = None
+            self.idle_reads = []
+            self.traced = Traced()
             self._let_go_of_the_forward()  # its outputs' graph holds the gradient hooks, and they the model
 

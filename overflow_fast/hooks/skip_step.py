@@ -77,6 +77,8 @@ class SkipStep:
     def close(self):
         self._unhook()
         _leave(self)
+        self.model = None  # the optimizers' hooks call it no more
+        self._seen = {}
 
     def _unhook(self):
         for handle in self._handles:
@@ -110,6 +112,8 @@ class SkipStep:
             self._unhook()
 
     def holds(self, optimizer):
+        if self.model is None:  # closed
+            return False
         ours = {id(p) for p in self.model.parameters()}
         return any(id(p) in ours for group in optimizer.param_groups for p in group["params"])
 

@@ -99,6 +99,7 @@ class _Follower:
         if self.loader is not None:
             samples.detach(self.loader)
         self.loader = self.tape = None
+        self.detector = self.trainer = None  # nothing of the run stays reachable from here
 
 
 class _FollowSamples(TrainerCallback):
