@@ -26,7 +26,7 @@ from .counting import Counting
 from .decisions import Decisions
 from .early_warnings import EarlyWarnings
 from .errors import OverflowDetected, OverflowDetectedOnRanks, say  # noqa: F401 - the package's names
-from .frames import BACKWARD, FORWARD, entries_of, forward_items, graph_task_id, transform_level
+from .frames import BACKWARD, FORWARD, entries_of, forward_items, graph_task_id, recomputing, transform_level
 from .gradients import GradientHooks
 from .on_detect import kind as on_detect_kind
 from .options import (WATCH_DEFAULTS, Backend, BatchNumbers, Check, Folder, LogTargets, OnDetect,  # noqa: F401
@@ -286,7 +286,7 @@ class DebugUnderflowOverflow(ReferenceFace, StepMode):
             ambient, inputs, outermost = run.call_returns(module, input, kwargs)
             error = sys.exc_info()[1]
             raised = error is not None and error is not ambient  # run by torch because the call raised
-            if graph_task_id() != -1:
+            if graph_task_id() != -1 and recomputing():
                 # recomputed in backward (activation checkpointing): the backward pass decides it
                 if not raised:
                     with run.lock, _functorch_off() as transformed:

@@ -3,6 +3,7 @@ naming, and, once read, a frame of raw statistics rows. Text is built only when 
 (``text.frame_text``)."""
 
 import dataclasses
+import sys
 
 import torch
 
@@ -14,6 +15,32 @@ from ..stats.kinds import PLAIN_TYPES, SUPPORTED_DTYPES
 
 FORWARD, BACKWARD = "forward", "backward"
 graph_task_id = torch._C._current_graph_task_id  # the backward pass running on this thread; -1 outside one
+
+# where a backward enters autograd's engine from Python (torch.autograd.backward and grad)
+_ENGINE_ENTRY = getattr(getattr(torch.autograd.graph, "_engine_run_backward", None), "__code__", None)
+# the frames a checkpoint's recompute runs under: torch.utils.checkpoint's non-reentrant unpack hook
+# and recompute function, and the backward of a checkpoint Function (torch's reentrant one,
+# DeepSpeed's, Megatron's), each with "checkpoint" in its qualified name
+_RECOMPUTE_NAMES = frozenset({"unpack_hook", "recompute_fn", "backward"})
+
+
+def recomputing():
+    """Whether the forward call running now inside a backward (``graph_task_id() != -1``) is activation
+    checkpointing's recompute of an earlier forward (it counts no batch; the backward pass decides it),
+    rather than a forward of its own that the backward runs, such as a probe network called in a
+    gradient hook (a pass like any other, counted as the reference counts it). A recompute runs under
+    a checkpoint's frames with no entry into autograd's engine in between: a hook that a reentrant
+    checkpoint's inner backward runs is not its recompute. Walks this thread's stack: asked only
+    inside a backward."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code is _ENGINE_ENTRY:
+            return False
+        if code.co_name in _RECOMPUTE_NAMES and "checkpoint" in getattr(code, "co_qualname", code.co_filename).lower():
+            return True
+        frame = frame.f_back
+    return False
 
 
 class Frame:

@@ -30,6 +30,7 @@ import functools
 import itertools
 import sys
 import threading
+import weakref
 
 import torch
 
@@ -39,7 +40,7 @@ from ..replay.culprit import autocast_state, root_state, root_state_at_end
 from .compiled import Traced
 from .decisions import NO_ROWS, Pending
 from .errors import overflow_error, say
-from .frames import FORWARD, graph_task_id, transform_level
+from .frames import FORWARD, graph_task_id, recomputing, transform_level
 from .hook_core import entries_reader, kept_call_class
 from .on_detect import strategy
 from .pass_ends import PassEnds, PassState
@@ -50,6 +51,13 @@ from .text import TENSOR
 
 # tuple.__new__ in C: namedtuple's own __new__ and _make are Python calls (this runs at every hook)
 _pending = functools.partial(tuple.__new__, Pending)
+
+# Every live detector's passes, by the order they were made. On a module that two detectors watch
+# (one on a model, one on its block), torch runs the hooks of the one made first first: with the
+# reference, and with check="module", that one reports a nan/inf there first. A later one about to
+# report (its pass ended sooner: the block's) lets the earlier ones decide first (``flush``).
+_made = itertools.count()
+_live = weakref.WeakValueDictionary()  # when made -> Passes
 
 
 class Pass:
@@ -171,6 +179,8 @@ class Passes(PassEnds):
         # gradient checks: which backwards a GradScaler scaled, and when its backoff is a detection
         self.backoffs = Backoffs(options.min_loss_scale, options.max_backoffs) if options.backward else None
         self.ranks = RankAgreement(options.sync, options.sync_timeout, self.strategy)
+        self.made = next(_made)
+        _live[self.made] = self
 
     # -- which pass ------------------------------------------------------------------------------
 
@@ -230,7 +240,7 @@ class Passes(PassEnds):
             thread.outer = caller  # on the stack until that call returns
             if self.kept_call is None and self.keeps_calls:  # (the extension may be built here)
                 self.kept_call = kept_call_class()
-            if graph_task_id() == -1:
+            if graph_task_id() == -1 or not recomputing():  # (a forward a backward hook runs begins too)
                 with self.lock:
                     self._forward_begins(module is self.model)
                     if module is self.model and self.decisions.explain and transform_level() is None:
@@ -240,10 +250,12 @@ class Passes(PassEnds):
         calls.append((module, sys.exc_info()[1], kept))
 
     def _forward_begins(self, by_the_model):
-        if self.flush_task is not None:  # the last backward failed before its end
+        task = graph_task_id()  # -1, or the backward whose hook runs this forward
+        if self.flush_task is not None and self.flush_task != task:  # the last backward failed before its end
             self.abandon_backward()
         self.spent = None
-        self.kept_forward = []  # what an earlier forward kept for its backward's replay
+        if task == -1:  # (a backward running keeps what its replay needs)
+            self.kept_forward = []  # what an earlier forward kept for its backward's replay
         if self.keeps_calls:
             self.autocast = autocast_state()
         if by_the_model and self.gradients is not None:
@@ -343,6 +355,12 @@ class Passes(PassEnds):
             # a call decided in its hook holds its tensors (for a Where line): let them go now
             self.spent = queue if queue[-1].tensors is None else None
             return
+        if nonfinite and len(_live) > 1:
+            try:
+                self._earlier_detectors_decide()
+            except BaseException:
+                current.queue[:0] = queue  # (its end finds them reported, or decides them)
+                raise
         scaling = self._scaling(current)
         for pending in queue:
             if current.stopping:
@@ -352,6 +370,20 @@ class Passes(PassEnds):
                 self._act(current, found)  # raises at the first bad call: those after it never happened
                 if current.state is PassState.ABANDONED:
                     break
+
+    def _earlier_detectors_decide(self):
+        """Before this detector reports a nan/inf, each detector made before it decides the calls of
+        its forward pass running on this thread: where both watch a module, the earlier one's hooks
+        ran first there, so it reports first (and raises: this one never does), as it would with
+        check="module" and as the reference does."""
+        for made in sorted(_live.keys()):
+            if made >= self.made:
+                break
+            other = _live.get(made)
+            running = other.thread.forward if other is not None else None
+            if running is not None and running.state is PassState.RUNNING and running.queue:
+                with other.lock:
+                    other.flush(running)
 
     def _scaling(self, current):
         """The GradScaler's view of a backward pass (``scaling.Scaling``) or None: not scaled, not a
@@ -400,6 +432,7 @@ class Passes(PassEnds):
     def close(self):
         """The hooks are off: decide what waits (its records and detection still reach the log),
         free every row, let go of the strategy's own hooks and of every call kept."""
+        _live.pop(self.made, None)
         self.strategy.close()
         if self.collective_writes is not None:
             self.collective_writes.release()
