@@ -16,18 +16,19 @@ DEV := $(VENV)/.overflow_fast-dev
 # (tests/test_reads.py runs each of its tests on both paths itself); and where that path's deferred
 # reads decide the outcome: a pass interrupted with reads pending, a GradScaler's backoff told from
 # a detection, a tensor an in-place collective writes before its read; a removed detector that
-# frees the model, and passes begun inside others (a forward in a backward hook, nested detectors)
+# frees the model, passes begun inside others (a forward in a backward hook, nested detectors), and
+# a Where line that is right or silent
 DEVICE_PATH_TESTS := tests/test_compat_rules.py tests/test_compat_transformers.py tests/test_compat_random.py \
 	tests/test_detector.py tests/test_watch.py tests/test_options.py tests/test_skip.py tests/test_training_setups.py tests/test_find_op.py \
 	tests/test_interrupted_passes.py tests/test_grad_scaler.py tests/test_distributed_collectives.py tests/test_step.py \
-	tests/test_remove_frees_the_model.py tests/test_reentrant_passes.py
+	tests/test_remove_frees_the_model.py tests/test_reentrant_passes.py tests/test_where_right_or_silent.py
 # and again as if the compiled modules could not be loaded (the torch backend reads, the Python twin of
 # HookCore keeps the rows, the Python twins read and pair logs): reports identical to the reference
 # on that path too, the rows of an interrupted pass dropped, a row not reused once a collective wrote
 # its tensor, the model freed after remove(), and the same diffs
 NO_EXTENSION_TESTS := tests/test_compat_rules.py tests/test_compat_transformers.py tests/test_detector.py tests/test_reads.py \
 	tests/test_interrupted_passes.py tests/test_distributed_collectives.py tests/test_diff.py tests/test_diff_align.py \
-	tests/test_step.py tests/test_remove_frees_the_model.py tests/test_reentrant_passes.py
+	tests/test_step.py tests/test_remove_frees_the_model.py tests/test_reentrant_passes.py tests/test_where_right_or_silent.py
 # the inner loop: unit, exactness and compatibility core (the kernel's exactness on this CPU's build)
 FAST_TESTS := tests/test_compat_rules.py tests/test_compat_transformers.py tests/test_detector.py \
 	tests/test_reads.py tests/test_watch.py tests/test_options.py tests/test_skip.py tests/test_training_setups.py tests/test_stats_torch.py \

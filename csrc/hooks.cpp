@@ -158,6 +158,7 @@ class HookCore {
     }
     if (static_cast<int64_t>(seen_.size()) + count > max_remembered_) {
       seen_.clear();
+      forgot_ = true;
     }
     const bool may_defer = defer && site >= 0;
     std::vector<uint8_t>* modes = nullptr;
@@ -239,6 +240,7 @@ class HookCore {
       rows.deferred.clear();
     }
     seen_.clear();
+    forgot_ = false;
   }
 
   // From now on the tensors of `key`'s device that add() or pending() hand out are read here, by
@@ -266,6 +268,27 @@ class HookCore {
   int64_t used(int64_t key) const { return devices_.at(key).used; }
   c10::Device device(int64_t key) const { return devices_.at(key).device; }
 
+  // Whether `tensor`, read into `row` of `key`'s buffer in this pass, is unchanged since that read
+  // (the same version counter and data pointer): 1; 0 where it changed; -1 where this core cannot
+  // tell (it does not remember that read: reuse off, an inference tensor, past max_remembered).
+  int64_t unchanged(const py::handle& object, int64_t key, int64_t row) const {
+    if (!THPVariable_Check(object.ptr())) {
+      throw py::type_error(std::string("HookCore.unchanged: expected a tensor, got ") + Py_TYPE(object.ptr())->tp_name);
+    }
+    const at::Tensor& tensor = tensor_of(object);
+    const auto found = seen_.find(tensor.unsafeGetTensorImpl());
+    if (found == seen_.end() || found->second.impl.expired()) {
+      return -1;
+    }
+    const Seen& seen = found->second;
+    const bool same = seen.version == version_of(tensor) && seen.data == data_of(tensor);
+    if (seen.device == key && seen.row == row) {
+      return same ? 1 : 0;
+    }
+    // read again since, into another row: it had changed then, unless this pass forgot that read
+    return same && forgot_ ? -1 : 0;
+  }
+
   // The collector's tp_traverse: the tensors held for a read or watched until the pass ends.
   int traverse(visitproc visit, void* arg) const {
     for (const auto& rows : devices_) {
@@ -291,6 +314,7 @@ class HookCore {
     watched_.clear();
     watched_bytes_ = 0;
     seen_.clear();
+    forgot_ = false;
   }
 
  private:
@@ -396,6 +420,7 @@ class HookCore {
   const int64_t max_remembered_;
   std::vector<DeviceRows> devices_;
   std::unordered_map<const c10::TensorImpl*, Seen> seen_;
+  bool forgot_ = false;  // seen_ was cleared in this pass (past max_remembered)
   std::unordered_map<int64_t, std::vector<uint8_t>> modes_;
   std::vector<Held> watched_;
   int64_t watched_bytes_ = 0;
@@ -1142,6 +1167,7 @@ void add_hook_layer(py::module& m) {
       .def("pending", &HookCore::pending)
       .def("reset", &HookCore::reset)
       .def("used", &HookCore::used, py::arg("key"))
+      .def("unchanged", &HookCore::unchanged, py::arg("tensor"), py::arg("key"), py::arg("row"))
       .def("device", &HookCore::device, py::arg("key"));
   m.attr("HOOK_FULL") = kFull;
   m.attr("HOOK_MIXED_DEVICES") = kMixedDevices;

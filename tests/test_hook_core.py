@@ -116,7 +116,8 @@ def run_sequence(seed, steps=40):
     sites = [-1, 0, 1, 2, id(pool)]
     log = []
     for _ in range(steps):
-        op = rng.choices(["add", "new", "view", "change", "drop", "pending", "reset"], [8, 3, 1, 3, 1, 1, 1])[0]
+        op = rng.choices(["add", "new", "view", "change", "drop", "pending", "reset", "unchanged"],
+                         [8, 3, 1, 3, 1, 1, 1, 2])[0]
         if op == "new" or not pool:
             tensor, kind = make(rng)
             labels.name(tensor, count)
@@ -142,6 +143,12 @@ def run_sequence(seed, steps=40):
             for core in cores:
                 core.reset()
             log.append("reset")
+        elif op == "unchanged":  # whether a tensor is unchanged since its read into a row
+            tensor, _ = rng.choice(pool)
+            key, row = rng.randrange(2), rng.randrange(capacity)
+            answers = [core.unchanged(tensor, key, row) for core in cores]
+            assert answers[0] == answers[1], (seed, log, labels(tensor), key, row, answers)
+            log.append(("unchanged", labels(tensor), key, row, answers[0]))
         if op == "add":
             tensors = [rng.choice(pool)[0] for _ in range(rng.randint(1, 4))]
             site = rng.choice(sites)
@@ -193,7 +200,35 @@ def test_the_sequences_reach_every_answer():
                         seen.add("second device")
             elif entry[0] == "pending" and entry[1][1]:
                 seen.add("pending")
-    assert seen >= {"full", "mixed", "read now", "waits", "reused", "changed", "second device", "pending"}, seen
+            elif entry[0] == "unchanged":
+                seen.add(f"unchanged {entry[-1]}")
+    assert seen >= {"full", "mixed", "read now", "waits", "reused", "changed", "second device", "pending",
+                    "unchanged 1", "unchanged 0", "unchanged -1"}, seen
+
+
+@pytest.mark.parametrize("core_class", [pytest.param(hook_core.HookCore, id="twin"),
+                                        pytest.param(getattr(C, "HookCore", None), id="c++", marks=needs_extension)])
+def test_a_core_tells_whether_a_tensor_is_unchanged_since_its_read(core_class):
+    """1: read into that row and unchanged since; 0: changed since (in place, or read again into
+    another row because it had changed); -1: not known (never read, reuse off, forgotten)."""
+    core = core_class(8, 0, 4)
+    x, y = torch.ones(3), torch.ones(3)
+    key, (row,), *_ = core.add([x], -1, False)
+    assert core.unchanged(x, key, row) == 1 and core.unchanged(y, key, row) == -1
+    assert core.unchanged(x, key, row + 1) == 0  # not the row it was read into: not what that row read
+    x.mul_(2)
+    assert core.unchanged(x, key, row) == 0
+    _, (again,), *_ = core.add([x], -1, False)  # changed: read again, into a new row
+    assert again != row and core.unchanged(x, key, row) == 0 and core.unchanged(x, key, again) == 1
+    core.add([torch.ones(1) for _ in range(4)], -1, False)  # past max_remembered: the reads are forgotten
+    assert core.unchanged(x, key, again) == -1
+    core.reset()
+    assert core.unchanged(x, key, again) == -1
+    without_reuse = core_class(8, 0, 0)
+    _, (row,), *_ = without_reuse.add([y], -1, False)
+    assert without_reuse.unchanged(y, key, row) == -1
+    with pytest.raises(TypeError):
+        core.unchanged(3, key, row)
 
 
 @needs_extension

@@ -38,7 +38,7 @@ Pending = collections.namedtuple("Pending", ("call", "module", "entries", "dtype
 # ``frame``: where it was found; ``first_frame`` and ``bad``: the first frame that counted and its
 # entries; ``frames``: the ring as data; ``report_due``: whether counting wants it reported.
 Found = collections.namedtuple("Found", ("detection", "frames", "frame", "first_frame", "bad", "batch",
-                                         "shown_batch", "report_due", "inputs", "tensors"))
+                                         "shown_batch", "report_due", "inputs", "tensors", "sources"))
 
 
 class Decisions:
@@ -82,7 +82,7 @@ class Decisions:
         state = self.state
         state.open(call)
         batch = call.batch_before  # a backward frame's call was counted with its forward's batch
-        self.save(frame, batch, pass_key(batch), pending.inputs, pending.tensors, scaling)
+        self.save(frame, batch, pass_key(batch), pending.inputs, pending.tensors, scaling, pending.sources)
         if self.log is not None:
             self.log.frame(frame, batch, self.global_step, self.mode)
         if call.trace_mode:
@@ -109,11 +109,11 @@ class Decisions:
             state.save(self.frame(reads, pending))
             state.close(pending.call)
 
-    def save(self, frame, batch=None, pass_key=None, inputs=None, tensors=None, scaling=None):
+    def save(self, frame, batch=None, pass_key=None, inputs=None, tensors=None, scaling=None, sources=None):
         """Print the frame's nan/inf lines, keep it in the ring (with the waiting lines as its lead).
-        ``inputs`` (with find_op, the call's) and ``tensors`` (a call decided in its hook) are kept
-        on a frame that counts until its detection; ``scaling``: a GradScaler's backward, whose
-        backoff this reports."""
+        ``inputs`` (with find_op, the call's), ``tensors`` (a call decided in its hook) and
+        ``sources`` (where its rows are) are kept on a frame that counts until its detection;
+        ``scaling``: a GradScaler's backward, whose backoff this reports."""
         lines, detected = self.counting.check(frame, batch, self.step_of(batch), pass_key, scaling)
         if self.early_warnings is not None:
             lines.extend(self.early_warnings.lines(frame, batch, self.step_of(batch), self.global_step))
@@ -124,7 +124,7 @@ class Decisions:
             say(line)
         if detected:
             self.state.set_detected_overflow(True)
-            frame.inputs, frame.tensors = inputs, tensors
+            frame.inputs, frame.tensors, frame.sources = inputs, tensors, sources
         self.state.save(frame)
 
     def backoff(self, backoff, batch):
@@ -150,9 +150,11 @@ class Decisions:
             detection["mode"] = self.mode
         self.detections.append(detection)
         frames = [text.frame_data(f) for f in self.state.frames if not isinstance(f, str)]
-        inputs, tensors = first_frame.inputs, first_frame.tensors
-        first_frame.inputs = frame.inputs = first_frame.tensors = frame.tensors = None  # the ring keeps no tensors
-        return Found(detection, frames, frame, first_frame, bad, batch, shown_batch, report_due, inputs, tensors)
+        inputs, tensors, sources = first_frame.inputs, first_frame.tensors, first_frame.sources
+        for kept in (first_frame, frame):  # the ring keeps no tensors
+            kept.inputs = kept.tensors = kept.sources = None
+        return Found(detection, frames, frame, first_frame, bad, batch, shown_batch, report_due, inputs, tensors,
+                     sources)
 
     def log_detection(self, found):
         """The detection into the flight recorder (after what the passes add to it: its op)."""

@@ -39,10 +39,14 @@ def beyond_the_reference(passes, current, found):
         frame.incoming_read = (passes.gradients is None or passes.gradients.incoming_read(
             decisions.modules_by_name().get(frame.module_name)))
     if found.bad:  # where in the tensor the Source line names
+        sources, reads = found.sources, current.reads
+        unchanged = (None if sources is None or reads is None else
+                     lambda tensor, index: reads.unchanged(sources, index, tensor))
         found.detection["where"] = where.facts(
             found.first_frame, source.source_entry(found.first_frame, found.bad),
             where.Held(found.tensors, found.inputs, passes.kept_forward, passes.kept_gradients,
-                       decisions.modules_by_name(), options.kwargs, options.containers, decisions.samples))
+                       decisions.modules_by_name(), options.kwargs, options.containers, decisions.samples,
+                       unchanged))
     scaler = current.scaling.unrecoverable() if current.scaling is not None else None
     if scaler is not None and found.first_frame.phase == BACKWARD:
         found.detection["scaler"] = scaler  # a GradScaler's backward that no backoff recovers

@@ -239,9 +239,12 @@ class HookCore:
         self._defer_bytes = int(defer_bytes)
         self._max_remembered = int(max_remembered)
         self._devices = []
-        # id(tensor) -> (weak reference, version, data, device key, row); the weak reference tells
-        # a dead tensor from a new one at the same address, as the C++ side's weak pointer does
+        # its TensorImpl's address (tensor._cdata, as the C++ core keys it: a dead tensor's entry
+        # is replaced, and counts toward max_remembered, exactly as there) -> (weak reference,
+        # version, data, device key, row); the weak reference tells a dead tensor from a new one at
+        # the same address, as the C++ side's weak pointer does
         self._seen = {}
+        self._forgot = False  # _seen was cleared in this pass (past max_remembered)
         self._modes = {}  # call site -> [mode per tensor position]
         self._watched = []
         self._watched_bytes = 0
@@ -273,6 +276,7 @@ class HookCore:
         seen = self._seen
         if len(seen) + count > self._max_remembered:
             seen.clear()
+            self._forgot = True
         may_defer = defer and site >= 0
         modes = None
         if may_defer:
@@ -287,7 +291,7 @@ class HookCore:
             version, data, size, requires_grad = _facts(tensor)
             mode = modes[position] if modes is not None and version >= 0 else _AT_ONCE
             if version >= 0:
-                found = seen.get(id(tensor))
+                found = seen.get(tensor._cdata)
                 if (found is not None and found[1] == version and found[2] == data and found[3] == key
                         and found[0]() is tensor):
                     row = found[4]
@@ -305,9 +309,9 @@ class HookCore:
                 rows.deferred_bytes += size
             if version >= 0 and remember:
                 try:
-                    seen[id(tensor)] = (weakref.ref(tensor), version, data, key, row)
+                    seen[tensor._cdata] = (weakref.ref(tensor), version, data, key, row)
                 except TypeError:  # a type without weak references: never reused
-                    seen.pop(id(tensor), None)
+                    seen.pop(tensor._cdata, None)
             if mode != _DEFER:
                 read_now = True
                 if mode == _UNKNOWN and modes is not None:
@@ -335,6 +339,7 @@ class HookCore:
             rows.used = rows.launched = rows.deferred_bytes = 0
             rows.deferred = []
         self._seen.clear()
+        self._forgot = False
 
     def bind(self, key, launcher, buffer):
         """The C++ core reads a device's tensors itself once a launcher is bound; there is no
@@ -344,6 +349,24 @@ class HookCore:
     def used(self, key):
         """Rows in use on a device (by key)."""
         return self._devices[key].used
+
+    def unchanged(self, tensor, key, row):
+        """1 where ``tensor``, read into ``row`` of ``key``'s buffer in this pass, is unchanged since;
+        0 where it changed; -1 where this core cannot tell. See csrc/hooks.cpp."""
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"HookCore.unchanged: expected a tensor, got {type(tensor).__name__}")
+        found = self._seen.get(tensor._cdata)
+        if found is None or found[0]() is not tensor:
+            return -1
+        if type(tensor) in PLAIN_TYPES:
+            same = (_version_of(tensor), _data_of(tensor)) == found[1:3]
+        else:
+            with _no_subclass():
+                same = (_version_of(tensor), _data_of(tensor)) == found[1:3]
+        if found[3] == key and found[4] == row:
+            return 1 if same else 0
+        # read again since, into another row: it had changed then, unless this pass forgot that read
+        return -1 if same and self._forgot else 0
 
     def device(self, key):
         """The device of a key."""

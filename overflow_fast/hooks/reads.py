@@ -150,6 +150,16 @@ class Reads:
                 if (key, row) in self._bad_shards:
                     frame.mark_bad_shards(index, self._bad_shards[key, row])
 
+    def unchanged(self, sources, index, tensor):
+        """Whether ``tensor`` is unchanged since the hook that read it as the ``index``-th tensor of a
+        call (its ``sources``): True, False, or None where that cannot be told (a call read apart, reuse
+        off, an inference tensor). Asked before ``reset``."""
+        key, rows, _ = sources
+        if key is None:
+            return None
+        answer = self._core.unchanged(tensor, key, rows[index])
+        return None if answer < 0 else bool(answer)
+
     def reset(self):
         """Every row is free again; nothing is reused or held."""
         self._core.reset()

@@ -4,9 +4,14 @@
 Computed only at a detection, from a tensor the detection still holds: the tensors of a call
 decided in its own hook (``check="module"``), the call's inputs and output that ``find_op`` keeps,
 a parameter, a parameter's gradient, or an output's gradient that ``find_op`` keeps. Before a
-detection nothing here runs. The tensor is read again, and used only if its nan, +inf, -inf and
-element counts are still those its hook read; otherwise the line says it changed, and why nothing
-is shown: never a guess.
+detection nothing here runs. The tensor is read again, and used only if it is unchanged since its
+hook read it: its version counter and data pointer as then (``reads.Reads.unchanged``: an in-place
+reorder keeps every count, and would name the wrong rows), and its statistics row the same. Where
+the hook's read is not remembered (reuse_stats=False, a call read apart), the whole row must match.
+Under no_grad and inference mode a call lets go of its tensors when it returns (``culprit``): its
+tensor is brought back by running its pass again from the outermost call, up to that call's end,
+and used only if its row is the one the hook read. Otherwise the line says why nothing is shown:
+never a guess.
 
 Rows are indices along dim 0. They are *batch* rows when the detector knows the batch: the
 ``set_batch(ids)`` of this batch (one id per row: the samples are then named), or for a Hugging Face
@@ -19,6 +24,7 @@ import torch
 
 from .frames import BACKWARD, entries_of, forward_items, own_parameters
 from .text import TENSOR
+from ..stats import tensor_stats
 from ..stats.kinds import PLAIN_TYPES
 from ..stats.layout import NAN, NEGINF, NUMEL, POSINF
 
@@ -32,18 +38,30 @@ class Held:
     """What a detection holds to find its tensor: the tensors of a call decided in its hook
     (``tensors``, by row), ``find_op``'s kept calls (``inputs``: the detecting call's;
     ``kept_forward``, ``kept_gradients``: the forward's calls and the gradients at their outputs),
-    the model's modules by name, whether frames hold keyword inputs and containers, and the batch's
-    sample ids (``set_batch``)."""
+    the model's modules by name, whether frames hold keyword inputs and containers, the batch's
+    sample ids (``set_batch``), and ``unchanged(tensor, index)``: whether a tensor is unchanged
+    since the hook read it as the call's ``index``-th (True, False, or None: not known)."""
 
     __slots__ = ("tensors", "inputs", "kept_forward", "kept_gradients", "modules_by_name", "kwargs", "containers",
-                 "samples")
+                 "samples", "unchanged")
 
     def __init__(self, tensors=None, inputs=None, kept_forward=(), kept_gradients=None, modules_by_name=None,
-                 kwargs=False, containers=False, samples=None):
+                 kwargs=False, containers=False, samples=None, unchanged=None):
         self.tensors, self.inputs = tensors, inputs
         self.kept_forward, self.kept_gradients = kept_forward, kept_gradients or {}
         self.modules_by_name = modules_by_name or {}
         self.kwargs, self.containers, self.samples = kwargs, containers, samples
+        self.unchanged = unchanged or _not_known
+
+
+def _not_known(tensor, index):
+    return None
+
+
+# how a tensor was found: the very tensor its hook read, in the hook; one held since (it may have
+# changed); one brought back by a replay (a new tensor, the same values where the run is deterministic)
+_IN_ITS_HOOK, _HELD, _REPLAYED = "hook", "held", "replayed"
+CHANGED = "it changed after its hook (in place, or its memory swapped): what it holds now is not what the hook read"
 
 
 def facts(frame, ctx, held):
@@ -51,11 +69,11 @@ def facts(frame, ctx, held):
     "token", "samples", "nan", "posinf", "neginf", "numel"}`` for the entry ``ctx`` of ``frame``
     (the Source line's), or ``{"entry", "why"}`` where it cannot be told. Never raises."""
     try:
-        row = _row_of(frame, ctx)
-        tensor, why = _tensor(frame, ctx, held)
+        row, index = _row_of(frame, ctx)
+        tensor, why, how = _tensor(frame, ctx, held)
         if tensor is None:
             return {"entry": ctx, "why": why}
-        return _read(tensor, row, ctx, frame, held)
+        return _read(tensor, row, ctx, frame, held, how, index)
     except Exception as error:  # noqa: BLE001 - a report's extra line must never break the run
         return {"entry": ctx, "why": f"not read ({type(error).__name__}: {error})"}
 
@@ -89,50 +107,77 @@ def line(where):
 
 
 def _row_of(frame, ctx):
+    """The hook's row of the entry ``ctx``, and its index among the call's tensors."""
     for kind, name, payload in frame.entries:
         if kind == TENSOR and name == ctx:
-            return frame.rows[payload]
+            return frame.rows[payload], payload
     raise LookupError(f"no tensor entry {ctx}")
 
 
 def _tensor(frame, ctx, held):
-    """``(tensor, None)``, or ``(None, why)``."""
+    """``(tensor, None, how)``, or ``(None, why, None)``."""
     if held.tensors is not None:  # decided in its own hook: the very tensors it read
         for kind, name, payload in frame.entries:
             if kind == TENSOR and name == ctx:
-                return held.tensors[payload], None
+                return held.tensors[payload], None, _IN_ITS_HOOK
     module = held.modules_by_name.get(frame.module_name)
     parameters = {name: parameter for parameter, name in own_parameters(module)} if module is not None else {}
     if frame.phase == BACKWARD and ctx.endswith(".grad"):
         name = ctx[:-len(".grad")]
         if name in parameters:
             grad = parameters[name].grad
-            return (grad, None) if grad is not None else (None, "the gradient is gone")
+            return (grad, None, _HELD) if grad is not None else (None, "the gradient is gone", None)
         calls = [call for call in held.kept_forward if call.module is module and module is not None]
         if not calls:
-            return None, "the output's gradient is not kept: find_op=True keeps it until the backward ends"
+            return None, "the output's gradient is not kept: find_op=True keeps it until the backward ends", None
         if len(calls) > 1:
-            return None, f"{frame.module_name or '(model)'} ran {len(calls)} times in that forward"
-        output = _entry_tensor(calls[0], name, held)
+            return None, f"{frame.module_name or '(model)'} ran {len(calls)} times in that forward", None
+        output = _entry_tensor(calls[0], name, held) if calls[0].kept else None
         grad = held.kept_gradients.get(id(output)) if output is not None else None
-        return (grad, None) if grad is not None else (None, "the output's gradient is not kept")
+        return (grad, None, _HELD) if grad is not None else (None, "the output's gradient is not kept", None)
     if ctx in parameters:
-        return parameters[ctx], None
-    if held.inputs is None or held.inputs.module is not module:
-        return None, "the call's tensors are not kept: find_op=True keeps them until the pass is decided"
-    tensor = _entry_tensor(held.inputs, ctx, held)
-    return (tensor, None) if tensor is not None else (None, "not among the call's kept tensors")
+        return parameters[ctx], None, _HELD
+    call = held.inputs
+    if call is None or call.module is not module:
+        return None, "the call's tensors are not kept: find_op=True keeps them until the pass is decided", None
+    if not call.kept:  # let go of when it returned (no_grad, inference mode)
+        tensor, why = _brought_back(call, ctx, held)
+        return (tensor, None, _REPLAYED) if tensor is not None else (None, why, None)
+    if ctx.startswith("output") and call.output_changed() or ctx.startswith("input") and call.changed():
+        return None, CHANGED, None  # (its versions when it started and returned, where reads remember none)
+    tensor = _entry_tensor(call, ctx, held)
+    return (tensor, None, _HELD) if tensor is not None else (None, "not among the call's kept tensors", None)
 
 
-def _entry_tensor(call, ctx, held):
-    """The tensor a kept call (``culprit.KeptCall``) has under the entry name ``ctx``."""
-    items = forward_items(call.module, tuple(call.args), call.output, call.kwargs if held.kwargs else None,
-                          held.containers)
+def _entry_tensor(call, ctx, held, args=None, kwargs=None, output=None):
+    """The tensor a kept call (``culprit.KeptCall``) has under the entry name ``ctx``, or the one
+    ``args``, ``kwargs`` and ``output`` of that call's replay have."""
+    if args is None:
+        args, kwargs, output = call.args, call.kwargs, call.output
+    items = forward_items(call.module, tuple(args), output, kwargs if held.kwargs else None, held.containers)
     entries, tensors, _ = entries_of(items)
     for kind, name, payload in entries:
         if kind == TENSOR and name == ctx:
             return tensors[payload]
     return None
+
+
+def _brought_back(call, ctx, held):
+    """``(tensor, None)`` of a call that let go of its tensors when it returned, as its pass made
+    them: the pass run again from its outermost call (which keeps its inputs and RNG states until
+    the pass is decided) up to that call's end, nothing read; or ``(None, why)``."""
+    root = call.root
+    if root is call or root.rng is None or not root.kept or root.changed():
+        return None, "the call let go of its tensors when it returned (no_grad), and its pass cannot be run again"
+    from .op_replay import arrive_at
+
+    arrived = arrive_at(root.module, root.args, root.kwargs, root.rng, root.call_state(), call.module, call.ordinal,
+                        end=True)
+    if arrived is None:
+        return None, "the call let go of its tensors when it returned (no_grad), and its pass did not run again"
+    _, args, kwargs, output = arrived
+    tensor = _entry_tensor(call, ctx, held, args, kwargs or {}, output)
+    return (tensor, None) if tensor is not None else (None, "not among the tensors of the call run again")
 
 
 def _counts(tensor):
@@ -150,12 +195,20 @@ def _counts(tensor):
     return int(nan.sum()), int(posinf.sum()), int(neginf.sum()), nan | posinf | neginf
 
 
-def _read(tensor, row, ctx, frame, held):
+def _read(tensor, row, ctx, frame, held, how, index):
     if type(tensor) not in PLAIN_TYPES or tensor.layout != torch.strided or tensor.is_meta:
         kind = type(tensor).__name__ if type(tensor) not in PLAIN_TYPES else f"{tensor.layout} tensor"
         return {"entry": ctx, "why": f"a {kind}: its elements are not read here"}
     if not (tensor.is_floating_point() or tensor.is_complex()):
         return {"entry": ctx, "why": f"a {tensor.dtype} tensor holds no nan/inf"}
+    unchanged = held.unchanged(tensor, index) if how == _HELD else None
+    if unchanged is False:
+        return {"entry": ctx, "why": CHANGED}
+    if how == _REPLAYED or (how == _HELD and unchanged is None):  # no version to go by: its whole row
+        if [int(value) for value in tensor_stats([tensor.detach()]).host_rows()[0]] != list(row):
+            why = ("its pass run again made other values than the hook read" if how == _REPLAYED else
+                   "it changed after its hook: its statistics differ from what the hook read")
+            return {"entry": ctx, "why": why}
     with torch.no_grad():
         tensor = tensor.detach()
         nan, posinf, neginf, bad = _counts(tensor)

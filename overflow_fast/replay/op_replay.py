@@ -621,20 +621,28 @@ def replay_forward(module, args=(), kwargs=None, *, rng=None, call=None, target=
         return _failed("forward", error)
 
 
-def arrive_at(module, args, kwargs, rng, call, submodule, index):
+def arrive_at(module, args, kwargs, rng, call, submodule, index, end=False):
     """Run ``module(*args, **kwargs)`` again from ``rng`` (the RNG states at the start of that
     call) under ``call``, nothing read, up to the start of the ``index``-th call (from 0) of
     ``submodule`` inside it: ``(the RNG states there, that call's positional inputs, its keyword
     inputs)``, as the run had them where it is deterministic (the objects a call changes in place
-    unseen, a cache, are as they were then); None where it does not get there."""
+    unseen, a cache, are as they were then); None where it does not get there. ``end``: up to the
+    end of that call instead, ``(None, its positional inputs, keyword inputs, output)`` then."""
     arrived = []
     count = [0]
+    running = []  # the ordinals of the submodule's calls running (a module may call itself)
 
     def arrive(m, a, k):
-        if count[0] == index:
+        if count[0] == index and not end:
             arrived.append((rng_state(), a, k))
             raise _Reached
+        running.append(count[0])
         count[0] += 1
+
+    def returned(m, a, k, output):
+        if running.pop() == index:
+            arrived.append((None, a, k, output))
+            raise _Reached
 
     try:
         with contextlib.ExitStack() as stack:
@@ -642,6 +650,8 @@ def arrive_at(module, args, kwargs, rng, call, submodule, index):
             entered(stack, module, rng, call)
             args, kwargs = copied((tuple(args), dict(kwargs or {})))
             stack.callback(submodule.register_forward_pre_hook(arrive, with_kwargs=True).remove)
+            if end:
+                stack.callback(submodule.register_forward_hook(returned, with_kwargs=True).remove)
             with _Births(reading=False):
                 try:
                     _call_module(module, args, kwargs)
