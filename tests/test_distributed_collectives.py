@@ -4,6 +4,7 @@ writes is read again after the write (never a stale row), and a replay never com
 import contextlib
 import io
 import re
+import time
 
 import pytest
 import torch
@@ -31,6 +32,8 @@ def _attach(kind, model):
         return DebugUnderflowOverflow(model, trace_batch_nums=[0])
     if kind == "batch":
         return DebugUnderflowOverflow(model, check="batch")
+    if kind == "watch deferred":
+        return watch(model, sync_timeout=20, defer=True)
     return watch(model, sync_timeout=20)
 
 
@@ -307,6 +310,93 @@ def _deferred_worker(rank):
 
 def test_a_read_that_waits_is_never_taken_after_a_collective_wrote_the_tensor():
     run_ranks(_deferred_worker, timeout=60)
+
+
+# -- async collectives: written when their work completes -----------------------------------------
+
+
+class RowParallel(torch.nn.Module):
+    """A tensor-parallel row layer: ``h = fc(x)`` (4e4 everywhere, finite in fp16), then the sum of
+    ``h`` over the ranks (inf in fp16) issued with ``async_op=True``; it returns ``h`` while the
+    work is in flight, or waits at once. Rank 0 issues its part late, so rank 1's work cannot
+    complete before rank 1's hooks read ``h``."""
+
+    def __init__(self, rank, wait_at_once):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4, bias=False).half().requires_grad_(False)
+        with torch.no_grad():
+            self.fc.weight.fill_(1e4)
+        self.rank, self.wait_at_once = rank, wait_at_once
+        self.work = None
+
+    def forward(self, x):
+        h = self.fc(x)
+        if self.rank == 0:
+            time.sleep(0.3)
+        self.work = dist.all_reduce(h, async_op=True)
+        if self.wait_at_once:
+            self.work.wait()
+        return h
+
+
+class WaitsLater(torch.nn.Module):
+    """The parent waits for the row layer's work, then feeds the now-inf ``h`` to the next module."""
+
+    def __init__(self, rank, wait_at_once):
+        super().__init__()
+        self.row = RowParallel(rank, wait_at_once)
+        self.act = torch.nn.ReLU()
+
+    def forward(self, x):
+        h = self.row(x)
+        self.row.work.wait()
+        return self.act(h)
+
+
+def _async_worker(rank):
+    x = torch.ones(2, 4, dtype=torch.float16)
+    for wait_at_once in (False, True):
+        def run(kind):
+            return _forward(kind, WaitsLater(rank, wait_at_once), x)
+
+        want, error = run("reference")
+        last = want.rstrip("\n").split("\n")
+        if rank == 1:  # (rank 0's work may complete before its hook reads h)
+            if wait_at_once:
+                assert last[-1].endswith("      inf output") and last[-3].endswith("row RowParallel"), want
+            else:
+                # the next module's input[0] has infs, the row layer's output read before the write
+                assert want.startswith("input[0] has infs\n") and last[-2].endswith("      inf input[0]"), want
+                assert last[-3].endswith("act ReLU") and "4.00e+04 4.00e+04 output" in want, want
+        for kind in ("drop-in", "batch", "watch", "watch deferred"):
+            got, error = run(kind)
+            assert error is not None and 1 in error.ranks, (wait_at_once, kind, error, got)
+            if rank != 1:
+                continue
+            report = re.split(r"\n(?:Where|Source|Op): ", got)[0]
+            assert report.rstrip("\n") == want.rstrip("\n"), (wait_at_once, kind, got, want)
+
+
+def test_an_async_collective_writes_when_its_work_completes():
+    """Waited later (the parent waits, then the next module takes the now-inf h) as the reference
+    sees it: the version bumped when the op returned, a row read of h before its work wrote it is
+    never reused after; and waited at once."""
+    run_ranks(_async_worker, timeout=240)
+
+
+def test_nothing_is_in_flight_once_its_work_completes(one_rank):
+    from overflow_fast.distributed import IN_FLIGHT, in_flight, seen_as_writes
+
+    held = seen_as_writes()
+    try:
+        h = torch.ones(4)
+        view = h[1:]
+        work = dist.all_reduce(h, async_op=True)
+        work.wait()
+        assert in_flight([h, view, torch.ones(2)]) == [] and not IN_FLIGHT  # completed: forgotten
+    finally:
+        held.release()
+    assert not IN_FLIGHT
 
 
 # -- a replay never communicates -----------------------------------------------------------------

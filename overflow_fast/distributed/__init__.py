@@ -12,7 +12,8 @@ groups, DeviceMesh, DTensor placements); nothing here starts the job's process g
   :func:`agree` is the same through an Agreement it creates at its first call.
   :class:`OverflowOnRanks` is the ValueError every rank then raises, naming the ranks.
 - ``collectives``: :func:`seen_as_writes`, in-place collectives (``all_reduce``, ``broadcast``, ...)
-  bump the version counters of the tensors they write, as torch's in-place ops do;
+  bump the version counters of the tensors they write, as torch's in-place ops do, and what an async
+  one writes is in flight until its work completes (:func:`in_flight`);
   :class:`NoCommunication`, a guard inside which every collective raises :class:`CommunicationRefused`
   before it sends anything (find_op's replays run inside one).
 - ``shards``: :func:`global_rows`, the rows of DTensor entries made the whole tensor's rows, combined across
@@ -23,7 +24,15 @@ The hazards of a collective inside the detector: ``agreement``'s docstring; DTen
 """
 
 from .agreement import Agreement, AgreementError, AgreementMisaligned, AgreementTimeout, agree
-from .collectives import CommunicationRefused, NoCommunication, active_guard, communicating, seen_as_writes
+from .collectives import (
+    IN_FLIGHT,
+    CommunicationRefused,
+    NoCommunication,
+    active_guard,
+    communicating,
+    in_flight,
+    seen_as_writes,
+)
 from .shards import ShardInfo, Zero3Info, global_rows, holds_sharded_parameters, is_exact, local_shard, shard_info
 from .world import (
     OverflowOnRanks,
@@ -38,8 +47,8 @@ from .world import (
 )
 
 __all__ = [
-    "Agreement", "AgreementError", "AgreementMisaligned", "AgreementTimeout", "CommunicationRefused",
+    "IN_FLIGHT", "Agreement", "AgreementError", "AgreementMisaligned", "AgreementTimeout", "CommunicationRefused",
     "NoCommunication", "OverflowOnRanks", "ShardInfo", "Zero3Info", "active_guard", "agree", "collective_device",
-    "communicating", "global_rows", "holds_sharded_parameters", "is_exact", "is_local_only", "local_only",
+    "communicating", "global_rows", "holds_sharded_parameters", "in_flight", "is_exact", "is_local_only", "local_only",
     "local_shard", "rank", "rank_prefix", "seen_as_writes", "shard_info", "stop_message", "with_prefix", "world",
 ]

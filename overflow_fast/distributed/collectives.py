@@ -18,6 +18,15 @@ in-place op, a backward that needs a tensor a collective overwrote after autogra
 torch's "modified by an inplace operation" error, where without the detector it would silently
 use the overwritten values.
 
+Async. A collective's op returns once its work is queued (``dist.all_reduce(h, async_op=True)``,
+DDP's buckets, every op under ``dist``'s synchronous call too, which waits right after): what it
+writes counts as written when its work completes (``wait()``, or on an accelerator the stream
+synchronizing), not when the op returns. The bump comes when it returns, so that nothing read
+before is reused after; until its work completes, the storage it writes is in flight
+(:func:`in_flight`, asked by the detector's reads at each hook): a tensor there is read afresh at
+every hook, and nothing read of it then is reused, so a row read before the work wrote it never
+stands for the tensor after the write, waited at once or later.
+
 No communication. Inside ``with NoCommunication() as guard:`` on a thread (find_op's replays
 enter it, and enter the same guard on autograd's threads), every collective raises
 :class:`CommunicationRefused` before it sends anything, and ``guard.refused`` keeps the first one
@@ -134,6 +143,67 @@ def _bump(tensors):
             torch.autograd.graph.increment_version(tensor)
 
 
+# The storage of each tensor an async collective writes -> its work, until that work completes.
+# One dict, never rebound: the detector's reads test it at every hook (empty: nothing in flight).
+IN_FLIGHT = {}
+_flight_lock = threading.Lock()
+
+
+def _storage(tensor):
+    """Which memory a tensor is in (its views share it), or None where it has none of its own."""
+    try:
+        return tensor.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError, TypeError, AttributeError):
+        return None
+
+
+def _work_of(result):
+    """The ``Work`` an op returned (c10d's ops return one beside their tensors), or None."""
+    for item in result if isinstance(result, (tuple, list)) else (result,):
+        if isinstance(item, torch.ScriptObject):
+            try:
+                return torch._C._distributed_c10d.Work.unbox(item)
+            except (RuntimeError, TypeError, AttributeError):
+                continue
+    return None
+
+
+def _done(work):
+    try:
+        return work.is_completed()
+    except Exception:  # noqa: BLE001 - a work that failed writes nothing more
+        return True
+
+
+def _forget_done():
+    """Drop the works that completed (with the lock held)."""
+    for key in [key for key, work in IN_FLIGHT.items() if _done(work)]:
+        del IN_FLIGHT[key]
+
+
+def _fly(tensors, result):
+    """The tensors an op wrote are in flight until the work it returned completes."""
+    work = _work_of(result)
+    if work is None or _done(work):
+        return  # (the functional collectives' in-place ops complete at wait_tensor: the bump stands)
+    keys = [key for key in map(_storage, tensors) if key is not None]
+    with _flight_lock:
+        _forget_done()
+        for key in keys:
+            IN_FLIGHT[key] = work
+
+
+def in_flight(tensors):
+    """The positions in ``tensors`` of those whose memory an async collective writes now, its work
+    not completed yet (those whose work completed are forgotten). Called only while ``IN_FLIGHT``
+    holds something."""
+    with _flight_lock:
+        _forget_done()
+        if not IN_FLIGHT:
+            return []
+        return [index for index, tensor in enumerate(tensors) if _storage(tensor) in IN_FLIGHT]
+
+
 def _kernel(qualified, written):
     """The kernel of one op: the guard's check, the op itself, then (while a detector holds
     ``seen_as_writes``) the bump of what it wrote."""
@@ -149,11 +219,16 @@ def _kernel(qualified, written):
             guard.refuse(short, _tensors(list(args)) + _tensors(list(kwargs.values())))
         if written is None:
             return overload.redispatch(keyset & below, *args, **kwargs)
+        result = None
         try:
-            return overload.redispatch(keyset & below, *args, **kwargs)
+            result = overload.redispatch(keyset & below, *args, **kwargs)
+            return result
         finally:
             if _holders:
-                _bump(written(args, kwargs))  # also after a failure: some of it may have been written
+                tensors = written(args, kwargs)
+                _bump(tensors)  # also after a failure: some of it may have been written
+                if result is not None:
+                    _fly(tensors, result)
 
     return kernel
 
@@ -227,6 +302,9 @@ class WritesSeen:
 
     def release(self):
         _holders.discard(self)
+        if not _holders:
+            with _flight_lock:
+                IN_FLIGHT.clear()  # (nothing asks any more: keep no work, nor what it writes)
 
 
 def seen_as_writes():

@@ -88,6 +88,8 @@ class Reads:
         core = self._core
         if len(tensors) > self.capacity:
             return self.read_apart(tensors)
+        if _IN_FLIGHT:  # an async collective writes some memory now
+            tensors, site = _settled(tensors, site)
         key, rows, first, to_read, changed = core.add(tensors, site, site >= 0)
         if key < 0:
             return None if key == HOOK_FULL else self.read_apart(tensors)  # else: several devices
@@ -261,6 +263,23 @@ class Reads:
                 rows.append([0] * NUM_COLUMNS)
                 reasons[index] = short_reason(f"{type(failure).__name__}: {failure}")
         return rows, reasons
+
+
+_IN_FLIGHT = distributed.IN_FLIGHT
+
+
+def _settled(tensors, site):
+    """``(tensors, site)`` for the core while async collectives write: a tensor whose memory one
+    writes now is read now as an alias of its own (another tensor object, the same memory and
+    version counter), so no row read before the write is reused for it, and nothing read of it
+    until its work completes is remembered; such a call is read in its hook, never later."""
+    flying = distributed.in_flight(tensors)
+    if not flying:
+        return tensors, site
+    tensors = list(tensors)
+    for index in flying:
+        tensors[index] = tensors[index].detach()
+    return tensors, -1
 
 
 def _shard_infos(tensors):
