@@ -146,7 +146,10 @@ def test_nested_detectors_of_different_checks_report_as_the_reference_does(first
             return made
         return make
 
+    def forward(model):
+        return lambda step: model(models.token_batch(step))
+
     want_model, got_model = gpt2_with_an_inf_weight(), gpt2_with_an_inf_weight()
-    want = capture(detectors(ReferenceDetector, want_model, False), lambda step: want_model(models.token_batch(step)), 2)
-    got = capture(detectors(DebugUnderflowOverflow, got_model, True), lambda step: got_model(models.token_batch(step)), 2)
+    want = capture(detectors(ReferenceDetector, want_model, False), forward(want_model), 2)
+    got = capture(detectors(DebugUnderflowOverflow, got_model, True), forward(got_model), 2)
     assert got[1] == want[1] and got[0] == want[0]

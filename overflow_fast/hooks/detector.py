@@ -327,7 +327,7 @@ class DebugUnderflowOverflow(ReferenceFace, StepMode):
                                                   True)
         else:
             entries, tensors, dtypes = run.entries_of.forward(module, input, output, kwargs)
-        call = self.decisions.state.count(module is self.model, recomputed)
+        call = self.decisions.state.count(module is self._model, recomputed)  # (the attribute: this runs at every hook)
         if self._gradients is not None and not transformed:  # torch.func takes gradients functionally
             self._gradients.watch_outputs(module, entries, tensors)
         if inputs is not None:  # find_op: the run's output, which a replay compares with its own
