@@ -72,6 +72,9 @@ MODES = {
     "skip": (lambda model, tmp: overflow_fast.watch(model, on_detect="skip"), False),
     "callable": (lambda model, tmp: overflow_fast.watch(model, on_detect=lambda error: None), False),
     "trace": (lambda model, tmp: DebugUnderflowOverflow(model, trace_batch_nums=[1]), False),
+    "step": (lambda model, tmp: overflow_fast.watch(model, check="step"), False),
+    "step-frames-every": (lambda model, tmp: overflow_fast.watch(model, check="step", frames_every=1), False),
+    "step-record": (lambda model, tmp: overflow_fast.watch(model, check="step", on_detect="record"), False),
 }
 
 
@@ -121,7 +124,7 @@ def test_a_removed_detector_keeps_nothing_of_the_model_alive(mode, bad, ending, 
     reference = weakref.ref(model)
     detector, loss = train(model, detector_of, tmp_path, ending, bad)
     if bad:
-        assert "has infs" in capsys.readouterr().out or mode == "record" or mode == "record-module"
+        assert "has infs" in capsys.readouterr().out or "record" in mode
         assert detector.detections or mode in ("module", "batch", "module-backward", "batch-backward-defer",
                                                 "kwargs-containers", "trace")
     del model
@@ -132,13 +135,14 @@ def test_a_removed_detector_keeps_nothing_of_the_model_alive(mode, bad, ending, 
     gc.collect()
 
 
-@pytest.mark.parametrize("backward", [False, True])
-def test_a_detector_never_removed_goes_with_its_model(backward):
+@pytest.mark.parametrize("options", [{"backward": False}, {"backward": True}, {"check": "step"}],
+                         ids=["forward", "backward", "step"])
+def test_a_detector_never_removed_goes_with_its_model(options):
     """As with the reference: nothing but the model holds it, and its hooks (torch keeps a parameter's
     and an output's gradient hooks where no collector sees them) hold the detector weakly."""
     model = Net()
     reference = weakref.ref(model)
-    detector = overflow_fast.watch(model, backward=backward)
+    detector = overflow_fast.watch(model, **options)
     detector_reference = weakref.ref(detector)
     loss = model(batch()).sum()
     loss.backward()

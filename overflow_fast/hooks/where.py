@@ -169,7 +169,7 @@ def _brought_back(call, ctx, held):
     root = call.root
     if root is call or root.rng is None or not root.kept or root.changed():
         return None, "the call let go of its tensors when it returned (no_grad), and its pass cannot be run again"
-    from .op_replay import arrive_at
+    from ..replay.op_replay import arrive_at
 
     arrived = arrive_at(root.module, root.args, root.kwargs, root.rng, root.call_state(), call.module, call.ordinal,
                         end=True)
