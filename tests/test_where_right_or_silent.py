@@ -148,3 +148,32 @@ def test_the_drop_in_without_find_op_says_why_under_no_grad():
     [line] = [line for line in out.splitlines() if line.startswith("Where: ")]
     assert line == ("Where: not shown for output (the call's tensors are not kept: find_op=True keeps them until "
                     "the pass is decided)")
+
+
+class ReversesItsInput(nn.Module):
+    """The model's forward reverses its input batch in place before its layer runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        with torch.no_grad():
+            x.copy_(x.flip(0))
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_an_input_batch_changed_after_the_model_read_it_is_not_described(check):
+    """A nan/inf that came in with the batch is described in the model's input as its hook read it:
+    reversed in place since, it is said to have changed."""
+    model = ReversesItsInput()
+    x = torch.zeros(5, 4)
+    x[1, 2] = float("inf")
+    detector = watch(model, check=check)
+    detector.set_batch(SAMPLES)
+    out, error = capture(lambda: model(x))
+    detector.remove()
+    assert error is not None and "in the input batch" in out, out
+    [line] = [line for line in out.splitlines() if line.startswith("Where: ")]
+    assert line.startswith("Where: not shown for input[0] (it changed after its hook"), line

@@ -67,7 +67,7 @@ def _from_the_batch(model, current, found):
     bad = [ctx for kind, ctx, payload in frame.entries if kind == TENSOR and holds_nonfinite(frame.rows[payload])]
     if not bad:
         return found
-    return found._replace(first_frame=frame, bad=bad, tensors=tensors)
+    return found._replace(first_frame=frame, bad=bad, tensors=tensors, sources=sources)
 
 
 def _op(passes, found):

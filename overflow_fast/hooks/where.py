@@ -58,9 +58,10 @@ def _not_known(tensor, index):
     return None
 
 
-# how a tensor was found: the very tensor its hook read, in the hook; one held since (it may have
-# changed); one brought back by a replay (a new tensor, the same values where the run is deterministic)
-_IN_ITS_HOOK, _HELD, _REPLAYED = "hook", "held", "replayed"
+# how a tensor was found: one held since its hook read it (it may have changed since: in a hook
+# that decides at once it has not); one brought back by a replay (a new tensor, the same values
+# where the run is deterministic)
+_HELD, _REPLAYED = "held", "replayed"
 CHANGED = "it changed after its hook (in place, or its memory swapped): what it holds now is not what the hook read"
 
 
@@ -116,10 +117,10 @@ def _row_of(frame, ctx):
 
 def _tensor(frame, ctx, held):
     """``(tensor, None, how)``, or ``(None, why, None)``."""
-    if held.tensors is not None:  # decided in its own hook: the very tensors it read
+    if held.tensors is not None:  # the very tensors its hook read (a call decided in its hook, the batch)
         for kind, name, payload in frame.entries:
             if kind == TENSOR and name == ctx:
-                return held.tensors[payload], None, _IN_ITS_HOOK
+                return held.tensors[payload], None, _HELD
     module = held.modules_by_name.get(frame.module_name)
     parameters = {name: parameter for parameter, name in own_parameters(module)} if module is not None else {}
     if frame.phase == BACKWARD and ctx.endswith(".grad"):
