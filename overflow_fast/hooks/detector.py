@@ -125,16 +125,7 @@ class DebugUnderflowOverflow(ReferenceFace, StepMode):
     containers = property(lambda self: self.options.containers)
     backward = property(lambda self: self.options.backward)
 
-    @property
-    def model(self):
-        """The model (the reference's attribute); once removed, held weakly: None once it is gone."""
-        model = self._model
-        return model() if isinstance(model, weakref.ref) else model
-
-    @model.setter
-    def model(self, value):
-        self._model = value
-
+    model = property(lambda self: _unless_gone(self._model), lambda self, value: setattr(self, "_model", value))
     detections = property(lambda self: self.decisions.detections)
     global_step = property(lambda self: self.decisions.global_step)
     mode = property(lambda self: self.decisions.mode)
@@ -163,9 +154,8 @@ class DebugUnderflowOverflow(ReferenceFace, StepMode):
     # -- additions --------------------------------------------------------------------------
 
     def remove(self) -> None:
-        """Take every hook off the model, after deciding on any call still pending. The detector
-        is done then: to watch the model again, make a new one. It keeps nothing of the model
-        alive from then on (``model`` and ``module_names`` hold it weakly)."""
+        """Take every hook off the model, after deciding on any call still pending. The detector is done
+        then (to watch the model again, make a new one), and holds the model and its modules weakly."""
         _ATTACHED.discard(self)
         self._removed = True
         with self._passes.lock:
@@ -177,17 +167,9 @@ class DebugUnderflowOverflow(ReferenceFace, StepMode):
             try:
                 self._passes.close()
             finally:
-                try:
-                    if self.decisions.log is not None:
-                        self.decisions.log.close()
-                finally:
-                    self._let_go_of_the_model()
-
-    def _let_go_of_the_model(self):
-        model = self.model
-        self._model = weakref.ref(model) if model is not None else None
-        self.module_names = weakref.WeakKeyDictionary(self.module_names)
-        self.decisions.module_names = self.module_names
+                _let_go_of_the_model(self)
+                if self.decisions.log is not None:
+                    self.decisions.log.close()
 
     def __enter__(self) -> "DebugUnderflowOverflow":
         if self._removed:
@@ -216,12 +198,9 @@ class DebugUnderflowOverflow(ReferenceFace, StepMode):
                                "which a copy cannot carry): copy the model between steps, outside its "
                                "forward and after backward() returns")
         state = {name: value for name, value in self.__dict__.items() if name != "_passes"}
-        state["_model"] = self.model  # (a removed detector's weak references are not carried)
-        state["module_names"] = dict(self.module_names)
         state["decisions"] = copy.copy(self.decisions)
         state["decisions"].log = None
-        state["decisions"].module_names = state["module_names"]
-        return state
+        return _held_strongly(self, state)
 
     def __setstate__(self, state):
         self.__dict__.update(state)
@@ -408,6 +387,26 @@ _STOPPING = PassState.STOPPING
 def _functorch_off():
     """The context a hook's own work runs in: functorch's dispatch off inside a transform."""
     return _OUTSIDE_TRANSFORMS if transform_level() is None else _FunctorchOff()
+
+
+def _unless_gone(model):
+    """``model``, the reference's attribute: once removed, held weakly (None once it is gone)."""
+    return model() if isinstance(model, weakref.ref) else model
+
+
+def _held_strongly(detector, state):
+    """A copy's state carries the model and its names, not a removed detector's weak references."""
+    state["_model"], state["module_names"] = detector.model, dict(detector.module_names)
+    state["decisions"].module_names = state["module_names"]
+    return state
+
+
+def _let_go_of_the_model(detector):
+    """A removed detector holds its model, and names its modules, weakly."""
+    model = detector.model
+    detector._model = weakref.ref(model) if model is not None else None
+    detector.module_names = weakref.WeakKeyDictionary(detector.module_names)
+    detector.decisions.module_names = detector.module_names
 
 
 # Detectors whose hooks are on a model (not removed), to warn when a second one joins them.

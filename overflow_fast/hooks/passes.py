@@ -357,7 +357,7 @@ class Passes(PassEnds):
             return
         if nonfinite and len(_live) > 1:
             try:
-                self._earlier_detectors_decide()
+                _earlier_detectors_decide(self)
             except BaseException:
                 current.queue[:0] = queue  # (its end finds them reported, or decides them)
                 raise
@@ -370,20 +370,6 @@ class Passes(PassEnds):
                 self._act(current, found)  # raises at the first bad call: those after it never happened
                 if current.state is PassState.ABANDONED:
                     break
-
-    def _earlier_detectors_decide(self):
-        """Before this detector reports a nan/inf, each detector made before it decides the calls of
-        its forward pass running on this thread: where both watch a module, the earlier one's hooks
-        ran first there, so it reports first (and raises: this one never does), as it would with
-        check="module" and as the reference does."""
-        for made in sorted(_live.keys()):
-            if made >= self.made:
-                break
-            other = _live.get(made)
-            running = other.thread.forward if other is not None else None
-            if running is not None and running.state is PassState.RUNNING and running.queue:
-                with other.lock:
-                    other.flush(running)
 
     def _scaling(self, current):
         """The GradScaler's view of a backward pass (``scaling.Scaling``) or None: not scaled, not a
@@ -452,3 +438,17 @@ class Passes(PassEnds):
             self.traced = Traced()
             self._let_go_of_the_forward()  # its outputs' graph holds the gradient hooks, and they the model
 
+
+def _earlier_detectors_decide(passes):
+    """Before ``passes``' detector reports a nan/inf, each detector made before it decides the calls
+    of its forward pass running on this thread: where both watch a module, the earlier one's hooks
+    ran first there, so it reports first (and raises: the later one never does), as it would with
+    check="module" and as the reference does."""
+    for made in sorted(_live.keys()):
+        if made >= passes.made:
+            break
+        other = _live.get(made)
+        running = other.thread.forward if other is not None else None
+        if running is not None and running.state is PassState.RUNNING and running.queue:
+            with other.lock:
+                other.flush(running)

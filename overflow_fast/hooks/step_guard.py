@@ -332,7 +332,7 @@ class StepGuard:
         self.thread = threading.local()
         self.through = []
         self._detach_full()
-        self.model = self.parameters = self.owners = self.reads = None  # a removed detector keeps none of the model
+        self.model = self.reading = None  # a removed detector keeps none of the model
 
 
 class ScaledSteps:
