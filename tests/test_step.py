@@ -445,3 +445,24 @@ def test_ddp_every_rank_stops_and_the_report_names_the_rank_that_reproduced_it(w
     from test_distributed import run_ranks
 
     run_ranks(_ddp_worker, where)
+
+
+def test_a_forward_run_by_a_backward_hook_is_guarded_as_a_pass_of_its_own():
+    from test_reentrant_passes import Probe
+
+    probe = Probe(bad_step=2)
+    detector = watch(probe.probe, check="step", max_frames_to_save=3)
+    out = io.StringIO()
+    stopped = None
+    with contextlib.redirect_stdout(out):
+        for step in range(3):
+            try:
+                probe(step)
+            except OverflowDetected as error:
+                stopped = (step, error)
+                break
+    assert stopped is not None and stopped[0] == 2 and stopped[1].batch_number == 2, out.getvalue()
+    assert "Source: came in from outside, in the input batch: (model) (GPT2LMHeadModel) input[inputs_embeds]" \
+        in out.getvalue().splitlines()
+    assert out.getvalue().splitlines()[-1] == "Replay: reproduced"
+    detector.remove()

@@ -36,7 +36,7 @@ from .. import distributed
 from ..replay.sandbox import call_state
 from ..replay.step import REPRODUCED, KeptForward, replay_step, rng_now, root_outputs
 from .errors import OverflowDetected, OverflowDetectedOnRanks, overflow_error, say
-from .frames import BACKWARD, FORWARD, Frame, class_name, graph_task_id
+from .frames import BACKWARD, FORWARD, Frame, class_name, graph_task_id, recomputing
 from .on_detect import strategy
 from .rank_agreement import BACKWARD_END, FORWARD_END, REPLAYED, RankAgreement
 from .scaling import Backoffs, backoff_line, entry_kind, scaled_backward
@@ -74,8 +74,8 @@ class StepGuard:
     # -- the root's hooks ----------------------------------------------------------------------
 
     def before(self, module, args, kwargs):
-        if is_compiling() or graph_task_id() != -1:
-            return  # traced (its end keeps the call), or recomputed in a backward
+        if is_compiling() or graph_task_id() != -1 and recomputing():
+            return  # traced (its end keeps the call), or activation checkpointing's recompute in a backward
         calls = self._calls()
         ambient = sys.exc_info()[1]
         if calls:
@@ -91,7 +91,7 @@ class StepGuard:
                                            self.decisions.state.batch_number)))
 
     def after(self, module, args, kwargs, output):
-        if graph_task_id() != -1 or is_compiling():
+        if is_compiling() or graph_task_id() != -1 and recomputing():
             return
         calls = self._calls()
         ambient, kept = calls.pop() if calls else (None, None)
