@@ -1,4 +1,4 @@
-"""Packaging of overflow_fast: the Python package plus the C and C++ sources (csrc/, installed as the
+"""Packaging of overflow_fast: the Python package plus the C++ sources (csrc/, installed as the
 package data overflow_fast/csrc). Nothing is compiled here by default: the C++ kernel is built on
 first use, for the torch installed then and that CPU (overflow_fast/stats/cpu_build.py), so a
 plain `pip install` (build isolation on, no torch needed to build) gives a pure-Python wheel.
@@ -77,8 +77,7 @@ def _requested_isas(cpu_build):
 
 class BuildPyWithKernel(build_py):
     """build_py, then (OVERFLOW_FAST_AOT set) the C++ kernel for each requested instruction set,
-    and the log reader's C fast path, into overflow_fast/_prebuilt/ of the build (of the source
-    tree for an editable install)."""
+    into overflow_fast/_prebuilt/ of the build (of the source tree for an editable install)."""
 
     def run(self):
         if not getattr(self, "editable_mode", False):
@@ -100,10 +99,6 @@ class BuildPyWithKernel(build_py):
             with tempfile.TemporaryDirectory() as scratch:
                 subprocess.run([sys.executable, "-c", _BUILD_ONE, str(HERE / "overflow_fast" / "stats" / "cpu_build.py"),
                                 isa, scratch, str(dest_root)], check=True)
-        # the log reader's C fast path (plain C, for this Python), from this tree's package
-        subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
-                        "from overflow_fast.report import logscan; print('overflow_fast: built', "
-                        "logscan.build_prebuilt(sys.argv[2]))", str(HERE), str(dest_root)], check=True)
 
 
 class KernelDistribution(Distribution):
@@ -115,7 +110,7 @@ class KernelDistribution(Distribution):
 setup(
     packages=find_packages(include=["overflow_fast", "overflow_fast.*"]) + ["overflow_fast.csrc"],
     package_dir={"overflow_fast.csrc": "csrc"},
-    package_data={"overflow_fast": ["py.typed"], "overflow_fast.csrc": ["*.cpp", "*.h", "*.c"]},
+    package_data={"overflow_fast": ["py.typed"], "overflow_fast.csrc": ["*.cpp", "*.h"]},
     cmdclass={"build_py": BuildPyWithKernel},
     distclass=KernelDistribution,
 )

@@ -4,9 +4,10 @@ lock), recorded with its checksum, and loaded only from folders that nobody but 
 root) can change, once its bytes match that checksum: see "trust" below. A build found damaged is
 made again in a fresh folder.
 
-What is built and how is the caller's: ``stats/cpu_build.py`` (the C++ kernel, with torch) and
-``report/logscan.py`` (the log reader's fast path, plain C). Standard library only: loading a log
-never imports torch, and setup.py loads this file on its own for an ahead-of-time build.
+What is built and how is the caller's (``stats/cpu_build.py``: the C++ kernel, with torch); its
+trust rule also decides where the log reader may keep its temporary files (``report/engine.py``).
+Standard library only: reading a log never imports torch, and setup.py loads this file on its own
+for an ahead-of-time build.
 """
 
 import hashlib

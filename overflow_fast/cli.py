@@ -1,23 +1,18 @@
 """``overflow-fast`` / ``python -m overflow_fast``: the package's commands. ``report`` summarises
-flight-recorder logs, ``info`` says what runs here, ``replay`` replays a reproducer file; each has
-its own ``--help``.
+flight-recorder logs, ``diff`` compares two, ``info`` says what runs here, ``replay`` replays a
+reproducer file; each has its own ``--help``, and a usage error prints that command's usage.
 
-``report RUN.jsonl [RUN.rank1.jsonl ...] [--png OUT.png]`` reads the records (every line checked
-against ``schema.py``; bounded memory: aggregates per module and per step bin, never the records
-themselves; ``report/summary.py``) and prints a summary; ``--png`` draws headroom per module over steps
-(matplotlib, ``overflow_fast[plot]``). With DuckDB installed (``overflow_fast[fast-report]``) the
-files are scanned by DuckDB (``report/duckdb_summary.py``), all at once; without it, by plain Python.
-Both give the same summary. Logs compressed with gzip, bzip2 or xz are read as they are (told by
-their first bytes, whatever their names); one cut or damaged is read up to the damage, which counts
-as a malformed line; a zstd one is refused (exit 1).
+``report RUN.jsonl [RUN.rank1.jsonl ...] [--png OUT.png]`` and ``diff A.jsonl B.jsonl [--png OUT.png]``
+read the logs through one reader (``report/engine.py``): DuckDB where it is installed
+(``overflow_fast[logs]``), Python's json into sqlite3 otherwise (said on stderr, with what it costs);
+``--engine`` picks one. Every line is checked against ``schema.py``; memory is bounded. Logs
+compressed with gzip, bzip2 or xz are read as they are (told by their first bytes, whatever their
+names); one cut or damaged is read up to the damage, which counts as a malformed line; a zstd one
+is refused (exit 1). ``--png`` draws a picture (matplotlib, ``overflow_fast[plot]``).
 
-Exit codes: 0 ok, 1 a file that cannot be read or has no records (or matplotlib missing for
-``--png``, or DuckDB for ``--engine duckdb``, or the output's reader gone: ``| head``), 2 a usage
-error.
-
-``diff A.jsonl B.jsonl [--rtol R] [--png OUT.png]`` aligns the entries of two logs and names where
-they first part (``report/diff.py``); the same exit codes (1: a log cannot be read or has no tensor
-entries).
+Exit codes: 0 ok, 1 a file that cannot be read or has no records (``diff``: no tensor entries), or
+matplotlib missing for ``--png``, or DuckDB for ``--engine duckdb``, or the output's reader gone
+(``| head``), 2 a usage error.
 """
 
 import argparse
@@ -27,15 +22,7 @@ import sys
 import time
 from typing import Optional, Sequence
 
-from .report.summary import (
-    BadFile,
-    Summary,
-    check_readable,
-    malformed_names,
-    read_files,
-    summary_text,
-    unique_paths,
-)
+from ._version import __version__
 
 PROGRESS_BYTES = 32 << 20  # files above this show progress (on a terminal)
 
@@ -83,42 +70,33 @@ def _progress(total, forced):
 
 
 def build_parser():
+    """The parser, and each command's own parser by name (its usage is the one a mistake there prints)."""
     parser = argparse.ArgumentParser(
         prog="overflow-fast", description="overflow_fast's commands, one per line below; "
                                           "`overflow-fast COMMAND --help` says more of each.",
         epilog="The detector itself is a library: overflow_fast.watch(model) or "
                "overflow_fast.DebugUnderflowOverflow(model) in your training script (README.md).")
+    parser.add_argument("--version", action="version", version=f"overflow-fast {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands.required = True
     report = commands.add_parser(
         "report", help="summarise a recorded run; --png draws headroom per module over steps",
         description="Summarise a flight-recorder log: steps, the first nan/inf, the modules closest to "
                     "their dtype's limit, underflow hot spots. With --png, draw a heatmap of headroom "
-                    "(bits below the dtype's largest finite value) per module over steps.")
+                    "(bits below the dtype's largest finite value, coloured as a share of that dtype's range) "
+                    "per module over steps.")
     report.add_argument("logs", nargs="+", metavar="RUN.jsonl",
                         help="log file(s), e.g. one per rank; gzip, bzip2 or xz compressed ones too")
-    report.add_argument("--png", metavar="OUT.png", help="write a picture (needs matplotlib: "
-                                                         "pip install overflow_fast[plot])")
-    report.add_argument("--size", metavar="WxH", type=_size, default=None,
-                        help="picture size in pixels (default: from the number of modules)")
     report.add_argument("--curves", type=int, default=5, metavar="N",
                         help="under the heatmap: the headroom curves of the N modules closest to overflow, and "
                              "the fractions of up to N (at most 4) underflow hot spots (default 5)")
-    report.add_argument("--engine", choices=("auto", "duckdb", "python"), default="auto",
-                        help="what reads the logs: DuckDB (fast; pip install overflow_fast[fast-report]), "
-                             "plain Python, or auto: DuckDB when it is installed (default)")
-    progress = report.add_mutually_exclusive_group()
-    progress.add_argument("--progress", dest="progress", action="store_true", default=None,
-                          help="always show progress on stderr")
-    progress.add_argument("--no-progress", dest="progress", action="store_false",
-                          help="never show progress")
     diff = commands.add_parser(
         "diff", help="where two recorded runs first part; --png draws the divergence per module over steps",
         description="Align the tensor entries of two flight-recorder logs by (rank, step, phase, module, entry) "
                     "and name the first pair whose statistics part: abs min or abs max differing by more than "
-                    "--rtol of the larger, or a nan/inf in one run only. Then the largest divergence of each "
-                    "module, and what only one run recorded (ranks, steps, modules, entries), named apart. "
-                    "Large plain logs are read in parts, one process each.")
+                    "--rtol of the larger (abs max only where the runs' dtypes differ), or a nan/inf in one run "
+                    "only. Then the largest divergence of each module, and what only one run recorded (ranks, "
+                    "steps, modules, entries), named apart.")
     diff.add_argument("log_a", metavar="A.jsonl", help="the run compared against (gzip, bzip2 or xz compressed too)")
     diff.add_argument("log_b", metavar="B.jsonl", help="the other run")
     diff.add_argument("--rtol", type=_tolerance, default=0.01, metavar="R",
@@ -128,20 +106,28 @@ def build_parser():
     diff.add_argument("--stat", choices=("both", "abs_max", "abs_min"), default="both",
                       help="the statistics compared (default both; abs_max leaves out abs min, which rounding "
                            "moves by orders of magnitude in a large tensor)")
-    diff.add_argument("--png", metavar="OUT.png", help="write a picture of the divergence (needs matplotlib: "
-                                                         "pip install overflow_fast[plot])")
-    diff.add_argument("--size", metavar="WxH", type=_size, default=None,
-                      help="picture size in pixels (default: from the number of modules)")
     diff.add_argument("--curves", type=int, default=5, metavar="N",
                       help="under the heatmap: the divergence curves of the N modules that diverge most (default 5)")
-    diff.add_argument("--jobs", type=_jobs, default=None, metavar="N",
-                      help="processes for large plain logs (default: one per CPU, at most 8)")
-    commands.add_parser(
+    for command in (report, diff):
+        command.add_argument("--png", metavar="OUT.png", help="write a picture (needs matplotlib: "
+                                                              "pip install overflow_fast[plot])")
+        command.add_argument("--size", metavar="WxH", type=_size, default=None,
+                             help="picture size in pixels (default: from the number of modules)")
+        command.add_argument("--engine", choices=("auto", "duckdb", "python"), default="auto",
+                             help="what reads the logs: DuckDB (pip install overflow_fast[logs]), Python's json "
+                                  "(about a tenth of the speed), or auto: DuckDB when it is installed (default)")
+        command.add_argument("--jobs", type=_jobs, default=None, metavar="N",
+                             help="threads DuckDB reads with (default: one per CPU)")
+        progress = command.add_mutually_exclusive_group()
+        progress.add_argument("--progress", dest="progress", action="store_true", default=None,
+                              help="always show progress on stderr")
+        progress.add_argument("--no-progress", dest="progress", action="store_false", help="never show progress")
+    info = commands.add_parser(
         "info", help="what runs here: versions, the C++ kernel, backends, devices",
         description="What runs here, one fact a line: the versions of overflow_fast, Python, torch and "
                     "Triton; the C++ CPU kernel (its instruction set, its file and cache, or why it is "
-                    "unavailable); the default backend of each device type; the CUDA devices and how "
-                    "the per-hook read runs on each; the environment variables that change any of it. "
+                    "unavailable); the log reader; the default backend of each device type; the CUDA devices "
+                    "and how the per-hook read runs on each; the environment variables that change any of it. "
                     "Builds the C++ kernel first if this environment has none yet (about a minute).")
     replay = commands.add_parser(
         "replay", help="replay a reproducer file (repro=DIR) and print its Op: line",
@@ -152,7 +138,7 @@ def build_parser():
     replay.add_argument("file", metavar="FILE.pt", help="overflow-rank<r>-step<s>.pt, from repro=DIR")
     replay.add_argument("--map-location", metavar="DEVICE", default=None,
                         help="load the file's tensors onto DEVICE (e.g. cpu, for a file written on a GPU)")
-    return parser
+    return parser, {"report": report, "diff": diff, "info": info, "replay": replay}
 
 
 def _size(text):
@@ -185,88 +171,84 @@ def _jobs(text):
     return value
 
 
-def _reader(choice):
-    """The DuckDB reader module, or None for plain Python; ImportError when DuckDB is asked for
-    and missing."""
-    if choice == "python":
-        return None
+def _read(args, groups, build):
+    """``build(logs)`` of ``groups`` of logs read with the engine ``--engine`` asks for (auto: DuckDB
+    where installed, the json reader if DuckDB fails); (result, the logs' notes) or (None, exit status)."""
+    from .report import engine
+    from .report.logfile import BadFile, check_readable
+
+    paths = [path for group in groups for path in group]
+    choice = args.engine
+    if choice == "duckdb" and "duckdb" not in engine.available_engines():
+        print("overflow-fast: --engine duckdb needs DuckDB 1.3 or newer; install it with: "
+              "pip install overflow_fast[logs]", file=sys.stderr)
+        return None, 1
+    if choice == "auto" and "duckdb" not in engine.available_engines():
+        print(f"overflow-fast: {engine.FALLBACK_NOTE}", file=sys.stderr)
     try:
-        from .report import duckdb_summary as logsummary_duckdb
-    except ImportError:
-        if choice == "duckdb":
-            raise
-        return None
-    return logsummary_duckdb
+        total = check_readable(paths)
+        while True:
+            bar = _progress(total, args.progress)
+            try:
+                with engine.Logs(groups, choice, threads=args.jobs, progress=bar) as logs:
+                    return build(logs), logs.notes
+            except engine.EngineError as error:
+                if choice != "auto":
+                    raise BadFile(str(error)) from None
+                print(f"overflow-fast: {error}; reading with Python's json instead", file=sys.stderr)
+                choice = "python"
+            finally:
+                bar.close()
+    except BadFile as error:
+        print(f"overflow-fast: {error}", file=sys.stderr)
+        return None, 1
 
 
 def run_report(args):
+    from .report import logfile, summary
+
     plot = _drawing("plot") if args.png else None
     if args.png and plot is None:
         return 1
-    try:
-        reader = _reader(args.engine)
-    except ImportError as error:
-        print(f"overflow-fast: --engine duckdb needs DuckDB ({error}); install it with: "
-              f"pip install overflow_fast[fast-report]", file=sys.stderr)
-        return 1
-    paths = unique_paths(args.logs)
-    summary = Summary(bins=plot is not None)
-    try:
-        bar = _progress(check_readable(paths), args.progress)
-        try:
-            if reader is not None:
-                try:
-                    reader.read_files(paths, summary, progress=bar)
-                except reader.duckdb.Error as error:  # a DuckDB this code does not know: never a traceback
-                    if args.engine == "duckdb":
-                        raise BadFile(f"DuckDB could not read the logs ({error})") from None
-                    print(f"overflow-fast: DuckDB failed ({str(error).splitlines()[0]}); "
-                          f"reading with plain Python", file=sys.stderr)
-                    summary = Summary(bins=plot is not None)
-                    read_files(paths, summary)
-            else:
-                read_files(paths, summary, progress=bar)
-        finally:
-            bar.close()
-    except BadFile as error:
-        print(f"overflow-fast: {error}", file=sys.stderr)
-        return 1
-    if summary.records == 0:
+    paths = logfile.unique_paths(args.logs)
+    result, notes = _read(args, [paths], lambda logs: summary.Summary(logs, bins=plot is not None))
+    if result is None:
+        return notes
+    if result.records == 0:
         print(f"overflow-fast: no flight-recorder records in {', '.join(args.logs)}"
-              + (f" ({summary.malformed} malformed lines; first: {malformed_names(summary)})" if summary.malformed else ""),
-              file=sys.stderr)
+              + (f" ({result.malformed} malformed lines; first: {summary.malformed_names(result.notes)})"
+                 if result.malformed else ""), file=sys.stderr)
         return 1
-    print(summary_text(summary, paths))
+    print(summary.summary_text(result))
     if plot is None:
         return 0
-    return _draw(plot, summary, summary.entries, "tensor entries", args, ", ".join(os.path.basename(p) for p in paths))
+    return _draw(plot, result, result.entries, "tensor entries", args, ", ".join(os.path.basename(p) for p in paths))
 
 
 def run_diff(args):
-    from .report.diff_parts import diff_logs
+    from .report import diff as diffing
 
     plot = _drawing("diff_plot") if args.png else None
     if args.png and plot is None:
         return 1
     paths = [args.log_a, args.log_b]
     options = dict(rtol=args.rtol, atol=args.atol, stat=args.stat, grid=plot is not None)
-    try:
-        check_readable(paths)
-        diff = diff_logs(*paths, options, jobs=args.jobs)
-    except BadFile as error:
-        print(f"overflow-fast: {error}", file=sys.stderr)
-        return 1
-    empty = [path for path, side in zip(paths, diff.sides) if not side.reader.entries]
+    result, notes = _read(args, [[path] for path in paths], lambda logs: diffing.Diff(logs, **options))
+    if result is None:
+        return notes
+    empty = [side for side in result.sides if not side.entries]
     if empty:
-        reader = diff.sides[paths.index(empty[0])].reader
-        print(f"overflow-fast: no tensor entries in {', '.join(empty)}"
-              + (f" ({reader.malformed} malformed lines; first: line {reader.malformed_lines[0][0]} "
-                 f"({reader.malformed_lines[0][1]}))" if reader.malformed else ""), file=sys.stderr)
+        side = empty[0]
+        malformed = side.notes.malformed_lines
+        print(f"overflow-fast: no tensor entries in {', '.join(s.path for s in empty)}"
+              + (f" ({side.notes.malformed} malformed lines; first: line {malformed[0][1]} ({malformed[0][2]}))"
+                 if malformed else ""), file=sys.stderr)
         return 1
-    print(diff.text(paths))
+    print(result.text())
     if plot is None:
         return 0
-    return _draw(plot, diff, diff.modules, "aligned entries", args, " vs ".join(os.path.basename(p) for p in paths))
+    return _draw(plot, result, result.pairs or any(side.only for side in result.sides), "aligned entries", args,
+                 " vs ".join(os.path.basename(p) for p in paths))
 
 
 def _drawing(name):
@@ -333,8 +315,10 @@ def torch_version():
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)  # usage errors exit with 2
+    parser, commands = build_parser()
+    args, unknown = parser.parse_known_args(argv)  # usage errors exit with 2
+    if unknown:  # said with the command's own usage, not the top level's
+        commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command in ("report", "diff"):
         try:
             code = run_report(args) if args.command == "report" else run_diff(args)

@@ -101,8 +101,8 @@ def _direct_launch():
 def info():
     """What runs here, as a dict: ``overflow_fast``, ``python``, ``torch``, ``triton``,
     ``cpu_kernel`` (``"avx512"``, ``"avx2"``, ``"baseline"`` or ``"unavailable (<reason>)"``),
-    ``cpu_kernel_file``, ``cpu_kernel_origin``, ``cpu_kernel_cache``, ``log_reader`` (how
-    ``diff`` reads logs: "C (<file>)" or "Python (<why not C>)"), ``default_backend``
+    ``cpu_kernel_file``, ``cpu_kernel_origin``, ``cpu_kernel_cache``, ``log_reader`` (what
+    reads logs for ``report`` and ``diff``), ``default_backend``
     ({device type: backend}), ``cuda_devices`` (list), ``per_hook_read`` ({device: the triton
     backend's per-hook path there, its self-check and how it launches}), ``direct_launch`` (when
     the direct launch of that path is probed and what the probe costs) and ``environment``
@@ -110,7 +110,7 @@ def info():
     import torch
 
     from ._version import __version__
-    from .report import logscan
+    from .report import engine
     from .stats import cpu_backend, dispatch
 
     reason = cpu_backend.unavailable_reason()
@@ -147,7 +147,7 @@ def info():
         "cpu_kernel_file": details.get("path"),
         "cpu_kernel_origin": where,
         "cpu_kernel_cache": cache,
-        "log_reader": logscan.status(),
+        "log_reader": engine.describe(),
         "default_backend": _default_backends(status),
         "cuda_devices": _cuda_devices(),
         "per_hook_read": _per_hook_paths(),
@@ -163,7 +163,7 @@ def lines(facts):
     if facts["cpu_kernel_file"]:
         out.append(f"cpu kernel file: {facts['cpu_kernel_file']} ({facts['cpu_kernel_origin']})")
     out.append(f"cpu kernel cache: {facts['cpu_kernel_cache']}")
-    out.append(f"log reader (diff): {facts['log_reader']}")
+    out.append(f"log reader: {facts['log_reader']}")
     for device, backend in facts["default_backend"].items():
         out.append(f"default backend ({device}): {backend}")
     out.append(f"cuda devices: {len(facts['cuda_devices']) or 'none'}")

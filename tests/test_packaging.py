@@ -1,4 +1,4 @@
-"""Packaging: the sdist carries every C and C++ source, and the wheel built from it alone (build
+"""Packaging: the sdist carries every C++ source, and the wheel built from it alone (build
 isolation on) installs into a fresh venv and builds and loads its kernel there. Both run
 tests/check_wheel.sh, which .ci/run also runs in full after `make test`."""
 
@@ -25,7 +25,7 @@ def run_check(**env):
                           env={**os.environ, **env}, timeout=900)
 
 
-def test_sdist_has_every_c_and_cpp_source():
+def test_sdist_has_every_cpp_source():
     proc = run_check(CHECK_WHEEL_SDIST_ONLY="1")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "sdist OK" in proc.stdout

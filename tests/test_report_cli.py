@@ -11,8 +11,9 @@ import sys
 import pytest
 
 from overflow_fast import cli
-from overflow_fast.report import summary as logsummary
-from overflow_fast.report.summary import headroom
+from overflow_fast.report.engine import Logs, available_engines
+from overflow_fast.report.logfile import check_readable
+from overflow_fast.report.summary import Picture, Summary, headroom
 from overflow_fast.recording.recorder import Recorder, detection_record, entry_record
 from test_recorder import child_env
 
@@ -140,23 +141,23 @@ def test_progress_on_request(tmp_path, capsys):
     assert capsys.readouterr().err == ""
 
 
-def test_step_bins_stay_bounded():
-    summary = logsummary.Summary(max_columns=50)
+@pytest.mark.parametrize("engine", available_engines())
+def test_step_bins_stay_bounded(tmp_path, engine):
     line = {"record": "entry", "phase": "forward", "call": 0, "module": "m", "class": "Linear",
             "entry": "output", "dtype": "float16", "numel": 4, "abs_min": 0.5, "nan": 0, "posinf": 0,
             "neginf": 0, "zero_frac": 0.0, "subnormal_frac": 0.0, "rank": None}
     steps = list(range(1000, 6000)) + [10]  # and one step before all others
-    for ordinal, step in enumerate(steps, 1):
-        summary.add_line(json.dumps(dict(line, step=step, abs_max=float(step))).encode(), 0, "x", ordinal, ordinal)
+    path = tmp_path / "wide.jsonl"
+    path.write_text("".join(json.dumps(dict(line, step=step, abs_max=float(step))) + "\n" for step in steps))
+    with Logs([[str(path)]], engine) as logs:
+        summary = Summary(logs, bins=True, max_columns=50)
     assert summary.step_count == 5001 and (summary.first_step, summary.last_step) == (10, 5999)
-    cells = summary.timeline.cells["m"]
-    assert len(cells) <= 100 and summary.timeline.width == 64  # bins aligned to multiples of the width
+    picture = Picture(summary)
+    assert len(picture.columns) <= 100 and summary.width == 64  # bins aligned to multiples of the width
     # the lowest headroom of a bin is its largest value: the last bin holds step 5999
-    last = max(cells)
-    first, end = summary.timeline.bin_steps(last)
-    assert first <= 5999 <= end
-    assert headroom(cells[last]) == pytest.approx(math.log2(F16_MAX / 5999))
-    assert headroom(cells[0]) == pytest.approx(math.log2(F16_MAX / 10))  # bin 0 (steps 0-63) holds step 10
+    assert picture.columns[-1] * 64 <= 5999 < picture.columns[-1] * 64 + 64
+    assert picture.values[0][-1] == pytest.approx(math.log2(F16_MAX / 5999))
+    assert picture.columns[0] == 0 and picture.values[0][0] == pytest.approx(math.log2(F16_MAX / 10))
 
 
 def _png_size_and_colours(path):
@@ -266,18 +267,11 @@ def test_progress_of_a_compressed_log_counts_its_bytes_as_stored(tmp_path):
             self.done += n
 
     run = write_run(tmp_path / "run.jsonl", steps=40)
-    readers = [logsummary.read_files]
-    try:
-        from overflow_fast.report import duckdb_summary as logsummary_duckdb
-
-        readers.append(logsummary_duckdb.read_files)
-    except ImportError:
-        pass
     for name, data in (("run.jsonl", run.read_bytes()), ("run.jsonl.gz", gzip.compress(run.read_bytes())),
                        ("run.jsonl.bz2", bz2.compress(run.read_bytes()))):
         path = tmp_path / name
         path.write_bytes(data)
-        for read_files in readers:
+        for engine in available_engines():
             progress = Counted()
-            read_files([str(path)], logsummary.Summary(bins=False), progress=progress)
-            assert progress.done == len(data) == logsummary.check_readable([str(path)]), (name, read_files)
+            Logs([[str(path)]], engine, progress=progress).close()
+            assert progress.done == len(data) == check_readable([str(path)]), (name, engine)

@@ -13,18 +13,22 @@ from pathlib import Path
 import pytest
 
 from overflow_fast import cli
-from overflow_fast.report import summary as logsummary
 from overflow_fast.recording import schema
-from overflow_fast.report.summary import Summary, read_chunks
+from overflow_fast.report import engine as reader
+from overflow_fast.report import logfile
+from overflow_fast.report.engine import Logs, available_engines
+from overflow_fast.report.logfile import read_chunks
+from overflow_fast.report.records import parse_line
+from overflow_fast.report.summary import PLOT_ROWS, TOP, Picture, Summary
 from overflow_fast.recording.recorder import Recorder, backoff_record, detection_record, encode_line, entry_record
 from test_report_cli import F16_MAX, row, write_run
 
-try:
-    import duckdb  # noqa: F401
+ENGINES = sorted(available_engines(), reverse=True)  # python first: the others are compared with it
 
-    ENGINES = ["python", "duckdb"]
-except ImportError:
-    ENGINES = ["python"]
+
+def summary_of(paths, engine, **options):
+    with Logs([[str(p) for p in paths]], engine) as logs:
+        return Summary(logs, **options)
 
 
 def report(capsys, engine, *paths, png=None):
@@ -97,40 +101,39 @@ def test_huge_and_negative_steps(tmp_path, capsys, engine):
     assert "steps.jsonl:2 (step is not an integer)" in out and "steps.jsonl:3 (step out of range)" in out
 
 
-def test_far_apart_steps_keep_few_bins():
-    summary = Summary(max_columns=50)
-    for step in (0, 2 ** 31, 2 ** 36, 2 ** 40, 17):
-        summary.add_entry(entry(step=step), logsummary.position(0, step % 1000 + 1), "x")
-    assert summary.step_count == 5 and summary.timeline.width >= 2 ** 40 // 100
-    assert all(len(cells) <= 100 for cells in summary.timeline.cells.values())
+@pytest.mark.parametrize("engine", ENGINES)
+def test_far_apart_steps_keep_few_bins(tmp_path, engine):
+    path = tmp_path / "far.jsonl"
+    path.write_bytes(lines_of(*[entry(step=step) for step in (0, 2 ** 31, 2 ** 36, 2 ** 40, 17)]))
+    summary = summary_of([path], engine, bins=True, max_columns=50)
+    assert summary.step_count == 5 and summary.width >= 2 ** 40 // 100
+    assert len(Picture(summary).columns) <= 100
 
 
-def test_30k_modules_keep_a_bounded_summary():
-    """The bound is on what is kept: however many modules, at most max_modules of them, and the
-    tables are still exact (checked against all of them). 30k is about 30 times the bound."""
-    summary = Summary(bins=True)
+@pytest.mark.parametrize("engine", ENGINES)
+def test_30k_modules_give_exact_tables(tmp_path, engine):
+    """However many modules, the tables are exact (checked against all of them): 30k modules, 30
+    times what the picture draws."""
     rng = random.Random(0)
-    truth = {}
-    subnormal = {}
+    truth, subnormal, records = {}, {}, []
     for i in range(30_000):
         name = f"m{i}"
         amax = rng.uniform(1.0, 60000.0)
         frac = rng.random() * 0.5 if i % 3 == 0 else 0.0
-        record = entry(module=name, abs_max=amax, step=i % 1000, subnormal_frac=frac,
-                       zero_frac=1.0 if i % 5 == 0 else 0.0)
-        summary.add_entry(record, logsummary.position(0, i + 1), "x")
-        truth[name] = (max(F16_MAX / amax, 1.0), i + 1)
+        records.append(entry(module=name, abs_max=amax, step=i % 1000, subnormal_frac=frac,
+                             zero_frac=1.0 if i % 5 == 0 else 0.0))
+        truth[name] = (max(F16_MAX / amax, 1.0), i)
         if frac:
-            subnormal[(name, "output")] = (-frac, i + 1)
-    assert len(summary.modules) <= logsummary.MAX_MODULES
-    assert len(summary.timeline.cells) <= logsummary.MAX_MODULES
-    assert len(summary.subnormal.items) <= logsummary.MAX_KEYS and len(summary.all_zero.items) <= logsummary.MAX_KEYS
-    assert summary.module_count == 30_000 and summary.modules_dropped > 0
-    assert summary.zero_keys.count == 6_000
-    best = sorted(truth, key=truth.get)[:logsummary.TOP]
-    assert [name for name, _, _ in summary.hottest()] == best
-    assert [key for key, _, _ in summary.subnormal.best(logsummary.TOP)] == sorted(subnormal, key=subnormal.get)[:10]
-    assert len(summary.plot_modules()) == summary.plot_rows
+            subnormal[(name, "output")] = (-frac, i)
+    path = tmp_path / "wide.jsonl"
+    path.write_bytes(lines_of(*records))
+    summary = summary_of([path], engine, bins=True)
+    assert summary.module_count == 30_000 and summary.modules_dropped == 30_000 - PLOT_ROWS
+    assert summary.zero_count == 6_000
+    assert [name for name, _, _ in summary.hottest()] == sorted(truth, key=truth.get)[:TOP]
+    assert [(row[2], row[3]) for row in summary.subnormal] == sorted(subnormal, key=subnormal.get)[:TOP]
+    assert len(summary.plot_modules()) == PLOT_ROWS
+    assert set(summary.plot_modules()) == set(sorted(truth, key=truth.get)[:PLOT_ROWS])
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -170,8 +173,8 @@ def test_read_chunks_keeps_every_line():
 def test_line_starts_finds_every_asked_line_and_counts_them_all(tmp_path, monkeypatch):
     rng = random.Random(2)
     for block, piece in ((1 << 20, 1 << 14), (64, 16), (7, 3), (50, 50)):
-        monkeypatch.setattr(logsummary, "BLOCK", block)
-        monkeypatch.setattr(logsummary, "_PIECE", piece)
+        monkeypatch.setattr(logfile, "BLOCK", block)
+        monkeypatch.setattr(logfile, "_PIECE", piece)
         for trial in range(20):
             lines = [b"x" * rng.choice([0, 1, 2, 15, 16, 17, 63, 64, 65, 100, 300]) for _ in range(rng.randrange(1, 200))]
             data = b"\n".join(lines) + rng.choice([b"", b"\n"])
@@ -179,9 +182,10 @@ def test_line_starts_finds_every_asked_line_and_counts_them_all(tmp_path, monkey
             path.write_bytes(data)
             expected = data.count(b"\n") + (not data.endswith(b"\n"))
             numbers = sorted(rng.sample(range(1, expected + 1), rng.randrange(0, expected + 1)))
-            starts, count = logsummary.line_starts(str(path), numbers)
+            starts, count = logfile.line_starts(str(path), numbers)
             assert count == expected
-            assert list(logsummary.read_lines_at(str(path), starts, limit=100)) == [
+            assert logfile.survey(str(path))[0] == expected
+            assert list(logfile.read_lines_at(str(path), starts, limit=100)) == [
                 None if len(lines[n - 1]) > 100 else lines[n - 1] for n in numbers]
 
 
@@ -237,7 +241,7 @@ def test_the_writers_records_fit_the_schema(tmp_path):
     path = tmp_path / "run.jsonl"
     write_run(path)
     with open(path, "rb") as f:
-        kinds = [logsummary.parse_line(line)[0] for line in f]
+        kinds = [parse_line(line)[0] for line in f]
     assert kinds[0] == "meta" and set(kinds) == {"meta", "entry", "detection"}
     for dtype in (torch.float16, torch.int64, torch.bool, torch.complex64, torch.uint64):
         record = entry_record(0, "backward", 1, "m", "M", "weight.grad", dtype, [0] * 7 + [0])
@@ -397,7 +401,7 @@ def test_damaged_files_never_crash_and_both_readers_agree(tmp_path, capsys, name
     if name == "fields.jsonl":
         assert "records: 6 (5 tensor entries), malformed lines: 9" in out
         assert "fields.jsonl:6 (global_step out of range)" in out and "fields.jsonl:8 (global_step is not" in out
-        assert "optimizer steps recorded: 2 (first 3, last 4): train at 1, eval at 1" in out
+        assert "optimizer steps recorded: 2 (first 3, last 4): 1 in train, 1 in eval" in out
         assert "modes: train (1 entries), eval (2 entries), unknown (2 entries)" in out
         assert "first non-finite value: optimizer step 4 (eval, batch 6), forward" in out
 
@@ -423,66 +427,54 @@ def test_a_run_read_partly_by_each_reader_counts_each_name_once(tmp_path, capsys
     assert "more\n" not in out.split("entries that are all zeros")[1]  # one all-zero pair, not two
 
 
-@pytest.mark.skipif("duckdb" not in ENGINES, reason="DuckDB not installed (pip install overflow_fast[fast-report])")
-def test_duckdb_reads_an_intact_gzip_log_itself_and_a_damaged_one_never(tmp_path, monkeypatch):
-    from overflow_fast.report import duckdb_summary as logsummary_duckdb
+def _spied(monkeypatch):
+    """(files the json reader read whole, files whose lines it looked up by offset), from now on."""
+    walked, sought = [], []
+    real_read_log, real_line_starts = reader.read_log, reader.line_starts
 
+    def read_log(path, *args, wanted=None, **kwargs):
+        if wanted is None:
+            walked.append(os.path.basename(path))
+        return real_read_log(path, *args, wanted=wanted, **kwargs)
+
+    def line_starts(path, numbers):
+        sought.append((os.path.basename(path), list(numbers)))
+        return real_line_starts(path, numbers)
+
+    monkeypatch.setattr(reader, "read_log", read_log)
+    monkeypatch.setattr(reader, "line_starts", line_starts)
+    return walked, sought
+
+
+@pytest.mark.skipif("duckdb" not in ENGINES, reason="DuckDB not installed (pip install overflow_fast[logs])")
+def test_duckdb_reads_an_intact_gzip_log_itself_and_a_damaged_one_never(tmp_path, monkeypatch):
     run = write_run(tmp_path / "run.jsonl", steps=12)
     data = gzip.compress(run.read_bytes())
     (tmp_path / "run.jsonl.gz").write_bytes(data)
     damaged = bytearray(data)
     damaged[-8] ^= 0xFF
     (tmp_path / "crc.jsonl.gz").write_bytes(bytes(damaged))
-    walked, sought = [], []  # files read whole, files looked into by byte offset
-    real_read_file, real_line_starts = logsummary_duckdb.read_file, logsummary_duckdb.line_starts
-
-    def read_file(path, *args, wanted=None, **kwargs):
-        if wanted is None:
-            walked.append(os.path.basename(path))
-        return real_read_file(path, *args, wanted=wanted, **kwargs)
-
-    monkeypatch.setattr(logsummary_duckdb, "read_file", read_file)
-    monkeypatch.setattr(logsummary_duckdb, "line_starts",
-                        lambda path, numbers: (sought.append(os.path.basename(path)), real_line_starts(path, numbers))[1])
-    summaries = []
-    for path in (tmp_path / "run.jsonl.gz", tmp_path / "crc.jsonl.gz"):
-        summary = Summary(bins=True)
-        logsummary_duckdb.read_files([str(path)], summary)
-        summaries.append(summary)
+    walked, sought = _spied(monkeypatch)
+    intact, crc = (summary_of([path], "duckdb") for path in (tmp_path / "run.jsonl.gz", tmp_path / "crc.jsonl.gz"))
     assert walked == ["crc.jsonl.gz"] and sought == []  # the intact one: DuckDB's, its rows re-read by walking
-    intact, crc = summaries
     assert intact.entries == crc.entries == 96 and intact.malformed == 0 and crc.malformed == 1
     assert intact.first_nonfinite["step"] == 8
 
 
-@pytest.mark.skipif("duckdb" not in ENGINES, reason="DuckDB not installed (pip install overflow_fast[fast-report])")
-def test_the_readers_fill_the_same_picture(tmp_path):
-    paths = [write_run(tmp_path / "run.jsonl", steps=700, rank=r, world_size=2) for r in (0, 1)]
+@pytest.mark.skipif("duckdb" not in ENGINES, reason="DuckDB not installed (pip install overflow_fast[logs])")
+def test_the_engines_fill_the_same_picture(tmp_path):
+    write_run(tmp_path / "run.jsonl", steps=700, rank=0, world_size=2)
+    write_run(tmp_path / "run.jsonl", steps=700, rank=1, world_size=2)
     paths = [os.path.join(tmp_path, f"run.rank{r}.jsonl") for r in (0, 1)]
     with open(paths[1], "ab") as f:
         f.write(b"garbage\n" + lines_of(entry(step=900, module="late", abs_max=60000.0)))
-    from overflow_fast.report import duckdb_summary as logsummary_duckdb
-
-    summaries = []
-    for reader in (logsummary.read_files, logsummary_duckdb.read_files):
-        summary = Summary(bins=True)
-        reader(paths, summary)
-        summaries.append(summary)
-    plain, duck = summaries
-    mine, theirs = plain.timeline, duck.timeline
-    assert mine.width == theirs.width > 1
-    assert plain.plot_modules() == duck.plot_modules()
-    assert mine.cells == theirs.cells and mine.bad_cells == theirs.bad_cells and mine.quiet == theirs.quiet
-    assert mine.eval_bins == theirs.eval_bins == set() and plain.unit == duck.unit == "batch"
-    assert plain.underflow_curves() == duck.underflow_curves() and plain.underflow_curves()
-    assert plain.first_nonfinite == duck.first_nonfinite
-    assert plain.steps_per_column() == duck.steps_per_column()
+    plain, duck = (summary_of(paths, engine, bins=True) for engine in ("python", "duckdb"))
+    assert plain.width == duck.width > 1
+    assert vars(Picture(plain)) == vars(Picture(duck)) and Picture(plain).underflow
 
 
-@pytest.mark.skipif("duckdb" not in ENGINES, reason="DuckDB not installed (pip install overflow_fast[fast-report])")
+@pytest.mark.skipif("duckdb" not in ENGINES, reason="DuckDB not installed (pip install overflow_fast[logs])")
 def test_duckdb_reads_several_ranks_at_once_and_hands_back_only_what_it_cannot_take(tmp_path, monkeypatch):
-    from overflow_fast.report import duckdb_summary as logsummary_duckdb
-
     paths = []
     for rank in range(3):
         with Recorder(tmp_path / "run.jsonl", rank=rank, world_size=3) as recorder:
@@ -490,72 +482,48 @@ def test_duckdb_reads_several_ranks_at_once_and_hands_back_only_what_it_cannot_t
         paths.append(recorder.path)
     with open(paths[2], "ab") as f:
         f.write(b"oops\n")
-    reread = []  # (file, the line numbers looked up in it)
-    walked = []  # files read line by line
-    original = logsummary_duckdb.line_starts
-
-    def spy(path, numbers):
-        reread.append((os.path.basename(path), list(numbers)))
-        return original(path, numbers)
-
-    monkeypatch.setattr(logsummary_duckdb, "line_starts", spy)
-    monkeypatch.setattr(logsummary_duckdb, "read_file", lambda path, *args, **kwargs: walked.append(path))
-    summary = Summary(bins=False)
-    logsummary_duckdb.read_files(paths, summary)
+    walked, sought = _spied(monkeypatch)
+    summary = summary_of(paths, "duckdb")
     assert summary.entries == 150 and summary.metas == 3 and summary.malformed == 1
     assert summary.malformed_lines == [(paths[2], 52, "not JSON")]
-    # the plain parser saw the meta lines, the bad one and the few rows the tables name: no file whole
+    # the json reader saw the meta lines and the bad one: no file whole
     assert walked == []
-    assert [name for name, _ in reread] == ["run.rank0.jsonl", "run.rank1.jsonl", "run.rank2.jsonl"]
-    assert all(wanted[0] == 1 for _, wanted in reread) and 52 in reread[2][1]
-    assert sum(len(wanted) for _, wanted in reread) <= 3 + 1 + 3 * 2
+    assert sought == [("run.rank0.jsonl", [1]), ("run.rank1.jsonl", [1]), ("run.rank2.jsonl", [1, 52])]
 
 
-@pytest.mark.skipif("duckdb" not in ENGINES, reason="DuckDB not installed (pip install overflow_fast[fast-report])")
-def test_a_duckdb_failure_falls_back_to_the_plain_reader(tmp_path, capsys, monkeypatch):
-    from overflow_fast.report import duckdb_summary as logsummary_duckdb
-
+@pytest.mark.skipif("duckdb" not in ENGINES, reason="DuckDB not installed (pip install overflow_fast[logs])")
+def test_a_duckdb_failure_falls_back_to_the_json_reader(tmp_path, capsys, monkeypatch):
     path = write_run(tmp_path / "run.jsonl", steps=3)
     expected = report(capsys, "python", path)[1]
-
-    def broken(*args, **kwargs):
-        raise logsummary_duckdb.duckdb.BinderException("no such function in this DuckDB")
-
-    monkeypatch.setattr(logsummary_duckdb, "_aggregate", broken)
+    monkeypatch.setattr(reader, "_scan_sql", lambda scans: "SELECT no_such_function_in_this_duckdb()")
     code, out, err = report(capsys, "auto", path)
-    assert code == 0 and out == expected and "reading with plain Python" in err
+    assert code == 0 and out == expected and "reading with Python's json instead" in err
     code, out, err = report(capsys, "duckdb", path)
     assert code == 1 and "DuckDB could not read the logs" in err and "Traceback" not in err
 
 
-@pytest.mark.skipif("duckdb" not in ENGINES, reason="DuckDB not installed (pip install overflow_fast[fast-report])")
+@pytest.mark.skipif("duckdb" not in ENGINES, reason="DuckDB not installed (pip install overflow_fast[logs])")
 def test_duckdb_out_of_memory_scans_again_on_one_thread(tmp_path, capsys, monkeypatch):
-    from overflow_fast.report import duckdb_summary as logsummary_duckdb
-
     path = write_run(tmp_path / "run.jsonl", steps=3)
     expected = report(capsys, "python", path)[1]
-    connect, aggregate = logsummary_duckdb._connect, logsummary_duckdb._aggregate
     threads = []
+    connect = reader.duckdb.connect
 
-    def two_threads():
-        con = connect()
-        con.execute("SET threads = 2")
-        return con
+    class ShortOfMemory:
+        def __init__(self, con):
+            self.con = con
 
-    def short_of_memory(con, *args):
-        threads.append(con.execute("SELECT current_setting('threads')").fetchone()[0])
-        if threads[-1] > 1:
-            raise logsummary_duckdb.duckdb.OutOfMemoryException("failed to allocate data of size 32.0 MiB")
-        return aggregate(con, *args)
+        def __getattr__(self, name):
+            return getattr(self.con, name)
 
-    def whole_file_read(*args, **kwargs):
-        raise AssertionError("the plain reader read a whole file")
+        def execute(self, sql, *args):
+            if sql.startswith("INSERT INTO entries") and "row_number() OVER ()" in sql:
+                threads.append(self.con.execute("SELECT current_setting('threads')").fetchone()[0])
+                if threads[-1] > 1:
+                    raise reader.duckdb.OutOfMemoryException("failed to allocate data of size 32.0 MiB")
+            return self.con.execute(sql, *args)
 
-    monkeypatch.setattr(logsummary_duckdb, "_connect", two_threads)
-    monkeypatch.setattr(logsummary_duckdb, "_aggregate", short_of_memory)
-    real_read_file = logsummary_duckdb.read_file
-    monkeypatch.setattr(logsummary_duckdb, "read_file",
-                        lambda *a, wanted=None, **k: real_read_file(*a, wanted=wanted, **k) if wanted is not None
-                        else whole_file_read())
+    monkeypatch.setattr(reader.duckdb, "connect", lambda config: ShortOfMemory(connect(config=dict(config, threads=2))))
+    walked, _ = _spied(monkeypatch)
     code, out, err = report(capsys, "duckdb", path)
-    assert (code, out, err) == (0, expected, "") and threads == [2, 1]
+    assert (code, out, err) == (0, expected, "") and threads == [2, 1] and walked == []

@@ -1,5 +1,5 @@
 """The flight recorder's record schema: the one definition the writer (``recorder.py``) builds its
-records from and the readers (``cli.py``, and ``report/duckdb_summary.py`` through the SQL it generates
+records from and the readers (``report/records.py``, and ``report/engine.py`` through the SQL it generates
 from these same fields) check every line against.
 
 A log is JSON Lines: one JSON object per line, UTF-8. Four kinds of record, told apart by

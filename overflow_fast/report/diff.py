@@ -1,852 +1,385 @@
-"""``overflow-fast diff A.jsonl B.jsonl``: where two recorded runs first part.
+"""``overflow-fast diff A.jsonl B.jsonl``: where two recorded runs first part, in SQL over the
+entries table (``engine.Logs`` of two logs, A = log 0 and B = log 1).
 
-The entry records of the two logs are aligned by (rank, step, phase, module, entry): the k-th
-record of a key in A with the k-th of that key in B (a module called twice in a step has two).
-A log without ranks counts as rank 0. An aligned pair *parts* when one run recorded a nan/inf and
-the other did not, or when abs-min or abs-max differ by more than ``rtol`` relative to the larger
-of the two (differences of at most ``atol`` count as none). The first pair that parts, by step,
-then rank, then A's order, is named; then the largest divergence of each module; and what only
-one run recorded, named apart: ranks, steps (a run that went on longer, a different
-``log_every``), modules, and other entries.
-
-Streaming, in bounded memory: both logs are read at once, each in its own order, and the one that
-is behind (by step) goes first. While the two agree record for record (same keys in the same
-order, the usual case: the same model and the same logging) each pair is compared as it is read;
-where they do not, records wait for their partner, by (rank, step), until the other log has moved
-past their step (then they are in one run only). The logs are read as written: in step order for
-each rank. A record that comes after a later step of its rank is counted (``out_of_order``), and
-so are records given up on when more than ``PENDING_CAP`` wait at once (``window``): the text says
-so, as it says when a bound below was reached.
-
-Bounds: ``PENDING_CAP`` waiting records; the ``MAX_MODULES`` modules with the largest divergence
-(the table of the largest is exact: a module dropped for a small divergence comes back with the
-divergence that puts it in the table); ``DISTINCT_CAP`` steps and module names for what one run
-only has; per kept module and step bin, the picture's cells.
+The entry records are aligned by (rank, step, phase, module, entry, occurrence): the k-th record
+of a key in A with the k-th of that key in B (a module called twice in a step has two), over the
+whole logs, in whatever order they were written. A log without ranks counts as rank 0. An aligned
+pair *parts* when one run recorded a nan/inf and the other did not, or when abs-min or abs-max
+differ by more than ``rtol`` relative to the larger of the two (differences of at most ``atol``
+count as none). Where the two records' dtypes differ, only abs-max is compared: a tensor's
+smallest magnitude moves with its dtype's rounding and underflow, its largest one by a rounding
+error at most. The first pair that parts, by step, then rank, then A's order, is named; then the
+largest divergence of each module; and what only one run recorded, named apart: ranks, steps (a
+run that went on longer, a different ``log_every``), modules, and other entries.
 """
 
 import math
-from operator import itemgetter
 
-from . import logscan
-from .entries import (ABS_MAX, ABS_MIN, CLASS, DTYPE, FIELDS, LINE, MODE, MODULE, NAME, NEGINF, NAN, NUMEL, PHASE,
-                      POSINF, RANK, STEP, global_step_of, is_bad, key_of, magnitude)
-from .summary import NOT_RECORDED, heatmap_columns, printable, when  # noqa: F401 - NOT_RECORDED: a kind of cell here too
-from .timeline import BATCH, OPTIMIZER, _merged, bin_width
+from .summary import NOT_RECORDED  # noqa: F401 - a kind of cell here too
+from .text import label, module_name, printable, when
+from .timeline import BATCH, OPTIMIZER, bin_width
 
-INF = float("inf")
 MAX_COLUMNS = 200  # step bins of the picture: fewer than 2 * MAX_COLUMNS
-MAX_MODULES = 1 << 16
 PLOT_ROWS = 512
-PENDING_CAP = 1 << 18
-DISTINCT_CAP = 1 << 20
 TOP = 10
 MAX_EXAMPLES = 5
-LOOK_AHEAD = 16  # records looked at ahead where two logs at the same step differ: a cost, never a result
+INF = float("inf")
 
-BAD = -1  # where a divergence comes from: a nan/inf in one run only (else ABS_MIN or ABS_MAX)
+ABS_MAX, ABS_MIN, BAD = 1, 2, 3  # where a divergence comes from (BAD: a nan/inf in one run only)
 ABS_NAMES = {ABS_MIN: "abs min", ABS_MAX: "abs max", BAD: "nan/inf"}
-
-
 STATS = {"both": (ABS_MAX, ABS_MIN), "abs_max": (ABS_MAX,), "abs_min": (ABS_MIN,)}
-_COUNTS = (NAN, POSINF, NEGINF)  # is_bad's: a count other than "0" is a nan/inf
+STAT_NAMES = {"both": "abs min or abs max", "abs_max": "abs max", "abs_min": "abs min"}
+KEY = ("r0", "step", "phase", "module", "entry", "occ")
+ROW = "step, phase, module, cls, entry, dtype, numel, amin, amin_s, amax, amax_s, bad, rank, gstep, mode, pos"
+ROW_KEYS = tuple(ROW.split(", "))
+# the other runs' ranks, (rank, step)s and modules: why a record in one run only has no partner
+WHY = {1: "rank", 2: "step", 3: "module", 4: "other"}
 
 
-def divergence(a, b, atol=0.0, fields=STATS["both"]):
-    """(relative difference, where it comes from: ABS_MIN, ABS_MAX, BAD, or None when 0) of two
-    aligned entries' fields, over ``fields``: |x - y| / max(x, y), 0 where |x - y| <= ``atol``.
-    ``INF`` when one recorded a nan/inf and the other did not."""
-    if ((a[NAN] != "0" or a[POSINF] != "0" or a[NEGINF] != "0" or a[ABS_MAX][0] == '"')
-            != (b[NAN] != "0" or b[POSINF] != "0" or b[NEGINF] != "0" or b[ABS_MAX][0] == '"')):  # is_bad, inline
-        return INF, BAD
-    largest, which = 0.0, None
-    for field in fields:
-        text_a, text_b = a[field], b[field]
-        if text_a == text_b:
-            continue
-        try:
-            x, y = float(text_a), float(text_b)  # a number's text; "null" and "\"inf\"" are not
-        except ValueError:
-            value = _special(text_a, text_b)
-        else:
-            difference = abs(x - y)
-            value = 0.0 if difference <= atol else difference / (x if x > y else y)
-        if value > largest:
-            largest, which = value, field
-    return largest, which
-
-
-def _special(text_a, text_b):
-    """The relative difference where one text is not a finite number: nan/inf in one only is INF,
-    in both is 0 (both runs broke); null, an empty tensor, is not compared (its element count
-    differs, counted apart)."""
-    x, y = magnitude(text_a), magnitude(text_b)
-    if x is None or y is None:
-        return 0.0
-    finite_x, finite_y = math.isfinite(x), math.isfinite(y)
-    return 0.0 if finite_x == finite_y else INF
-
-
-class _Capped:
-    """A set of hashable values, exact up to ``cap`` of them (then ``over``: no longer known)."""
-
-    def __init__(self, cap):
-        self.cap = cap
-        self.values = set()
-        self.over = False
-
-    def add(self, value):
-        if not self.over:
-            self.values.add(value)
-            if len(self.values) > self.cap:
-                self.over, self.values = True, set()
-
-    def update(self, other):
-        if other.over:
-            self.over, self.values = True, set()
-        elif not self.over:
-            self.values |= other.values
-            if len(self.values) > self.cap:
-                self.over, self.values = True, set()
-
-
-class OutOfRange(Exception):
-    """A record outside the steps a part of a split diff may see: the logs are not in step order
-    where they were split (``diff_parts`` then compares them whole)."""
+def _relative(x, y, atol):
+    """SQL: |x - y| relative to the larger of two magnitudes (columns of ``a`` and ``b``): 0 within
+    ``atol``; where one is not a finite number, 0 when both are not (both broke; an empty tensor's
+    null is not compared) and inf when one only is."""
+    return f"""CASE
+        WHEN a.{x} IS NOT NULL AND b.{x} IS NOT NULL THEN CASE WHEN abs(a.{x} - b.{x}) <= {atol!r} THEN 0.0
+            ELSE abs(a.{x} - b.{x}) / CASE WHEN a.{x} > b.{x} THEN a.{x} ELSE b.{x} END END
+        WHEN (a.{x} IS NULL AND a.{y} IS NULL) OR (b.{x} IS NULL AND b.{y} IS NULL) THEN 0.0
+        WHEN (a.{y} IS NULL) = (b.{y} IS NULL) THEN 0.0 ELSE 9e999 END"""
 
 
 class Side:
-    """One log as the alignment reads it: its reader, where it is, what waits for a partner, and
-    what only this log recorded."""
+    """One log as the diff saw it: its entries and steps, and what only it recorded (not compared):
+    ``only`` entries, by why: ``only_ranks`` {rank: entries}, ``only_steps`` (entries, (rank, step)s,
+    the steps listed when few, first, last), ``only_modules`` [(module, class, entries)] (the first
+    few) of ``only_module_count``, ``only_other`` entries and the first few of them (row dicts)."""
 
-    def __init__(self, name, reader, steps=None):
-        self.name = name
-        self.bit = 1 if name == "A" else 2  # in ``Diff.names``
-        self.reader = reader
-        self._batches = reader.batches()
-        self.step_range = steps  # (first, end): the steps this part may see; None: any
-        self.frontier = {}  # rank -> the latest step read
-        self.pending = {}  # (rank, step) -> {(phase, module, entry, occurrence): Entry}, waiting for a partner
-        self.waiting = 0
-        self.counts = {}  # (rank, step) -> {(phase, module, entry): records so far}, while not in step
-        self.steps = _Capped(DISTINCT_CAP)  # (rank, step) recorded
-        self.ranks = set()
-        self.first_step = None
-        self.last_step = None
-        self.out_of_order = 0
-        self.first_out_of_order = None  # (line, step, latest step of its rank before it)
-        # what only this run recorded (not compared)
-        self.only = 0
-        self.only_ranks = {}  # rank -> entries, of ranks the other run did not record
-        self.only_steps = {}  # rank -> entries, of steps (of that rank) the other run did not record
-        self.only_modules = {}  # module -> [entries, class], of modules the other run did not record
-        self.only_other = 0  # the rest: entries, or repeated calls, that the other run lacks
-        self.only_examples = []  # the first few of the rest (Entry)
-        self.window = 0  # of them, given up on: more than PENDING_CAP waited at once
-        self.done = False
-
-    def next_batch(self):
-        for batch in self._batches:
-            return batch
-        self.done = True
-        self._batches = None  # a generator: the finished Side is plain data (a part's result is pickled)
-        return None
-
-    def seen(self, rank, step, line):
-        """This log is at (rank, step): True when that is a new step of the rank, False when it
-        is the latest, None when a later one came before (out of order)."""
-        if self.step_range is not None and not self.step_range[0] <= step < self.step_range[1]:
-            raise OutOfRange(f"{self.name} line {line}: step {step} outside {self.step_range}")
-        latest = self.frontier.get(rank)
-        if latest is not None and step <= latest:
-            if step == latest:
-                return False
-            self.out_of_order += 1
-            if self.first_out_of_order is None:
-                self.first_out_of_order = (line, step, latest)
-            return None
-        self.frontier[rank] = step
-        self.steps.add((rank, step))
-        if latest is None:
-            self.ranks.add(rank)
-        if self.first_step is None or step < self.first_step:
-            self.first_step = step
-        if self.last_step is None or step > self.last_step:
-            self.last_step = step
-        return True
-
-    def merge(self, later):
-        """Add ``later``, the same log's side of the next part (later steps)."""
-        self.steps.update(later.steps)
-        self.ranks |= later.ranks
-        if later.first_step is not None:
-            self.first_step = later.first_step if self.first_step is None else min(self.first_step, later.first_step)
-            self.last_step = later.last_step if self.last_step is None else max(self.last_step, later.last_step)
-        self.out_of_order += later.out_of_order
-        self.first_out_of_order = self.first_out_of_order or later.first_out_of_order
-        self.only += later.only
-        _add_counts(self.only_ranks, later.only_ranks)
-        _add_counts(self.only_steps, later.only_steps)
-        for module, (count, class_name) in later.only_modules.items():
-            info = self.only_modules.get(module)
-            if info is not None:
-                info[0] += count
-            elif len(self.only_modules) < DISTINCT_CAP:
-                self.only_modules[module] = [count, class_name]
-            else:
-                self.only_other += count
-        self.only_other += later.only_other
-        self.only_examples = (self.only_examples + later.only_examples)[:MAX_EXAMPLES]
-        self.window += later.window
-        self.reader.merge(later.reader)
-
-
-def _add_counts(counts, more):
-    for key, count in more.items():
-        counts[key] = counts.get(key, 0) + count
+    def __init__(self, diff, logs, log):
+        self.name, self.log = "AB"[log], log
+        self.path = logs.paths[log]
+        self.notes = logs.notes[log]
+        self.entries, self.first_step, self.last_step = logs.one(
+            "SELECT count(*), min(step), max(step) FROM entries WHERE log = ?", (log,))
+        self.ranks = [r for r, in logs.rows("SELECT DISTINCT coalesce(rank, 0) AS r0 FROM entries WHERE log = ? "
+                                            "ORDER BY r0", (log,))]
+        counts = dict(logs.rows("SELECT why, count(*) FROM alone WHERE log = ? GROUP BY why", (log,)))
+        self.only = sum(counts.values())
+        self.only_ranks = dict(logs.rows("SELECT r0, count(*) FROM alone WHERE log = ? AND why = 1 GROUP BY r0 "
+                                         "ORDER BY r0", (log,)))
+        steps = logs.one("SELECT count(*), count(DISTINCT step), min(step), max(step) FROM alone WHERE log = ? AND why = 2",
+                         (log,))
+        pairs = logs.one("SELECT count(*) FROM (SELECT DISTINCT r0, step FROM alone WHERE log = ? AND why = 2) AS s",
+                         (log,))[0]
+        listed = [s for s, in logs.rows("SELECT DISTINCT step FROM alone WHERE log = ? AND why = 2 ORDER BY step "
+                                        "LIMIT 9", (log,))]
+        self.only_steps = (steps[0], pairs, listed if steps[1] <= 8 else None, steps[2], steps[3])
+        self.only_module_count = logs.one("SELECT count(DISTINCT module) FROM alone WHERE log = ? AND why = 3",
+                                          (log,))[0]
+        self.only_modules = logs.rows("""
+            SELECT m.module, e.cls, m.n FROM (SELECT module, count(*) AS n, min(pos) AS first FROM alone
+                                              WHERE log = ? AND why = 3 GROUP BY module) AS m
+            JOIN entries e ON e.pos = m.first ORDER BY m.first LIMIT ?""", (log, MAX_EXAMPLES))
+        self.only_other = counts.get(4, 0)
+        self.only_examples = diff.rows_at([pos for pos, in logs.rows(
+            "SELECT pos FROM alone WHERE log = ? AND why = 4 ORDER BY pos LIMIT ?", (log, MAX_EXAMPLES))])
 
 
 class Diff:
-    """The comparison of two logs, in bounded memory. ``run(reader_a, reader_b)`` reads them
-    (``entries.EntryReader``), ``finish()`` settles what one run only recorded; the results are
-    attributes, and ``text()`` prints them. A part of a split diff (``diff_parts``) runs on a
-    range of steps, and the parts, in order, ``merge`` into one before ``finish()``."""
+    """The comparison of the two logs of ``logs``; the results are attributes, and ``text()``
+    prints them. ``grid``: also what the picture needs (``cells``, ``one_sided``)."""
 
-    def __init__(self, rtol=1e-2, atol=0.0, stat="both", grid=False, max_modules=MAX_MODULES,
-                 pending_cap=PENDING_CAP):
+    def __init__(self, logs, rtol=1e-2, atol=0.0, stat="both", grid=False):
         if not (rtol >= 0 and math.isfinite(rtol)) or not (atol >= 0 and math.isfinite(atol)):
             raise ValueError("rtol and atol must be finite numbers >= 0")
         if stat not in STATS:
             raise ValueError(f"stat must be one of {', '.join(STATS)}, not {stat!r}")
-        self.rtol = rtol
-        self.atol = atol
-        self.stat = stat
-        self.fields = STATS[stat]
-        self.max_modules = max_modules
-        self.pending_cap = pending_cap
-        self.pairs = 0
-        self.parted = 0  # pairs beyond the tolerance
-        self.first = None  # (order, Entry of A, Entry of B, divergence, field) of the first pair that parts
-        self.dtype_differs = 0
-        self.first_dtype = None  # (Entry of A, Entry of B)
-        self.numel_differs = 0
-        self.first_numel = None
-        # module -> [order, largest divergence, (field, a, b) of it or None, first parting (a, b, divergence,
-        # field) or None, pairs parted]
-        self.modules = {}
-        self.modules_dropped = 0
-        self.dropped_parted = False  # a module that had parted was dropped: its first parting may be later
-        self._order = 0
-        self.names = {}  # module -> the logs that recorded it (1: A, 2: B, 3: both), up to DISTINCT_CAP names
-        self.names_over = False
-        self.grid = Grid(MAX_COLUMNS) if grid else None
-        self.sides = None
-        self.parts = 1  # processes that read it (``diff_parts``)
-        self.part_failed = None  # why a diff in parts was read again in one pass
-        self._native = logscan.native()  # csrc/logscan.c, or None: its Python twins here
+        self.logs, self.rtol, self.atol, self.stat = logs, rtol, atol, stat
+        self._align()
+        self.dtype_differs, self.first_dtype = self._differs("a_dtype <> b_dtype")
+        # runs that compute in other dtypes: a tensor's smallest magnitude moves with its dtype's
+        # rounding and underflow (and so does everything after it), its largest by a rounding error
+        self.compared = "abs_max" if stat == "both" and self.dtype_differs else stat
+        self._score()
+        self.pairs, self.parted, self.modules_compared, self.modules_parted = logs.one("""
+            SELECT count(*), sum(parted), count(DISTINCT module), count(DISTINCT CASE WHEN parted = 1 THEN module END)
+            FROM scored""")
+        self.parted = self.parted or 0
+        self.first = self._pair(logs.one("SELECT apos, bpos, value, field FROM scored WHERE parted = 1 "
+                                         "ORDER BY step, r0, apos LIMIT 1"))
+        self.numel_differs, self.first_numel = self._differs("a_numel <> b_numel")
+        self._modules()
+        self.sides = [Side(self, logs, 0), Side(self, logs, 1)]
+        self.unit = OPTIMIZER if logs.one("SELECT count(gstep) FROM entries")[0] else BATCH
+        self.cells = None
+        if grid:
+            self._grid()
+        del self.logs  # plain data from here on
 
-    def __getstate__(self):  # a part's Diff goes to the parent process: the module is not data
-        return {**self.__dict__, "_native": None}
+    def _align(self):
+        """``aligned``: every record of either log, with its partner where it has one (A's position
+        ``apos``, B's ``bpos``), and of a pair the relative differences of abs max (``high``) and abs
+        min (``low``); ``pairs`` those with both; ``alone`` the others, and why they have none."""
+        logs = self.logs
+        key = "coalesce(rank, 0), step, phase, module, entry"
+        # a key that comes more than once in a log: its records are numbered, the k-th pairing with
+        # the k-th; every other record is its key's only one (numbering them all costs a sort)
+        same = " AND ".join(f"{c} = r_{c}" for c in ("r0", "step", "phase", "module", "entry"))
+        logs.rows(f"""CREATE TEMP TABLE numbered AS
+                      WITH rep AS (SELECT DISTINCT coalesce(rank, 0) AS r_r0, step AS r_step, phase AS r_phase,
+                                       module AS r_module, entry AS r_entry
+                                   FROM entries GROUP BY log, {key} HAVING count(*) > 1)
+                      SELECT pos, row_number() OVER (PARTITION BY log, {key} ORDER BY pos) AS occ
+                      FROM (SELECT *, coalesce(rank, 0) AS r0 FROM entries) AS e JOIN rep ON {same}""")
+        numbered = logs.one("SELECT count(*) FROM numbered")[0]
+        occ, join = ("coalesce(n.occ, 1)", "LEFT JOIN numbered n ON n.pos = e.pos") if numbered else ("1", "")
+        for log, name in ((0, "side_a"), (1, "side_b")):
+            logs.relation(name, f"""SELECT e.pos, coalesce(e.rank, 0) AS r0, e.step, e.phase, e.module, e.entry,
+                                        {occ} AS occ, e.gstep, e.dtype, e.numel, e.bad, e.amax, e.amax_s, e.amin,
+                                        e.amin_s
+                                    FROM entries e {join} WHERE e.log = {log}""", ", ".join(KEY))
+        on = " AND ".join(f"a.{c} = b.{c}" for c in KEY)
+        select = f"""SELECT a.pos AS apos, b.pos AS bpos, coalesce(a.r0, b.r0) AS r0, coalesce(a.step, b.step) AS step,
+            coalesce(a.phase, b.phase) AS phase, coalesce(a.module, b.module) AS module,
+            CASE WHEN a.pos IS NULL THEN b.gstep ELSE a.gstep END AS gstep, a.dtype AS a_dtype, b.dtype AS b_dtype,
+            a.numel AS a_numel, b.numel AS b_numel, a.bad AS a_bad, b.bad AS b_bad,
+            {_relative("amax", "amax_s", self.atol)} AS high, {_relative("amin", "amin_s", self.atol)} AS low"""
+        a, b = "side_a AS a", "side_b AS b"
+        if logs.full_join:
+            joined = f"{select} FROM {a} FULL JOIN {b} ON {on}"
+        else:  # (sqlite before 3.39)
+            joined = (f"{select} FROM {a} LEFT JOIN {b} ON {on} UNION ALL {select} FROM {b} LEFT JOIN {a} ON {on} "
+                      f"WHERE a.pos IS NULL")
+        logs.rows(f"CREATE TEMP TABLE aligned AS {joined}")
+        logs.rows("CREATE TEMP VIEW pairs AS SELECT * FROM aligned WHERE apos IS NOT NULL AND bpos IS NOT NULL")
+        one = "FROM aligned WHERE apos IS NULL OR bpos IS NULL"
+        why = "4"
+        sets = ""
+        if logs.one(f"SELECT count(*) {one}")[0]:  # why: the other log has no record of its rank, step, module
+            why = "CASE WHEN r_log IS NULL THEN 1 WHEN s_log IS NULL THEN 2 WHEN m_log IS NULL THEN 3 ELSE 4 END"
+            sets = """LEFT JOIN (SELECT DISTINCT log AS r_log, coalesce(rank, 0) AS r_r0 FROM entries) AS r
+                          ON r_log = 1 - log AND r_r0 = r0
+                      LEFT JOIN (SELECT DISTINCT log AS s_log, coalesce(rank, 0) AS s_r0, step AS s_step FROM entries) AS s
+                          ON s_log = 1 - log AND s_r0 = r0 AND s_step = step
+                      LEFT JOIN (SELECT DISTINCT log AS m_log, module AS m_module FROM entries) AS m
+                          ON m_log = 1 - log AND m_module = module"""
+        logs.rows(f"""CREATE TEMP TABLE alone AS
+                      SELECT one.*, {why} AS why
+                      FROM (SELECT CASE WHEN apos IS NULL THEN 1 ELSE 0 END AS log, coalesce(apos, bpos) AS pos, r0,
+                                step, module, gstep {one}) AS one {sets}""")
 
-    def __setstate__(self, state):
-        self.__dict__.update(state)
-        self._native = logscan.native()
+    def _score(self):
+        """``scored``: the pairs with their divergence over the statistics compared, where it comes
+        from, whether it parts, and ``sr``: (step, rank) as one number, the pairs' order with A's
+        position."""
+        fields = STATS[self.compared]
+        high = "high" if ABS_MAX in fields else "0.0"
+        low = "low" if ABS_MIN in fields else "0.0"
+        self.logs.rows(f"""
+            CREATE TEMP VIEW scored AS
+            SELECT *, CASE WHEN value > {self.rtol!r} THEN 1 ELSE 0 END AS parted, step * {1 << 21} + r0 AS sr
+            FROM (SELECT *, CASE WHEN a_bad <> b_bad THEN 9e999 WHEN {high} >= {low} THEN {high} ELSE {low} END AS value,
+                      CASE WHEN a_bad <> b_bad THEN {BAD} WHEN {high} > 0 AND {high} >= {low} THEN {ABS_MAX}
+                           WHEN {low} > {high} THEN {ABS_MIN} END AS field
+                  FROM pairs) AS v""")
 
-    # -- reading ---------------------------------------------------------------------------------
+    def rows_at(self, positions):
+        """Entry rows as dicts (``ROW_KEYS`` and ``line``), in the order of ``positions``."""
+        if not positions:
+            return []
+        found = {row[-1]: row for row in self.logs.rows(
+            f"SELECT {ROW} FROM entries WHERE pos IN ({', '.join('?' * len(positions))})", positions)}
+        lines = self.logs.lines_of(positions)
+        return [dict(zip(ROW_KEYS, found[pos]), line=lines[pos]) for pos in positions]
 
-    def run(self, reader_a, reader_b, steps=None):
-        """Read both logs to their ends; ``steps``: (first, end), the only steps they may hold
-        (``OutOfRange`` otherwise)."""
-        a_side, b_side = self.sides = (Side("A", reader_a, steps), Side("B", reader_b, steps))
-        batch_a, batch_b = a_side.next_batch(), b_side.next_batch()
-        ia = ib = 0
-        in_step = True  # nothing waits: the two logs are at the same record
-        # the texts of (rank, step) of the last pair read in step, while the records read before it were
-        # pairs in step
-        last_rank = last_step = None
-        pairs_before = False
-        grid = self.grid
-        pair = self._pair
-        run_length = _run_length if self._native is None else self._native.run_length
-        while batch_a is not None or batch_b is not None:
-            if batch_a is not None and ia == len(batch_a):
-                batch_a, ia = a_side.next_batch(), 0
-                continue
-            if batch_b is not None and ib == len(batch_b):
-                batch_b, ib = b_side.next_batch(), 0
-                continue
-            if batch_a is not None and batch_b is not None:
-                # the same key, and as many of it read in both (always so when nothing waits): pairs,
-                # as many as follow one another in one step. Nothing is counted: counts that both logs
-                # would add alike leave every pairing as it is
-                n = run_length(batch_a, ia, batch_b, ib, _KEY, _WHERE)
-                if n and not in_step:
-                    n = self._counted_alike(a_side, b_side, batch_a, ia, n)
-                if n:
-                    a, b = batch_a[ia], batch_b[ib]
-                    fa = a[FIELDS]
-                    if fa[STEP] != last_step or fa[RANK] != last_rank or not pairs_before:
-                        last_rank, last_step = fa[RANK], fa[STEP]
-                        if grid is not None:
-                            grid.add_x(int(last_step))
-                        self._at(a_side, b_side, a)
-                        self._at(b_side, a_side, b)
-                        pairs_before = True
-                        if not in_step:
-                            in_step = self._in_step()
-                    for a, b in zip(batch_a[ia:ia + n], batch_b[ib:ib + n]):
-                        pair(a, b)
-                    ia += n
-                    ib += n
-                    continue
-                fa, fb = batch_a[ia][FIELDS], batch_b[ib][FIELDS]
-                # the log behind goes first; at the same step, the one whose head the other log
-                # does not hold just ahead (a record that only it has: the other catches up after)
-                key = key_of(fa)
-                step_b = int(fb[STEP])
-                take_a = key[1] < step_b or (key[1] == step_b and not _ahead(batch_b, ib, key))
-            else:
-                take_a = batch_a is not None
-            pairs_before = False
-            if take_a:
-                self._take(a_side, b_side, batch_a[ia])
-                ia += 1
-            else:
-                self._take(b_side, a_side, batch_b[ib])
-                ib += 1
-            in_step = self._in_step()
-        for side, other in ((a_side, b_side), (b_side, a_side)):
-            for group in side.pending.values():
-                for entry in group.values():
-                    self._one_sided(side, other, entry)
-            side.pending.clear()
-            side.waiting = 0
-            side.counts.clear()
-            side.frontier.clear()
-
-    def _in_step(self):
-        """Whether nothing waits; then every key so far has had as many records in both logs, and
-        the counts start afresh."""
-        a_side, b_side = self.sides
-        if a_side.waiting or b_side.waiting:
-            return False
-        a_side.counts.clear()
-        b_side.counts.clear()
-        return True
-
-    @staticmethod
-    def _counted_alike(a_side, b_side, batch, index, n):
-        """Of the ``n`` records from ``batch[index]`` on (of one step), how many in a row the two
-        logs have read as many of (out of step): those that are the same occurrence in both."""
-        where = key_of(batch[index][FIELDS])[:2]
-        counts_a, counts_b = a_side.counts.get(where) or {}, b_side.counts.get(where) or {}
-        if not counts_a and not counts_b:
-            return n
-        for k in range(n):
-            fields = batch[index + k][FIELDS]
-            name = (fields[PHASE], fields[MODULE], fields[NAME])  # key_of's last three
-            if counts_a.get(name, 0) != counts_b.get(name, 0):
-                return k
-        return n
-
-    def _at(self, side, other, entry):
-        """``side`` has read ``entry``: at a new step of its rank, the other log's records of
-        earlier steps of that rank wait in vain, and their counts go."""
-        key = key_of(entry[FIELDS])
-        rank, step = key[0], key[1]
-        if side.seen(rank, step, entry[LINE]):
-            if other.pending:
-                for where in [w for w in other.pending if w[0] == rank and w[1] < step]:
-                    for waiting in other.pending.pop(where).values():
-                        other.waiting -= 1
-                        self._one_sided(other, side, waiting)
-            if side.counts:
-                for where in [w for w in side.counts if w[0] == rank and w[1] < step]:
-                    del side.counts[where]
-
-    def _take(self, side, other, entry):
-        """One record read out of step: pair it with the one waiting for it, or wait."""
-        key = key_of(entry[FIELDS])
-        if self.grid is not None:
-            self.grid.add_x(key[1])
-        self._at(side, other, entry)
-        where = key[:2]
-        counts = side.counts.get(where)
-        if counts is None:
-            counts = side.counts[where] = {}
-        name = key[2:]
-        occurrence = counts.get(name, 0)
-        counts[name] = occurrence + 1
-        name += (occurrence,)
-        group = other.pending.get(where)
-        if group is not None:
-            partner = group.pop(name, None)
-            if partner is not None:
-                other.waiting -= 1
-                if not group:
-                    del other.pending[where]
-                if side.bit == 1:
-                    self._pair(entry, partner)
-                else:
-                    self._pair(partner, entry)
-                return
-        latest = other.frontier.get(where[0])
-        if other.done or (latest is not None and latest > where[1]):
-            self._one_sided(side, other, entry)
-            return
-        group = side.pending.get(where)
-        if group is None:
-            group = side.pending[where] = {}
-        group[name] = entry
-        side.waiting += 1
-        if side.waiting + other.waiting > self.pending_cap:
-            self._give_up(side, other)
-
-    def _give_up(self, side, other):
-        """Too many records wait: the oldest group of the side with the most goes as one-sided."""
-        if other.waiting > side.waiting:
-            side, other = other, side
-        where = next(iter(side.pending))
-        group = side.pending.pop(where)
-        side.waiting -= len(group)
-        side.window += len(group)
-        for entry in group.values():
-            self._one_sided(side, other, entry)
-
-    def _one_sided(self, side, other, entry):
-        """A record of one log that the other did not record. Its step is over in the other log
-        (or that log is read): whether the other recorded that step is known; whether it recorded
-        the module at all, only at the end (``finish``)."""
-        side.only += 1
-        key = key_of(entry[FIELDS])
-        rank, module = key[0], key[3]
-        self._name(module, side.bit)
-        if self.grid is not None:
-            self.grid.add_one_sided(module, key[1])
-        if not other.steps.over and (rank, key[1]) not in other.steps.values:
-            side.only_steps[rank] = side.only_steps.get(rank, 0) + 1
-        elif not self.names_over and not self.names.get(module, 0) & other.bit:
-            info = side.only_modules.get(module)
-            if info is not None:
-                info[0] += 1
-            elif len(side.only_modules) < DISTINCT_CAP:
-                side.only_modules[module] = [1, entry[FIELDS][CLASS]]
-            else:
-                self._other(side, entry)
-        else:
-            self._other(side, entry)
-
-    @staticmethod
-    def _other(side, entry):
-        side.only_other += 1
-        if len(side.only_examples) < MAX_EXAMPLES:
-            side.only_examples.append(entry)
-
-    def _name(self, module, bit):
-        names = self.names
-        seen = names.get(module)
-        if seen is None:
-            if self.names_over:
-                return
-            if len(names) >= DISTINCT_CAP:
-                self.names_over = True
-                names.clear()
-                return
-            names[module] = bit
-        elif not seen & bit:
-            names[module] = seen | bit
-
-    # -- one aligned pair ------------------------------------------------------------------------
-
-    def _pair(self, a, b):
-        self.pairs += 1
-        fa, fb = a[FIELDS], b[FIELDS]
-        if (fa[ABS_MAX] == fb[ABS_MAX] and fa[ABS_MIN] == fb[ABS_MIN] and fa[NAN] == fb[NAN]
-                and fa[POSINF] == fb[POSINF] and fa[NEGINF] == fb[NEGINF]):
-            value, field = 0.0, None
-        elif self._native is not None:
-            value, field = self._native.divergence(fa, fb, self.atol, self.fields, _COUNTS, ABS_MAX, BAD)
-        else:
-            value, field = divergence(fa, fb, self.atol, self.fields)
-        if fa[DTYPE] != fb[DTYPE] or fa[NUMEL] != fb[NUMEL]:
-            self._shapes(a, b)
-        module = fa[MODULE]
-        if self.grid is not None:
-            self.grid.add(module, int(fa[STEP]), value)
-        info = self.modules.get(module)
-        new = info is None
-        if new:
-            self._name(module, 3)
-            info = self.modules[module] = [self._order, 0.0, None, None, 0]
-            self._order += 1
-        if value > 0.0:
-            if value > info[1]:
-                info[1], info[2] = value, (field, a, b)
-            if value > self.rtol:
-                self.parted += 1
-                info[4] += 1
-                if info[3] is None:
-                    info[3] = (a, b, value, field)
-                first = self.first
-                if first is None or int(fa[STEP]) <= first[0][0]:  # (most pairs come later: no key read)
-                    order = _order_of(a)
-                    if first is None or order < first[0]:
-                        self.first = (order, a, b, value, field)
-        if new and len(self.modules) > self.max_modules:  # (after this pair counted: it may decide)
-            self._drop_modules()
-
-    def _shapes(self, a, b):
-        fa, fb = a[FIELDS], b[FIELDS]
-        if fa[DTYPE] != fb[DTYPE]:
-            self.dtype_differs += 1
-            if self.first_dtype is None:
-                self.first_dtype = (a, b)
-        if fa[NUMEL] != fb[NUMEL]:
-            self.numel_differs += 1
-            if self.first_numel is None:
-                self.first_numel = (a, b)
-
-    def _drop_modules(self):
-        ranked = sorted(self.modules.items(), key=lambda item: -item[1][1])
-        keep = self.max_modules * 3 // 4
-        dropped = ranked[keep:]
-        self.modules_dropped += len(dropped)
-        if any(info[3] is not None for _, info in dropped):
-            self.dropped_parted = True
-        if self.grid is not None:
-            self.grid.forget(name for name, _ in dropped)
-        self.modules = dict(ranked[:keep])
-
-    # -- parts and the end -----------------------------------------------------------------------
-
-    def merge(self, later):
-        """Add ``later``, the diff of the next part (the same logs' later steps, read with the
-        same options; its lines numbered from its start in each log)."""
-        later._shift_lines([side.reader.lines for side in self.sides])
-        self.pairs += later.pairs
-        self.parted += later.parted
-        if later.first is not None and (self.first is None or later.first[0] < self.first[0]):
-            self.first = later.first
-        self.dtype_differs += later.dtype_differs
-        self.first_dtype = self.first_dtype or later.first_dtype
-        self.numel_differs += later.numel_differs
-        self.first_numel = self.first_numel or later.first_numel
-        for module, info in sorted(later.modules.items(), key=lambda item: item[1][0]):
-            mine = self.modules.get(module)
-            if mine is None:
-                self.modules[module] = [self._order] + info[1:]
-                self._order += 1
-                continue
-            if info[1] > mine[1]:
-                mine[1], mine[2] = info[1], info[2]
-            mine[3] = mine[3] or info[3]
-            mine[4] += info[4]
-        self.modules_dropped += later.modules_dropped
-        self.dropped_parted = self.dropped_parted or later.dropped_parted
-        if len(self.modules) > self.max_modules:
-            self._drop_modules()
-        if later.names_over:
-            self.names_over = True
-            self.names.clear()
-        elif not self.names_over:
-            for module, bits in later.names.items():
-                self._name(module, bits)
-        if self.grid is not None:
-            self.grid.merge(later.grid)
-            self.grid.forget([m for m in list(self.grid.cells) if m not in self.modules])
-        for side, more in zip(self.sides, later.sides):
-            side.merge(more)
-
-    def _shift_lines(self, offsets):
-        """Number the lines of the entries kept as if ``offsets`` lines (of A, of B) came first."""
-        def shifted(a, b):
-            return (a[FIELDS], a[LINE] + offsets[0]), (b[FIELDS], b[LINE] + offsets[1])
-
-        if self.first is not None:
-            _, a, b, value, field = self.first
-            a, b = shifted(a, b)
-            self.first = (_order_of(a), a, b, value, field)
-        if self.first_dtype is not None:
-            self.first_dtype = shifted(*self.first_dtype)
-        if self.first_numel is not None:
-            self.first_numel = shifted(*self.first_numel)
-        for info in self.modules.values():
-            if info[2] is not None:
-                info[2] = (info[2][0], *shifted(*info[2][1:]))
-            if info[3] is not None:
-                info[3] = (*shifted(*info[3][:2]), *info[3][2:])
-        for side, offset in zip(self.sides, offsets):
-            side.only_examples = [(fields, line + offset) for fields, line in side.only_examples]
-            if side.first_out_of_order is not None:
-                line, step, latest = side.first_out_of_order
-                side.first_out_of_order = (line + offset, step, latest)
-            side.reader.shift_lines(offset)
-
-    def finish(self):
-        """Settle what one log only recorded, now that both are read: the steps of a rank that the
-        other log never recorded are that rank's; the modules the other log recorded after all
-        are other entries."""
-        for side, other in (self.sides, self.sides[::-1]):
-            for rank in [r for r in side.only_steps if r not in other.ranks]:
-                side.only_ranks[rank] = side.only_ranks.get(rank, 0) + side.only_steps.pop(rank)
-            if not self.names_over:
-                for module in [m for m in side.only_modules if self.names.get(m, 0) & other.bit]:
-                    count = side.only_modules.pop(module)[0]
-                    side.only_other += count
-
-    # -- results ---------------------------------------------------------------------------------
-
-    def largest(self, n=TOP):
-        """[(module, info)] of the n modules with the largest divergence, largest first (ties:
-        the one that parted first)."""
-        rows = [(name, info) for name, info in self.modules.items() if info[1] > 0]
-        rows.sort(key=lambda row: (-row[1][1], (INF,) if row[1][3] is None else _order_of(row[1][3][0]), row[1][0]))
-        return rows[:n]
-
-    def plot_modules(self):
-        """The modules the picture draws, in the order they were first compared: all of them, or
-        the ``PLOT_ROWS`` with the largest divergence."""
-        ranked = sorted(self.modules.items(), key=lambda item: -item[1][1])[:PLOT_ROWS]
-        ranked.sort(key=lambda item: item[1][0])
-        return [name for name, _ in ranked]
-
-    @staticmethod
-    def steps_only_in(side, other):
-        """(count, first, last) of the steps that ``side`` recorded, of ranks both recorded, and
-        ``other`` did not (a step counts once for each such rank); None when there were too many
-        to keep."""
-        if side.steps.over or other.steps.over:
+    def _pair(self, found):
+        """(row of A, row of B, divergence, field) of a pair of ``pairs`` (apos, bpos, value, field)."""
+        if found is None:
             return None
-        steps = sorted(step for rank, step in side.steps.values - other.steps.values if rank in other.ranks)
-        if not steps:
-            return 0, None, None
-        return len(steps), steps[0], steps[-1]
+        a, b = self.rows_at(found[:2])
+        return a, b, found[2], found[3]
 
-    def text(self, paths):
-        return "\n".join(_text_lines(self, paths))
+    def _differs(self, where):
+        count, = self.logs.one(f"SELECT count(*) FROM pairs WHERE {where}")
+        first = self.logs.one(f"SELECT apos, bpos FROM pairs WHERE {where} ORDER BY step, r0, apos LIMIT 1")
+        return count, (None if first is None else tuple(self.rows_at(list(first))))
 
+    def _modules(self):
+        """Per module: the largest divergence (its first pair), where it first parted, how often;
+        ``largest`` the ``TOP`` that diverge most (ties: the one that parted first, then the one
+        compared first); ``drawn`` the ``PLOT_ROWS`` the picture shows, in the order first compared.
+        "First" is by (step, rank, A's position): the least ``sr``, then the least ``apos`` there."""
+        logs = self.logs
+        logs.relation("module_first", """SELECT module AS m_module, max(value) AS v, sum(parted) AS n, min(sr) AS fsr,
+                                              min(CASE WHEN parted = 1 THEN sr END) AS psr
+                                          FROM scored GROUP BY module""", "m_module")
+        logs.relation("module_pairs", """SELECT m_module, v, n, fsr, psr, min(CASE WHEN sr = fsr THEN apos END) AS first,
+                                              min(CASE WHEN parted = 1 AND sr = psr THEN apos END) AS fp,
+                                              min(CASE WHEN value = v THEN sr END) AS bsr
+                                          FROM scored JOIN module_first ON m_module = module
+                                          GROUP BY m_module, v, n, fsr, psr""", "m_module")
+        logs.rows("""CREATE TEMP TABLE per_module AS
+                     SELECT m_module AS module, v, n, fsr, psr, first, fp, min(apos) AS best
+                     FROM scored JOIN module_pairs ON m_module = module AND value = v AND sr = bsr
+                     GROUP BY m_module, v, n, fsr, psr, first, fp""")
+        self.differing = logs.one("SELECT count(*) FROM per_module WHERE v > 0")[0]
+        largest = logs.rows("""SELECT m.module, m.v, m.n, b.apos, b.bpos, b.field, m.fp FROM per_module m
+                               JOIN scored b ON b.apos = m.best WHERE m.v > 0
+                               ORDER BY m.v DESC, m.psr IS NULL, m.psr, m.fp, m.fsr, m.first LIMIT ?""", (TOP,))
+        self.largest = []
+        for module, value, parted, apos, bpos, field, first_parted in largest:
+            a, b = self.rows_at([apos, bpos])
+            parted_at = None if first_parted is None else self.rows_at([first_parted])[0]
+            self.largest.append((module, value, field, a, b, parted_at, parted))
+        drawn = logs.rows("SELECT module, fsr, first FROM per_module ORDER BY v DESC, fsr, first LIMIT ?", (PLOT_ROWS,))
+        self.drawn = [module for module, _, _ in sorted(drawn, key=lambda row: row[1:])]
 
-_KEY = (MODULE, NAME, STEP, PHASE, RANK)  # key_of's fields, as texts
-_WHERE = (STEP, RANK)
+    def _grid(self):
+        """The picture's cells: per drawn module, the largest divergence in each bin of ``width``
+        steps of the timeline's unit (A's optimizer step where the records carry one), and the
+        bins where one run only recorded it."""
+        logs = self.logs
+        x = "gstep" if self.unit == OPTIMIZER else "step"
+        first, last = logs.one(f"SELECT min({x}), max({x}) FROM entries")
+        self.width = width = bin_width(first, last, MAX_COLUMNS)
+        shift = width.bit_length() - 1
+        logs.table("drawn", {"drawn_module": "VARCHAR"}, [(m,) for m in self.drawn])
+        self.cells, self.one_sided = {}, {}
+        for module, b, value in logs.rows(f"""SELECT module, {x} >> {shift} AS b, max(value) FROM scored
+                                              JOIN drawn ON module = drawn_module WHERE {x} IS NOT NULL
+                                              GROUP BY module, b"""):
+            self.cells.setdefault(module, {})[b] = value
+        for module, b in logs.rows(f"""SELECT DISTINCT module, {x} >> {shift} FROM alone
+                                       JOIN drawn ON module = drawn_module WHERE {x} IS NOT NULL"""):
+            self.one_sided.setdefault(module, set()).add(b)
 
+    def steps_only_in(self, side):
+        """(the (rank, step)s that ``side`` recorded, of ranks both recorded, and the other did not;
+        their first and last step)."""
+        _, pairs, _, first, last = side.only_steps
+        return pairs, first, last
 
-def _run_length(batch_a, a, batch_b, b, keys=_KEY, same=_WHERE):
-    """How many pairs (batch_a[a + i], batch_b[b + i]) from i = 0 on have equal ``keys`` fields,
-    and ``same`` fields equal to the first pair's (csrc/logscan.c's ``run_length``, in Python)."""
-    most = min(len(batch_a) - a, len(batch_b) - b)
-    if a < 0 or b < 0 or most <= 0:
-        return 0
-    key, where = itemgetter(*keys), itemgetter(*same)
-    first = where(batch_a[a][FIELDS])
-    n = 0
-    while n < most:
-        fa = batch_a[a + n][FIELDS]
-        if key(fa) != key(batch_b[b + n][FIELDS]) or where(fa) != first:
-            break
-        n += 1
-    return n
-
-
-def _ahead(batch, index, key, look=LOOK_AHEAD):
-    """Whether ``key`` is among the next few records of ``batch`` after ``index``."""
-    for later in batch[index + 1:index + 1 + look]:
-        if key_of(later[FIELDS]) == key:
-            return True
-    return False
-
-
-def _order_of(entry):
-    """Where a pair sits among the pairs that part: by step, then rank, then A's order."""
-    key = key_of(entry[FIELDS])
-    return key[1], key[0], entry[LINE]
-
-
-class Grid:
-    """The picture's cells in bounded memory: per module, the largest divergence in each bin of
-    ``width`` steps (a power of two; bins widen as the steps spread, fewer than ``2 *
-    max_columns``), and the bins where one run only recorded it."""
-
-    def __init__(self, max_columns):
-        self.max_columns = max_columns
-        self.width = 1
-        self.first = self.last = None
-        self.cells = {}  # module -> {bin: largest divergence}
-        self.one_sided = {}  # module -> {bin: True}
-
-    def add_x(self, step):
-        if self.first is None:
-            self.first = self.last = step
-        elif step < self.first or step > self.last:
-            self.first, self.last = min(self.first, step), max(self.last, step)
-            width = bin_width(self.first, self.last, self.max_columns)
-            if width > self.width:
-                factor = width // self.width
-                self.width = width
-                self.cells = {m: _merged(bins, factor, max) for m, bins in self.cells.items()}
-                self.one_sided = {m: _merged(bins, factor, max) for m, bins in self.one_sided.items()}
-
-    def add(self, module, step, value):
-        bins = self.cells.get(module)
-        if bins is None:
-            bins = self.cells[module] = {}
-        index = step // self.width
-        current = bins.get(index)
-        if current is None or value > current:
-            bins[index] = value
-
-    def add_one_sided(self, module, step):
-        self.one_sided.setdefault(module, {})[step // self.width] = True
-
-    def merge(self, other):
-        """Add the cells of ``other`` (another part's), both in bins as wide as the two need."""
-        if other.first is None:
-            return
-        if self.first is None:
-            self.first, self.last, self.width = other.first, other.last, other.width
-            self.cells, self.one_sided = other.cells, other.one_sided
-            return
-        self.add_x(other.first)
-        self.add_x(other.last)
-        factor = self.width // other.width
-        for table, more in ((self.cells, other.cells), (self.one_sided, other.one_sided)):
-            for module, bins in more.items():
-                bins = _merged(bins, factor, max)
-                mine = table.setdefault(module, {})
-                for index, value in bins.items():
-                    current = mine.get(index)
-                    if current is None or value > current:
-                        mine[index] = value
-
-    def forget(self, modules):
-        for module in modules:
-            self.cells.pop(module, None)
-            self.one_sided.pop(module, None)
+    def text(self):
+        return "\n".join(_text_lines(self))
 
 
 # -- the picture's data ----------------------------------------------------------------------------
 
-# what a cell of the picture shows
 DIFFERS = "differs"  # the largest divergence of the module's aligned entries there (> 0)
 IDENTICAL = "identical"  # aligned entries there, all with equal statistics
 NONFINITE = "nan/inf in one run"  # a nan/inf that the other run did not have
 ONE_RUN = "one run only"  # entries there that only one run recorded, none aligned
-# NOT_RECORDED (the report's): no entry of the module there
 
 
 class Picture:
-    """What ``diff --png`` draws, as plain data (``diff_plot`` only draws it): rows ``modules``
-    (in the order they were first compared), columns (bins of ``width`` steps), per cell
-    ``values`` (the largest divergence, or None) and ``kinds``; ``first`` the first parting
-    (``x``, ``row``, ``text``); ``curves`` the modules with the largest divergence."""
+    """What ``diff --png`` draws, as plain data (``diff_plot`` only draws it): rows ``modules`` (in
+    the order they were first compared) and ``labels``, columns (bins of ``width`` steps of
+    ``unit``), per cell ``values`` (the largest divergence, or None) and ``kinds``; ``first`` the
+    first parting (``x``, ``row``, ``text``); ``curves`` the modules with the largest divergence;
+    ``title``, ``explained`` and ``xlabel`` what is drawn."""
 
     def __init__(self, diff, curves=5):
-        grid = diff.grid
-        self.rtol = diff.rtol
-        self.width = width = grid.width
-        self.modules = modules = diff.plot_modules()
-        self.columns, self.centres, position, self.values, self.kinds = heatmap_columns(
-            modules, (grid.cells, grid.one_sided), width)
+        self.rtol, self.unit = diff.rtol, diff.unit
+        self.width = width = diff.width
+        self.modules = modules = diff.drawn
+        self.labels = [label(name) if name else "(model)" for name in modules]
+        self.columns = sorted({b for bins in list(diff.cells.values()) + list(diff.one_sided.values()) for b in bins})
+        self.centres = [c * width + (width - 1) / 2 for c in self.columns]
+        column = {c: j for j, c in enumerate(self.columns)}
+        self.values = [[None] * len(self.columns) for _ in modules]
+        self.kinds = [[NOT_RECORDED] * len(self.columns) for _ in modules]
         for i, name in enumerate(modules):
-            values, kinds = self.values[i], self.kinds[i]
-            for c in grid.one_sided.get(name, ()):
-                kinds[position[c]] = ONE_RUN
-            for c, value in grid.cells.get(name, {}).items():
-                j = position[c]
+            for c in diff.one_sided.get(name, ()):
+                self.kinds[i][column[c]] = ONE_RUN
+            for c, value in diff.cells.get(name, {}).items():
+                j = column[c]
                 if value == INF:
-                    kinds[j] = NONFINITE
+                    self.kinds[i][j] = NONFINITE
                 elif value > 0:
-                    values[j], kinds[j] = value, DIFFERS
+                    self.values[i][j], self.kinds[i][j] = value, DIFFERS
                 else:
-                    kinds[j] = IDENTICAL
-        self.xlabel = "step (the detector's batch number)" + (
-            f"; a column covers {width} steps: its largest divergence is shown" if width > 1 else "")
+                    self.kinds[i][j] = IDENTICAL
+        axis = "optimizer step" if self.unit == OPTIMIZER else "step (the detector's batch number)"
+        self.xlabel = axis + (f"; a column covers {width} {'steps' if self.unit == OPTIMIZER else 'batches'}: "
+                              f"its largest divergence is shown" if width > 1 else "")
+        stats = STAT_NAMES[diff.compared]
+        self.title = (f"Where two runs part: divergence of {stats} per module and "
+                      f"{'optimizer step' if self.unit == OPTIMIZER else 'step'}")
+        self.explained = (f"divergence = |A - B| / max(A, B) of {stats}, the largest of the module's entries in the "
+                          f"column" + ("; the runs' dtypes differ: abs min is not compared"
+                                       if diff.compared != diff.stat else ""))
         self.first = None
         if diff.first is not None:
-            _, a, _, value, field = diff.first
-            fields = a[FIELDS]
-            module = fields[MODULE]
-            on_map = module in modules
+            a, _, value, field = diff.first
+            x = a["gstep"] if self.unit == OPTIMIZER else a["step"]
+            row = modules.index(a["module"]) if a["module"] in modules and x is not None else None
             self.first = {
-                "x": int(fields[STEP]), "row": modules.index(module) if on_map else None,
-                "text": (f"first parting: {_when(a)}, {fields[PHASE]}\n{_name(module)} {printable(fields[NAME])}: "
-                         + ("nan/inf in one run" if field == BAD else f"{ABS_NAMES[field]} {_percent(value)}")
-                         + ("" if on_map else "\n(not among the modules drawn)")),
+                "x": x, "row": row,
+                "text": (f"first parting: {_when(a)}, {a['phase']}\n{label(a['module'] or '(model)')} "
+                         f"{label(a['entry'])}: " + ("nan/inf in one run" if field == BAD else
+                                                      f"{ABS_NAMES[field]} {_percent(value)}")
+                         + ("" if row is not None else "\n(not among the modules drawn)")),
             }
         drawn = set(modules)
-        self.curves = [name for name, _ in diff.largest(max(curves, 0)) if name in drawn] if curves > 0 else []
+        self.curves = [row[0] for row in diff.largest[:max(curves, 0)] if row[0] in drawn] if curves > 0 else []
 
 
 # -- the text ------------------------------------------------------------------------------------
 
-def _when(entry):
-    fields = entry[FIELDS]
-    global_step = global_step_of(fields)
-    return when(int(fields[STEP]), global_step, fields[MODE] or None, BATCH if global_step is None else OPTIMIZER)
-
-
-def _name(module):
-    return printable(module) if module else "(model)"
-
-
-def _number(value):
-    return f"{value:,}"
+def _when(row):
+    unit = BATCH if row["gstep"] is None else OPTIMIZER
+    return when(row["step"], row["gstep"], row["mode"], unit)
 
 
 def _percent(value):
-    if value == INF:
-        return "inf"
-    return f"{100 * value:.3g}%"
+    return "inf" if value == INF else f"{100 * value:.3g}%"
 
 
 def _g(value):
     return "-" if value is None else f"{value:.6g}"
 
 
-def _stat_text(entry):
-    fields = entry[FIELDS]
-    low, high = magnitude(fields[ABS_MIN]), magnitude(fields[ABS_MAX])
-    return (f"abs min {_g(low)}, abs max {_g(high)}" + (" (nan/inf)" if is_bad(fields) else "")
-            + f" [{printable(fields[DTYPE])}, {fields[NUMEL]} elements]")
+def _stat(row, which):
+    """A row's abs min or abs max as a float (a nan/inf's too), None for an empty tensor."""
+    value, special = (row["amin"], row["amin_s"]) if which == ABS_MIN else (row["amax"], row["amax_s"])
+    return float(special) if special is not None else value
 
 
-def _what(entry):
-    """"module entry" of an Entry, printable."""
-    fields = entry[FIELDS]
-    return f"{_name(fields[MODULE])} {printable(fields[NAME])}"
+def _stat_text(row):
+    return (f"abs min {_g(_stat(row, ABS_MIN))}, abs max {_g(_stat(row, ABS_MAX))}" + (" (nan/inf)" if row["bad"] else "")
+            + f" [{printable(row['dtype'])}, {row['numel']} elements]")
 
 
-def _list(values, limit=8):
-    if len(values) <= limit:
-        return ", ".join(map(str, values))
-    return f"{values[0]} to {values[-1]} ({len(values)})"
+def _what(row):
+    return f"{module_name(row['module'])} {printable(row['entry'])}"
 
 
-def _text_lines(diff, paths):
+def _span(values, count, first, last):
+    """The values when few, else "first to last"."""
+    return ", ".join(map(str, values)) if values is not None and count <= 8 else f"{first} to {last}"
+
+
+def _text_lines(diff):
     out = []
-    for side, path in zip(diff.sides, paths):
-        reader = side.reader
-        steps = ("no tensor entries" if side.first_step is None else
-                 f"{_number(reader.entries)} tensor entries, steps {side.first_step} to {side.last_step}")
-        ranks = sorted(side.ranks)
-        out.append(f"{side.name}: {printable(path)}: {steps}"
-                   + (f", ranks {_list(ranks)}" if ranks and ranks != [0] else ""))
-        if reader.malformed:
-            named = ", ".join(f"{n} ({printable(reason)})" for n, reason in reader.malformed_lines)
-            out.append(f"   malformed lines skipped: {_number(reader.malformed)} (first: line {named})")
-        if reader.detection is not None:
-            det = reader.detection
+    for side in diff.sides:
+        steps = ("no tensor entries" if not side.entries else
+                 f"{side.entries:,} tensor entries, steps {side.first_step} to {side.last_step}")
+        ranks = side.ranks
+        out.append(f"{side.name}: {printable(side.path)}: {steps}"
+                   + (f", ranks {_span(ranks, len(ranks), ranks[0], ranks[-1])}" if ranks and ranks != [0] else ""))
+        notes = side.notes
+        if notes.malformed:
+            named = ", ".join(f"{n} ({printable(reason)})" for _, n, reason in notes.malformed_lines)
+            out.append(f"   malformed lines skipped: {notes.malformed:,} (first: line {named})")
+        for det in notes.detections[:1]:
             unit = BATCH if det.get("global_step") is None else OPTIMIZER
             out.append(f"   detection record: {when(det['step'], det.get('global_step'), det.get('mode'), unit)}, "
-                       f"{det['phase']}, module {_name(det['module'])} ({printable(det['class'])})")
-    stats = {"both": "abs min or abs max", "abs_max": "abs max", "abs_min": "abs min"}[diff.stat]
-    out.append(f"aligned: {_number(diff.pairs)} entry pairs, by (rank, step, phase, module, entry); they part "
-               f"where {stats} differs by more than rtol {diff.rtol:g} of the larger"
+                       f"{det['phase']}, module {module_name(det['module'], det['class'])}")
+    out.append(f"aligned: {diff.pairs:,} entry pairs, by (rank, step, phase, module, entry); they part "
+               f"where {STAT_NAMES[diff.compared]} differs by more than rtol {diff.rtol:g} of the larger"
                + (f" (differences up to atol {diff.atol:g} count as none)" if diff.atol else "")
                + ", or where one run only has a nan/inf")
-    for section in (_first_lines, _largest_lines, _one_sided_lines, _notes):
-        lines = section(diff)
-        if lines:
-            out.append("")
-            out.extend(lines)
+    for section in (_first_lines, _largest_lines, _one_sided_lines):
+        out.append("")
+        out.extend(section(diff))
     return out
 
 
@@ -855,58 +388,54 @@ def _first_lines(diff):
     if diff.first is None:
         out.append("first parting: none (every aligned pair within the tolerance)")
     else:
-        _, a, b, value, field = diff.first
-        key, fields = key_of(a[FIELDS]), a[FIELDS]
-        ranks = diff.sides[0].ranks | diff.sides[1].ranks
-        rank = f", rank {key[0]}" if ranks != {0} else ""
-        out.append(f"first parting: {_when(a)}, {key[2]}{rank}, module {_name(key[3])} ({printable(fields[CLASS])}), "
-                   f"entry {printable(key[4])}")
-        out.append(f"   A: {_stat_text(a)}  (line {a[LINE]})")
-        out.append(f"   B: {_stat_text(b)}  (line {b[LINE]})")
+        a, b, value, field = diff.first
+        ranks = set(diff.sides[0].ranks) | set(diff.sides[1].ranks)
+        rank = f", rank {a['rank'] or 0}" if ranks != {0} else ""
+        out.append(f"first parting: {_when(a)}, {a['phase']}{rank}, module {module_name(a['module'], a['cls'])}, "
+                   f"entry {printable(a['entry'])}")
+        out.append(f"   A: {_stat_text(a)}  (line {a['line']})")
+        out.append(f"   B: {_stat_text(b)}  (line {b['line']})")
         if field == BAD:
-            out.append(f"   a nan/inf in {'A' if is_bad(a[FIELDS]) else 'B'} only")
+            out.append(f"   a nan/inf in {'A' if a['bad'] else 'B'} only")
         else:
             out.append(f"   {ABS_NAMES[field]} differs by {_percent(value)}")
-    out.append(f"pairs beyond the tolerance: {_number(diff.parted)} of {_number(diff.pairs)}"
+    out.append(f"pairs beyond the tolerance: {diff.parted:,} of {diff.pairs:,}"
                + (f" ({100 * diff.parted / diff.pairs:.3g}%)" if diff.pairs else "")
-               + (f", in {sum(1 for info in diff.modules.values() if info[4])} of {len(diff.modules)} modules"
-                  if diff.parted and not diff.modules_dropped else ""))
+               + (f", in {diff.modules_parted} of {diff.modules_compared} modules" if diff.parted else ""))
     if diff.dtype_differs:
         a, b = diff.first_dtype
-        out.append(f"dtype differs in {_number(diff.dtype_differs)} pairs (first: {_when(a)}, {_what(a)}: "
-                   f"{printable(a[FIELDS][DTYPE])} in A, {printable(b[FIELDS][DTYPE])} in B)")
+        out.append(f"dtype differs in {diff.dtype_differs:,} pairs (first: {_when(a)}, {_what(a)}: "
+                   f"{printable(a['dtype'])} in A, {printable(b['dtype'])} in B)"
+                   + ("; so abs max only is compared, abs min moving with a dtype's rounding and underflow "
+                      "(--stat abs_min compares it anyway)" if diff.compared != diff.stat else ""))
     if diff.numel_differs:
         a, b = diff.first_numel
-        out.append(f"element count differs in {_number(diff.numel_differs)} pairs (first: {_when(a)}, {_what(a)}: "
-                   f"{a[FIELDS][NUMEL]} in A, {b[FIELDS][NUMEL]} in B)")
+        out.append(f"element count differs in {diff.numel_differs:,} pairs (first: {_when(a)}, {_what(a)}: "
+                   f"{a['numel']} in A, {b['numel']} in B)")
     return out
 
 
 def _largest_lines(diff):
     out = ["largest divergence per module (its largest relative difference; parted: where it first went "
            "beyond the tolerance):"]
-    rows = diff.largest()
-    if not rows:
+    if not diff.largest:
         out.append("  (no aligned pair differs)")
         return out
     table = [("divergence", "stat", "at", "parted", "A", "B", "module / entry")]
-    for module, info in rows:
-        field, a, b = info[2]
+    for module, value, field, a, b, parted_at, _ in diff.largest:
         if field == BAD:
-            value_a, value_b = (("nan/inf" if is_bad(e[FIELDS]) else "finite") for e in (a, b))
+            value_a, value_b = ("nan/inf" if row["bad"] else "finite" for row in (a, b))
         else:
-            value_a, value_b = _g(magnitude(a[FIELDS][field])), _g(magnitude(b[FIELDS][field]))
-        parted = "-" if info[3] is None else _when(info[3][0])
-        table.append((_percent(info[1]), ABS_NAMES[field], _when(a), parted, value_a, value_b,
-                      f"{_what(a)} ({a[FIELDS][PHASE]})"))
+            value_a, value_b = _g(_stat(a, field)), _g(_stat(b, field))
+        table.append((_percent(value), ABS_NAMES[field], _when(a), "-" if parted_at is None else _when(parted_at),
+                      value_a, value_b, f"{_what(a)} ({a['phase']})"))
     widths = [max(len(row[i]) for row in table) for i in range(6)]
     for row in table:
         cells = [row[0].rjust(widths[0]), row[1].ljust(widths[1]), row[2].ljust(widths[2]), row[3].ljust(widths[3]),
                  row[4].rjust(widths[4]), row[5].rjust(widths[5]), row[6]]
         out.append("  " + "  ".join(cells))
-    more = sum(1 for info in diff.modules.values() if info[1] > 0) - len(rows)
-    if more > 0:
-        out.append(f"  ... and {more} more modules that differ")
+    if diff.differing > len(diff.largest):
+        out.append(f"  ... and {diff.differing - len(diff.largest)} more modules that differ")
     return out
 
 
@@ -916,47 +445,24 @@ def _one_sided_lines(diff):
         if not side.only:
             out.append(f"in {side.name} only: nothing")
             continue
-        out.append(f"in {side.name} only (not compared): {_number(side.only)} tensor entries")
+        out.append(f"in {side.name} only (not compared): {side.only:,} tensor entries")
         if side.only_ranks:
-            out.append(f"   ranks {other.name} did not record: {_list(sorted(side.only_ranks))} "
-                       f"({_number(sum(side.only_ranks.values()))} entries)")
-        if side.only_steps:
-            steps = diff.steps_only_in(side, other)
-            span = "" if steps is None or not steps[0] else f": {_number(steps[0])}, {steps[1]} to {steps[2]}"
-            out.append(f"   steps {other.name} did not record{span} "
-                       f"({_number(sum(side.only_steps.values()))} entries)")
+            ranks = sorted(side.only_ranks)
+            out.append(f"   ranks {other.name} did not record: {_span(ranks, len(ranks), ranks[0], ranks[-1])} "
+                       f"({len(ranks):,} {'rank' if len(ranks) == 1 else 'ranks'}, "
+                       f"{sum(side.only_ranks.values()):,} entries)")
+        entries, pairs, listed, first, last = side.only_steps
+        if entries:
+            out.append(f"   steps {other.name} did not record: {_span(listed, len(listed or ()), first, last)} "
+                       f"({pairs:,} {'step' if pairs == 1 else 'steps'}, {entries:,} entries)")
         if side.only_modules:
-            names = list(side.only_modules.items())
-            shown = ", ".join(f"{_name(m)} ({printable(c)}, {n} entries)" for m, (n, c) in names[:MAX_EXAMPLES])
-            more = f", and {len(names) - MAX_EXAMPLES} more" if len(names) > MAX_EXAMPLES else ""
-            out.append(f"   modules {other.name} did not record: {len(names)}: {shown}{more}")
+            count = side.only_module_count
+            shown = ", ".join(f"{module_name(m)} ({printable(c)}, {n} entries)" for m, c, n in side.only_modules)
+            more = f", and {count - len(side.only_modules)} more" if count > len(side.only_modules) else ""
+            out.append(f"   modules {other.name} did not record ({count:,} {'module' if count == 1 else 'modules'}): "
+                       f"{shown}{more}")
         if side.only_other:
-            shown = "; ".join(f"{_when(e)} {e[FIELDS][PHASE]} {_what(e)} (line {e[LINE]})" for e in side.only_examples)
+            shown = "; ".join(f"{_when(e)} {e['phase']} {_what(e)} (line {e['line']})" for e in side.only_examples)
             out.append(f"   other entries (an entry, or a repeated call, that {other.name} lacks): "
-                       f"{_number(side.only_other)}; first: {shown}")
-        if side.window:
-            out.append(f"   of them, {_number(side.window)} were given up on: more than {_number(diff.pending_cap)} "
-                       f"records waited for a partner at once (the logs differ too much there to align)")
-    return out
-
-
-def _notes(diff):
-    out = []
-    if diff.part_failed:
-        out.append(f"note: read in one pass: {diff.part_failed}")
-    for side in diff.sides:
-        if side.out_of_order:
-            line, step, latest = side.first_out_of_order
-            out.append(f"note: {side.name} is not in step order ({_number(side.out_of_order)} entries; first at line "
-                       f"{line}: step {step} after step {latest}): where the logs differ there, an entry finds "
-                       f"its partner only while it waits")
-    if diff.modules_dropped:
-        out.append(f"note: more than {_number(diff.max_modules)} modules: those with the largest divergence are kept"
-                   + ("; one dropped and taken back shows where it parted since" if diff.dropped_parted else ""))
-    if diff.names_over:
-        out.append(f"note: more than {_number(DISTINCT_CAP)} module names: modules in one run only are not told apart")
-    for side in diff.sides:
-        if side.steps.over:
-            out.append(f"note: {side.name} has more than {_number(DISTINCT_CAP)} steps: the steps one run only "
-                       f"recorded are not told apart")
+                       f"{side.only_other:,}; first: {shown}")
     return out

@@ -13,8 +13,9 @@ import textwrap
 import numpy as np  # (a matplotlib dependency)
 from matplotlib import colors, patches, transforms
 
-from .diff import IDENTICAL, NONFINITE, ONE_RUN, Picture, printable
+from .diff import IDENTICAL, NONFINITE, ONE_RUN, Picture
 from .plot import DPI, LINESTYLES, MAX_LABELS, NOT_RECORDED_HATCH, _edges, _flat_cells, _place_end_labels, plt
+from .text import LABEL_CHARS, label
 
 IDENTICAL_COLOR = "#d9ead3"
 NONFINITE_COLOR = "black"
@@ -45,9 +46,8 @@ def draw(diff, path, size=None, curves=5, title_source=""):
     heat = axes[0]
     x_range, bar, first_label = _draw_heatmap(fig, heat, picture, grid, kinds)
     _draw_key(bar, picture, fig_w)
-    title = "Where two runs part: divergence per module and step" + (f" — {title_source}" if title_source else "")
-    explained = ("divergence = |A - B| / max(A, B) of abs min or abs max, the largest of the module's entries "
-                 "in the column")
+    title = picture.title + (f" — {label(title_source, 2 * LABEL_CHARS)}" if title_source else "")
+    explained = picture.explained
     chars = max(40, int(fig_w * DPI / 8))
     fig.suptitle("\n".join(textwrap.wrap(title, chars) + textwrap.wrap(explained, chars)), fontsize=11)
     ends = []
@@ -57,7 +57,7 @@ def draw(diff, path, size=None, curves=5, title_source=""):
         curve_ax.set_xlim(*x_range)
         curve_ax.set_xlabel(picture.xlabel.split(";")[0])
         curve_ax.grid(True, alpha=0.3)
-        if picture.first is not None:
+        if picture.first is not None and picture.first["x"] is not None:
             curve_ax.axvline(picture.first["x"], color="red", linewidth=1, linestyle=":")
     _place_end_labels(fig, heat, first_label, ends)
     fig.savefig(path, dpi=DPI, format="png")
@@ -78,7 +78,7 @@ def _draw_heatmap(fig, heat, picture, grid, kinds):
                            norm=norm, shading="flat")
     heat.set_xlim(x[0], x[-1])
     heat.set_ylim(rows - 0.5, -0.5)
-    labels = [printable(name) if name else "(model)" for name in picture.modules]
+    labels = picture.labels
     every = max(1, math.ceil(rows / MAX_LABELS))
     heat.set_yticks(range(0, rows, every))
     heat.set_yticklabels(labels[::every], fontsize=7 if rows > 30 else 8)
@@ -98,12 +98,14 @@ def _first_label(fig, heat, picture, x_range):
     if first is None:
         return None
     x0, x1 = x_range
-    width = picture.width
-    fx, fy = first["x"] // width * width + (width - 1) / 2, first["row"]  # its column's centre
     above = transforms.offset_copy(transforms.blended_transform_factory(heat.transData, heat.transAxes),
                                    fig=fig, y=16, units="points")
     style = dict(color="red", fontsize=9, fontweight="bold", va="bottom", annotation_clip=False,
                  bbox=dict(boxstyle="round,pad=0.3", fc="white", ec="red"))
+    if first["x"] is None:  # no place on the timeline: the label alone, at the left
+        return heat.annotate(first["text"], xy=(x0, 1.0), xycoords=above, ha="left", **style)
+    width = picture.width
+    fx, fy = first["x"] // width * width + (width - 1) / 2, first["row"]  # its column's centre
     frac = (fx - x0) / (x1 - x0) if x1 > x0 else 0.5
     ha = "right" if frac > 0.66 else "left" if frac < 0.34 else "center"
     if fy is None:
@@ -144,7 +146,7 @@ def _draw_curves(ax, picture, grid, kinds):
         ax.plot(centres[keep], np.maximum(values[keep], LOWEST), marker="." if keep.sum() < 60 else None,
                 linewidth=1.6, color=colour, linestyle=LINESTYLES[k % len(LINESTYLES)])
         last = np.flatnonzero(keep)[-1]
-        labelled.append((centres[last], max(values[last], LOWEST), printable(name) if name else "(model)", colour))
+        labelled.append((centres[last], max(values[last], LOWEST), picture.labels[index[name]], colour))
     ax.set_yscale("log")
     ax.set_ylim(bottom=LOWEST / 2)
     if picture.rtol > 0:

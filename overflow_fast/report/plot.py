@@ -17,7 +17,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402  (a matplotlib dependency)
 from matplotlib import colors, patches, transforms  # noqa: E402
 
-from .summary import ALL_ZERO, INTEGER_ONLY, NONFINITE, Picture, printable  # noqa: E402
+from .summary import ALL_ZERO, INTEGER_ONLY, NONFINITE, Picture  # noqa: E402
+from .text import LABEL_CHARS, label  # noqa: E402
 
 DPI = 100
 MAX_LABELS = 60
@@ -158,6 +159,8 @@ def draw(summary, path, size=None, curves=5, title_source=""):
     rows = len(modules)
     grid = np.array([[np.nan if v is None else v for v in row] for row in picture.values], dtype=float)
     grid = grid.reshape(rows, len(picture.columns))
+    shares = np.array([[np.nan if v is None else v for v in row] for row in picture.shares], dtype=float)
+    shares = shares.reshape(rows, len(picture.columns))
     kinds = np.array(picture.kinds, dtype=object).reshape(rows, len(picture.columns))
     underflow = picture.underflow[:max(curves, 0)]
     hottest = picture.curves
@@ -181,7 +184,7 @@ def draw(summary, path, size=None, curves=5, title_source=""):
     curve_ax = axes.pop(0) if hottest else None
     under_ax = axes.pop(0) if underflow else None
 
-    (x_lo, x_hi), bar, first_label = _draw_heatmap(fig, heat, picture, summary, grid, kinds)
+    (x_lo, x_hi), bar, first_label = _draw_heatmap(fig, heat, picture, summary, shares, kinds)
     _draw_key(bar, picture, fig_w)
     _draw_title(fig, picture, title_source, fig_w)
     ends = []  # (axes, [(x, y, text, colour)]): labelled once the layout is known
@@ -199,8 +202,9 @@ def draw(summary, path, size=None, curves=5, title_source=""):
 
 
 def _draw_heatmap(fig, heat, picture, summary, grid, kinds):
-    """The heatmap: layers from the back (not recorded) to the front (nan/inf), its axes and the
-    colour bar under it. Returns the x range, the colour bar and the first nan/inf's label."""
+    """The heatmap of ``grid`` (each cell's headroom as a share of its dtype's): layers from the
+    back (not recorded) to the front (nan/inf), its axes and the colour bar under it. Returns the x
+    range, the colour bar and the first nan/inf's label."""
     modules, width = picture.modules, picture.width
     rows = len(modules)
     x = _edges([c * width for c in picture.columns], width) if picture.columns else [0, 1]
@@ -209,17 +213,15 @@ def _draw_heatmap(fig, heat, picture, summary, grid, kinds):
         x_lo, x_hi = min(x_lo, picture.eval_x[0] - width / 2), max(x_hi, picture.eval_x[-1] + width / 2)
     y = np.arange(rows + 1) - 0.5
     _flat_cells(heat, x, y, grid, kinds, ((ALL_ZERO, ALL_ZERO_COLOR), (INTEGER_ONLY, INTEGER_COLOR)))
-    finite = grid[np.isfinite(grid)]
-    vmax = max(float(np.percentile(finite, 99)) if finite.size else 16.0, 1.0)
-    mesh = heat.pcolormesh(x, y, np.ma.masked_invalid(grid), cmap=plt.get_cmap("RdYlBu"),
-                           norm=colors.Normalize(vmin=0.0, vmax=vmax), shading="flat")
+    mesh = heat.pcolormesh(x, y, np.ma.masked_invalid(100 * grid), cmap=plt.get_cmap("RdYlBu"),
+                           norm=colors.Normalize(vmin=0.0, vmax=100.0), shading="flat")
     bad = kinds == NONFINITE
     if bad.any():
         heat.pcolormesh(x, y, np.ma.masked_where(~bad, np.ones_like(grid)), shading="flat",
                         cmap=colors.ListedColormap([NONFINITE_COLOR]))
     heat.set_xlim(x_lo, x_hi)
     heat.set_ylim(rows - 0.5, -0.5)  # first module at the top
-    labels = [printable(name) if name else "(model)" for name in modules]
+    labels = [label(name) if name else "(model)" for name in modules]
     every = max(1, math.ceil(rows / MAX_LABELS))
     heat.set_yticks(range(0, rows, every))
     heat.set_yticklabels(labels[::every], fontsize=7 if rows > 30 else 8)
@@ -229,7 +231,8 @@ def _draw_heatmap(fig, heat, picture, summary, grid, kinds):
     # the key under the heatmap: the colour bar at the left, the legend at its right
     bar = fig.colorbar(mesh, ax=heat, location="bottom", shrink=0.32, aspect=22, anchor=(0.0, 1.0),
                        extend="max", extendfrac=0.03)
-    bar.set_label("headroom (bits below the dtype's largest value)\n0 = overflow, red = close to it", fontsize=9)
+    bar.set_label("headroom, in % of the dtype's own at 1.0 (16 bits in float16, 128 in float32)\n"
+                  "0 = overflow, red = close to it for that dtype", fontsize=9)
     if picture.eval_x:  # in the margin above the top edge, never over a cell
         mark = transforms.offset_copy(transforms.blended_transform_factory(heat.transData, heat.transAxes),
                                       fig=fig, y=5, units="points")
@@ -263,7 +266,7 @@ def _draw_title(fig, picture, title_source, fig_w):
     title = "Headroom before overflow, per module and " + (
         "optimizer step" if picture.unit == "optimizer" else "batch")
     if title_source:
-        title += f" — {title_source}"
+        title += f" — {label(title_source, 2 * LABEL_CHARS)}"
     explained = ("headroom = log2(largest finite value of the dtype / largest |value| seen): "
                  "each bit lost is a doubling toward inf")
     chars = max(40, int(fig_w * DPI / 8))  # what fits on a line at 11 points
@@ -285,10 +288,10 @@ def _draw_curves(ax, picture, hottest, grid):
                 color=colour, linestyle=LINESTYLES[k % len(LINESTYLES)])
         last = np.flatnonzero(keep)[-1]
         labelled.append((centres[last], values[last],
-                         f"{printable(name) if name else '(model)'} ({printable(class_name)})", colour))
+                         f"{label(name) if name else '(model)'} ({label(class_name)})", colour))
     ax.axhline(0, color="red", linewidth=1, linestyle="--")
     ax.set_ylim(bottom=-0.5)
-    ax.set_ylabel("headroom (bits)\n0 = overflow (red line)")
+    ax.set_ylabel("headroom (bits below\nthe dtype's largest value)\n0 = overflow (red line)")
     ax.set_title(f"The {len(hottest)} modules that came closest to overflow (lowest headroom), "
                  f"labelled at their ends", fontsize=10)
     return labelled
@@ -299,7 +302,7 @@ def _draw_underflow(ax, underflow):
     labelled = []
     for k, ((module, entry), xs, subs, zeros) in enumerate(underflow):
         colour = f"C{(k + 5) % 10}"  # not the headroom curves' colours: other things
-        name = f"{printable(module) if module else '(model)'} {printable(entry)}"
+        name = f"{label(module) if module else '(model)'} {label(entry)}"
         xs = np.array(xs, dtype=float)
         subs = 100 * np.array(subs, dtype=float)
         zeros = 100 * np.array(zeros, dtype=float)
