@@ -7,6 +7,7 @@ import os
 import struct
 import subprocess
 import sys
+import warnings
 
 import pytest
 
@@ -275,3 +276,44 @@ def test_progress_of_a_compressed_log_counts_its_bytes_as_stored(tmp_path):
             progress = Counted()
             Logs([[str(path)]], engine, progress=progress).close()
             assert progress.done == len(data) == check_readable([str(path)]), (name, engine)
+
+
+# -- pictures of hostile logs ----------------------------------------------------------------------------
+
+def _long_names_run(path, name, steps=6, scale=1.0):
+    """A run whose names are long: the first module's is ``name`` (its class's and entry's 5,000
+    characters), and it overflows at step 4; ``scale`` its values."""
+    with Recorder(path) as recorder:
+        for step in range(steps):
+            recorder.write([
+                entry_record(step, "forward", 0, name, "C" * 5000, "output" + "E" * 5000, "float16",
+                             row(0.1, float("inf") if step == 4 else 100.0 * (step + 1) * scale, posinf=int(step == 4))),
+                entry_record(step, "forward", 1, "short", "Linear", "output", "float16", row(0.1, 2.0)),
+            ])
+    return path
+
+
+def test_pictures_of_a_log_with_huge_names_cut_the_labels_and_keep_the_names_in_the_text(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from overflow_fast.report import diff as diffing
+    from overflow_fast.report.text import LABEL_CHARS
+
+    name = "layers." + "x" * (256 << 10) + ".tail"  # 256 KiB
+    path = _long_names_run(tmp_path / "run.jsonl", name)
+    other = _long_names_run(tmp_path / "other.jsonl", name, steps=5, scale=1.5)
+    with Logs([[str(path)]], available_engines()[0]) as logs:
+        picture = Picture(Summary(logs, bins=True))
+    assert all(len(label) <= LABEL_CHARS for label in picture.modules)
+    assert picture.modules[0].startswith("layers.xxx") and picture.modules[0].endswith("xxx.tail")
+    assert all(len(line) <= 2 * LABEL_CHARS + 1 for line in picture.first["text"].splitlines())
+    assert all(len(text) <= 2 * LABEL_CHARS + 4 for _, text in picture.curves)
+    with Logs([[str(path)], [str(other)]], available_engines()[0]) as logs:
+        drawn = diffing.Picture(diffing.Diff(logs, grid=True))
+    assert all(len(label) <= LABEL_CHARS for label in drawn.labels)
+    for command, logs in (("report", [path]), ("diff", [path, other])):
+        png = tmp_path / f"{command}.png"
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # (matplotlib says so when the labels squeeze the axes to nothing)
+            assert cli.main([command, *map(str, logs), "--png", str(png), "--no-progress"]) == 0
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert name in capsys.readouterr().out  # the text keeps the whole name

@@ -8,6 +8,7 @@ import json
 import lzma
 import os
 import random
+import warnings
 from pathlib import Path
 
 import pytest
@@ -132,8 +133,8 @@ def test_30k_modules_give_exact_tables(tmp_path, engine):
     assert summary.zero_count == 6_000
     assert [name for name, _, _ in summary.hottest()] == sorted(truth, key=truth.get)[:TOP]
     assert [(row[2], row[3]) for row in summary.subnormal] == sorted(subnormal, key=subnormal.get)[:TOP]
-    assert len(summary.plot_modules()) == PLOT_ROWS
-    assert set(summary.plot_modules()) == set(sorted(truth, key=truth.get)[:PLOT_ROWS])
+    assert {name for _, name in summary.drawn} == set(sorted(truth, key=truth.get)[:PLOT_ROWS])
+    assert [first for first, _ in summary.drawn] == sorted(first for first, _ in summary.drawn)  # in log order
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -527,3 +528,61 @@ def test_duckdb_out_of_memory_scans_again_on_one_thread(tmp_path, capsys, monkey
     walked, _ = _spied(monkeypatch)
     code, out, err = report(capsys, "duckdb", path)
     assert (code, out, err) == (0, expected, "") and threads == [2, 1] and walked == []
+
+
+# -- where the reader writes -------------------------------------------------------------------------------
+
+def test_the_reader_writes_only_into_a_private_folder_and_says_when_it_passes_one_over(tmp_path, monkeypatch, capsys):
+    """The reader's temporary files (DuckDB's spill files, sqlite's database) go into a fresh folder
+    that passes the rule the C++ kernel's cache follows; a temporary folder others can change is
+    passed over with a warning that names it and why, as the kernel's cache is."""
+    import stat
+    import tempfile
+
+    from overflow_fast import build_cache
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)  # anyone may rename our folder away and put theirs in its place: no sticky bit
+    monkeypatch.setattr(tempfile, "tempdir", str(shared))
+    monkeypatch.setenv(build_cache.CACHE_ENV, str(tmp_path / "cache"))
+    with pytest.warns(RuntimeWarning, match=f"not using {shared} for the log reader's temporary files: {shared} is "
+                                            f"writable by its group and others"):
+        folder = reader.scratch_folder()
+    assert folder.startswith(str(tmp_path / "cache")) and build_cache.private_folder(folder) == (Path(folder), None)
+    assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700 and not os.listdir(shared)
+    path = write_run(tmp_path / "run.jsonl", steps=3)
+    for engine in ENGINES:
+        with pytest.warns(RuntimeWarning, match="not using"):
+            code, out, err = report(capsys, engine, path)
+        assert code == 0 and "first non-finite value:" in out
+    shared.chmod(0o1777)  # sticky, as /tmp: a folder made there stays ours
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        folder = reader.scratch_folder()
+    assert folder.startswith(str(shared))
+    os.rmdir(folder)
+
+
+@pytest.mark.skipif("duckdb" not in ENGINES, reason="DuckDB not installed")
+def test_duckdb_loads_no_extension_and_spills_only_into_the_private_folder(tmp_path):
+    path = write_run(tmp_path / "run.jsonl", steps=3)
+    with Logs([[str(path)]], "duckdb") as logs:
+        settings = {name: str(logs.one(f"SELECT current_setting('{name}')")[0]) for name in (
+            "autoload_known_extensions", "autoinstall_known_extensions", "temp_directory", "extension_directory")}
+        folder = logs.scratch
+        assert settings["autoload_known_extensions"] == settings["autoinstall_known_extensions"] == "False"
+        assert settings["temp_directory"].startswith(folder) and settings["extension_directory"].startswith(folder)
+    assert not os.path.exists(folder)  # removed with the reader
+
+
+def test_with_no_private_folder_the_reader_says_so_and_still_reads(tmp_path, monkeypatch, capsys):
+    import tempfile
+
+    monkeypatch.setattr(reader.build_cache, "private_folder", lambda path, create=False: (Path(path), "it is not ours"))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    path = write_run(tmp_path / "run.jsonl", steps=3)
+    for engine in ENGINES:
+        with pytest.warns(RuntimeWarning, match="no private folder for the log reader's temporary files"):
+            code, out, _ = report(capsys, engine, path)
+        assert code == 0 and "first non-finite value:" in out

@@ -16,7 +16,7 @@ run that went on longer, a different ``log_every``), modules, and other entries.
 import math
 
 from .summary import NOT_RECORDED  # noqa: F401 - a kind of cell here too
-from .text import label, module_name, printable, when
+from .text import cut, label, module_name, printable, when
 from .timeline import BATCH, OPTIMIZER, bin_width
 
 MAX_COLUMNS = 200  # step bins of the picture: fewer than 2 * MAX_COLUMNS
@@ -221,16 +221,17 @@ class Diff:
                      FROM scored JOIN module_pairs ON m_module = module AND value = v AND sr = bsr
                      GROUP BY m_module, v, n, fsr, psr, first, fp""")
         self.differing = logs.one("SELECT count(*) FROM per_module WHERE v > 0")[0]
-        largest = logs.rows("""SELECT m.module, m.v, m.n, b.apos, b.bpos, b.field, m.fp FROM per_module m
+        largest = logs.rows("""SELECT m.module, m.v, m.n, b.apos, b.bpos, b.field, m.fp, m.first FROM per_module m
                                JOIN scored b ON b.apos = m.best WHERE m.v > 0
                                ORDER BY m.v DESC, m.psr IS NULL, m.psr, m.fp, m.fsr, m.first LIMIT ?""", (TOP,))
         self.largest = []
-        for module, value, parted, apos, bpos, field, first_parted in largest:
+        for module, value, parted, apos, bpos, field, first_parted, first in largest:
             a, b = self.rows_at([apos, bpos])
             parted_at = None if first_parted is None else self.rows_at([first_parted])[0]
-            self.largest.append((module, value, field, a, b, parted_at, parted))
-        drawn = logs.rows("SELECT module, fsr, first FROM per_module ORDER BY v DESC, fsr, first LIMIT ?", (PLOT_ROWS,))
-        self.drawn = [module for module, _, _ in sorted(drawn, key=lambda row: row[1:])]
+            self.largest.append((module, value, field, a, b, parted_at, parted, first))
+        logs.rows("CREATE TEMP TABLE drawn AS SELECT module AS drawn_module, first AS drawn_first, fsr FROM per_module "
+                  "ORDER BY v DESC, fsr, first LIMIT ?", (PLOT_ROWS,))
+        self.drawn = logs.rows(f"SELECT drawn_first, {cut('drawn_module')} FROM drawn ORDER BY fsr, drawn_first")
 
     def _grid(self):
         """The picture's cells: per drawn module, the largest divergence in each bin of ``width``
@@ -241,15 +242,17 @@ class Diff:
         first, last = logs.one(f"SELECT min({x}), max({x}) FROM entries")
         self.width = width = bin_width(first, last, MAX_COLUMNS)
         shift = width.bit_length() - 1
-        logs.table("drawn", {"drawn_module": "VARCHAR"}, [(m,) for m in self.drawn])
-        self.cells, self.one_sided = {}, {}
-        for module, b, value in logs.rows(f"""SELECT module, {x} >> {shift} AS b, max(value) FROM scored
-                                              JOIN drawn ON module = drawn_module WHERE {x} IS NOT NULL
-                                              GROUP BY module, b"""):
-            self.cells.setdefault(module, {})[b] = value
-        for module, b in logs.rows(f"""SELECT DISTINCT module, {x} >> {shift} FROM alone
-                                       JOIN drawn ON module = drawn_module WHERE {x} IS NOT NULL"""):
-            self.one_sided.setdefault(module, set()).add(b)
+        self.cells, self.one_sided = {}, {}  # by the module's first pair (``drawn``)
+        for key, b, value in logs.rows(f"""SELECT drawn_first, {x} >> {shift} AS b, max(value) FROM scored
+                                           JOIN drawn ON module = drawn_module WHERE {x} IS NOT NULL
+                                           GROUP BY drawn_first, b"""):
+            self.cells.setdefault(key, {})[b] = value
+        for key, b in logs.rows(f"""SELECT DISTINCT drawn_first, {x} >> {shift} FROM alone
+                                    JOIN drawn ON module = drawn_module WHERE {x} IS NOT NULL"""):
+            self.one_sided.setdefault(key, set()).add(b)
+        found = None if self.first is None else logs.one("SELECT drawn_first FROM drawn WHERE drawn_module = ?",
+                                                           (self.first[0]["module"],))
+        self.first_drawn = None if found is None else found[0]
 
     def steps_only_in(self, side):
         """(the (rank, step)s that ``side`` recorded, of ranks both recorded, and the other did not;
@@ -279,17 +282,17 @@ class Picture:
     def __init__(self, diff, curves=5):
         self.rtol, self.unit = diff.rtol, diff.unit
         self.width = width = diff.width
-        self.modules = modules = diff.drawn
-        self.labels = [label(name) if name else "(model)" for name in modules]
+        self.keys = keys = [key for key, _ in diff.drawn]  # each module's first pair
+        self.modules = self.labels = [label(name) if name else "(model)" for _, name in diff.drawn]
         self.columns = sorted({b for bins in list(diff.cells.values()) + list(diff.one_sided.values()) for b in bins})
         self.centres = [c * width + (width - 1) / 2 for c in self.columns]
         column = {c: j for j, c in enumerate(self.columns)}
-        self.values = [[None] * len(self.columns) for _ in modules]
-        self.kinds = [[NOT_RECORDED] * len(self.columns) for _ in modules]
-        for i, name in enumerate(modules):
-            for c in diff.one_sided.get(name, ()):
+        self.values = [[None] * len(self.columns) for _ in keys]
+        self.kinds = [[NOT_RECORDED] * len(self.columns) for _ in keys]
+        for i, key in enumerate(keys):
+            for c in diff.one_sided.get(key, ()):
                 self.kinds[i][column[c]] = ONE_RUN
-            for c, value in diff.cells.get(name, {}).items():
+            for c, value in diff.cells.get(key, {}).items():
                 j = column[c]
                 if value == INF:
                     self.kinds[i][j] = NONFINITE
@@ -310,16 +313,16 @@ class Picture:
         if diff.first is not None:
             a, _, value, field = diff.first
             x = a["gstep"] if self.unit == OPTIMIZER else a["step"]
-            row = modules.index(a["module"]) if a["module"] in modules and x is not None else None
+            row = keys.index(diff.first_drawn) if diff.first_drawn is not None and x is not None else None
             self.first = {
                 "x": x, "row": row,
-                "text": (f"first parting: {_when(a)}, {a['phase']}\n{label(a['module'] or '(model)')} "
+                "text": (f"first parting: {_when(a)}, {a['phase']}\n{label(a['module'] or '(model)')}\n"
                          f"{label(a['entry'])}: " + ("nan/inf in one run" if field == BAD else
                                                       f"{ABS_NAMES[field]} {_percent(value)}")
                          + ("" if row is not None else "\n(not among the modules drawn)")),
             }
-        drawn = set(modules)
-        self.curves = [row[0] for row in diff.largest[:max(curves, 0)] if row[0] in drawn] if curves > 0 else []
+        row = {key: i for i, key in enumerate(keys)}
+        self.curves = [row[found[7]] for found in diff.largest[:max(curves, 0)] if found[7] in row]
 
 
 # -- the text ------------------------------------------------------------------------------------
@@ -422,7 +425,7 @@ def _largest_lines(diff):
         out.append("  (no aligned pair differs)")
         return out
     table = [("divergence", "stat", "at", "parted", "A", "B", "module / entry")]
-    for module, value, field, a, b, parted_at, _ in diff.largest:
+    for module, value, field, a, b, parted_at, *_ in diff.largest:
         if field == BAD:
             value_a, value_b = ("nan/inf" if row["bad"] else "finite" for row in (a, b))
         else:

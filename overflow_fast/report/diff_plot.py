@@ -135,10 +135,9 @@ def _draw_curves(ax, picture, grid, kinds):
     """The divergence of the modules that diverge most, per column (log scale; identical
     statistics at its bottom); returns their end labels."""
     centres = np.array(picture.centres, dtype=float)
-    index = {name: i for i, name in enumerate(picture.modules)}
     labelled = []
-    for k, name in enumerate(picture.curves):
-        values = np.where(kinds[index[name]] == IDENTICAL, LOWEST, grid[index[name]])
+    for k, row in enumerate(picture.curves):
+        values = np.where(kinds[row] == IDENTICAL, LOWEST, grid[row])
         keep = np.isfinite(values)
         if not keep.any():
             continue
@@ -146,7 +145,7 @@ def _draw_curves(ax, picture, grid, kinds):
         ax.plot(centres[keep], np.maximum(values[keep], LOWEST), marker="." if keep.sum() < 60 else None,
                 linewidth=1.6, color=colour, linestyle=LINESTYLES[k % len(LINESTYLES)])
         last = np.flatnonzero(keep)[-1]
-        labelled.append((centres[last], max(values[last], LOWEST), picture.labels[index[name]], colour))
+        labelled.append((centres[last], max(values[last], LOWEST), picture.labels[row], colour))
     ax.set_yscale("log")
     ax.set_ylim(bottom=LOWEST / 2)
     if picture.rtol > 0:

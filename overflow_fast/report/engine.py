@@ -74,6 +74,8 @@ def scratch_folder():
         candidates.append(str(cache))
     rejected = []
     for parent in candidates:
+        if parent != candidates[0]:
+            build_cache.private_folder(parent, create=True)
         try:
             made = tempfile.mkdtemp(prefix="overflow_fast-logs-", dir=parent)
         except OSError as error:

@@ -221,7 +221,7 @@ def _draw_heatmap(fig, heat, picture, summary, grid, kinds):
                         cmap=colors.ListedColormap([NONFINITE_COLOR]))
     heat.set_xlim(x_lo, x_hi)
     heat.set_ylim(rows - 0.5, -0.5)  # first module at the top
-    labels = [label(name) if name else "(model)" for name in modules]
+    labels = modules
     every = max(1, math.ceil(rows / MAX_LABELS))
     heat.set_yticks(range(0, rows, every))
     heat.set_yticklabels(labels[::every], fontsize=7 if rows > 30 else 8)
@@ -276,10 +276,9 @@ def _draw_title(fig, picture, title_source, fig_w):
 def _draw_curves(ax, picture, hottest, grid):
     """The headroom curves of the modules closest to overflow; returns their end labels."""
     centres = np.array(picture.centres, dtype=float)
-    index = {name: i for i, name in enumerate(picture.modules)}
     labelled = []
-    for k, (name, class_name) in enumerate(hottest):
-        values = grid[index[name]]
+    for k, (row, text) in enumerate(hottest):
+        values = grid[row]
         keep = np.isfinite(values)
         if not keep.any():
             continue
@@ -287,8 +286,7 @@ def _draw_curves(ax, picture, hottest, grid):
         ax.plot(centres[keep], values[keep], marker="." if keep.sum() < 60 else None, linewidth=1.6,
                 color=colour, linestyle=LINESTYLES[k % len(LINESTYLES)])
         last = np.flatnonzero(keep)[-1]
-        labelled.append((centres[last], values[last],
-                         f"{label(name) if name else '(model)'} ({label(class_name)})", colour))
+        labelled.append((centres[last], values[last], text, colour))
     ax.axhline(0, color="red", linewidth=1, linestyle="--")
     ax.set_ylim(bottom=-0.5)
     ax.set_ylabel("headroom (bits below\nthe dtype's largest value)\n0 = overflow (red line)")
@@ -302,7 +300,7 @@ def _draw_underflow(ax, underflow):
     labelled = []
     for k, ((module, entry), xs, subs, zeros) in enumerate(underflow):
         colour = f"C{(k + 5) % 10}"  # not the headroom curves' colours: other things
-        name = f"{label(module) if module else '(model)'} {label(entry)}"
+        name = f"{label(module, 32) if module else '(model)'} {label(entry, 24)}"
         xs = np.array(xs, dtype=float)
         subs = 100 * np.array(subs, dtype=float)
         zeros = 100 * np.array(zeros, dtype=float)

@@ -11,7 +11,7 @@ files count in the order given.
 import math
 import os
 
-from .text import label, module_name, printable, when
+from .text import cut, label, module_name, printable, when
 from .timeline import BATCH, OPTIMIZER, bin_width
 
 MAX_COLUMNS = 200  # step bins of the picture: fewer than 2 * MAX_COLUMNS (400) columns, each a power-of-two run of steps
@@ -87,8 +87,7 @@ class Summary:
         self.eval_nonfinite = self._first_nonfinite(logs, EVAL)
         self.eval_best = logs.one(f"""SELECT module, cls, entry, dtype, {_WHEN}, phase, amax, ratio FROM entries
                                       WHERE {EVAL} AND ratio IS NOT NULL ORDER BY ratio, pos LIMIT 1""")
-        self._modules(logs, max(plot_rows, TOP))
-        self.plot_rows = plot_rows
+        self._modules(logs, plot_rows)
         self.subnormal = best_rows(logs, "module, entry", "sf", "numel > 0 AND sf > 0",
                                    f"module, entry, dtype, numel, {_WHEN}", TOP, largest=True)
         self.all_zero = best_rows(logs, "module, entry", "step", "numel > 0 AND zf >= 1",
@@ -110,36 +109,33 @@ class Summary:
                 "global_step", "mode")
         return dict(zip(keys, row), source=self.paths[row[-1]])
 
-    def _modules(self, logs, limit):
-        """The modules closest to their limit (lowest headroom; ties and those without any: by
-        position), each with its class where it first appears and its lowest-headroom entry."""
-        self.modules = logs.rows("""
+    def _modules(self, logs, plot_rows):
+        """``ranked``: the modules closest to their limit (lowest headroom; ties and those without
+        any: by position), as (module, lowest ratio or None, its first position, the position of its
+        lowest-headroom entry); ``modules``: the first ``TOP`` of them, each with its class where it
+        first appears and that entry; ``drawn``: the ``plot_rows`` the picture draws, in the order
+        they first appear, as (first position, its name cut for a label)."""
+        logs.rows("""CREATE TEMP TABLE ranked AS
             WITH m AS (SELECT module, min(ratio) AS r, min(pos) AS first FROM entries GROUP BY module),
             b AS (SELECT m.module, min(e.pos) AS best FROM entries e JOIN m ON e.module = m.module AND e.ratio = m.r
-                  GROUP BY m.module),
-            k AS (SELECT m.module, m.r, m.first, b.best FROM m LEFT JOIN b ON b.module = m.module
-                  ORDER BY m.r IS NULL, m.r, coalesce(b.best, m.first) LIMIT ?)
+                  GROUP BY m.module)
+            SELECT m.module, m.r, m.first, b.best FROM m LEFT JOIN b ON b.module = m.module
+            ORDER BY m.r IS NULL, m.r, coalesce(b.best, m.first) LIMIT ?""", (max(plot_rows, TOP),))
+        self.modules = logs.rows("""
             SELECT k.module, f.cls, k.r, k.first, e.entry, e.dtype, e.step, e.phase, e.amax, e.gstep, e.mode
-            FROM k JOIN entries f ON f.pos = k.first LEFT JOIN entries e ON e.pos = k.best
-            ORDER BY k.r IS NULL, k.r, coalesce(k.best, k.first)""", (limit,))
-
-    @property
-    def modules_dropped(self):
-        return max(0, self.module_count - self.plot_rows)
+            FROM (SELECT * FROM ranked ORDER BY r IS NULL, r, coalesce(best, first) LIMIT ?) AS k
+            JOIN entries f ON f.pos = k.first LEFT JOIN entries e ON e.pos = k.best
+            ORDER BY k.r IS NULL, k.r, coalesce(k.best, k.first)""", (TOP,))
+        self.drawn = logs.rows(f"""SELECT first, {cut("module")} FROM (SELECT * FROM ranked
+                                   ORDER BY r IS NULL, r, coalesce(best, first) LIMIT ?) AS k ORDER BY first""",
+                               (plot_rows,))
+        self.modules_dropped = max(0, self.module_count - plot_rows)
 
     def hottest(self, n=TOP):
         """[(module, class, (headroom, entry, dtype, step, phase, abs_max, global_step, mode))],
         lowest headroom first."""
         return [(module, cls, (headroom(r), entry, dtype, step, phase, amax, gstep, mode))
                 for module, cls, r, _, entry, dtype, step, phase, amax, gstep, mode in self.modules[:n] if r is not None]
-
-    def plot_modules(self):
-        """The modules the picture draws, in the order they first appear: the ``plot_rows`` with
-        the least headroom."""
-        return [row[0] for row in sorted(self.modules[:self.plot_rows], key=lambda row: row[3])]
-
-    def class_of(self, module):
-        return next(row[1] for row in self.modules if row[0] == module)
 
 
 class _Bins:
@@ -156,14 +152,17 @@ class _Bins:
         summary.width = width = bin_width(first, last, max_columns)
         shift = width.bit_length() - 1
         summary.first_x, summary.last_x = first, last
-        modules = summary.plot_modules()
-        logs.table("drawn", {"drawn_module": "VARCHAR"}, [(m,) for m in modules])
+        logs.rows("CREATE TEMP TABLE drawn AS SELECT module AS drawn_module, first AS drawn_first FROM ranked "
+                  "ORDER BY r IS NULL, r, coalesce(best, first) LIMIT ?", (len(summary.drawn),))
         summary.cells = logs.rows(f"""
-            SELECT module, {x} >> {shift} AS b, dtype, min(ratio), max(bad), max(fmax),
+            SELECT drawn_first, {x} >> {shift} AS b, dtype, min(ratio), max(bad), max(fmax),
                 max(CASE WHEN bad = 0 AND ratio IS NULL AND fmax IS NOT NULL THEN 1 ELSE 0 END),
                 max(CASE WHEN bad = 0 AND fmax IS NULL THEN 1 ELSE 0 END)
             FROM entries JOIN drawn ON module = drawn_module WHERE {TRAIN} AND {x} IS NOT NULL
-            GROUP BY module, b, dtype""")
+            GROUP BY drawn_first, b, dtype""")
+        first = summary.first_nonfinite
+        summary.first_module = None if first is None else logs.one(
+            "SELECT drawn_first FROM drawn WHERE drawn_module = ?", (first["module"],))
         summary.eval_bins = sorted(b for b, in logs.rows(
             f"SELECT DISTINCT {x} >> {shift} FROM entries WHERE {EVAL} AND {x} IS NOT NULL"))
         where = TRAIN if summary.unit == OPTIMIZER else "1 = 1"
@@ -217,18 +216,18 @@ class Picture:
     def __init__(self, summary, curves=5):
         unit = self.unit = summary.unit
         self.width = width = summary.width
-        self.modules = modules = summary.plot_modules()
-        self.classes = [summary.class_of(name) for name in modules]
+        self.keys = [first for first, _ in summary.drawn]  # each module's first position
+        self.modules = [label(name) if name else "(model)" for _, name in summary.drawn]
         grouped = {}
         for module, b, _, ratio, bad, fmax, zero, integer in summary.cells:
             grouped.setdefault((module, b), []).append((ratio, bad, fmax, zero, integer))
         self.columns = sorted({b for _, b in grouped})
         self.centres = [c * width + (width - 1) / 2 for c in self.columns]
         column = {c: j for j, c in enumerate(self.columns)}
-        row = {name: i for i, name in enumerate(modules)}
-        self.values = [[None] * len(self.columns) for _ in modules]
-        self.shares = [[None] * len(self.columns) for _ in modules]
-        self.kinds = [[NOT_RECORDED] * len(self.columns) for _ in modules]
+        row = {key: i for i, key in enumerate(self.keys)}
+        self.values = [[None] * len(self.columns) for _ in self.keys]
+        self.shares = [[None] * len(self.columns) for _ in self.keys]
+        self.kinds = [[NOT_RECORDED] * len(self.columns) for _ in self.keys]
         for (module, b), found in grouped.items():
             i, j = row[module], column[b]
             self.values[i][j], self.shares[i][j], self.kinds[i][j] = _cell(found)
@@ -245,16 +244,17 @@ class Picture:
         first = summary.first_nonfinite
         if first is not None:
             x = first.get("global_step") if unit == OPTIMIZER else first["step"]
-            on_map = x is not None and first.get("mode") != "eval" and first["module"] in row
+            on_map = x is not None and first.get("mode") != "eval" and summary.first_module is not None
             self.first = {
-                "x": x, "row": row[first["module"]] if on_map else None,
+                "x": x, "row": row[summary.first_module[0]] if on_map else None,
                 "text": (f"first nan/inf: {when(first['step'], first.get('global_step'), first.get('mode'), unit)}, "
-                         f"{first['phase']}\n{label(first['module'] or '(model)')} {label(first['entry'])}"
+                         f"{first['phase']}\n{label(first['module'] or '(model)')}\n{label(first['entry'])}"
                          + ("" if on_map or x is None else "\n(not on the heatmap: eval)" if first.get("mode") == "eval"
                             else "\n(not on the heatmap: not among the modules drawn)")),
             }
-        self.curves = [(name, class_name) for name, class_name, _ in summary.hottest(max(curves, 0))
-                       if name in row] if curves else []
+        self.curves = [(row[first], f"{label(name, 32) if name else '(model)'} ({label(cls, 16)})")
+                       for name, cls, r, first, *_ in summary.modules[:max(curves, 0)]
+                       if r is not None and first in row]
         self.underflow = []
         for key, bins in summary.underflow:
             if bins:

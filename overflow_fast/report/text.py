@@ -3,7 +3,7 @@ short), times in the timeline's unit, counts that never read as steps."""
 
 from .timeline import OPTIMIZER
 
-LABEL_CHARS = 60  # a name in a picture: longer ones are cut in the middle (the text keeps them whole)
+LABEL_CHARS = 48  # a name in a picture: longer ones are cut in the middle (the text keeps them whole)
 
 
 def printable(text):
@@ -26,6 +26,13 @@ def label(text, limit=LABEL_CHARS):
     head = (limit - 1) // 2
     tail = limit - 1 - head
     return printable(text[:head])[:head] + "\u2026" + printable(text[-tail:])[-tail:]
+
+
+def cut(column, keep=4 * LABEL_CHARS):
+    """SQL: a name no longer than about ``keep`` characters, its middle left out, for a label (a
+    picture's names come from the engine cut: a log may hold names of megabytes)."""
+    return (f"CASE WHEN length({column}) <= {2 * keep} THEN {column} "
+            f"ELSE substr({column}, 1, {keep}) || '\u2026' || substr({column}, -{keep}) END")
 
 
 def module_name(name, class_name=None):
