@@ -529,3 +529,31 @@ def test_the_command_line(tmp_path, capsys):
         assert cli.main(["diff", a, b, "--engine", engine, "--jobs", "1"]) == 0
         texts.append(capsys.readouterr().out)
     assert len(set(texts)) == 1
+
+
+def test_the_picture_says_what_it_draws_in_optimizer_steps_where_the_logs_know_them(tmp_path, capsys):
+    """With the trainer's steps in the records, the text, the x axis and the first parting's mark all
+    speak of optimizer steps; the title names the statistics compared."""
+    known = lambda step: dict(global_step=step // 2, mode="train")  # gradient accumulation 2
+    a = write(tmp_path / "a.jsonl", [rec(s, m, abs_max=2.0, **known(s)) for s in range(8) for m in ("h.0", "h.1")])
+    b = write(tmp_path / "b.jsonl", [rec(s, m, abs_max=2.0 + (s >= 5 and m == "h.1"), **known(s))
+                                     for s in range(8) for m in ("h.0", "h.1")])
+    with Logs([[a], [b]], ENGINES[0]) as logs:
+        diff = Diff(logs, grid=True, stat="abs_max")
+    picture = Picture(diff)
+    assert picture.xlabel.startswith("optimizer step") and picture.title == (
+        "Where two runs part: divergence of abs max per module and optimizer step")
+    assert picture.first["x"] == 2 and picture.first["row"] == picture.modules.index("h.1")
+    assert picture.columns == [0, 1, 2, 3] and "optimizer step 2 (train, batch 5)" in picture.first["text"]
+    assert "first parting: optimizer step 2 (train, batch 5), forward, module h.1" in diff.text()
+    assert cli.main(["diff", a, b, "--png", str(tmp_path / "d.png"), "--no-progress"]) == 0
+
+
+def test_counts_in_the_text_never_read_as_steps(tmp_path):
+    a = write(tmp_path / "a.jsonl", steps_of(range(40), rank=0) + steps_of(range(3), rank=1))
+    b = write(tmp_path / "b.jsonl", steps_of([0, 1, 2, 3, 36, 37, 38, 39], rank=0))
+    text = run(a, b).text()
+    assert "steps B did not record: 4 to 35 (32 steps, 256 entries)" in text
+    assert "ranks B did not record: 1 (1 rank, 24 entries)" in text
+    c = write(tmp_path / "c.jsonl", steps_of([0, 1, 2, 3, 4, 36, 37, 38, 39], rank=0) + steps_of(range(3), rank=1))
+    assert "steps A did not record: 4 (1 step, 8 entries)" in run(b, c).text()

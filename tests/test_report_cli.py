@@ -317,3 +317,42 @@ def test_pictures_of_a_log_with_huge_names_cut_the_labels_and_keep_the_names_in_
             assert cli.main([command, *map(str, logs), "--png", str(png), "--no-progress"]) == 0
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert name in capsys.readouterr().out  # the text keeps the whole name
+
+
+# -- the command line, and pictures per dtype ------------------------------------------------------------------
+
+def test_version_and_each_commands_own_usage_on_its_mistakes(capsys):
+    from overflow_fast import __version__
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--version"])
+    assert exit_info.value.code == 0 and capsys.readouterr().out == f"overflow-fast {__version__}\n"
+    for argv, usage in ((["report", "run.jsonl", "--pgn", "x.png"], "report"), (["report", "--size", "big", "x"], "report"),
+                        (["diff", "a.jsonl"], "diff"), (["replay"], "replay"), (["info", "--verbose"], "info")):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(argv)
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and err.startswith(f"usage: overflow-fast {usage} "), (argv, err)
+        assert ("unrecognized arguments: --pgn x.png" in err) == ("--pgn" in argv)
+
+
+@pytest.mark.parametrize("engine", available_engines())
+def test_headroom_colours_are_each_dtypes_own(tmp_path, engine):
+    """An autocast run: fp32 weights at 1.0 (128 bits below float32's limit) and fp16 activations at 8
+    (13 bits below float16's): both far from their limits, so neither is coloured as close to it;
+    an fp16 activation at 16,384 (2 bits) is. A cell holding both dtypes shows the one nearer."""
+    path = tmp_path / "autocast.jsonl"
+    with Recorder(path) as recorder:
+        for step in range(4):
+            recorder.write([
+                entry_record(step, "forward", 0, "fc", "Linear", "weight", "float32", row(0.01, 1.0)),
+                entry_record(step, "forward", 0, "fc", "Linear", "output", "float16", row(0.01, 8.0)),
+                entry_record(step, "forward", 1, "hot", "Linear", "output", "float16", row(0.01, 16384.0)),
+                entry_record(step, "forward", 2, "cool", "Linear", "weight", "float32", row(0.01, 1.0))])
+    with Logs([[str(path)]], engine) as logs:
+        picture = Picture(Summary(logs, bins=True))
+    share = dict(zip(picture.modules, (shares[0] for shares in picture.shares)))
+    bits = dict(zip(picture.modules, (values[0] for values in picture.values)))
+    assert bits["fc"] == pytest.approx(math.log2(F16_MAX / 8)) and bits["cool"] == pytest.approx(128.0, abs=0.01)
+    assert share["fc"] == pytest.approx(math.log2(F16_MAX / 8) / math.log2(F16_MAX))  # its fp16 output's, not fp32's
+    assert share["cool"] == pytest.approx(1.0, abs=0.01) and share["fc"] > 0.75 and share["hot"] < 0.15

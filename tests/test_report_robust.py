@@ -586,3 +586,28 @@ def test_with_no_private_folder_the_reader_says_so_and_still_reads(tmp_path, mon
         with pytest.warns(RuntimeWarning, match="no private folder for the log reader's temporary files"):
             code, out, _ = report(capsys, engine, path)
         assert code == 0 and "first non-finite value:" in out
+
+
+@pytest.mark.parametrize("command", ["report", "diff"])
+def test_without_duckdb_both_commands_read_with_json_and_say_what_it_costs(tmp_path, command):
+    """The same reader for both commands: DuckDB missing, the json reader reads, gives what
+    --engine python gives, and says on stderr what it costs and what to install."""
+    import subprocess
+    import sys
+
+    from test_recorder import child_env
+
+    path = write_run(tmp_path / "run.jsonl", steps=4)
+    logs = [str(path)] if command == "report" else [str(path), str(path)]
+    code = ("import sys; sys.modules['duckdb'] = None\n"
+            "from overflow_fast.cli import main\n"
+            "sys.exit(main(sys.argv[1:]))")
+    results = [subprocess.run([sys.executable, "-c", code, command, *logs, *extra], capture_output=True, text=True,
+                              env=child_env(), timeout=300) for extra in ([], ["--engine", "python"])]
+    missing, chosen = results
+    assert missing.returncode == chosen.returncode == 0 and missing.stdout == chosen.stdout and chosen.stderr == ""
+    assert missing.stderr == f"overflow-fast: {reader.FALLBACK_NOTE}\n"
+    assert "pip install 'overflow_fast[logs]'" in missing.stderr and "a tenth of DuckDB's speed" in missing.stderr
+    asked = subprocess.run([sys.executable, "-c", code, command, *logs, "--engine", "duckdb"], capture_output=True,
+                           text=True, env=child_env(), timeout=300)
+    assert asked.returncode == 1 and "needs DuckDB" in asked.stderr

@@ -467,5 +467,5 @@ def _one_sided_lines(diff):
         if side.only_other:
             shown = "; ".join(f"{_when(e)} {e['phase']} {_what(e)} (line {e['line']})" for e in side.only_examples)
             out.append(f"   other entries (an entry, or a repeated call, that {other.name} lacks): "
-                       f"{side.only_other:,}; first: {shown}")
+                       f"{side.only_other:,} entries; first: {shown}")
     return out

@@ -307,7 +307,7 @@ def _recorded_lines(summary):
     elif len(ranks) <= 32:
         out.append(f"ranks: {', '.join(map(str, ranks))}")
     else:
-        out.append(f"ranks: {len(ranks)} ({ranks[0]} to {ranks[-1]})")
+        out.append(f"ranks: {ranks[0]} to {ranks[-1]} ({len(ranks)} ranks)")
     return out + [""]
 
 
