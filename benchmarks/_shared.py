@@ -14,7 +14,8 @@ of itself (its own clock, its own setup left out) returns its seconds (``self_ti
 ``reference_reads(tensors)`` is the reference detector's own work on each tensor, to time against.
 
 ``command_measured(args)`` runs ``python -m overflow_fast ARGS`` in a child process: its wall and CPU
-time and its peak resident memory.
+time and its peak resident memory. ``compare_commands`` times cases of such runs, this checkout's
+beside another's (``--against``), run for run alternated.
 """
 
 import contextlib
@@ -79,11 +80,12 @@ def reference_reads(tensors):
         torch.isinf(x).any().item()
 
 
-def command_measured(args):
+def command_measured(args, root=None, env=None):
     """(seconds, peak RSS in MB, stdout, CPU seconds) of one ``python -m overflow_fast ARGS`` run
-    of this checkout, in a child process (its resources from wait4()); a failed run raises."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    of this checkout (``root``: of the checkout there), in a child process (its resources from
+    wait4()), with ``env`` added to the environment; a failed run raises."""
+    root = root or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, **(env or {}), PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         start = time.perf_counter()
         child = subprocess.Popen([sys.executable, "-m", "overflow_fast", *args], stdout=out, stderr=err, env=env)
@@ -95,3 +97,27 @@ def command_measured(args):
         if code != 0:
             raise RuntimeError(f"{' '.join(args)} failed ({code}): {err.read().decode()[-2000:]}")
         return seconds, usage.ru_maxrss / 1024, out.read().decode(), usage.ru_utime + usage.ru_stime
+
+
+def compare_commands(cases, runs, against=None, label_width=30, printed=None):
+    """Time each case (label, size in MB, this checkout's args, the other checkout's args or None)
+    ``runs`` times, this checkout's run and ``against``'s (a checkout's path) alternated; print a
+    row per case and checkout: seconds, MB/s, CPU seconds, MB per CPU second (the figure load
+    changes least), peak RSS (medians; RSS the largest). Returns {(label, "now" or "before"): stdout}."""
+    print(f"{'case':<{label_width}} {'tree':<7} {'MB':>7} {'seconds':>8} {'MB/s':>7} {'CPU s':>7} {'MB/CPU s':>8} "
+          f"{'peak RSS MB':>12}")
+    outputs = {}
+    for label, size, args, before, *env in cases:
+        trees = [("now", None, args)] + ([("before", against, before)] if against and before else [])
+        results = {tree: [] for tree, _, _ in trees}
+        for index in range(runs):
+            for tree, root, command in (trees if index % 2 == 0 else trees[::-1]):
+                results[tree].append(command_measured(command, root, *env))
+        for tree, _, _ in trees:
+            measured = sorted(results[tree])
+            seconds, _, out, cpu = measured[len(measured) // 2]
+            rss = max(m[1] for m in measured)
+            outputs[(label, tree)] = out
+            print(f"{label:<{label_width}} {tree:<7} {size:7.0f} {seconds:8.2f} {size / seconds:7.1f} {cpu:7.2f} "
+                  f"{size / cpu:8.1f} {rss:12.0f}", flush=True)
+    return outputs

@@ -1,5 +1,6 @@
-"""`overflow-fast diff` on generated logs: MB/s and peak RSS, one process and in parts, beside
-`overflow-fast report` reading the same bytes.
+"""`overflow-fast diff` on generated logs: MB/s and peak RSS, per engine, beside `overflow-fast
+report` reading the same bytes, and beside another checkout (``--against``: the same commands, run
+for run alternated; that checkout's `diff` runs as its own default does).
 
 Two logs written together under a temporary directory (never in the repository), reused when
 present: the report benchmark's shape (one rank, 150 modules x 3 entries a step, lines as the
@@ -8,11 +9,13 @@ module after it drifting apart in B, and B stopping 5% of the steps early. Defau
 1 GB in all (`--mb` per log). With `--extra`, also a B that records one module more than A every
 step.
 
-Each run is `python -m overflow_fast diff A B --jobs N` (or `report A B --engine E`) in a child
-process; its wall time gives MB/s (both files' bytes / seconds), its CPU seconds and peak RSS come
-from wait4() (the parts' processes included: CPU summed, RSS the largest one).
+Each run is `python -m overflow_fast diff A B --engine E` (or `report A B --engine duckdb`) in a
+child process; its wall time gives MB/s (both files' bytes / seconds), its CPU seconds and peak RSS
+come from wait4(). The json reader is timed on 1/10 of the logs' size (``--python``: it reads at
+about a tenth of DuckDB's speed).
 
 Run: python benchmarks/bench_diff.py [--dir /tmp/overflow_fast_bench] [--runs 3] [--mb 512] [--quick]
+     [--python] [--against PATH_OF_ANOTHER_CHECKOUT]
 """
 
 import argparse
@@ -74,6 +77,23 @@ def write_pair(path_a, path_b, size, seed=0, extra=False):
     os.replace(path_b + ".part", path_b)
 
 
+def logs(directory, mb, extra):
+    """[(label, A, B)]: the pair of logs of ``mb`` MB each (written once), and with ``extra`` the
+    A against a B with one module more."""
+    os.makedirs(directory, exist_ok=True)
+    a, b = (os.path.join(directory, f"diff-{mb}mb-{side}.jsonl") for side in "ab")
+    if not (os.path.exists(a) and os.path.exists(b)):
+        write_pair(a, b, mb << 20)
+    pairs = [("same modules", a, b)]
+    if extra:
+        b_extra = os.path.join(directory, f"diff-{mb}mb-b-extra.jsonl")
+        if not os.path.exists(b_extra):
+            write_pair(b_extra + ".a", b_extra, mb << 20, extra=True)
+            os.remove(b_extra + ".a")  # the same A as above
+        pairs.append(("B: one module more", a, b_extra))
+    return pairs
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "overflow_fast_bench"))
@@ -81,50 +101,41 @@ def main(argv=None):
     parser.add_argument("--mb", type=int, default=512, help="MB per log (default 512: 1 GB in all)")
     parser.add_argument("--quick", action="store_true", help="2 MB logs, one run (a smoke test)")
     parser.add_argument("--extra", action="store_true", help="also diff against a B with one module more")
+    parser.add_argument("--python", action="store_true", help="also time the json reader (on logs a tenth the size)")
+    parser.add_argument("--against", metavar="PATH", help="another checkout, timed beside this one")
     args = parser.parse_args(argv)
     if args.quick:
-        args.runs, args.mb = 1, 2
-    os.makedirs(args.dir, exist_ok=True)
-    a, b = (os.path.join(args.dir, f"diff-{args.mb}mb-{side}.jsonl") for side in "ab")
-    if not (os.path.exists(a) and os.path.exists(b)):
-        write_pair(a, b, args.mb << 20)
-    pairs = [("same modules", a, b)]
-    if args.extra:
-        b_extra = os.path.join(args.dir, f"diff-{args.mb}mb-b-extra.jsonl")
-        if not os.path.exists(b_extra):
-            write_pair(b_extra + ".a", b_extra, args.mb << 20, extra=True)
-            os.remove(b_extra + ".a")  # the same A as above
-        pairs.append(("B: one module more", a, b_extra))
-    name, level = _results.cpu_model(), _results.avx_level()
+        args.runs, args.mb, args.python = 1, 2, True
     try:
         import duckdb
         duck = duckdb.__version__
     except ImportError:
         duck = None
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    print(f"CPU: {name} ({level}), {cpus} cores; DuckDB {duck or 'not installed'}; Python {sys.version.split()[0]}; "
-          f"medians of {args.runs} runs; load average {os.getloadavg()[0]:.2f}")
-    print(f"logs: A {os.path.getsize(a) / 1e6:.0f} MB, B {os.path.getsize(b) / 1e6:.0f} MB ({MODULES} modules x "
-          f"{len(ENTRIES)} entries a step; B parts at 60% of the steps and ends at 95%)")
-    print(f"{'logs':<20} {'command':<28} {'MB':>7} {'seconds':>8} {'MB/s':>7} {'CPU s':>7} {'MB/CPU s':>8} "
-          f"{'peak RSS MB':>12}")
-    for label, path_a, path_b in pairs:
+    print(f"CPU: {_results.cpu_model()} ({_results.avx_level()}), {cpus} cores; DuckDB {duck or 'not installed'}; "
+          f"Python {sys.version.split()[0]}; medians of {args.runs} runs; load average {os.getloadavg()[0]:.2f}")
+    cases = []
+    for label, path_a, path_b in logs(args.dir, args.mb, args.extra):
         size = (os.path.getsize(path_a) + os.path.getsize(path_b)) / 1e6
-        cases = [(f"diff --jobs {jobs}", ["diff", path_a, path_b, "--jobs", str(jobs)]) for jobs in sorted({1, cpus})]
         if duck:
-            cases.append(("report A B --engine duckdb", ["report", path_a, path_b, "--engine", "duckdb",
-                                                          "--no-progress"]))
-        outputs = []
-        for case, command in cases:
-            results = sorted(_shared.command_measured(command) for _ in range(args.runs))
-            seconds, _, out, cpu = results[len(results) // 2]
-            rss = max(r[1] for r in results)
-            if case.startswith("diff"):
-                outputs.append(out)
-            print(f"{label:<20} {case:<28} {size:7.0f} {seconds:8.2f} {size / seconds:7.1f} {cpu:7.2f} "
-                  f"{size / cpu:8.1f} {rss:12.0f}", flush=True)
-        print(f"{label}: the diffs' texts are {'identical' if len(set(outputs)) == 1 else 'DIFFERENT'}; "
-              + next((line for line in outputs[0].splitlines() if line.startswith("first parting")), "?"))
+            cases.append((f"{label}: diff --engine duckdb", size, ["diff", path_a, path_b, "--engine", "duckdb"],
+                          ["diff", path_a, path_b]))
+            report = ["report", path_a, path_b, "--engine", "duckdb", "--no-progress"]
+            cases.append((f"{label}: report A B --engine duckdb", size, report, report))
+    if args.python:
+        label, path_a, path_b = logs(args.dir, max(args.mb // 10, 1), False)[0]
+        size = (os.path.getsize(path_a) + os.path.getsize(path_b)) / 1e6
+        cases.append((f"{label} (1/10): diff --engine python", size, ["diff", path_a, path_b, "--engine", "python"],
+                      ["diff", path_a, path_b, "--jobs", "1"], {"OVERFLOW_FAST_WITHOUT_EXTENSION": "1"}))
+    print(f"logs: {args.mb} MB each ({MODULES} modules x {len(ENTRIES)} entries a step; B parts at 60% of the steps "
+          f"and ends at 95%)")
+    outputs = _shared.compare_commands(cases, args.runs, args.against, label_width=46)
+    for label, _, _ in logs(args.dir, args.mb, args.extra):
+        for tree in ("now", "before"):
+            texts = {out for (case, which), out in outputs.items() if which == tree and case.startswith(f"{label}: diff")}
+            first = next((line for line in next(iter(texts), "").splitlines() if line.startswith("first parting")), "?")
+            if texts:
+                print(f"{label} ({tree}): the diffs' texts are {'identical' if len(texts) == 1 else 'DIFFERENT'}; {first}")
 
 
 if __name__ == "__main__":

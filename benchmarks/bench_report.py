@@ -1,16 +1,20 @@
-"""`overflow-fast report` on generated logs: MB/s and peak RSS, per reader (DuckDB, plain Python).
+"""`overflow-fast report` on generated logs: MB/s and peak RSS, per engine (DuckDB, the json reader),
+beside another checkout's (``--against``: the same commands, run for run alternated).
 
-Two logs, written under a temporary directory (never in the repository) and reused when present:
+Logs, written under a temporary directory (never in the repository) and reused when present:
 - 100 MB: one rank, 150 modules x 3 entries a step (a GPT-2-small-sized forward), ~2,300 steps;
 - 1 GB: four ranks' files of 256 MB, 300,000 modules (each rank records all of them, and half
-  of them again in a second step).
+  of them again in a second step);
+- a hostile one: a few steps whose module name is 256 KiB, for the text and ``--png`` (the picture
+  of a valid log, however hostile, within a few times the text's time).
 Values drift so that headroom, subnormals, all-zero entries and one overflow all occur.
 
 Each run is `python -m overflow_fast report FILES --engine E` in a child process; its wall time
-gives MB/s (file bytes / seconds) and its peak RSS comes from wait4(). The plain reader is timed
-on the 100 MB log only (pass --python-1gb to time it on the 1 GB one: minutes).
+gives MB/s (file bytes / seconds) and its peak RSS comes from wait4(). The json reader is timed on
+the 100 MB log only (``--python-1gb`` times it on the 1 GB one: minutes).
 
 Run: python benchmarks/bench_report.py [--dir /tmp/overflow_fast_bench] [--runs 3] [--png] [--quick]
+     [--against PATH_OF_ANOTHER_CHECKOUT]
 """
 
 import argparse
@@ -84,57 +88,61 @@ def ensure_logs(directory, quick=False):
             f"{large_label} (4 ranks, {modules // 1000}k modules)": large}
 
 
-def measured(files, engine, png=None):
-    """(seconds, peak RSS in MB, stdout, CPU seconds) of one ``report`` run in a child process."""
-    return _shared.command_measured(["report", *files, "--engine", engine, "--no-progress",
-                                     *(["--png", png] if png else [])])
+def hostile_log(directory, name_bytes=256 << 10, steps=20):
+    """A valid log whose first module's name is ``name_bytes`` long, written once."""
+    path = os.path.join(directory, f"report-hostile-{name_bytes >> 10}k.jsonl")
+    if not os.path.exists(path):
+        name = "layers." + "x" * name_bytes
+        with open(path, "w") as f:
+            for step in range(steps):
+                for module, amax in ((name, 100.0 * (step + 1)), ("short", 2.0)):
+                    f.write(_LINE.format(step=step, phase="forward", call=0, module=module, cls="Linear",
+                                         entry="output", dtype="float16", numel=64, amin="0.1", amax=amax, nan=0,
+                                         posinf=0, zf=0.0, sf=0.0, rank="null"))
+    return path
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "overflow_fast_bench"))
     parser.add_argument("--runs", type=int, default=3, help="runs per case; the median is reported")
-    parser.add_argument("--png", action="store_true", help="also time --png (DuckDB reader)")
-    parser.add_argument("--python-1gb", action="store_true", help="also time the plain reader on 1 GB")
+    parser.add_argument("--png", action="store_true", help="also time --png (DuckDB)")
+    parser.add_argument("--python-1gb", action="store_true", help="also time the json reader on 1 GB")
     parser.add_argument("--quick", action="store_true", help="1 MB and 4 MB logs, one run (a smoke test)")
+    parser.add_argument("--against", metavar="PATH", help="another checkout, timed beside this one")
     args = parser.parse_args(argv)
     if args.quick:
         args.runs, args.python_1gb = 1, True
     logs = ensure_logs(args.dir, quick=args.quick)
-    name, level = _results.cpu_model(), _results.avx_level()
     try:
         import duckdb
         duck = duckdb.__version__
     except ImportError:
         duck = None
-    print(f"CPU: {name} ({level}), {os.cpu_count()} cores; DuckDB {duck or 'not installed'}; "
-          f"Python {sys.version.split()[0]}; medians of {args.runs} runs")
-    print(f"load average {os.getloadavg()[0]:.2f} (other work on this machine takes CPU from the runs: "
-          f"MB per CPU second is the figure load changes least)")
-    print(f"{'log':<30} {'reader':<14} {'MB':>7} {'seconds':>8} {'MB/s':>7} {'CPU s':>7} {'MB/CPU s':>8} "
-          f"{'peak RSS MB':>12}")
-    outputs = {}
+    print(f"CPU: {_results.cpu_model()} ({_results.avx_level()}), {os.cpu_count()} cores; DuckDB "
+          f"{duck or 'not installed'}; Python {sys.version.split()[0]}; medians of {args.runs} runs; load average "
+          f"{os.getloadavg()[0]:.2f} (other work on this machine takes CPU from the runs: MB per CPU second is the "
+          f"figure load changes least)")
+    cases = []
     for label, files in logs.items():
         size = sum(os.path.getsize(f) for f in files) / 1e6
-        cases = []
-        if duck:
-            cases.append(("duckdb", None))
-            if args.png:
-                cases.append(("duckdb", os.path.join(args.dir, "report.png")))
-        if "1 GB" not in label or args.python_1gb:
-            cases.append(("python", None))
-        for engine, png in cases:
-            runs = 1 if engine == "python" else args.runs
-            results = sorted(measured(files, engine, png) for _ in range(runs))
-            seconds, rss, out, cpu = results[len(results) // 2]
-            rss = max(r[1] for r in results)
-            outputs.setdefault(label, {})[engine if not png else engine + "+png"] = out
-            print(f"{label:<30} {engine + (' --png' if png else ''):<14} {size:7.0f} {seconds:8.2f} "
-                  f"{size / seconds:7.1f} {cpu:7.2f} {size / cpu:8.1f} {rss:12.0f}", flush=True)
-    for label, by_engine in outputs.items():
-        if "duckdb" in by_engine and "python" in by_engine:
-            print(f"{label}: the two readers' summaries are "
-                  f"{'identical' if by_engine['duckdb'] == by_engine['python'] else 'DIFFERENT'}")
+        engines = (["duckdb"] if duck else []) + (["python"] if "1 GB" not in label or args.python_1gb else [])
+        for engine in engines:
+            command = ["report", *files, "--engine", engine, "--no-progress"]
+            cases.append((f"{label}, {engine}", size, command, command))
+            if args.png and engine == "duckdb":
+                png = command + ["--png", os.path.join(args.dir, "report.png")]
+                cases.append((f"{label}, {engine} --png", size, png, png))
+    hostile = hostile_log(args.dir)
+    size = os.path.getsize(hostile) / 1e6
+    for png in ([], ["--png", os.path.join(args.dir, "hostile.png")]):
+        command = ["report", hostile, "--no-progress", *png]
+        cases.append((f"256 KiB module name{' --png' if png else ''}", size, command, command))
+    outputs = _shared.compare_commands(cases, args.runs, args.against, label_width=44)
+    for label in logs:
+        texts = [outputs[key] for key in ((f"{label}, duckdb", "now"), (f"{label}, python", "now")) if key in outputs]
+        if len(texts) == 2:
+            print(f"{label}: the two engines' summaries are {'identical' if texts[0] == texts[1] else 'DIFFERENT'}")
 
 
 if __name__ == "__main__":

@@ -80,7 +80,7 @@ def test_bench_all_csv_columns(tmp_path):
 def test_bench_report_quick(tmp_path):
     result = _run([os.path.join(BENCH, "bench_report.py"), "--quick", "--dir", str(tmp_path)], timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    rows = [line for line in result.stdout.splitlines() if re.search(r"\b(duckdb|python)\s+\d+ ", line)]
+    rows = [line for line in result.stdout.splitlines() if re.search(r"\b(duckdb|python)\s+now\s+\d+ ", line)]
     assert rows and all(len(row.split()) >= 10 for row in rows)
     if importlib.util.find_spec("duckdb") is not None:
         assert result.stdout.count("summaries are identical") == 2, result.stdout
@@ -89,9 +89,9 @@ def test_bench_report_quick(tmp_path):
 def test_bench_diff_quick(tmp_path):
     result = _run([os.path.join(BENCH, "bench_diff.py"), "--quick", "--extra", "--dir", str(tmp_path)], timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    rows = [line for line in result.stdout.splitlines() if re.search(r"(diff --jobs \d+|report A B)", line)]
-    assert len(rows) >= 4 and all(len(row.split()) >= 10 for row in rows)
-    assert result.stdout.count("the diffs' texts are identical; first parting: step") == 2, result.stdout
+    rows = [line for line in result.stdout.splitlines() if re.search(r"(diff --engine \w+|report A B)", line)]
+    assert len(rows) >= 5 and all(len(row.split()) >= 10 for row in rows)
+    assert result.stdout.count("(now): the diffs' texts are identical; first parting: step") == 2, result.stdout
 
 
 @pytest.mark.slow

@@ -254,12 +254,6 @@ class Diff:
                                                            (self.first[0]["module"],))
         self.first_drawn = None if found is None else found[0]
 
-    def steps_only_in(self, side):
-        """(the (rank, step)s that ``side`` recorded, of ranks both recorded, and the other did not;
-        their first and last step)."""
-        _, pairs, _, first, last = side.only_steps
-        return pairs, first, last
-
     def text(self):
         return "\n".join(_text_lines(self))
 

@@ -247,9 +247,9 @@ def walk(path, visit, wanted=None, progress=None):
 
 def survey(path):
     """(the line count, whether a line is over the size limit, why a compressed stream ends early
-    or None) of a log, in one pass at the speed of reading it."""
+    or None) of a log, in one pass at the speed of reading it (a block holds no whole over-long
+    line: it is shorter than the limit)."""
     lines, run, long_line = 0, 0, False  # run: bytes since the last newline
-    limit = schema.MAX_LINE_BYTES
     with LogFile(path) as handle:
         while True:
             block = handle.read(BLOCK)
@@ -257,31 +257,13 @@ def survey(path):
                 break
             newlines = block.count(b"\n")
             if newlines:
-                long_line = long_line or run + block.find(b"\n") > limit or len(block) - block.rfind(b"\n") - 1 > limit
-                if not long_line and newlines > 1:
-                    long_line = _long_inside(block, limit)
+                long_line = long_line or run + block.find(b"\n") > schema.MAX_LINE_BYTES
                 run = len(block) - block.rfind(b"\n") - 1
             else:
                 run += len(block)
-                long_line = long_line or run > limit
+            long_line = long_line or run > schema.MAX_LINE_BYTES
             lines += newlines
         return lines + (run > 0), long_line, handle.damage
-
-
-def _long_inside(block, limit):
-    """Whether two newlines of ``block`` are over ``limit`` bytes apart (only a block longer than
-    the limit can hold such a line)."""
-    if len(block) <= limit:
-        return False
-    at = block.find(b"\n")
-    while at >= 0:
-        following = block.find(b"\n", at + 1)
-        if following < 0:
-            return False
-        if following - at - 1 > limit:
-            return True
-        at = following
-    return False
 
 
 # newlines are counted in pieces this size: a wanted line is then looked for, newline by

@@ -48,14 +48,3 @@ def when(step, global_step, mode, unit):
         return f"optimizer step {global_step} ({mode + ', ' if mode else ''}batch {step})"
     text = f"batch {step} (no optimizer step)" if unit == OPTIMIZER else f"step {step}"
     return text + (f" ({mode})" if mode else "")
-
-
-def counted(count, what, first=None, last=None, listed=None):
-    """A count that never reads as a step: "4 steps: 36 to 39", "2 steps: 2, 4", "1 rank: 3"
-    (``listed``: the values, when few; ``first`` and ``last`` otherwise)."""
-    noun = what if count == 1 else what + "s"
-    if listed is not None and len(listed) == count and count <= 8:
-        return f"{count:,} {noun}: {', '.join(map(str, listed))}"
-    if first is None:
-        return f"{count:,} {noun}"
-    return f"{count:,} {noun}: {first}" + ("" if first == last else f" to {last}")
