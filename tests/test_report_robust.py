@@ -574,6 +574,10 @@ def test_duckdb_loads_no_extension_and_spills_only_into_the_private_folder(tmp_p
         assert settings["autoload_known_extensions"] == settings["autoinstall_known_extensions"] == "False"
         assert settings["temp_directory"].startswith(folder) and settings["extension_directory"].startswith(folder)
     assert not os.path.exists(folder)  # removed with the reader
+    with Logs([[str(path)]], "python") as logs:
+        folder = logs.scratch
+        assert logs.one("PRAGMA temp_store_directory") == (folder,) and os.listdir(folder) == ["logs.db"]
+    assert not os.path.exists(folder)
 
 
 def test_with_no_private_folder_the_reader_says_so_and_still_reads(tmp_path, monkeypatch, capsys):

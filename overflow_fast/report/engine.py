@@ -194,9 +194,9 @@ class Logs:
         for pragma in ("journal_mode = OFF", "synchronous = OFF", "cache_size = -65536", "temp_store = FILE"):
             self.con.execute(f"PRAGMA {pragma}")
         if self.scratch:
-            try:  # its sorts' files beside its database, not in a folder of sqlite's choosing
-                self.con.execute("PRAGMA temp_store_directory = ?", (self.scratch,))
-            except sqlite3.Error:
+            try:  # its sorts' files beside its database, not in a folder of sqlite's choosing (a PRAGMA takes no parameter)
+                self.con.execute("PRAGMA temp_store_directory = '" + self.scratch.replace("'", "''") + "'")
+            except sqlite3.Error:  # (a sqlite built without it: its own temporary folder, files unlinked at once)
                 pass
         types = {"BIGINT": "INTEGER", "VARCHAR": "TEXT", "DOUBLE": "REAL"}
         self.con.execute("CREATE TABLE entries (" + ", ".join(
