@@ -615,3 +615,65 @@ def test_without_duckdb_both_commands_read_with_json_and_say_what_it_costs(tmp_p
     asked = subprocess.run([sys.executable, "-c", code, command, *logs, "--engine", "duckdb"], capture_output=True,
                            text=True, env=child_env(), timeout=300)
     assert asked.returncode == 1 and "needs DuckDB" in asked.stderr
+
+
+def _fed(fifo, data):
+    """A thread that writes ``data`` into the named pipe ``fifo`` once a reader opens it."""
+    import threading
+
+    def feed():
+        try:
+            with open(fifo, "wb") as f:
+                f.write(data)
+        except OSError:  # the reader left: said by the command's own result
+            pass
+
+    thread = threading.Thread(target=feed, daemon=True)
+    thread.start()
+    return thread
+
+
+def _release(fifo):
+    """Unblock a writer still waiting on ``fifo`` for a reader (a command that never opened it)."""
+    try:
+        os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))
+    except OSError:
+        pass
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
+@pytest.mark.parametrize("engine", ENGINES)
+def test_logs_in_named_pipes_read_as_the_files_do(tmp_path, engine):
+    """`overflow-fast report <(zcat run.jsonl.gz)` and the like: a pipe, compressed or not, is opened
+    once (its writer sees no reader come and go) and read as the file is, by both commands."""
+    import subprocess
+    import sys
+
+    from test_recorder import child_env
+
+    run = write_run(tmp_path / "run.jsonl", steps=30)
+    other = write_run(tmp_path / "other.jsonl", steps=25)
+    cases = [("report", [run.read_bytes()]), ("report", [gzip.compress(run.read_bytes())]),
+             ("diff", [run.read_bytes(), gzip.compress(other.read_bytes())])]
+    for command, contents in cases:
+        fifos = []
+        for k, data in enumerate(contents):
+            fifo = str(tmp_path / f"pipe{k}")
+            if os.path.exists(fifo):
+                os.remove(fifo)
+            os.mkfifo(fifo)
+            fifos.append(fifo)
+            _fed(fifo, data)
+        try:
+            piped = subprocess.run([sys.executable, "-m", "overflow_fast", command, *fifos, "--engine", engine],
+                                   capture_output=True, text=True, env=child_env(), timeout=120)
+        finally:
+            for fifo in fifos:
+                _release(fifo)
+        files = [str(run)] if command == "report" else [str(run), str(other)]
+        plain = subprocess.run([sys.executable, "-m", "overflow_fast", command, *files, "--engine", engine],
+                               capture_output=True, text=True, env=child_env(), timeout=120)
+        normalized = plain.stdout
+        for fifo, path in zip(fifos, files):
+            normalized = normalized.replace(path, fifo)
+        assert (piped.returncode, piped.stdout, piped.stderr) == (0, normalized, ""), (command, piped.stderr)

@@ -29,7 +29,7 @@ import warnings
 
 from .. import build_cache
 from ..recording import schema
-from .logfile import BadFile, LogFile, line_starts, read_lines_at, survey, walk
+from .logfile import BadFile, LogFile, is_regular, line_starts, read_lines_at, survey, walk
 from .records import COLUMNS, POSITION_BITS, TYPES, Notes, read_log
 
 try:
@@ -244,8 +244,10 @@ class Logs:
         if _GLOB & set(path):
             return None, None
         try:
+            if not is_regular(path):  # opened once, by the json reader
+                return None, None
             with LogFile(path) as handle:
-                if not handle.regular or handle.compression not in (None, "gzip"):
+                if handle.compression not in (None, "gzip"):
                     return None, None
                 compression = handle.compression or "none"
             lines, long_line, damage = survey(path)

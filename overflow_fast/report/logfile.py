@@ -40,24 +40,25 @@ def unique_paths(paths):
 
 def check_readable(paths):
     """Total size of the files (as stored: compressed where they are); BadFile for one that cannot
-    be read, and for one compressed in a way this reader cannot undo."""
+    be read, and for one compressed in a way this reader cannot undo. A pipe is not opened here:
+    its first bytes would be lost, and a named one's writer would see its reader leave."""
     total = 0
     for path in paths:
         try:
-            with open(path, "rb") as handle:
-                if is_regular(handle):  # a pipe's first bytes must not be read here: they would be lost
+            if is_regular(path):
+                with open(path, "rb") as handle:
                     compression_of(handle, path)
-            total += os.path.getsize(path)
+                total += os.path.getsize(path)
+            elif not os.access(path, os.R_OK):
+                raise PermissionError(13, "Permission denied")
         except (OSError, ValueError) as error:
             raise BadFile(f"cannot read {path}: {getattr(error, 'strerror', None) or error}") from None
     return total
 
 
-def is_regular(handle):
-    try:
-        return stat.S_ISREG(os.fstat(handle.fileno()).st_mode)
-    except (OSError, ValueError):
-        return False
+def is_regular(path):
+    """Whether ``path`` is a regular file (a pipe is read once, and only by its reader)."""
+    return stat.S_ISREG(os.stat(path).st_mode)
 
 
 # compressed logs, told by their first bytes (a name can say anything): what opens each
@@ -105,7 +106,6 @@ class LogFile:
         except OSError as error:
             raise BadFile(f"cannot read {path}: {error.strerror or error}") from None
         try:
-            self.regular = is_regular(self._raw)
             self.compression = compression_of(self._raw, path)
         except BaseException:
             self._raw.close()
