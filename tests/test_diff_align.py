@@ -4,6 +4,7 @@ two engines reading every line alike, and the command line."""
 
 import gzip
 import json
+import os
 import random
 import re
 
@@ -517,8 +518,9 @@ def test_the_command_line(tmp_path, capsys):
     assert cli.main(["diff", a, str(tmp_path / "missing.jsonl")]) == 1
     assert "cannot read" in capsys.readouterr().err
     empty = write(tmp_path / "empty.jsonl", [])
-    assert cli.main(["diff", a, empty]) == 1
-    assert "no tensor entries in" in capsys.readouterr().err
+    for logs in ([a, empty], [empty, empty]):
+        assert cli.main(["diff", *logs, "--png", str(tmp_path / "d.png")]) == 1
+        assert "no tensor entries in" in capsys.readouterr().err and not os.path.exists(tmp_path / "d.png")
     for bad in (["--rtol", "-1"], ["--rtol", "nan"], ["--jobs", "0"], ["--stat", "mean"], ["--pgn", "x.png"]):
         with pytest.raises(SystemExit) as exit_info:
             cli.main(["diff", a, b, *bad])

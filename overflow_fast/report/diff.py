@@ -240,9 +240,11 @@ class Diff:
         logs = self.logs
         x = "gstep" if self.unit == OPTIMIZER else "step"
         first, last = logs.one(f"SELECT min({x}), max({x}) FROM entries")
-        self.width = width = bin_width(first, last, MAX_COLUMNS)
+        self.width = width = 1 if first is None else bin_width(first, last, MAX_COLUMNS)
         shift = width.bit_length() - 1
-        self.cells, self.one_sided = {}, {}  # by the module's first pair (``drawn``)
+        self.cells, self.one_sided, self.first_drawn = {}, {}, None  # by the module's first pair (``drawn``)
+        if first is None:  # (no entries: nothing to draw, and the command says so)
+            return
         for key, b, value in logs.rows(f"""SELECT drawn_first, {x} >> {shift} AS b, max(value) FROM scored
                                            JOIN drawn ON module = drawn_module WHERE {x} IS NOT NULL
                                            GROUP BY drawn_first, b"""):
