@@ -70,7 +70,7 @@ def _progress(total, forced):
 
 
 def build_parser():
-    """The parser, and each command's own parser by name (its usage is the one a mistake there prints)."""
+    """The parser of the command line (each command's own: ``_command_parser``)."""
     parser = argparse.ArgumentParser(
         prog="overflow-fast", description="overflow_fast's commands, one per line below; "
                                           "`overflow-fast COMMAND --help` says more of each.",
@@ -138,7 +138,13 @@ def build_parser():
     replay.add_argument("file", metavar="FILE.pt", help="overflow-rank<r>-step<s>.pt, from repro=DIR")
     replay.add_argument("--map-location", metavar="DEVICE", default=None,
                         help="load the file's tensors onto DEVICE (e.g. cpu, for a file written on a GPU)")
-    return parser, {"report": report, "diff": diff, "info": info, "replay": replay}
+    return parser
+
+
+def _command_parser(parser, name):
+    """The parser of the command ``name``: its usage is the one a mistake there prints."""
+    commands = next(action for action in parser._actions if isinstance(action, argparse._SubParsersAction))
+    return commands.choices[name]
 
 
 def _size(text):
@@ -315,10 +321,10 @@ def torch_version():
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser, commands = build_parser()
+    parser = build_parser()
     args, unknown = parser.parse_known_args(argv)  # usage errors exit with 2
     if unknown:  # said with the command's own usage, not the top level's
-        commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+        _command_parser(parser, args.command).error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command in ("report", "diff"):
         try:
             code = run_report(args) if args.command == "report" else run_diff(args)
