@@ -88,7 +88,9 @@ def command_measured(args, root=None, env=None):
     env = dict(os.environ, **(env or {}), PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         start = time.perf_counter()
-        child = subprocess.Popen([sys.executable, "-m", "overflow_fast", *args], stdout=out, stderr=err, env=env)
+        # (run from the checkout: `python -m` puts the working folder first on sys.path)
+        child = subprocess.Popen([sys.executable, "-m", "overflow_fast", *args], stdout=out, stderr=err, env=env,
+                                 cwd=root)
         _, status, usage = os.wait4(child.pid, 0)
         seconds = time.perf_counter() - start
         code = os.waitstatus_to_exitcode(status)
