@@ -81,7 +81,7 @@ def test_fp32_against_bf16_autocast_parts_at_the_first_op_autocast_runs_in_bf16(
         # the embeddings, dropout and the first LayerNorm run in fp32 under autocast: identical
         early = logs.rows("SELECT count(*) FROM pairs WHERE step = 0 AND high + low > 0 AND module IN "
                           "('transformer.wte', 'transformer.wpe', 'transformer.drop', 'transformer.h.0.ln_1') "
-                          "AND apos < (SELECT min(apos) FROM pairs WHERE a_dtype <> b_dtype)")[0][0]
+                          "AND apos < (SELECT min(apos) FROM pairs WHERE dtypes_differ = 1)")[0][0]
     assert early == 0
     a, b = diff.first_dtype
     assert (a["module"], a["entry"], a["dtype"], b["dtype"]) == ("transformer.h.0.attn.c_attn", "output", "float32",

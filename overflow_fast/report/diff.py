@@ -53,14 +53,12 @@ class Side:
     the steps listed when few, first, last), ``only_modules`` [(module, class, entries)] (the first
     few) of ``only_module_count``, ``only_other`` entries and the first few of them (row dicts)."""
 
-    def __init__(self, diff, logs, log):
+    def __init__(self, diff, logs, log, totals, ranks):
         self.name, self.log = "AB"[log], log
         self.path = logs.paths[log]
         self.notes = logs.notes[log]
-        self.entries, self.first_step, self.last_step = logs.one(
-            "SELECT count(*), min(step), max(step) FROM entries WHERE log = ?", (log,))
-        self.ranks = [r for r, in logs.rows("SELECT DISTINCT coalesce(rank, 0) AS r0 FROM entries WHERE log = ? "
-                                            "ORDER BY r0", (log,))]
+        self.entries, self.first_step, self.last_step = next((row[1:4] for row in totals if row[0] == log), (0, None, None))
+        self.ranks = [r for which, r in ranks if which == log]
         counts = dict(logs.rows("SELECT why, count(*) FROM alone WHERE log = ? GROUP BY why", (log,)))
         self.only = sum(counts.values())
         self.only_ranks = dict(logs.rows("SELECT r0, count(*) FROM alone WHERE log = ? AND why = 1 GROUP BY r0 "
@@ -94,7 +92,10 @@ class Diff:
             raise ValueError(f"stat must be one of {', '.join(STATS)}, not {stat!r}")
         self.logs, self.rtol, self.atol, self.stat = logs, rtol, atol, stat
         self._align()
-        self.dtype_differs, self.first_dtype = self._differs("a_dtype <> b_dtype")
+        self.dtype_differs, self.numel_differs = (n or 0 for n in logs.one(
+            "SELECT sum(dtypes_differ), sum(numels_differ) FROM pairs"))
+        self.first_dtype = self._first_of("dtypes_differ = 1") if self.dtype_differs else None
+        self.first_numel = self._first_of("numels_differ = 1") if self.numel_differs else None
         # runs that compute in other dtypes: a tensor's smallest magnitude moves with its dtype's
         # rounding and underflow (and so does everything after it), its largest by a rounding error
         self.compared = "abs_max" if stat == "both" and self.dtype_differs else stat
@@ -105,10 +106,11 @@ class Diff:
         self.parted = self.parted or 0
         self.first = self._pair(logs.one("SELECT apos, bpos, value, field FROM scored WHERE parted = 1 "
                                          "ORDER BY step, r0, apos LIMIT 1"))
-        self.numel_differs, self.first_numel = self._differs("a_numel <> b_numel")
         self._modules()
-        self.sides = [Side(self, logs, 0), Side(self, logs, 1)]
-        self.unit = OPTIMIZER if logs.one("SELECT count(gstep) FROM entries")[0] else BATCH
+        totals = logs.rows("SELECT log, count(*), min(step), max(step), count(gstep) FROM entries GROUP BY log")
+        ranks = logs.rows("SELECT DISTINCT log, coalesce(rank, 0) AS r0 FROM entries ORDER BY log, r0")
+        self.sides = [Side(self, logs, log, totals, ranks) for log in (0, 1)]
+        self.unit = OPTIMIZER if any(row[4] for row in totals) else BATCH
         self.cells = None
         if grid:
             self._grid()
@@ -139,8 +141,9 @@ class Diff:
         on = " AND ".join(f"a.{c} = b.{c}" for c in KEY)
         select = f"""SELECT a.pos AS apos, b.pos AS bpos, coalesce(a.r0, b.r0) AS r0, coalesce(a.step, b.step) AS step,
             coalesce(a.phase, b.phase) AS phase, coalesce(a.module, b.module) AS module,
-            CASE WHEN a.pos IS NULL THEN b.gstep ELSE a.gstep END AS gstep, a.dtype AS a_dtype, b.dtype AS b_dtype,
-            a.numel AS a_numel, b.numel AS b_numel, a.bad AS a_bad, b.bad AS b_bad,
+            CASE WHEN a.pos IS NULL THEN b.gstep ELSE a.gstep END AS gstep, a.bad AS a_bad, b.bad AS b_bad,
+            CASE WHEN a.dtype <> b.dtype THEN 1 ELSE 0 END AS dtypes_differ,
+            CASE WHEN a.numel <> b.numel THEN 1 ELSE 0 END AS numels_differ,
             {_relative("amax", "amax_s", self.atol)} AS high, {_relative("amin", "amin_s", self.atol)} AS low"""
         a, b = "side_a AS a", "side_b AS b"
         if logs.full_join:
@@ -197,10 +200,10 @@ class Diff:
         a, b = self.rows_at(found[:2])
         return a, b, found[2], found[3]
 
-    def _differs(self, where):
-        count, = self.logs.one(f"SELECT count(*) FROM pairs WHERE {where}")
+    def _first_of(self, where):
+        """(row of A, row of B) of the first pair where ``where`` holds."""
         first = self.logs.one(f"SELECT apos, bpos FROM pairs WHERE {where} ORDER BY step, r0, apos LIMIT 1")
-        return count, (None if first is None else tuple(self.rows_at(list(first))))
+        return tuple(self.rows_at(list(first)))
 
     def _modules(self):
         """Per module: the largest divergence (its first pair), where it first parted, how often;

@@ -291,7 +291,7 @@ class Logs:
         path = self.paths[file]
         lines = None
         if numbered and compression == "none":
-            starts, _ = line_starts(path, ordinals)
+            starts, _ = line_starts(path, ordinals, count=False)
             lines = ((ordinal, ordinal, raw) for ordinal, raw in zip(ordinals, read_lines_at(path, starts)))
         read_log(path, self.log_of[file], file, self.notes[self.log_of[file]], self._insert, wanted=iter(ordinals),
                  lines=lines)
@@ -321,10 +321,14 @@ def _read_json(param, compression, columns):
 
 
 def _text(column):
-    """A JSON string column's value: its text between the quotes when it has no escape (cheap),
-    else decoded by DuckDB's JSON parser."""
+    """A JSON string column's value: one of the schema's choices told by its JSON text, or its text
+    between the quotes when it has no escape (cheap), else decoded by DuckDB's JSON parser."""
     c = f'"{column}"'
-    return f"CASE WHEN contains({c}::VARCHAR, '\\') THEN {c}->>'$' ELSE ({c}::VARCHAR)[2:-2] END"
+    choices = next(field.choices for field in schema.RECORDS["entry"] if field.name == column)
+    if choices is not None:  # (plain words: their JSON text is the word in quotes)
+        return f"CASE {c}::VARCHAR " + " ".join(f"""WHEN '"{word}"' THEN '{word}'""" for word in choices) + " END"
+    return (f"CASE WHEN contains({c}::VARCHAR, '\\') THEN {c}->>'$' "
+            f"ELSE substr({c}::VARCHAR, 2, length({c}::VARCHAR) - 2) END")
 
 
 def _abs(column):

@@ -271,10 +271,11 @@ def survey(path):
 _PIECE = 1 << 14
 
 
-def line_starts(path, numbers):
+def line_starts(path, numbers, count=True):
     """(the byte offset where each line of ``numbers`` starts, the file's line count), in one pass
     that counts newlines at C speed. ``numbers``: sorted line numbers (from 1), none above the
-    count. A last line without its newline counts."""
+    count. A last line without its newline counts. ``count=False``: the pass ends at the last
+    line wanted, and the count is None."""
     starts = []
     targets = iter(numbers)
     target = next(targets, None)
@@ -286,6 +287,8 @@ def line_starts(path, numbers):
             block = handle.read(BLOCK)
             if not block:
                 break
+            if target is None and not count:
+                return starts, None
             for piece in range(0, len(block), _PIECE):
                 count = block.count(b"\n", piece, piece + _PIECE)
                 if target is not None and target - 1 <= newlines + count:  # line `target` follows newline target - 1
