@@ -122,7 +122,7 @@ def build_parser():
         progress.add_argument("--progress", dest="progress", action="store_true", default=None,
                               help="always show progress on stderr")
         progress.add_argument("--no-progress", dest="progress", action="store_false", help="never show progress")
-    info = commands.add_parser(
+    commands.add_parser(
         "info", help="what runs here: versions, the C++ kernel, backends, devices",
         description="What runs here, one fact a line: the versions of overflow_fast, Python, torch and "
                     "Triton; the C++ CPU kernel (its instruction set, its file and cache, or why it is "

@@ -450,8 +450,8 @@ def _hostile_lines(rng, count):
     for _ in range(count):
         line = _line(rng).encode("utf-8", "surrogatepass")
         lines += [line, _mutated(line, rng, alphabet)]
-        template = encode_line(rec(rng.randrange(10 ** 6), "h.0.attn", global_step=rng.randrange(100),
-                                   mode="train")).rstrip(b"\n").decode()
+        template = encode_line(rec(rng.randrange(10 ** 6), "h.0.attn", global_step=rng.randrange(100), mode="train",
+                                   computed_in=rng.choice(["float16", "bfloat16", "int8"]))).rstrip(b"\n").decode()
         field = rng.choice(schema.RECORDS["entry"])
         texts = {"int": INT_TEXTS, "abs": NUMBER_TEXTS, "frac": NUMBER_TEXTS}.get(field.kind, TEXT_TEXTS)
         lines.append(_replaced(template, field.name, rng.choice(texts)).encode("utf-8", "surrogatepass"))
@@ -469,7 +469,8 @@ def test_duckdb_takes_the_lines_the_json_reader_takes_and_reads_them_alike(tmp_p
     for engine in ("duckdb", "python"):
         with Logs([[str(path)]], engine) as logs:
             rows = logs.rows("SELECT log, file, pos, line, step, phase, module, cls, entry, dtype, numel, amin, amin_s, "
-                             "amax, amax_s, nan, posinf, neginf, zf, sf, rank, gstep, mode, bad, fmax, ratio "
+                             "amax, amax_s, nan, posinf, neginf, zf, sf, rank, gstep, mode, computed_in, bad, fmax, "
+                             "ratio "
                              "FROM entries ORDER BY pos")
             tables.append((rows, vars(logs.notes[0])))
     assert tables[0] == tables[1]

@@ -356,3 +356,30 @@ def test_headroom_colours_are_each_dtypes_own(tmp_path, engine):
     assert bits["fc"] == pytest.approx(math.log2(F16_MAX / 8)) and bits["cool"] == pytest.approx(128.0, abs=0.01)
     assert share["fc"] == pytest.approx(math.log2(F16_MAX / 8) / math.log2(F16_MAX))  # its fp16 output's, not fp32's
     assert share["cool"] == pytest.approx(1.0, abs=0.01) and share["fc"] > 0.75 and share["hot"] < 0.15
+
+
+@pytest.mark.parametrize("engine", available_engines())
+def test_an_entry_is_judged_against_the_dtype_its_call_computed_in(tmp_path, capsys, engine):
+    """Under autocast a float32 weight of 81,900 is cast to float16, past its 65,504: the report's
+    table, its eval line and the picture judge it against float16 (no headroom left), and say so."""
+    import torch
+
+    path = tmp_path / "autocast.jsonl"
+    with Recorder(path) as recorder:
+        for step in range(3):
+            recorder.write([
+                entry_record(step, "forward", 0, "fc", "Linear", "weight", "float32", row(0.01, 81900.0),
+                             computed_in=torch.float16),
+                entry_record(step, "forward", 0, "fc", "Linear", "output", "float16", row(0.01, 8.0),
+                             computed_in=torch.float16),
+                entry_record(step, "forward", 1, "norm", "LayerNorm", "weight", "float32", row(0.01, 81900.0)),
+            ])
+    code, out, err = report(capsys, path, "--engine", engine)
+    table = out.split("closest to the dtype's limit")[1].splitlines()
+    assert code == 0 and table[2].split()[:3] == ["0.00", "8.19e+04", "float16"], table
+    assert table[2].endswith("fc (Linear) weight (forward; a float32 computed in it)")
+    assert table[3].split()[2] == "float32" and "norm (LayerNorm) weight (forward)" in table[3]
+    with Logs([[str(path)]], engine) as logs:
+        picture = Picture(Summary(logs, bins=True))
+    share = dict(zip(picture.modules, (shares[0] for shares in picture.shares)))
+    assert share["fc"] == 0.0 and share["norm"] > 0.85

@@ -184,7 +184,7 @@ def test_line_starts_finds_every_asked_line_and_counts_them_all(tmp_path, monkey
             expected = data.count(b"\n") + (not data.endswith(b"\n"))
             numbers = sorted(rng.sample(range(1, expected + 1), rng.randrange(0, expected + 1)))
             starts, count = logfile.line_starts(str(path), numbers)
-            assert count == expected
+            assert count == expected and logfile.line_starts(str(path), numbers, to_end=False)[0] == starts
             assert logfile.survey(str(path))[0] == expected
             assert list(logfile.read_lines_at(str(path), starts, limit=100)) == [
                 None if len(lines[n - 1]) > 100 else lines[n - 1] for n in numbers]
@@ -438,9 +438,9 @@ def _spied(monkeypatch):
             walked.append(os.path.basename(path))
         return real_read_log(path, *args, wanted=wanted, **kwargs)
 
-    def line_starts(path, numbers):
+    def line_starts(path, numbers, **options):
         sought.append((os.path.basename(path), list(numbers)))
-        return real_line_starts(path, numbers)
+        return real_line_starts(path, numbers, **options)
 
     monkeypatch.setattr(reader, "read_log", read_log)
     monkeypatch.setattr(reader, "line_starts", line_starts)

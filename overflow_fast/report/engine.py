@@ -291,7 +291,7 @@ class Logs:
         path = self.paths[file]
         lines = None
         if numbered and compression == "none":
-            starts, _ = line_starts(path, ordinals, count=False)
+            starts, _ = line_starts(path, ordinals, to_end=False)
             lines = ((ordinal, ordinal, raw) for ordinal, raw in zip(ordinals, read_lines_at(path, starts)))
         read_log(path, self.log_of[file], file, self.notes[self.log_of[file]], self._insert, wanted=iter(ordinals),
                  lines=lines)
@@ -338,7 +338,13 @@ def _abs(column):
 
 
 _ENTRY_FIELDS = "{" + ", ".join(f"'{field.name}': 'JSON'" for field in schema.RECORDS["entry"]) + "}"
-_LIMITS = "CASE dtype " + " ".join(f"WHEN '{name}' THEN {value!r}::DOUBLE" for name, value in schema.DTYPE_MAX.items()) + " END"
+def _limit(column):
+    return f"CASE {column} " + " ".join(f"WHEN '{name}' THEN {value!r}::DOUBLE" for name, value in schema.DTYPE_MAX.items()) + " END"
+
+
+# the largest value of the dtype an entry is judged against (``schema.judged_in``)
+_LIMITS = (f"CASE WHEN {_limit('computed_in')} < {_limit('dtype')} THEN {_limit('computed_in')} "
+           f"ELSE {_limit('dtype')} END")
 
 
 def _scan_sql(scans):
@@ -352,7 +358,7 @@ def _scan_sql(scans):
                      f"FROM {_read_json(f'f{file}', compression, _ENTRY_FIELDS)}")
     return f"""
 SELECT log, file, pos, line, step, phase, module, cls, entry, dtype, numel, amin, amin_s, amax, amax_s, nan, posinf,
-    neginf, zf, sf, rank, gstep, mode, bad, fmax,
+    neginf, zf, sf, rank, gstep, mode, computed_in, bad, fmax,
     CASE WHEN bad = 0 AND amax > 0 AND fmax IS NOT NULL THEN greatest(fmax / amax, 1.0) END AS ratio, ok
 FROM (
     SELECT *, CASE WHEN nan > 0 OR posinf > 0 OR neginf > 0 OR amax_s IS NOT NULL THEN 1 ELSE 0 END AS bad,
@@ -363,7 +369,8 @@ FROM (
             {_text("entry")} AS entry, {_text("dtype")} AS dtype, "numel#int" AS numel, {amin} AS amin,
             {amin_s} AS amin_s, {amax} AS amax, {amax_s} AS amax_s, "nan#int" AS nan, "posinf#int" AS posinf,
             "neginf#int" AS neginf, "zero_frac#double" AS zf, "subnormal_frac#double" AS sf, "rank#int" AS rank,
-            "global_step#int" AS gstep, {_text("mode")} AS mode, ({schema.sql_check("entry")}) AS ok
+            "global_step#int" AS gstep, {_text("mode")} AS mode, {_text("computed_in")} AS computed_in,
+            ({schema.sql_check("entry")}) AS ok
         FROM (SELECT *, {schema.sql_values("entry")} FROM ({" UNION ALL ".join(parts)}))
     )
 )"""

@@ -271,10 +271,10 @@ def survey(path):
 _PIECE = 1 << 14
 
 
-def line_starts(path, numbers, count=True):
+def line_starts(path, numbers, to_end=True):
     """(the byte offset where each line of ``numbers`` starts, the file's line count), in one pass
     that counts newlines at C speed. ``numbers``: sorted line numbers (from 1), none above the
-    count. A last line without its newline counts. ``count=False``: the pass ends at the last
+    count. A last line without its newline counts. ``to_end=False``: the pass ends at the last
     line wanted, and the count is None."""
     starts = []
     targets = iter(numbers)
@@ -287,7 +287,7 @@ def line_starts(path, numbers, count=True):
             block = handle.read(BLOCK)
             if not block:
                 break
-            if target is None and not count:
+            if target is None and not to_end:
                 return starts, None
             for piece in range(0, len(block), _PIECE):
                 count = block.count(b"\n", piece, piece + _PIECE)

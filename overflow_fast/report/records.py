@@ -20,12 +20,16 @@ POSITION_BITS = 40  # a row's position: (file index << 40) | its ordinal among t
 # The entries table: ``pos`` orders everything that "comes first" (files in the order given);
 # ``line`` is the line number (the DuckDB reader stores the ordinal, the same where the file has no
 # blank line); ``amax``/``amin`` the finite magnitude or NULL, ``amax_s``/``amin_s`` the text of a
-# nan/inf; ``bad`` 1 where the entry recorded a nan/inf; ``fmax`` the dtype's largest value (NULL:
-# an integer dtype); ``ratio`` fmax / amax, at least 1, where headroom means something.
+# nan/inf; ``bad`` 1 where the entry recorded a nan/inf; ``fmax`` the largest value of the dtype
+# its headroom is judged against (``schema.judged_in``: under autocast, the one its call computed in
+# where narrower; NULL: an integer dtype); ``ratio`` fmax / amax, at least 1, where headroom means
+# something.
 COLUMNS = ("log", "file", "pos", "line", "step", "phase", "module", "cls", "entry", "dtype", "numel", "amin", "amin_s",
-           "amax", "amax_s", "nan", "posinf", "neginf", "zf", "sf", "rank", "gstep", "mode", "bad", "fmax", "ratio")
+           "amax", "amax_s", "nan", "posinf", "neginf", "zf", "sf", "rank", "gstep", "mode", "computed_in", "bad", "fmax",
+           "ratio")
 TYPES = dict.fromkeys(COLUMNS, "BIGINT")
-TYPES.update(dict.fromkeys(("phase", "module", "cls", "entry", "dtype", "amin_s", "amax_s", "mode"), "VARCHAR"))
+TYPES.update(dict.fromkeys(("phase", "module", "cls", "entry", "dtype", "amin_s", "amax_s", "mode", "computed_in"),
+                           "VARCHAR"))
 TYPES.update(dict.fromkeys(("amin", "amax", "zf", "sf", "fmax", "ratio"), "DOUBLE"))
 
 
@@ -64,13 +68,13 @@ def entry_row(record, log, file, ordinal, line):
     amin, amin_s = _magnitude(record.get("abs_min"))
     amax, amax_s = _magnitude(record.get("abs_max"))
     bad = int(bool(record["nan"] or record["posinf"] or record["neginf"] or amax_s is not None))
-    fmax = schema.dtype_max(record["dtype"])
+    fmax = schema.dtype_max(schema.judged_in(record["dtype"], record.get("computed_in")))
     ratio = max(fmax / amax, 1.0) if not bad and fmax is not None and amax is not None and amax > 0 else None
     return (log, file, (file << POSITION_BITS) | ordinal, line, record["step"], record["phase"], record["module"],
             record["class"], record["entry"], record["dtype"], record["numel"], amin, amin_s, amax, amax_s,
             record["nan"], record["posinf"], record["neginf"], float(record["zero_frac"]),
-            float(record["subnormal_frac"]), record.get("rank"), record.get("global_step"), record.get("mode"), bad,
-            fmax, ratio)
+            float(record["subnormal_frac"]), record.get("rank"), record.get("global_step"), record.get("mode"),
+            record.get("computed_in"), bad, fmax, ratio)
 
 
 class Notes:

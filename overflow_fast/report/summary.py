@@ -11,6 +11,7 @@ files count in the order given.
 import math
 import os
 
+from ..recording.schema import judged_in
 from .text import cut, label, module_name, printable, when
 from .timeline import BATCH, OPTIMIZER, bin_width
 
@@ -85,7 +86,7 @@ class Summary:
         self.unit = OPTIMIZER if self.global_steps else BATCH
         self.first_nonfinite = self._first_nonfinite(logs, "1 = 1")
         self.eval_nonfinite = self._first_nonfinite(logs, EVAL)
-        self.eval_best = logs.one(f"""SELECT module, cls, entry, dtype, {_WHEN}, phase, amax, ratio FROM entries
+        self.eval_best = logs.one(f"""SELECT module, cls, entry, dtype, {_WHEN}, phase, amax, ratio, computed_in FROM entries
                                       WHERE {EVAL} AND ratio IS NOT NULL ORDER BY ratio, pos LIMIT 1""")
         self._modules(logs, plot_rows)
         self.subnormal = best_rows(logs, "module, entry", "sf", "numel > 0 AND sf > 0",
@@ -122,7 +123,8 @@ class Summary:
             SELECT m.module, m.r, m.first, b.best FROM m LEFT JOIN b ON b.module = m.module
             ORDER BY m.r IS NULL, m.r, coalesce(b.best, m.first) LIMIT ?""", (max(plot_rows, TOP),))
         self.modules = logs.rows("""
-            SELECT k.module, f.cls, k.r, k.first, e.entry, e.dtype, e.step, e.phase, e.amax, e.gstep, e.mode
+            SELECT k.module, f.cls, k.r, k.first, e.entry, e.dtype, e.step, e.phase, e.amax, e.gstep, e.mode,
+                e.computed_in
             FROM (SELECT * FROM ranked ORDER BY r IS NULL, r, coalesce(best, first) LIMIT ?) AS k
             JOIN entries f ON f.pos = k.first LEFT JOIN entries e ON e.pos = k.best
             ORDER BY k.r IS NULL, k.r, coalesce(k.best, k.first)""", (TOP,))
@@ -132,15 +134,16 @@ class Summary:
         self.modules_dropped = max(0, self.module_count - plot_rows)
 
     def hottest(self, n=TOP):
-        """[(module, class, (headroom, entry, dtype, step, phase, abs_max, global_step, mode))],
-        lowest headroom first."""
-        return [(module, cls, (headroom(r), entry, dtype, step, phase, amax, gstep, mode))
-                for module, cls, r, _, entry, dtype, step, phase, amax, gstep, mode in self.modules[:n] if r is not None]
+        """[(module, class, (headroom, entry, dtype, step, phase, abs_max, global_step, mode, the dtype
+        its headroom is judged against))], lowest headroom first."""
+        return [(module, cls, (headroom(r), entry, dtype, step, phase, amax, gstep, mode, judged_in(dtype, computed)))
+                for module, cls, r, _, entry, dtype, step, phase, amax, gstep, mode, computed in self.modules[:n]
+                if r is not None]
 
 
 class _Bins:
     """The picture's cells, on ``summary.unit``'s timeline: per drawn module and train bin of
-    ``width`` steps (a power of two, fewer than 2 * ``max_columns`` bins), per dtype there, the
+    ``width`` steps (a power of two, fewer than 2 * ``max_columns`` bins), per dtype judged against, the
     lowest headroom ratio, whether a nan/inf was there, and what entries without headroom were
     (all zero, integer); the bins where evaluation ran; and per (module, entry) of the top
     underflow hot spots, from its first subnormal value, the largest subnormal and zero fractions
@@ -155,11 +158,11 @@ class _Bins:
         logs.rows("CREATE TEMP TABLE drawn AS SELECT module AS drawn_module, first AS drawn_first FROM ranked "
                   "ORDER BY r IS NULL, r, coalesce(best, first) LIMIT ?", (len(summary.drawn),))
         summary.cells = logs.rows(f"""
-            SELECT drawn_first, {x} >> {shift} AS b, dtype, min(ratio), max(bad), max(fmax),
+            SELECT drawn_first, {x} >> {shift} AS b, min(ratio), max(bad), fmax,
                 max(CASE WHEN bad = 0 AND ratio IS NULL AND fmax IS NOT NULL THEN 1 ELSE 0 END),
                 max(CASE WHEN bad = 0 AND fmax IS NULL THEN 1 ELSE 0 END)
             FROM entries JOIN drawn ON module = drawn_module WHERE {TRAIN} AND {x} IS NOT NULL
-            GROUP BY drawn_first, b, dtype""")
+            GROUP BY drawn_first, b, fmax""")
         first = summary.first_nonfinite
         summary.first_module = None if first is None else logs.one(
             "SELECT drawn_first FROM drawn WHERE drawn_module = ?", (first["module"],))
@@ -219,7 +222,7 @@ class Picture:
         self.keys = [first for first, _ in summary.drawn]  # each module's first position
         self.modules = [label(name) if name else "(model)" for _, name in summary.drawn]
         grouped = {}
-        for module, b, _, ratio, bad, fmax, zero, integer in summary.cells:
+        for module, b, ratio, bad, fmax, zero, integer in summary.cells:
             grouped.setdefault((module, b), []).append((ratio, bad, fmax, zero, integer))
         self.columns = sorted({b for _, b in grouped})
         self.centres = [c * width + (width - 1) / 2 for c in self.columns]
@@ -337,9 +340,9 @@ def _eval_lines(summary):
     at = f" at {count} optimizer steps ({steps})" if count else ""
     out = [f"eval (kept apart: the picture's cells are the train timeline): {summary.modes['eval']} tensor entries{at}"]
     if summary.eval_best is not None:
-        module, class_name, entry, dtype, step, global_step, mode, phase, abs_max, ratio = summary.eval_best
+        module, class_name, entry, dtype, step, global_step, mode, phase, abs_max, ratio, computed = summary.eval_best
         out.append(f"  lowest headroom in eval: {headroom(ratio):.2f} bits (abs max {abs_max:.3g}), "
-                   f"{module_name(module, class_name)} {printable(entry)} [{printable(dtype)}] at "
+                   f"{module_name(module, class_name)} {printable(entry)} [{_judged(dtype, computed)}] at "
                    f"{when(step, global_step, mode, unit)}, {phase}")
     nonfinite = summary.eval_nonfinite
     out.append("  first non-finite value in eval: " + ("none" if nonfinite is None else _nonfinite_text(nonfinite, unit)))
@@ -356,10 +359,10 @@ def _headroom_lines(summary):
         # with optimizer steps: the step and the batch number (the detector's report names the batch)
         steps = f"{'opt step':>8} {'batch':>7}" if unit == OPTIMIZER else f"{'step':>7}"
         out.append(f"  {'bits':>6}  {'abs max':>9}  {'dtype':<9} {steps}  module / entry")
-        for name, class_name, (bits, entry, dtype, step, phase, abs_max, global_step, mode) in hottest:
+        for name, class_name, (bits, entry, dtype, step, phase, abs_max, global_step, mode, judged) in hottest:
             steps = f"{'-' if global_step is None else global_step:>8} {step:>7}" if unit == OPTIMIZER else f"{step:>7}"
-            tag = ", eval" if mode == "eval" else ""
-            out.append(f"  {bits:6.2f}  {abs_max:9.3g}  {printable(dtype):<9} {steps}  "
+            tag = (", eval" if mode == "eval" else "") + (f"; a {printable(dtype)} computed in it" if judged != dtype else "")
+            out.append(f"  {bits:6.2f}  {abs_max:9.3g}  {printable(judged):<9} {steps}  "
                        f"{module_name(name, class_name)} {printable(entry)} ({phase}{tag})")
     return out + [""]
 
@@ -381,6 +384,12 @@ def _underflow_lines(summary):
     if summary.zero_count > len(summary.all_zero):
         out.append(f"  ... and {summary.zero_count - len(summary.all_zero)} more")
     return out
+
+
+def _judged(dtype, computed_in):
+    """The dtype an entry's headroom is judged against, and, where it is not its own, that one."""
+    judged = judged_in(dtype, computed_in)
+    return printable(judged) + ("" if judged == dtype else f", a {printable(dtype)} computed in it")
 
 
 def malformed_names(notes):
