@@ -32,8 +32,6 @@ STAT_NAMES = {"both": "abs min or abs max", "abs_max": "abs max", "abs_min": "ab
 KEY = ("r0", "step", "phase", "module", "entry", "occ")
 ROW = "step, phase, module, cls, entry, dtype, numel, amin, amin_s, amax, amax_s, bad, rank, gstep, mode, pos"
 ROW_KEYS = tuple(ROW.split(", "))
-# the other runs' ranks, (rank, step)s and modules: why a record in one run only has no partner
-WHY = {1: "rank", 2: "step", 3: "module", 4: "other"}
 
 
 def _relative(x, y, atol):
@@ -63,13 +61,11 @@ class Side:
         self.only = sum(counts.values())
         self.only_ranks = dict(logs.rows("SELECT r0, count(*) FROM alone WHERE log = ? AND why = 1 GROUP BY r0 "
                                          "ORDER BY r0", (log,)))
-        steps = logs.one("SELECT count(*), count(DISTINCT step), min(step), max(step) FROM alone WHERE log = ? AND why = 2",
-                         (log,))
-        pairs = logs.one("SELECT count(*) FROM (SELECT DISTINCT r0, step FROM alone WHERE log = ? AND why = 2) AS s",
-                         (log,))[0]
+        steps = logs.one(f"""SELECT count(*), count(DISTINCT step), min(step), max(step),
+                                count(DISTINCT step * {1 << 21} + r0) FROM alone WHERE log = ? AND why = 2""", (log,))
         listed = [s for s, in logs.rows("SELECT DISTINCT step FROM alone WHERE log = ? AND why = 2 ORDER BY step "
                                         "LIMIT 9", (log,))]
-        self.only_steps = (steps[0], pairs, listed if steps[1] <= 8 else None, steps[2], steps[3])
+        self.only_steps = (steps[0], steps[4], listed if steps[1] <= 8 else None, steps[2], steps[3])
         self.only_module_count = logs.one("SELECT count(DISTINCT module) FROM alone WHERE log = ? AND why = 3",
                                           (log,))[0]
         self.only_modules = logs.rows("""

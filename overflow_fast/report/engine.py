@@ -138,15 +138,6 @@ class Logs:
         found = self.rows(sql, params)
         return found[0] if found else None
 
-    def table(self, name, columns, rows):
-        """A small temporary table ``name`` of ``rows`` (tuples for ``columns``: {name: SQL type})."""
-        self.rows(f"CREATE TEMP TABLE {name} ({', '.join(f'{c} {t}' for c, t in columns.items())})")
-        for start in range(0, len(rows), 500):  # one statement per 500: DuckDB runs one a row slowly
-            part = rows[start:start + 500]
-            if part:
-                marks = ", ".join("(" + ", ".join("?" * len(columns)) + ")" for _ in part)
-                self.rows(f"INSERT INTO {name} VALUES {marks}", [value for row in part for value in row])
-
     def relation(self, name, select, key):
         """``name`` for the rows of ``select``, which the next queries join on the columns ``key``: a
         view for DuckDB (it plans the joins itself), an indexed table for sqlite (which would join

@@ -174,14 +174,16 @@ class _Bins:
         tracked = [(row[2], row[3]) for row in summary.subnormal[:underflow_rows]]
         summary.underflow = []
         if tracked:
-            logs.table("tracked", {"t_module": "VARCHAR", "t_entry": "VARCHAR"}, tracked)
+            values = ", ".join("(?, ?)" for _ in tracked)
             found = logs.rows(f"""
-                WITH s AS (SELECT module AS s_module, entry AS s_entry, min(pos) AS since FROM entries
-                           JOIN tracked ON module = t_module AND entry = t_entry WHERE numel > 0 AND sf > 0
-                           GROUP BY module, entry)
+                WITH tracked (t_module, t_entry) AS (VALUES {values}),
+                s AS (SELECT module AS s_module, entry AS s_entry, min(pos) AS since FROM entries
+                      JOIN tracked ON module = t_module AND entry = t_entry WHERE numel > 0 AND sf > 0
+                      GROUP BY module, entry)
                 SELECT module, entry, {x} >> {shift} AS b, max(sf), max(zf) FROM entries
                 JOIN s ON module = s_module AND entry = s_entry
-                WHERE {TRAIN} AND {x} IS NOT NULL AND numel > 0 AND pos >= since GROUP BY module, entry, b""")
+                WHERE {TRAIN} AND {x} IS NOT NULL AND numel > 0 AND pos >= since GROUP BY module, entry, b""",
+                              [value for key in tracked for value in key])
             for key in tracked:
                 bins = sorted((b, (sub, zero)) for m, e, b, sub, zero in found if (m, e) == key)
                 summary.underflow.append((key, dict(bins)))
