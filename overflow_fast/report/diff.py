@@ -139,7 +139,7 @@ class Diff:
                                     FROM entries e {join} WHERE e.log = {log}""", ", ".join(KEY))
         on = " AND ".join(f"a.{c} = b.{c}" for c in KEY)
         select = f"""SELECT a.pos AS apos, b.pos AS bpos, coalesce(a.r0, b.r0) AS r0, coalesce(a.step, b.step) AS step,
-            coalesce(a.phase, b.phase) AS phase, coalesce(a.module, b.module) AS module,
+            coalesce(a.module, b.module) AS module,
             CASE WHEN a.pos IS NULL THEN b.gstep ELSE a.gstep END AS gstep, a.bad AS a_bad, b.bad AS b_bad,
             CASE WHEN a.dtype <> b.dtype THEN 1 ELSE 0 END AS dtypes_differ,
             CASE WHEN a.numel <> b.numel THEN 1 ELSE 0 END AS numels_differ,
