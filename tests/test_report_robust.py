@@ -518,7 +518,7 @@ def test_duckdb_out_of_memory_scans_again_on_one_thread(tmp_path, capsys, monkey
             return getattr(self.con, name)
 
         def execute(self, sql, *args):
-            if sql.startswith("INSERT INTO entries") and "row_number() OVER ()" in sql:
+            if sql.startswith("CREATE TEMP TABLE entries AS") and "row_number() OVER ()" in sql:
                 threads.append(self.con.execute("SELECT current_setting('threads')").fetchone()[0])
                 if threads[-1] > 1:
                     raise reader.duckdb.OutOfMemoryException("failed to allocate data of size 32.0 MiB")

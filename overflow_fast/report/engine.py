@@ -247,13 +247,12 @@ class Logs:
         return (None if long_line or damage else compression), lines
 
     def _scan(self, scans):
-        """Load the files of ``scans`` ({file: compression}) that DuckDB can read; returns those."""
-        columns = ", ".join(f"{c} {TYPES[c]}" for c in COLUMNS)
-        self.rows(f"CREATE TEMP TABLE entries ({columns}, ok BOOLEAN)")
+        """Load the files of ``scans`` ({file: compression}) that DuckDB can read; returns those. (A
+        table made by the scan is filled by both cores; an INSERT that keeps the rows' order, by one.)"""
         while scans:
             try:
                 params = {f"f{file}": [self.paths[file]] for file in scans}
-                self.con.execute(f"INSERT INTO entries {_scan_sql(scans)}", dict(params, log_of=self.log_of))
+                self.con.execute(f"CREATE TEMP TABLE entries AS {_scan_sql(scans)}", dict(params, log_of=self.log_of))
                 return scans
             except (duckdb.InvalidInputException, duckdb.IOException, duckdb.OutOfMemoryException) as error:
                 if isinstance(error, duckdb.OutOfMemoryException) and self.one("SELECT current_setting('threads')")[0] > 1:
@@ -270,6 +269,7 @@ class Logs:
                 scans = {} if readable == scans else readable
             except duckdb.Error as error:
                 raise EngineError(f"DuckDB could not read the logs ({str(error).splitlines()[0]})") from error
+        self.rows(f"CREATE TEMP TABLE entries ({', '.join(f'{c} {TYPES[c]}' for c in COLUMNS)}, ok BOOLEAN)")
         return {}
 
     def _judge(self, file, compression, numbered):
