@@ -41,15 +41,15 @@ def best_rows(logs, group, value, where, fields, limit, largest=False):
     """Per group of rows (``group``: columns) among those ``where`` holds, the row where ``value``
     is least (``largest``: greatest), the first such by position; of the ``limit`` groups whose
     value comes first (ties: by that row's position): (value, position, *fields), in that order."""
-    agg, order = ("max", "DESC") if largest else ("min", "")
-    on = " AND ".join(f"e.{column} = g.{column}" for column in group.split(", "))
+    order = "DESC" if largest else ""
+    # a window numbers each group's rows by value, then position: one sort, where a join of the
+    # rows back to their group's least value has no index to use in sqlite (quadratic there)
     return logs.rows(f"""
-        WITH g AS (SELECT {group}, {agg}({value}) AS v FROM entries WHERE {where} GROUP BY {group}),
-        b AS (SELECT g.v, min(e.pos) AS pos FROM (SELECT * FROM entries WHERE {where}) e
-              JOIN g ON {on} AND e.{value} = g.v GROUP BY {", ".join(f"g.{c}" for c in group.split(", "))}, g.v),
-        k AS (SELECT v, pos FROM b ORDER BY v {order}, pos LIMIT ?)
-        SELECT k.v, k.pos, {", ".join(f"e.{field}" for field in fields.split(", "))}
-        FROM k JOIN entries e ON e.pos = k.pos ORDER BY k.v {order}, k.pos""", (limit,))
+        SELECT v, pos, {fields} FROM (
+            SELECT {value} AS v, pos, {fields},
+                   row_number() OVER (PARTITION BY {group} ORDER BY {value} {order}, pos) AS r
+            FROM entries WHERE ({where}) AND {value} IS NOT NULL) numbered
+        WHERE r = 1 ORDER BY v {order}, pos LIMIT ?""", (limit,))
 
 
 class Summary:
