@@ -72,6 +72,7 @@ def test_a_second_detector_on_a_model_is_warned_about_naming_the_first():
                                                       f"made at {HERE}:{line}, not removed")) as caught:
         second = watch(model)
     assert caught[0].filename == HERE  # the warning points at the line that made the second one
+    assert "read twice (twice the cost); a nan/inf is reported once" in str(caught[0].message)
     assert hook_count(model) == 2 * once  # as the warning says: every hook twice
     second.remove()
     first.remove()

@@ -441,8 +441,8 @@ def _warn_if_hooked(detector):
             continue
         what = "this model" if shared == len(mine) else f"{shared} of this model's {len(mine)} modules"
         warnings.warn(f"overflow_fast: a detector is already attached to {what}: the one made at {other._made_at}, "
-                      "not removed. This one adds its own hooks, so each of those modules' calls is read, and a "
-                      "nan/inf reported, twice. remove() the first (or use one as a context manager: "
+                      "not removed. This one adds its own hooks, so each of those modules' calls is read twice (twice "
+                      "the cost); a nan/inf is reported once, by the first to meet it. remove() the first (or use one as a context manager: "
                       "`with overflow_fast.watch(model):`)", RuntimeWarning, stacklevel=_outside_frames()[1] + 1)
         return
 
