@@ -397,79 +397,89 @@ def load():
     if os.environ.get(WITHOUT_ENV, "") not in ("", "0"):
         return None, f"{WITHOUT_ENV}={os.environ[WITHOUT_ENV]} asks to run without it", details
     try:
-        sources = sources_dir()
-        if sources is None:
-            return None, ("the C++ sources are missing from this installation (overflow_fast/csrc): "
-                          "reinstall overflow_fast"), details
-        jit = os.environ.get(JIT_ENV, "1") != "0"
-        isa = detect_isa()
-        ident = identity(isa, sources)
-        key = cache_key(ident)
-        prebuilt = build_cache.prebuilt_library(PREBUILT / key, ident, target=KERNEL)
-        root = rejected = None
-        if prebuilt is None:
-            root, rejected = cache_folder(fresh=jit)
-            best, isa = isa, isa_to_build(root, sources)
-            if isa != best:
-                ident = identity(isa, sources)
-                key = cache_key(ident)
-                prebuilt = build_cache.prebuilt_library(PREBUILT / key, ident, target=KERNEL)
-        details.update(isa=isa, key=key, identity=ident)
-        if prebuilt is not None:
-            details.update(origin="prebuilt", path=str(prebuilt), directory=str(prebuilt.parent))
-            return load_module(prebuilt), None, details
-        if root is None:
-            return None, (f"no private folder for the C++ kernel's cache ({rejected}); point {CACHE_ENV} at a "
-                          "folder of yours that nobody else can write"), details
-        if rejected is not None:
-            details["cache_rejected"] = rejected
-            _warn(f"not using the C++ kernel's cache {cache_root()}: {rejected}, so another user could replace "
-                  f"what would be loaded from it; using {root} instead (fix that, or point {CACHE_ENV} "
-                  "at a folder of yours that nobody else can write)")
-        details["cache_root"] = str(root)
-        directory = root / key
-        details.update(directory=str(directory))
-        if not jit:
-            library, problem = check_build(directory, ident)
-            if library is None:
-                found = "" if problem[0] == "missing" else f"; the cached one cannot be used: {problem[1]}"
-                return None, (f"no prebuilt kernel matches this environment ({key}) and {JIT_ENV}=0 forbids "
-                              f"building one{found}; unset {JIT_ENV}, or {_fix_hint()}"), details
-
-        def build_here(target):
-            start = time.perf_counter()
-            build(isa, target, sources, ident)
-            for obj in Path(target).glob("*.o"):  # never reused: a new key is a new directory
-                obj.unlink()
-            return {**ident, "seconds": round(time.perf_counter() - start, 1)}
-
-        describe = f" ({isa}, torch {ident['torch']})"
-        built = False
-        if jit:
-            try:
-                found, reason, built = obtain(root, key, build_here, describe, ident)
-            except OSError as error:  # a read-only home on a compute node, a full disk
-                return None, (f"cannot build the C++ kernel in {root} ({type(error).__name__}: {error}); "
-                              f"set {CACHE_ENV} to a writable folder, or {_fix_hint()}"), details
-            if reason is not None:
-                log = directory / LOG
-                where = f"; full log: {log}" if log.is_file() else ""
-                return None, f"the C++ kernel could not be built: {reason}{where}; {_fix_hint()}", details
-        details["built_now"] = built
-        # Checked once more right before loading. Between this check and dlopen the file could only
-        # be swapped by someone who can write to its folders, and root/key passed the rule above:
-        # only this user and root can.
-        library, problem = check_build(directory, ident)
-        if library is None:
-            return None, f"the build in {directory} cannot be used: {problem[1]}; delete it to rebuild", details
-        built_info = _read(directory / DONE)
-        try:
-            details["seconds"] = json.loads(built_info).get("seconds") if built_info else None
-        except ValueError:
-            details["seconds"] = None
-        details.update(origin="cache", path=str(library))
-        return load_module(library), None, details
+        return _load(details)
     except Exception as error:  # a load error (undefined symbol), an unwritable cache...
         where = details.get("directory")
         hint = f"; delete {where} to rebuild it" if where else ""
         return None, f"the C++ kernel could not be loaded ({type(error).__name__}: {error}){hint}", details
+
+
+def _load(details):
+    """``load()``'s work, which may raise: the prebuilt kernel, or the cache's (``_from_cache``)."""
+    sources = sources_dir()
+    if sources is None:
+        return None, ("the C++ sources are missing from this installation (overflow_fast/csrc): "
+                      "reinstall overflow_fast"), details
+    jit = os.environ.get(JIT_ENV, "1") != "0"
+    isa = detect_isa()
+    ident = identity(isa, sources)
+    key = cache_key(ident)
+    prebuilt = build_cache.prebuilt_library(PREBUILT / key, ident, target=KERNEL)
+    root = rejected = None
+    if prebuilt is None:
+        root, rejected = cache_folder(fresh=jit)
+        best, isa = isa, isa_to_build(root, sources)
+        if isa != best:
+            ident = identity(isa, sources)
+            key = cache_key(ident)
+            prebuilt = build_cache.prebuilt_library(PREBUILT / key, ident, target=KERNEL)
+    details.update(isa=isa, key=key, identity=ident)
+    if prebuilt is not None:
+        details.update(origin="prebuilt", path=str(prebuilt), directory=str(prebuilt.parent))
+        return load_module(prebuilt), None, details
+    if root is None:
+        return None, (f"no private folder for the C++ kernel's cache ({rejected}); point {CACHE_ENV} at a "
+                      "folder of yours that nobody else can write"), details
+    if rejected is not None:
+        details["cache_rejected"] = rejected
+        _warn(f"not using the C++ kernel's cache {cache_root()}: {rejected}, so another user could replace "
+              f"what would be loaded from it; using {root} instead (fix that, or point {CACHE_ENV} "
+              "at a folder of yours that nobody else can write)")
+    details["cache_root"] = str(root)
+    return _from_cache(root, key, ident, isa, sources, jit, details)
+
+
+def _from_cache(root, key, ident, isa, sources, jit, details):
+    """The kernel of ``root``/``key``: the one cached there, or (``jit``) built there now."""
+    directory = root / key
+    details.update(directory=str(directory))
+    if not jit:
+        library, problem = check_build(directory, ident)
+        if library is None:
+            found = "" if problem[0] == "missing" else f"; the cached one cannot be used: {problem[1]}"
+            return None, (f"no prebuilt kernel matches this environment ({key}) and {JIT_ENV}=0 forbids "
+                          f"building one{found}; unset {JIT_ENV}, or {_fix_hint()}"), details
+
+    def build_here(target):
+        start = time.perf_counter()
+        build(isa, target, sources, ident)
+        for obj in Path(target).glob("*.o"):  # never reused: a new key is a new directory
+            obj.unlink()
+        return {**ident, "seconds": round(time.perf_counter() - start, 1)}
+
+    describe = f" ({isa}, torch {ident['torch']})"
+    built = False
+    if jit:
+        try:
+            found, reason, built = obtain(root, key, build_here, describe, ident)
+        except OSError as error:  # a read-only home on a compute node, a full disk
+            return None, (f"cannot build the C++ kernel in {root} ({type(error).__name__}: {error}); "
+                          f"set {CACHE_ENV} to a writable folder, or {_fix_hint()}"), details
+        if reason is not None:
+            log = directory / LOG
+            where = f"; full log: {log}" if log.is_file() else ""
+            return None, f"the C++ kernel could not be built: {reason}{where}; {_fix_hint()}", details
+    details["built_now"] = built
+    # Checked once more right before loading. Between this check and dlopen the file could only
+    # be swapped by someone who can write to its folders, and root/key passed the rule above:
+    # only this user and root can.
+    library, problem = check_build(directory, ident)
+    if library is None:
+        return None, f"the build in {directory} cannot be used: {problem[1]}; delete it to rebuild", details
+    built_info = _read(directory / DONE)
+    try:
+        details["seconds"] = json.loads(built_info).get("seconds") if built_info else None
+    except ValueError:
+        details["seconds"] = None
+    details.update(origin="cache", path=str(library))
+    return load_module(library), None, details
