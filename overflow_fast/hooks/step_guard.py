@@ -19,7 +19,8 @@ strategy's, as in every mode. ``frames_every=N``: every Nth forward (and its bac
 the full detector attached instead, for the flight recorder, the dashboards and ``warn_above``.
 
 What it does not see: a nan/inf that reaches neither a root output nor a parameter's gradient (an
-intermediate ``-inf`` mask, a value a later op drops), and a backward that does not run through
+intermediate ``-inf`` mask, a value a later op drops, a gradient at an output that no path carries
+to a parameter), and a backward that does not run through
 the root's outputs (a loss made from a tensor taken out of the model by a hook of the user's).
 """
 
