@@ -440,6 +440,7 @@ def _ddp_worker(rank, where):
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+@pytest.mark.one_path  # the ranks' agreement; the guard's reads on each path: the tests above
 @pytest.mark.parametrize("where", ["forward", "backward"])
 def test_ddp_every_rank_stops_and_the_report_names_the_rank_that_reproduced_it(where):
     from test_distributed import run_ranks
