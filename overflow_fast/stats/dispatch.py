@@ -401,6 +401,32 @@ def tensor_stats(tensors: Sequence[torch.Tensor], backend: Optional[str] = None,
             return batch
     if out is not None:
         _check_out(out, tensors)
+    targets, sparse, first, groups = _grouped(tensors, requested, origin)
+    dtypes = [t.dtype for t in tensors]
+    if groups is None:
+        if first is None:
+            return StatsBatch(dtypes, [(range(0), out)] if out is not None else [])
+        batch = StatsBatch(dtypes, [(range(len(tensors)), first[1].compute(targets, out=out))])
+    else:
+        results = [(indices, module.compute([targets[i] for i in indices])) for (_, module), indices in groups.items()]
+        if out is None:
+            batch = StatsBatch(dtypes, results)
+        else:
+            for indices, values in results:  # several backends on out's device: place their rows
+                for row, index in enumerate(indices):
+                    out[index].copy_(values[row])
+            batch = StatsBatch(dtypes, [(range(len(tensors)), out)])
+    if sparse:
+        for index, dense_numel in sparse.items():
+            _count_implicit_zeros(batch.row(index), dense_numel - targets[index].numel(), dense_numel)
+    return batch
+
+
+def _grouped(tensors, requested, origin):
+    """``tensor_stats``' tensors by (device, backend): ``(targets, sparse, first, groups)``, the
+    tensors each backend reads (what a non-plain one really holds), the rows that must count
+    implicit zeros (index -> dense numel), the first group, and every group's indices where there
+    is more than one (else None)."""
     # Called once per module forward with a few tensors, so the choice of backend is cached per
     # (device, dtype) of plain strided tensors (all that readability and supports() look at),
     # and the common case, one device and one backend, makes a single group without a dict.
@@ -441,24 +467,7 @@ def tensor_stats(tensors: Sequence[torch.Tensor], backend: Optional[str] = None,
             groups = {first: list(range(index))}
         if groups is not None:
             groups.setdefault(group, []).append(index)
-    dtypes = [t.dtype for t in tensors]
-    if groups is None:
-        if first is None:
-            return StatsBatch(dtypes, [(range(0), out)] if out is not None else [])
-        batch = StatsBatch(dtypes, [(range(len(tensors)), first[1].compute(targets, out=out))])
-    else:
-        results = [(indices, module.compute([targets[i] for i in indices])) for (_, module), indices in groups.items()]
-        if out is None:
-            batch = StatsBatch(dtypes, results)
-        else:
-            for indices, values in results:  # several backends on out's device: place their rows
-                for row, index in enumerate(indices):
-                    out[index].copy_(values[row])
-            batch = StatsBatch(dtypes, [(range(len(tensors)), out)])
-    if sparse:
-        for index, dense_numel in sparse.items():
-            _count_implicit_zeros(batch.row(index), dense_numel - targets[index].numel(), dense_numel)
-    return batch
+    return targets, sparse, first, groups
 
 
 def _traced_tensor_stats(tensors, backend, out):
