@@ -5,7 +5,9 @@
 //   (versions_of, for find_op), the gradients arriving at its outputs (OutputGradients), and with
 //   find_op the call as its replay needs it (KeptCall). Each has its specification in Python, which
 //   the tests hold equal: hooks/frames.py, hooks/culprit.py, and hooks/hook_core.py's
-//   OutputGradients.
+//   OutputGradients;
+// - forward_call: a forward hook's entries, output-gradient hooks, kept call's output and rows in
+//   one crossing (hook_core.py's forward_call is its specification).
 //
 // HookCore: a hook hands over the tensors of one module call; the core answers, per tensor, the row
 // of its device's buffer that holds (or will hold) its statistics, and which tensors the caller must
@@ -426,6 +428,23 @@ class HookCore {
   int64_t watched_bytes_ = 0;
 };
 
+// Which part of a forward call a tensor entry came from: its gradient hooks differ (an output's
+// gradient is hooked, an input's consumer noted, a parameter's left to its own hook).
+enum class Side : uint8_t { kParameter, kInput, kOutput };
+
+// What EntriesOf makes of a hook call: the entries, the tensors it reads (in row order) and their
+// dtypes, as Python receives them; and per tensor its side and ctx (borrowed from its entry), so
+// that the output-gradient hooks need not parse the entries again.
+struct Entries {
+  py::list entries;
+  py::list tensors;
+  py::list dtypes;
+  std::vector<Side> sides;
+  std::vector<PyObject*> ctxs;
+
+  py::tuple result() { return py::make_tuple(entries, tensors, dtypes); }
+};
+
 // What the gradient hooks of one OutputGradients share with it: the callback, held while that
 // OutputGradients holds it (its collector's traverse sees it there) and dropped when it is cleared
 // or goes. A hook lives as long as autograd keeps the tensor's node, which no collector sees: it
@@ -524,12 +543,11 @@ class OutputGradients {
   OutputGradients& operator=(const OutputGradients&) = delete;
   ~OutputGradients() { clear(); }
 
+  // `entries` and `tensors` as frames.entries_of gives them: inputs and outputs told apart by
+  // their ctx (the specification's rule; the hook's own call passes its sides instead).
   void watch(const py::handle& module, const py::list& entries, const py::list& tensors) {
-    if (!at::GradMode::is_enabled() || target_->callback == nullptr) {
+    if (!watching()) {
       return;
-    }
-    if (owners_.size() > kMaxOwners) {  // submodules driven alone never start a new forward
-      new_forward();
     }
     for (const auto& entry : entries) {
       if (!PyTuple_Check(entry.ptr()) || PyTuple_GET_SIZE(entry.ptr()) != 3) {
@@ -544,56 +562,20 @@ class OutputGradients {
       if (!object || !THPVariable_Check(object.ptr()) || !PyUnicode_Check(ctx)) {
         throw py::error_already_set();
       }
-      const at::Tensor& tensor = tensor_of(object);
-      const bool is_input = PyUnicode_Tailmatch(ctx, input_.ptr(), 0, PY_SSIZE_T_MAX, -1) == 1;
-      if (!is_input && !(PyUnicode_Tailmatch(ctx, output_.ptr(), 0, PY_SSIZE_T_MAX, -1) == 1 && tensor.requires_grad())) {
-        continue;  // a parameter, or an output without a gradient
-      }
-      c10::TensorImpl* impl = tensor.unsafeGetTensorImpl();
-      auto found = owners_.find(impl);
-      if (found != owners_.end() && found->second.impl.lock().get() != impl) {
-        owners_.erase(found);  // its tensor is gone: another one took its address
-        found = owners_.end();
-      }
-      if (is_input) {
-        if (found != owners_.end()) {
-          PyObject* consumers = PyList_GET_ITEM(found->second.owner.ptr(), 2);
-          const py::object consumer = weak_module(module);
-          const int contained = PySequence_Contains(consumers, consumer.ptr());
-          if (contained < 0 || (contained == 0 && PyList_Append(consumers, consumer.ptr()) < 0)) {
-            throw py::error_already_set();
-          }
-        }
-        continue;
-      }
-      incoming_.insert(module.ptr());
-      py::object gradient_ctx = py::reinterpret_steal<py::object>(PyUnicode_Concat(ctx, grad_suffix_.ptr()));
-      if (!gradient_ctx) {
-        throw py::error_already_set();
-      }
-      if (found != owners_.end()) {
-        PyObject* owner = found->second.owner.ptr();
-        PyList_SetItem(owner, 0, weak_module(module).release().ptr());
-        PyList_SetItem(owner, 1, gradient_ctx.release().ptr());
-        continue;
-      }
-      py::list owner(4);
-      PyList_SET_ITEM(owner.ptr(), 0, weak_module(module).release().ptr());
-      PyList_SET_ITEM(owner.ptr(), 1, gradient_ctx.release().ptr());
-      PyList_SET_ITEM(owner.ptr(), 2, PyList_New(0));
-      PyList_SET_ITEM(owner.ptr(), 3, PyLong_FromVoidPtr(object.ptr()));  // id(tensor)
-      auto call = std::make_shared<GradientCallback>(target_, owner);
-      if (THPVariable_CheckExact(object.ptr())) {
-        tensor.register_hook([call](const at::TensorBase& grad) { (*call)(grad); });
-      } else {
-        hook_apart_(object, py::cpp_function([call](const py::object& grad) {
-                      if (!call->call(grad.ptr())) {
-                        throw py::error_already_set();
-                      }
-                    }));
-      }
-      owners_.insert_or_assign(impl, Known{c10::weak_intrusive_ptr<c10::TensorImpl>(tensor.getIntrusivePtr()),
-                                           std::move(owner)});
+      const Side side = PyUnicode_Tailmatch(ctx, input_.ptr(), 0, PY_SSIZE_T_MAX, -1) == 1    ? Side::kInput
+                        : PyUnicode_Tailmatch(ctx, output_.ptr(), 0, PY_SSIZE_T_MAX, -1) == 1 ? Side::kOutput
+                                                                                               : Side::kParameter;
+      watch_one(module, object, ctx, side);
+    }
+  }
+
+  // The same for a hook call's entries as EntriesOf made them (their sides known).
+  void watch_entries(const py::handle& module, const Entries& entries) {
+    if (!watching()) {
+      return;
+    }
+    for (size_t index = 0; index < entries.sides.size(); ++index) {
+      watch_one(module, PyList_GET_ITEM(entries.tensors.ptr(), index), entries.ctxs[index], entries.sides[index]);
     }
   }
 
@@ -625,6 +607,70 @@ class OutputGradients {
   }
 
  private:
+  // Whether this call's outputs are hooked at all (autograd on, not cleared).
+  bool watching() {
+    if (!at::GradMode::is_enabled() || target_->callback == nullptr) {
+      return false;
+    }
+    if (owners_.size() > kMaxOwners) {  // submodules driven alone never start a new forward
+      new_forward();
+    }
+    return true;
+  }
+
+  void watch_one(const py::handle& module, const py::handle& object, PyObject* ctx, Side side) {
+    const at::Tensor& tensor = tensor_of(object);
+    const bool is_input = side == Side::kInput;
+    if (!is_input && !(side == Side::kOutput && tensor.requires_grad())) {
+      return;  // a parameter, or an output without a gradient
+    }
+    c10::TensorImpl* impl = tensor.unsafeGetTensorImpl();
+    auto found = owners_.find(impl);
+    if (found != owners_.end() && found->second.impl.lock().get() != impl) {
+      owners_.erase(found);  // its tensor is gone: another one took its address
+      found = owners_.end();
+    }
+    if (is_input) {
+      if (found != owners_.end()) {
+        PyObject* consumers = PyList_GET_ITEM(found->second.owner.ptr(), 2);
+        const py::object consumer = weak_module(module);
+        const int contained = PySequence_Contains(consumers, consumer.ptr());
+        if (contained < 0 || (contained == 0 && PyList_Append(consumers, consumer.ptr()) < 0)) {
+          throw py::error_already_set();
+        }
+      }
+      return;
+    }
+    incoming_.insert(module.ptr());
+    py::object gradient_ctx = py::reinterpret_steal<py::object>(PyUnicode_Concat(ctx, grad_suffix_.ptr()));
+    if (!gradient_ctx) {
+      throw py::error_already_set();
+    }
+    if (found != owners_.end()) {
+      PyObject* owner = found->second.owner.ptr();
+      PyList_SetItem(owner, 0, weak_module(module).release().ptr());
+      PyList_SetItem(owner, 1, gradient_ctx.release().ptr());
+      return;
+    }
+    py::list owner(4);
+    PyList_SET_ITEM(owner.ptr(), 0, weak_module(module).release().ptr());
+    PyList_SET_ITEM(owner.ptr(), 1, gradient_ctx.release().ptr());
+    PyList_SET_ITEM(owner.ptr(), 2, PyList_New(0));
+    PyList_SET_ITEM(owner.ptr(), 3, PyLong_FromVoidPtr(object.ptr()));  // id(tensor)
+    auto call = std::make_shared<GradientCallback>(target_, owner);
+    if (THPVariable_CheckExact(object.ptr())) {
+      tensor.register_hook([call](const at::TensorBase& grad) { (*call)(grad); });
+    } else {
+      hook_apart_(object, py::cpp_function([call](const py::object& grad) {
+                    if (!call->call(grad.ptr())) {
+                      throw py::error_already_set();
+                    }
+                  }));
+    }
+    owners_.insert_or_assign(impl, Known{c10::weak_intrusive_ptr<c10::TensorImpl>(tensor.getIntrusivePtr()),
+                                         std::move(owner)});
+  }
+
   static constexpr size_t kMaxOwners = 1 << 16;
 
   struct Known {
@@ -720,7 +766,7 @@ class EntriesOf {
   py::tuple of(const py::list& items) const {
     Entries out;
     for (const auto& item : items) {
-      add_item(out, item);
+      add_item(out, item, Side::kParameter);
     }
     return out.result();
   }
@@ -730,14 +776,19 @@ class EntriesOf {
   // tuples); with containers, each container opened into its tensors.
   py::tuple forward(const py::handle& module, const py::handle& input, const py::handle& output,
                     const py::handle& kwargs) const {
+    return entries(module, input, output, kwargs).result();
+  }
+
+  Entries entries(const py::handle& module, const py::handle& input, const py::handle& output,
+                  const py::handle& kwargs) const {
     Entries out;
     add_parameters(out, module);
     if (PyTuple_Check(input.ptr())) {
       for (Py_ssize_t index = 0; index < PyTuple_GET_SIZE(input.ptr()); ++index) {
-        add_value(out, PyTuple_GET_ITEM(input.ptr(), index), name(inputs_, "input", index), false);
+        add_value(out, PyTuple_GET_ITEM(input.ptr(), index), name(inputs_, "input", index), false, Side::kInput);
       }
     } else {
-      add_value(out, input.ptr(), py::str("input"), false);
+      add_value(out, input.ptr(), input_, false, Side::kInput);
     }
     if (!kwargs.is_none()) {
       if (!PyDict_Check(kwargs.ptr())) {
@@ -748,7 +799,8 @@ class EntriesOf {
       Py_ssize_t position = 0;
       while (PyDict_Next(kwargs.ptr(), &position, &key, &value)) {
         if (THPVariable_Check(value) || (containers_ && !value_is_a_leaf(value))) {
-          add_value(out, value, py::reinterpret_steal<py::object>(PyUnicode_FromFormat("input[%S]", key)), true);
+          add_value(out, value, py::reinterpret_steal<py::object>(PyUnicode_FromFormat("input[%S]", key)), true,
+                    Side::kInput);
         }
       }
     }
@@ -759,16 +811,16 @@ class EntriesOf {
           for (Py_ssize_t inner = 0; inner < PyTuple_GET_SIZE(value); ++inner) {
             add_value(out, PyTuple_GET_ITEM(value, inner),
                       py::reinterpret_steal<py::object>(PyUnicode_FromFormat("output[%zd][%zd]", index, inner)),
-                      false);
+                      false, Side::kOutput);
           }
         } else {
-          add_value(out, value, name(outputs_, "output", index), false);
+          add_value(out, value, name(outputs_, "output", index), false, Side::kOutput);
         }
       }
     } else {
-      add_value(out, output.ptr(), py::str("output"), false);
+      add_value(out, output.ptr(), output_, false, Side::kOutput);
     }
-    return out.result();
+    return out;
   }
 
   // The collector's tp_traverse and tp_clear: the callables it asks (frames.py's functions).
@@ -787,14 +839,6 @@ class EntriesOf {
   }
 
  private:
-  struct Entries {
-    py::list entries;
-    py::list tensors;
-    py::list dtypes;
-
-    py::tuple result() { return py::make_tuple(std::move(entries), std::move(tensors), std::move(dtypes)); }
-  };
-
   static py::object name(const std::array<py::object, 16>& names, const char* prefix, Py_ssize_t index) {
     if (index < static_cast<Py_ssize_t>(names.size())) {
       return names[index];
@@ -809,13 +853,13 @@ class EntriesOf {
     std::vector<std::pair<PyObject*, PyObject*>> pairs;  // (parameter, name), borrowed from the dict
     if (parameters_of(module, pairs)) {
       for (const auto& [parameter, name] : pairs) {
-        add(out, parameter, name);
+        add(out, parameter, name, Side::kParameter);
       }
       return;
     }
     const py::list listed = own_parameters_(module);
     for (const auto& pair : listed) {
-      add_item(out, pair);
+      add_item(out, pair, Side::kParameter);
     }
   }
 
@@ -854,25 +898,25 @@ class EntriesOf {
   }
 
   // One forward item: as it is, or with containers, what frames.py makes of it.
-  void add_value(Entries& out, PyObject* value, const py::object& ctx, bool keyword) const {
+  void add_value(Entries& out, PyObject* value, const py::object& ctx, bool keyword, Side side) const {
     if (!containers_ || value_is_a_leaf(value)) {
-      add(out, value, ctx.ptr());
+      add(out, value, ctx.ptr(), side);
       return;
     }
     const py::list leaves = leaves_(py::handle(value), ctx, keyword);
     for (const auto& leaf : leaves) {
-      add_item(out, leaf);
+      add_item(out, leaf, side);
     }
   }
 
-  void add_item(Entries& out, const py::handle& item) const {
+  void add_item(Entries& out, const py::handle& item, Side side) const {
     if (!PyTuple_Check(item.ptr()) || PyTuple_GET_SIZE(item.ptr()) != 2) {
       throw py::type_error("EntriesOf: items must be (value, ctx) tuples");
     }
-    add(out, PyTuple_GET_ITEM(item.ptr(), 0), PyTuple_GET_ITEM(item.ptr(), 1));
+    add(out, PyTuple_GET_ITEM(item.ptr(), 0), PyTuple_GET_ITEM(item.ptr(), 1), side);
   }
 
-  void add(Entries& out, PyObject* value, PyObject* ctx) const {
+  void add(Entries& out, PyObject* value, PyObject* ctx, Side side) const {
     Kind kind = kNotATensor;
     py::object payload = py::none();
     if (THPVariable_Check(value)) {
@@ -885,6 +929,8 @@ class EntriesOf {
         payload = py::int_(static_cast<int64_t>(out.tensors.size()));
         out.tensors.append(py::handle(value));
         out.dtypes.append(py::handle(reinterpret_cast<PyObject*>(torch::getTHPDtype(tensor.scalar_type()))));
+        out.sides.push_back(side);
+        out.ctxs.push_back(ctx);  // (its entry, appended below, holds it)
       } else {
         kind = kUnreadable;
         payload = std::move(reason);
@@ -906,6 +952,8 @@ class EntriesOf {
   std::array<py::object, 4> kinds_;
   std::array<py::object, 16> inputs_;
   std::array<py::object, 16> outputs_;
+  const py::object input_ = py::str("input");
+  const py::object output_ = py::str("output");
 };
 
 // find_op's record of one hooked call: hooks/culprit.py's KeptCall is its specification (the same
@@ -1153,6 +1201,38 @@ py::custom_type_setup collected() {
   });
 }
 
+// One forward hook call outside torch.func transforms, in one crossing (hooks/hook_core.py's
+// forward_call is its specification): its entries (EntriesOf), the hooks on its outputs'
+// gradients (`outputs`, or None without gradient checks), its kept call's output (`kept`, or None
+// without find_op) and its rows (`core`'s add, which launches where a launcher is bound; None:
+// the caller adds them). `site` >= 0: the call may wait, where its tensors are off the CPU or
+// `waits_on_cpu`. (entries, tensors, dtypes, the add's answer or None where nothing was added.)
+py::tuple forward_call(const EntriesOf& entries_of, const py::handle& module, const py::handle& input,
+                       const py::handle& output, const py::handle& kwargs, OutputGradients* outputs,
+                       const py::handle& kept, HookCore* core, int64_t site, bool waits_on_cpu) {
+  Entries entries = entries_of.entries(module, input, output, kwargs);
+  if (outputs != nullptr) {
+    outputs->watch_entries(module, entries);
+  }
+  if (!kept.is_none()) {
+    if (!PyObject_TypeCheck(kept.ptr(), &kept_call_type)) {
+      throw py::type_error("forward_call: kept must be a KeptCall or None");
+    }
+    if (py::reinterpret_steal<py::object>(kept_call_returned(kept.ptr(), output.ptr())).ptr() == nullptr) {
+      throw py::error_already_set();
+    }
+  }
+  py::object added = py::none();
+  if (core != nullptr && !entries.tensors.empty()) {
+    if (site >= 0 && !waits_on_cpu && tensor_of(PyList_GET_ITEM(entries.tensors.ptr(), 0)).is_cpu()) {
+      site = -1;
+    }
+    added = core->add(entries.tensors, site, site >= 0);
+  }
+  return py::make_tuple(std::move(entries.entries), std::move(entries.tensors), std::move(entries.dtypes),
+                        std::move(added));
+}
+
 }  // namespace
 
 void add_hook_layer(py::module& m) {
@@ -1178,6 +1258,7 @@ void add_hook_layer(py::module& m) {
       .def("of", &EntriesOf::of, py::arg("items"))
       .def("forward", &EntriesOf::forward, py::arg("module"), py::arg("input"), py::arg("output"),
            py::arg("kwargs"));
+  m.def("forward_call", &forward_call, "One forward hook call's work in one crossing (csrc/hooks.cpp)");
   m.def("versions_of", &versions_of, py::arg("args"), py::arg("kwargs"),
         "culprit.versions_of's answer in one C++ call (csrc/hooks.cpp)");
   py::class_<OutputGradients>(m, "OutputGradients",

@@ -738,3 +738,70 @@ def test_the_cpp_kept_call_is_culprit_s_field_for_field():
     assert seen == {"wrapper", "under a wrapper", "hooked twice", "called again", "first"}
     with pytest.raises(TypeError, match="parent"):
         native(modules[0], (), None, object(), {}, root_state)
+
+
+# -- a forward hook's one call: csrc/hooks.cpp's forward_call and its twin -----------------------------
+
+def _forward_call_parts(native, containers, seen):
+    """(forward_call, EntriesOf, OutputGradients, HookCore, KeptCall class) of one implementation."""
+    from overflow_fast.replay.culprit import KeptCall
+
+    def on_gradient(owner, grad):
+        seen.append((owner[0](), owner[1], [consumer() for consumer in owner[2]], grad.clone()))
+
+    if native:
+        return (C.forward_call, hook_core.entries_reader(containers), C.OutputGradients(on_gradient, None),
+                C.HookCore(6, 1 << 20, 1 << 16), hook_core.kept_call_class())
+    return (hook_core.forward_call, hook_core.EntriesOf(containers), hook_core.OutputGradients(on_gradient, None),
+            hook_core.HookCore(6, 1 << 20, 1 << 16), KeptCall)
+
+
+@needs_extension
+@pytest.mark.parametrize("containers", [False, True])
+def test_the_cpp_forward_call_is_its_twin_s_call_for_call(containers):
+    """Entries, rows (the core's answer), gradient hooks and the kept call's output: the same on both."""
+    from overflow_fast.replay.culprit import root_state
+
+    rng = random.Random(13 + containers)
+    modules = [torch.nn.Linear(3, 3), torch.nn.ReLU(), torch.nn.LayerNorm(3)]
+    base = torch.randn(3, 3, requires_grad=True)
+    for _ in range(30):
+        plan = []
+        for _ in range(rng.randint(1, 6)):
+            args = tuple(_values(rng) if rng.random() < 0.5 else base * rng.random() for _ in range(rng.randint(0, 2)))
+            outputs = tuple(base * rng.random() if rng.random() < 0.6 else _values(rng)
+                            for _ in range(rng.randint(1, 3)))
+            output = outputs if rng.random() < 0.5 else outputs[0]
+            kwargs = rng.choice([None, {"k": base * 2}])
+            plan.append((rng.choice(modules), args, output, kwargs, rng.choice([-1, 3]), rng.random() < 0.5,
+                         rng.random() < 0.5, rng.random() < 0.8))
+        answers, seen_by = [], []
+        labels = Labels()
+        for native in (True, False):
+            seen = []
+            call, entries_of, outputs, core, kept_class = _forward_call_parts(native, containers, seen)
+            got = []
+            for module, args, output, kwargs, site, waits_on_cpu, keep, hook in plan:
+                kept = kept_class(module, args, kwargs, None, {}, root_state) if keep else None
+                entries, tensors, dtypes, answer = call(entries_of, module, args, output, kwargs,
+                                                        outputs if hook else None, kept, core, site, waits_on_cpu)
+                for tensor in tensors:
+                    labels.name(tensor, id(tensor))
+                got.append((entries, [id(t) for t in tensors], dtypes,
+                            None if answer is None else normal(answer, labels),
+                            None if kept is None else (kept.output is output, kept.output_versions)))
+            answers.append(got)
+            loss = sum(t.sum() for item in plan for t in _tensors_of(item[2]) if t.requires_grad)
+            if torch.is_tensor(loss) and loss.requires_grad:
+                loss.backward(retain_graph=True)
+            outputs.clear()  # (the next implementation's backward runs these hooks again)
+            seen_by.append(seen)
+        assert answers[0] == answers[1]
+        assert [(m, ctx, consumers) for m, ctx, consumers, _ in seen_by[0]] == \
+            [(m, ctx, consumers) for m, ctx, consumers, _ in seen_by[1]]
+        assert all(torch.equal(a[3], b[3]) for a, b in zip(*seen_by))
+
+
+def _tensors_of(output):
+    values = output if isinstance(output, tuple) else (output,)
+    return [value for value in values if type(value) is torch.Tensor]

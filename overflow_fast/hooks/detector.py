@@ -301,19 +301,19 @@ class DebugUnderflowOverflow(ReferenceFace, StepMode):
             run.traced.absorb(run, current, self.model, inputs)  # a compiled region ran before this call
         if current.state is _STOPPING:
             return  # this rank reported; it stops with the others when the pass ends
-        if transformed:
+        call = self.decisions.state.count(module is self._model, recomputed)  # (the attribute: this runs at every hook)
+        if not transformed:
+            # with find_op, the run's output, which a replay compares with its own
+            outputs = self._gradients.output_hooks() if self._gradients is not None else None
+            run.add_forward(current, call, module, input, output, kwargs, inputs, outputs)
+        else:  # torch.func takes gradients functionally: no output hooks
             entries, tensors, dtypes = entries_of(forward_items(module, input, output, kwargs, self.options.containers),
                                                   True)
-        else:
-            entries, tensors, dtypes = run.entries_of.forward(module, input, output, kwargs)
-        call = self.decisions.state.count(module is self._model, recomputed)  # (the attribute: this runs at every hook)
-        if self._gradients is not None and not transformed:  # torch.func takes gradients functionally
-            self._gradients.watch_outputs(module, entries, tensors)
-        if inputs is not None:  # find_op: the run's output, which a replay compares with its own
-            inputs.returned(output)
-            if inputs.grad_enabled and self._gradients is not None:
-                run.keep_call(inputs)  # the backward's replay (a reentrant checkpoint's recompute's too)
-        run.add(current, call, module, entries, dtypes, tensors, FORWARD, inputs=inputs)
+            if inputs is not None:
+                inputs.returned(output)
+                if inputs.grad_enabled and self._gradients is not None:
+                    run.keep_call(inputs)
+            run.add(current, call, module, entries, dtypes, tensors, FORWARD, inputs=inputs)
         if inputs is not None and not inputs.grad_enabled and run.calls_running():
             inputs.release()  # autograd keeps nothing here: neither does a call that returned (culprit)
         if recomputed:

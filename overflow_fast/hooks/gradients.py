@@ -66,14 +66,14 @@ class GradientHooks:
         under torch.compile: traced hooks)."""
         return self._outputs is not None and self._outputs.incoming_read(module)
 
-    def watch_outputs(self, module, entries, tensors):
-        """Hook the gradients of a forward call's output tensors that require one, and note the
-        module as a consumer of the hooked tensors it took as inputs (their gradient comes from
-        its backward)."""
+    def output_hooks(self):
+        """The ``OutputGradients`` that a forward hook call hands its entries to (``watch``): it hooks
+        the gradients of the call's output tensors that require one, and notes the module as a
+        consumer of the hooked tensors it took as inputs (their gradient comes from its backward)."""
         outputs = self._outputs
         if outputs is None:
             outputs = self._outputs = output_gradients(self._output_hook, self._hook_apart)
-        outputs.watch(module, entries, tensors)
+        return outputs
 
     @staticmethod
     def _hook_apart(tensor, hook):

@@ -1,8 +1,9 @@
 """The hook layer's C++ (``overflow_fast._C.hooks``: csrc/hook_layer.h and hooks.cpp),
 opened here alone (``native``), and its Python twins, for where the extension cannot be loaded:
 ``HookCore`` (the detector's bookkeeping of when each hook's tensors are read), ``OutputGradients``
-(the gradients arriving at forward outputs), ``EntriesOf`` (a hook call's entries: frames.py's) and
-``culprit.KeptCall``. The factories below give the C++ one where it loads, else the twin.
+(the gradients arriving at forward outputs), ``EntriesOf`` (a hook call's entries: frames.py's),
+``culprit.KeptCall``, and ``forward_call``: a forward hook's work with all of them in one call. The
+factories below give the C++ one where it loads, else the twin.
 
 One specification, two implementations: the same methods, arguments and results, call for call
 (tests/test_hook_core.py runs both on the same sequences of calls). For HookCore, csrc/hooks.cpp
@@ -127,6 +128,32 @@ def entries_reader(containers):
     if module is None:
         return EntriesOf(containers)
     return module.EntriesOf(SUPPORTED_DTYPES, unreadable_reason, own_parameters, container_leaves, containers)
+
+
+def forward_call_function():
+    """``forward_call``: the extension's one crossing where it loads, else this module's twin."""
+    module = native()
+    return forward_call if module is None else module.forward_call
+
+
+def forward_call(entries_of, module, input, output, kwargs, outputs, kept, core, site, waits_on_cpu):
+    """One forward hook call outside torch.func transforms (csrc/hooks.cpp's ``forward_call`` in one
+    crossing; this is its specification): its entries, the hooks on its outputs' gradients
+    (``outputs``: an ``OutputGradients`` or None), its kept call's output (``kept``: a KeptCall or
+    None) and its rows (``core``'s ``add``; None: the caller adds them). ``site`` >= 0: the call may
+    wait, where its tensors are off the CPU or ``waits_on_cpu``. ``(entries, tensors, dtypes, the
+    add's answer or None where nothing was added)``."""
+    entries, tensors, dtypes = entries_of.forward(module, input, output, kwargs)
+    if outputs is not None:
+        outputs.watch(module, entries, tensors)
+    if kept is not None:
+        kept.returned(output)
+    added = None
+    if core is not None and tensors:
+        if site >= 0 and not waits_on_cpu and tensors[0].is_cpu:
+            site = -1
+        added = core.add(tensors, site, site >= 0)
+    return entries, tensors, dtypes, added
 
 
 def kept_call_class():

@@ -1,12 +1,14 @@
-"""How a pass ends (``passes``): its calls decided, its rows freed, the ranks agreed, and a pass that
-never ends on its own (a ``KeyboardInterrupt`` in a forward, an exception in a backward: see
-``passes``) abandoned at the next forward's first hook. A base of ``Passes``, whose state it uses."""
+"""How a pass ends (``passes``): its calls decided and a detection acted on, its rows freed, the
+ranks agreed, and a pass that never ends on its own (a ``KeyboardInterrupt`` in a forward, an
+exception in a backward: see ``passes``) abandoned at the next forward's first hook. A base of
+``Passes``, whose state it uses."""
 
 import enum
 
 import torch
 
-from .errors import OverflowDetected
+from . import explain
+from .errors import OverflowDetected, overflow_error, say
 from .frames import BACKWARD, FORWARD, graph_task_id
 from .rank_agreement import BACKWARD_END, FORWARD_END
 
@@ -110,6 +112,33 @@ class PassEnds:
             inputs.release()
         self.kept_forward = []
         self.kept_gradients = {}
+
+    def _act(self, current, found):
+        """What the strategy does with a detection the replay found."""
+        decisions = self.decisions
+        found = explain.beyond_the_reference(self, current, found)
+        decisions.log_detection(found)
+        if current.state is PassState.ABANDONED:  # reported, and the next forward is checked afresh
+            decisions.dump(found)
+            decisions.state.set_detected_overflow(False)
+            say("overflow_fast: that report is of a pass that an exception interrupted before its end (a "
+                "KeyboardInterrupt in a forward, any exception in a backward); it stops nothing, and what "
+                "runs next is checked afresh")
+            return
+        if self.strategy.stops():
+            decisions.dump(found)
+            if self.sync_wanted() and (self.thread.calls or current.state is PassState.ENDING
+                                       or graph_task_id() != -1):
+                # the other ranks are mid-pass, inside their own collectives (DDP, FSDP2, tensor
+                # parallel): stop with them when this pass ends, not here
+                current.stop_at_agreement(found.detection, found.frames)
+                return
+            raise overflow_error(found.detection, found.frames)
+        decisions.state.set_detected_overflow(False)  # go on: later batches are checked afresh
+        if found.report_due:
+            decisions.dump(found)
+        self.strategy.went_on(found.detection, found.frames, found.first_frame, found.bad, found.report_due)
+        decisions.state.frames.clear()
 
     def sync_wanted(self):
         """Whether this detector's decisions are agreed between ranks (see overflow_fast.distributed)."""

@@ -39,9 +39,8 @@ from .. import distributed
 from ..replay.culprit import autocast_state, root_state, root_state_at_end
 from .compiled import Traced
 from .decisions import NO_ROWS, Pending
-from .errors import overflow_error, say
 from .frames import FORWARD, graph_task_id, recomputing, transform_level
-from .hook_core import entries_reader, kept_call_class
+from .hook_core import entries_reader, forward_call_function, kept_call_class
 from .on_detect import strategy
 from .pass_ends import PassEnds, PassState
 from .rank_agreement import RankAgreement
@@ -164,6 +163,7 @@ class Passes(PassEnds):
         self.new_reads = lambda: Reads(backend, options.buffer_rows, options.reuse_stats, options.stage_bytes)
         self.apart = None  # the Reads of calls read on their own (create_frame)
         self.entries_of = None  # the entries of hook calls outside transforms, one C++ pass where it loads
+        self.forward_call = None  # a forward hook's one call into the hook layer (hook_core.forward_call)
         self.kept_call = None  # find_op's KeptCall class (hook_core.kept_call_class), with the first call
         self.traced = Traced()  # hooks traced by torch.compile, replayed by the next eager hook
         # the last clean pass's calls, freed when the next pass begins (not between a forward's
@@ -191,6 +191,7 @@ class Passes(PassEnds):
             self.collective_writes = distributed.seen_as_writes()
         if self.entries_of is None:  # (with the first rows: the extension may be built here)
             self.entries_of = entries_reader(self.options.containers)
+            self.forward_call = forward_call_function()
         reads = self.idle_reads.pop() if self.idle_reads else self.new_reads()
         opened = Pass(reads, serial)
         if serial is not None:
@@ -323,11 +324,38 @@ class Passes(PassEnds):
             reads = current.reads
             site = (id(module) if self.may_defer and reads.may_wait(not now, phase, call.trace_mode, tensors)
                     else -1)
-            sources = reads.add(tensors, site)
-            if sources is None:  # the buffer is full: what waits is decided now
-                self.flush(current)
-                reads.reset()
-                sources = reads.add(tensors, site)
+            sources = self._rows(current, tensors, site, reads.add(tensors, site))
+        self._queue_call(current, now, call, module, entries, dtypes, sources, phase, consumers, inputs, tensors)
+
+    def add_forward(self, current, call, module, input, output, kwargs, kept, outputs):
+        """``add`` of a forward hook call outside torch.func transforms, whose entries, hooks on its
+        outputs' gradients (``outputs``: an ``OutputGradients`` or None), kept call's output
+        (``kept``: find_op's or None) and rows are the hook layer's one call (``forward_call``)."""
+        now = self.decides_each_call or call.trace_mode or self.decisions.state.detected_overflow
+        reads = current.reads
+        site = id(module) if self.may_defer and reads.may_wait_in_forward(not now, call.trace_mode) else -1
+        entries, tensors, dtypes, answer = self.forward_call(self.entries_of, module, input, output, kwargs, outputs,
+                                                             kept, reads.hook_core(), site, reads.waits_on_cpu)
+        if kept is not None and kept.grad_enabled and self.gradients is not None:
+            self.keep_call(kept)  # the backward's replay (a reentrant checkpoint's recompute's too)
+        if not tensors:
+            sources = NO_ROWS
+        else:
+            if site >= 0 and not reads.waits_on_cpu and tensors[0].is_cpu:
+                site = -1  # (as forward_call decided)
+            sources = self._rows(current, tensors, site, reads.add(tensors, site) if answer is None
+                                 else reads.added(tensors, answer))
+        self._queue_call(current, now, call, module, entries, dtypes, sources, FORWARD, None, kept, tensors)
+
+    def _rows(self, current, tensors, site, sources):
+        """A call's sources, once the buffer had room (None: full, what waits is decided now)."""
+        if sources is None:
+            self.flush(current)
+            current.reads.reset()
+            sources = current.reads.add(tensors, site)
+        return sources
+
+    def _queue_call(self, current, now, call, module, entries, dtypes, sources, phase, consumers, inputs, tensors):
         # decided now: its tensors stay referenced until then, for a detection's Where line
         queue = current.queue
         queue.append(_pending((call, module, entries, dtypes, sources, phase, consumers, inputs,
@@ -387,33 +415,6 @@ class Passes(PassEnds):
     def flush_all(self):
         for open_pass in list(self.open):
             self.flush(open_pass)
-
-    def _act(self, current, found):
-        """What the strategy does with a detection the replay found."""
-        decisions = self.decisions
-        found = explain.beyond_the_reference(self, current, found)
-        decisions.log_detection(found)
-        if current.state is PassState.ABANDONED:  # reported, and the next forward is checked afresh
-            decisions.dump(found)
-            decisions.state.set_detected_overflow(False)
-            say("overflow_fast: that report is of a pass that an exception interrupted before its end (a "
-                "KeyboardInterrupt in a forward, any exception in a backward); it stops nothing, and what "
-                "runs next is checked afresh")
-            return
-        if self.strategy.stops():
-            decisions.dump(found)
-            if self.sync_wanted() and (self.thread.calls or current.state is PassState.ENDING
-                                       or graph_task_id() != -1):
-                # the other ranks are mid-pass, inside their own collectives (DDP, FSDP2, tensor
-                # parallel): stop with them when this pass ends, not here
-                current.stop_at_agreement(found.detection, found.frames)
-                return
-            raise overflow_error(found.detection, found.frames)
-        decisions.state.set_detected_overflow(False)  # go on: later batches are checked afresh
-        if found.report_due:
-            decisions.dump(found)
-        self.strategy.went_on(found.detection, found.frames, found.first_frame, found.bad, found.report_due)
-        decisions.state.frames.clear()
 
     def close(self):
         """The hooks are off: decide what waits (its records and detection still reach the log),

@@ -63,6 +63,7 @@ class Reads:
         # which devices' rows are host memory, and whose tensors may wait (``may_wait``): decided here
         self._host_types = host_device_types()
         self._on_accelerator = _off_cpu if "cpu" in self._host_types else _any_tensor
+        self.waits_on_cpu = "cpu" not in self._host_types  # (CPU tensors on the accelerators' path)
         self._core = new_core(capacity, defer_bytes, MAX_REMEMBERED if reuse else 0)
         self._buffers = {}  # device key -> [capacity, 8] int64 rows on that device
         self._host = {}  # device key -> (host rows [capacity, 8], the same memory as a flat int64 memoryview)
@@ -81,18 +82,33 @@ class Reads:
         return (defer and phase == FORWARD and not trace_mode and graph_task_id() == -1
                 and not torch.is_inference_mode_enabled() and self._on_accelerator(tensors[0]))
 
+    def may_wait_in_forward(self, defer, trace_mode):
+        """``may_wait`` of a forward hook before its tensors are known; where they are is told by
+        ``waits_on_cpu`` (the hook layer's ``forward_call`` asks it of the call's first tensor)."""
+        return defer and not trace_mode and graph_task_id() == -1 and not torch.is_inference_mode_enabled()
+
+    def hook_core(self):
+        """The core that a forward hook's one call (``hook_core.forward_call``) adds its tensors to,
+        or None where they go through ``add``: an async collective writes some memory now."""
+        return None if _IN_FLIGHT else self._core
+
     def add(self, tensors, site=-1):
         """Read ``tensors`` (a hook call's, at least one) now, or let them wait where ``site`` (the
         call site's id, with ``may_wait``) allows. Returns the call's sources for ``resolve``, or
         None when the buffer has no room: read and replay what is pending, ``reset``, add again."""
-        core = self._core
         if len(tensors) > self.capacity:
             return self.read_apart(tensors)
         if _IN_FLIGHT:  # an async collective writes some memory now
             tensors, site = _settled(tensors, site)
-        key, rows, first, to_read, changed = core.add(tensors, site, site >= 0)
+        return self.added(tensors, self._core.add(tensors, site, site >= 0))
+
+    def added(self, tensors, answer):
+        """The sources of ``tensors`` from the core's answer to their ``add`` (``add``'s result)."""
+        key, rows, first, to_read, changed = answer
         if key < 0:
-            return None if key == HOOK_FULL else self.read_apart(tensors)  # else: several devices
+            if key == HOOK_FULL and len(tensors) <= self.capacity:
+                return None
+            return self.read_apart(tensors)  # several devices, or more tensors than the buffer holds
         if to_read:
             self._launch(key, first, to_read, changed)
         elif changed:  # read by the core's launcher: only the marks are left
