@@ -42,6 +42,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <unordered_map>
 #include <unordered_set>
 #include <utility>
@@ -53,6 +54,12 @@ namespace {
 // What add() answers instead of rows.
 constexpr int64_t kFull = -1;          // not enough free rows: read what is pending, then add again
 constexpr int64_t kMixedDevices = -2;  // the tensors are on several devices: read them apart
+
+// Who read the tensors an answer hands out (its last element): the caller (none bound to the
+// device, or its launcher declined them: the caller reads them, if any), the bound launcher
+// (into their rows, in this call), or nobody: the launcher failed on them, said why once (its
+// `disabled`, which declines every read from then on) and the caller reads them.
+enum Read : int64_t { kByCaller = 0, kLaunched = 1, kLaunchFailed = 2 };
 
 // Per call site and tensor position, under deferral: not seen yet (read at once, watched until the
 // pass ends), seen unchanged at the end of a pass (its read may wait), seen changed (read at once).
@@ -127,11 +134,11 @@ class HookCore {
     TORCH_CHECK(defer_bytes >= 0, "HookCore: defer_bytes must be >= 0, got ", defer_bytes);
   }
 
-  // The rows of one hook call's tensors: (device key, rows, first, to_read, changed), where the
-  // caller reads `to_read` into rows [first, first + len(to_read)) of the device's buffer now
-  // (empty where a bound launcher read them here); `changed`: rows whose deferred tensor changed
-  // before this read (read as empty tensors). Not added: (kFull or kMixedDevices, None, None,
-  // None, None), one result type either way. `site` >= 0 with `defer`: the call may wait.
+  // The rows of one hook call's tensors: (device key, rows, first, to_read, changed, read), where
+  // `to_read` go into rows [first, first + len(to_read)) of the device's buffer now, read by whom
+  // `read` says (Read); `changed`: rows whose deferred tensor changed before this read (read as
+  // empty tensors). Not added: (kFull or kMixedDevices, None, None, None, None, None), one result
+  // type either way. `site` >= 0 with `defer`: the call may wait.
   py::tuple add(const py::object& objects, int64_t site, bool defer) {
     // a list as it is; any other iterable (a list subclass included) through its own iteration
     const py::list tensors = PyList_CheckExact(objects.ptr())
@@ -217,17 +224,23 @@ class HookCore {
     if (watched_bytes_ > defer_bytes_) {
       learn();
     }
-    py::tuple taken = read_now ? take(rows) : py::make_tuple(rows.launched, py::list(), std::vector<int64_t>());
-    return py::make_tuple(key, row_of, taken[0], taken[1], taken[2]);
+    if (!read_now) {
+      return py::make_tuple(key, row_of, rows.launched, py::list(), py::list(), static_cast<int64_t>(kByCaller));
+    }
+    auto [first, to_read, changed] = take(rows);
+    const Read read = launch(rows, first, to_read);
+    return py::make_tuple(key, row_of, first, std::move(to_read), std::move(changed), static_cast<int64_t>(read));
   }
 
-  // Every row still waiting: [(device key, first, to_read, changed)], as add() gives them.
+  // Every row still waiting: [(device key, first, to_read, changed, read)], as add() gives them.
   std::vector<py::tuple> pending() {
     std::vector<py::tuple> out;
     for (size_t key = 0; key < devices_.size(); ++key) {
       if (devices_[key].launched < devices_[key].used) {
-        py::tuple taken = take(devices_[key]);
-        out.push_back(py::make_tuple(static_cast<int64_t>(key), taken[0], taken[1], taken[2]));
+        auto [first, tensors, changed] = take(devices_[key]);
+        const Read read = launch(devices_[key], first, tensors);
+        out.push_back(py::make_tuple(static_cast<int64_t>(key), first, std::move(tensors), std::move(changed),
+                                     static_cast<int64_t>(read)));
       }
     }
     return out;
@@ -246,8 +259,8 @@ class HookCore {
   }
 
   // From now on the tensors of `key`'s device that add() or pending() hand out are read here, by
-  // `launcher` into rows of `buffer` ([capacity, 8] int64 on the device), and handed out only
-  // where it declines them (to_read is then empty). None: the caller reads them again.
+  // `launcher` into rows of `buffer` ([capacity, 8] int64 on the device), unless it declines them
+  // (their answer says who read them). None: the caller reads them again.
   void bind(int64_t key, const py::object& launcher, const at::Tensor& buffer) {
     DeviceRows& rows = devices_.at(key);
     if (launcher.is_none()) {
@@ -335,21 +348,20 @@ class HookCore {
   }
 
   static py::tuple not_added(int64_t why) {
-    return py::make_tuple(why, py::none(), py::none(), py::none(), py::none());
+    return py::make_tuple(why, py::none(), py::none(), py::none(), py::none(), py::none());
   }
 
   // (first, tensors, changed rows) of a device's waiting rows, which count as launched from now.
   // A deferred tensor changed since its hook is never handed out (its memory may be gone): an
   // empty tensor stands in, and its call site is read at once from now on.
-  // Where a launcher is bound, it reads them now and none is handed out, unless it declines.
-  py::tuple take(DeviceRows& rows) {
+  std::tuple<int64_t, py::list, py::list> take(DeviceRows& rows) {
     py::list tensors(rows.deferred.size());
-    std::vector<int64_t> changed;
+    py::list changed;
     int64_t row = rows.launched;
     Py_ssize_t index = 0;
     for (auto& held : rows.deferred) {
       if (held.site >= 0 && held.changed()) {
-        changed.push_back(row);
+        changed.append(row);
         modes_[held.site][held.position] = kAtOnce;
         tensors[index] = py::cast(at::empty({0}, tensor_of(held.object).options().dtype(at::kByte)));
       } else {
@@ -362,38 +374,38 @@ class HookCore {
     rows.launched = rows.used;
     rows.deferred.clear();
     rows.deferred_bytes = 0;
-    if (rows.launcher != nullptr && index > 0 && launch(rows, first, tensors)) {
-      tensors = py::list();
-    }
-    return py::make_tuple(first, std::move(tensors), std::move(changed));
+    return {first, std::move(tensors), std::move(changed)};
   }
 
-  // The bound launcher's read of `tensors` into rows [first, first + len) of the buffer: false
-  // where it declines (the caller reads them). A launcher that fails is unbound and keeps its
-  // reason (disabled); the caller reads the tensors instead. An interrupt is not a failure.
-  bool launch(DeviceRows& rows, int64_t first, const py::list& tensors) {
+  // The one decision of who reads taken tensors: the launcher bound to their device, into rows
+  // [first, first + len) of its buffer, unless it declines them (a tensor it does not take) or
+  // none is bound; then the caller. A launcher that fails is disabled with its reason and declines
+  // from then on (a disabled one never raises): kLaunchFailed says so, once. An interrupt is not a
+  // failure.
+  Read launch(DeviceRows& rows, int64_t first, const py::list& tensors) {
+    if (rows.launcher == nullptr || tensors.empty()) {
+      return kByCaller;
+    }
     const auto start = reinterpret_cast<int64_t>(rows.buffer.data_ptr());
     const int64_t end = start + capacity_ * 64;
+    std::string why;
     try {
       return rows.launcher->read(PySequence_Fast_ITEMS(tensors.ptr()), static_cast<int64_t>(tensors.size()),
-                                 start + first * 64, start, end);
+                                 start + first * 64, start, end)
+                 ? kLaunched
+                 : kByCaller;
     } catch (py::error_already_set& error) {
       if (!error.matches(PyExc_Exception)) {
         throw;  // KeyboardInterrupt, SystemExit
       }
-      fail(rows, error.what());
+      why = error.what();
     } catch (const std::exception& error) {
-      fail(rows, error.what());
+      why = error.what();
     }
-    return false;
-  }
-
-  static void fail(DeviceRows& rows, const std::string& why) {
-    if (rows.launcher->disabled().empty()) {
+    if (rows.launcher->disabled().empty()) {  // (a driver call's failure disables it with its own reason)
       rows.launcher->disable(why.substr(0, why.find('\n')));
     }
-    rows.launcher.reset();
-    rows.buffer = at::Tensor();
+    return kLaunchFailed;
   }
 
   // A call site's tensor read at once on its first sight: whether it changes before the pass ends
@@ -1201,30 +1213,59 @@ py::custom_type_setup collected() {
   });
 }
 
+// The hook layer's classes as Python sees them (set where they are registered): the one call
+// below checks its arguments' types itself.
+PyTypeObject* entries_of_type = nullptr;
+PyTypeObject* output_gradients_type = nullptr;
+PyTypeObject* hook_core_type = nullptr;
+
+// The C++ object of `object`, an instance of exactly `type` (or None where `optional`: null).
+template <typename T>
+T* object_of(PyObject* object, PyTypeObject* type, bool optional, const char* what) {
+  if (optional && object == Py_None) {
+    return nullptr;
+  }
+  T* value = Py_TYPE(object) == type ? constructed<T>(object) : nullptr;
+  if (value == nullptr) {
+    throw py::type_error(std::string("forward_call: ") + what + " must be a " + type->tp_name +
+                         (optional ? " or None" : "") + ", got " + Py_TYPE(object)->tp_name);
+  }
+  return value;
+}
+
 // One forward hook call outside torch.func transforms, in one crossing (hooks/hook_core.py's
 // forward_call is its specification): its entries (EntriesOf), the hooks on its outputs'
 // gradients (`outputs`, or None without gradient checks), its kept call's output (`kept`, or None
 // without find_op) and its rows (`core`'s add, which launches where a launcher is bound; None:
 // the caller adds them). `site` >= 0: the call may wait, where its tensors are off the CPU or
 // `waits_on_cpu`. (entries, tensors, dtypes, the add's answer or None where nothing was added.)
-py::tuple forward_call(const EntriesOf& entries_of, const py::handle& module, const py::handle& input,
-                       const py::handle& output, const py::handle& kwargs, OutputGradients* outputs,
-                       const py::handle& kept, HookCore* core, int64_t site, bool waits_on_cpu) {
-  Entries entries = entries_of.entries(module, input, output, kwargs);
+py::tuple forward_call(PyObject* const* args) {
+  const auto& entries_of = *object_of<EntriesOf>(args[0], entries_of_type, false, "entries_of");
+  const py::handle module(args[1]);
+  const py::handle output(args[3]);
+  auto* outputs = object_of<OutputGradients>(args[5], output_gradients_type, true, "outputs");
+  PyObject* kept = args[6];
+  auto* core = object_of<HookCore>(args[7], hook_core_type, true, "core");
+  int64_t site = PyLong_AsLongLong(args[8]);
+  const int waits_on_cpu = PyObject_IsTrue(args[9]);
+  if ((site == -1 || waits_on_cpu < 0) && PyErr_Occurred() != nullptr) {
+    throw py::error_already_set();
+  }
+  Entries entries = entries_of.entries(module, py::handle(args[2]), output, py::handle(args[4]));
   if (outputs != nullptr) {
     outputs->watch_entries(module, entries);
   }
-  if (!kept.is_none()) {
-    if (!PyObject_TypeCheck(kept.ptr(), &kept_call_type)) {
+  if (kept != Py_None) {
+    if (!PyObject_TypeCheck(kept, &kept_call_type)) {
       throw py::type_error("forward_call: kept must be a KeptCall or None");
     }
-    if (py::reinterpret_steal<py::object>(kept_call_returned(kept.ptr(), output.ptr())).ptr() == nullptr) {
+    if (py::reinterpret_steal<py::object>(kept_call_returned(kept, output.ptr())).ptr() == nullptr) {
       throw py::error_already_set();
     }
   }
   py::object added = py::none();
   if (core != nullptr && !entries.tensors.empty()) {
-    if (site >= 0 && !waits_on_cpu && tensor_of(PyList_GET_ITEM(entries.tensors.ptr(), 0)).is_cpu()) {
+    if (site >= 0 && waits_on_cpu == 0 && tensor_of(PyList_GET_ITEM(entries.tensors.ptr(), 0)).is_cpu()) {
       site = -1;
     }
     added = core->add(entries.tensors, site, site >= 0);
@@ -1233,14 +1274,41 @@ py::tuple forward_call(const EntriesOf& entries_of, const py::handle& module, co
                         std::move(added));
 }
 
+// forward_call(entries_of, module, input, output, kwargs, outputs, kept, core, site, waits_on_cpu)
+// as a plain C function: it runs at every hook, where pybind11's dispatch of ten arguments would
+// cost about as much as the call's own work.
+PyObject* forward_call_entry(PyObject* /*self*/, PyObject* const* args, Py_ssize_t count) {
+  if (count != 10) {
+    PyErr_Format(PyExc_TypeError, "forward_call takes 10 positional arguments (%zd given)", count);
+    return nullptr;
+  }
+  try {
+    return forward_call(args).release().ptr();
+  } catch (py::error_already_set& error) {
+    error.restore();
+  } catch (python_error& error) {  // (torch's: a Python error raised under a torch call)
+    error.restore();
+  } catch (const py::builtin_exception& error) {
+    error.set_error();
+  } catch (const c10::Error& error) {
+    PyErr_SetString(PyExc_RuntimeError, error.what_without_backtrace());
+  } catch (const std::exception& error) {
+    PyErr_SetString(PyExc_RuntimeError, error.what());
+  }
+  return nullptr;
+}
+
+PyMethodDef forward_call_method = {"forward_call", reinterpret_cast<PyCFunction>(forward_call_entry), METH_FASTCALL,
+                                   "One forward hook call's work in one crossing (csrc/hooks.cpp)"};
+
 }  // namespace
 
 void add_hook_layer(py::module& m) {
   add_kept_call(m);
-  py::class_<HookCore>(m, "HookCore",
-                       "The detector's bookkeeping of when each hook's tensors are read (csrc/hooks.cpp)",
-                       collected<HookCore>())
-      .def(py::init<int64_t, int64_t, int64_t>(), py::arg("capacity"), py::arg("defer_bytes"),
+  py::class_<HookCore> core(m, "HookCore",
+                             "The detector's bookkeeping of when each hook's tensors are read (csrc/hooks.cpp)",
+                             collected<HookCore>());
+  core.def(py::init<int64_t, int64_t, int64_t>(), py::arg("capacity"), py::arg("defer_bytes"),
            py::arg("max_remembered"))
       .def("add", &HookCore::add, py::arg("tensors"), py::arg("site"), py::arg("defer"))
       .def("bind", &HookCore::bind, py::arg("key"), py::arg("launcher"), py::arg("buffer"))
@@ -1249,26 +1317,36 @@ void add_hook_layer(py::module& m) {
       .def("used", &HookCore::used, py::arg("key"))
       .def("unchanged", &HookCore::unchanged, py::arg("tensor"), py::arg("key"), py::arg("row"))
       .def("device", &HookCore::device, py::arg("key"));
+  hook_core_type = reinterpret_cast<PyTypeObject*>(core.ptr());
   m.attr("HOOK_FULL") = kFull;
   m.attr("HOOK_MIXED_DEVICES") = kMixedDevices;
-  py::class_<EntriesOf>(m, "EntriesOf", "frames.py's entries of a hook call in one C++ pass (csrc/hooks.cpp)",
-                        collected<EntriesOf>())
-      .def(py::init<const py::iterable&, py::object, py::object, py::object, bool>(), py::arg("supported_dtypes"),
+  m.attr("READ_BY_CALLER") = static_cast<int64_t>(kByCaller);
+  m.attr("LAUNCHED") = static_cast<int64_t>(kLaunched);
+  m.attr("LAUNCH_FAILED") = static_cast<int64_t>(kLaunchFailed);
+  py::class_<EntriesOf> entries_of(m, "EntriesOf", "frames.py's entries of a hook call in one C++ pass (csrc/hooks.cpp)",
+                                   collected<EntriesOf>());
+  entries_of.def(py::init<const py::iterable&, py::object, py::object, py::object, bool>(), py::arg("supported_dtypes"),
            py::arg("unreadable_reason"), py::arg("own_parameters"), py::arg("leaves"), py::arg("containers"))
       .def("of", &EntriesOf::of, py::arg("items"))
       .def("forward", &EntriesOf::forward, py::arg("module"), py::arg("input"), py::arg("output"),
            py::arg("kwargs"));
-  m.def("forward_call", &forward_call, "One forward hook call's work in one crossing (csrc/hooks.cpp)");
+  entries_of_type = reinterpret_cast<PyTypeObject*>(entries_of.ptr());
+  PyObject* function = PyCFunction_New(&forward_call_method, nullptr);
+  if (function == nullptr) {
+    throw py::error_already_set();
+  }
+  m.add_object("forward_call", py::reinterpret_steal<py::object>(function));
   m.def("versions_of", &versions_of, py::arg("args"), py::arg("kwargs"),
         "culprit.versions_of's answer in one C++ call (csrc/hooks.cpp)");
-  py::class_<OutputGradients>(m, "OutputGradients",
-                              "The gradients arriving at forward outputs, hooked in one C++ pass (csrc/hooks.cpp)",
-                              collected<OutputGradients>())
-      .def(py::init<py::object, py::object>(), py::arg("callback"), py::arg("hook_apart"))
+  py::class_<OutputGradients> outputs(
+      m, "OutputGradients", "The gradients arriving at forward outputs, hooked in one C++ pass (csrc/hooks.cpp)",
+      collected<OutputGradients>());
+  outputs.def(py::init<py::object, py::object>(), py::arg("callback"), py::arg("hook_apart"))
       .def("clear", &OutputGradients::clear)
       .def("watch", &OutputGradients::watch, py::arg("module"), py::arg("entries"), py::arg("tensors"))
       .def("new_forward", &OutputGradients::new_forward)
       .def("incoming_read", &OutputGradients::incoming_read, py::arg("module"));
+  output_gradients_type = reinterpret_cast<PyTypeObject*>(outputs.ptr());
 }
 
 }  // namespace overflow_fast

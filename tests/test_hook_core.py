@@ -90,14 +90,15 @@ class Labels:
 def normal(answer, label):
     """An answer with its tensors replaced by labels, types kept."""
     if isinstance(answer, list):  # pending()
-        return ("pending", [(key, first, [label(t) for t in to_read], list(changed))
-                            for key, first, to_read, changed in answer])
-    key, rows, first, to_read, changed = answer
+        return ("pending", [(key, first, [label(t) for t in to_read], list(changed), read)
+                            for key, first, to_read, changed, read in answer])
+    key, rows, first, to_read, changed, read = answer
     if key < 0:  # not added: the reason alone
-        assert (rows, first, to_read, changed) == (None, None, None, None), answer
-        return (key, None, None, None, None)
+        assert (rows, first, to_read, changed, read) == (None, None, None, None, None), answer
+        return (key, None, None, None, None, None)
     assert type(rows) is tuple and type(to_read) is list and type(changed) is list, answer
-    return (key, rows, first, [label(t) for t in to_read], changed)
+    assert read == hook_core.READ_BY_CALLER or not to_read, answer  # (no launcher bound here)
+    return (key, rows, first, [label(t) for t in to_read], changed, read)
 
 
 def both(capacity, defer_bytes, max_remembered):
@@ -190,7 +191,7 @@ def test_the_sequences_reach_every_answer():
                 if answer[0] == hook_core.HOOK_MIXED_DEVICES:
                     seen.add("mixed")
                 elif answer[0] >= 0:
-                    key, rows, first, to_read, changed = answer
+                    key, rows, first, to_read, changed, _ = answer
                     seen.add("read now" if to_read else "waits")
                     if len(set(rows)) < len(rows) or (to_read and len(rows) > len(to_read)):
                         seen.add("reused")
@@ -244,10 +245,10 @@ def test_a_pass_of_a_model_s_shape():
             per_pass = []
             for site, w in enumerate(weights):
                 y = (x @ w).detach()
-                key, rows, first, to_read, changed = core.add([w, x, y], site, True)
+                key, rows, first, to_read, changed, _ = core.add([w, x, y], site, True)
                 per_pass.append((rows, first, len(to_read), changed))
                 x = y
-            per_pass.append([(key, first, len(to_read), changed) for key, first, to_read, changed in core.pending()])
+            per_pass.append([(key, first, len(to_read), changed) for key, first, to_read, changed, _ in core.pending()])
             core.reset()
             answers.append(per_pass)
         if core.__class__.__module__ == hook_core.__name__:
@@ -293,14 +294,13 @@ def test_the_python_core_works_without_the_extension():
     # the parts that need no C++ core to compare with: reuse, full, several devices, deferral
     core = hook_core.HookCore(4, 1 << 20, 1 << 16)
     x, y = torch.ones(2), torch.ones(3)
-    assert core.add([x, y], -1, False) == (0, (0, 1), 0, [x, y], [])
-    key, rows, first, to_read, changed = core.add([y, x], -1, False)
+    assert core.add([x, y], -1, False) == (0, (0, 1), 0, [x, y], [], hook_core.READ_BY_CALLER)
+    key, rows, first, to_read, changed, _ = core.add([y, x], -1, False)
     assert (rows, to_read) == ((1, 0), [])
     x.add_(1)
     assert core.add([x], -1, False)[1:4] == ((2,), 2, [x])
-    assert core.add([torch.ones(1), torch.ones(1)], -1, False) == (hook_core.HOOK_FULL, None, None, None, None)
-    assert core.add([x, torch.ones(1, device="meta")], -1, False) == (hook_core.HOOK_MIXED_DEVICES, None, None,
-                                                                      None, None)
+    assert core.add([torch.ones(1), torch.ones(1)], -1, False) == (hook_core.HOOK_FULL,) + (None,) * 5
+    assert core.add([x, torch.ones(1, device="meta")], -1, False) == (hook_core.HOOK_MIXED_DEVICES,) + (None,) * 5
     assert core.add([torch.ones(1, device="meta")], -1, False)[0] == 1
     assert (core.used(0), core.device(1)) == (3, torch.device("meta"))
     core.reset()

@@ -3,7 +3,7 @@ per-hook kernel's arguments, then a driver launches them. On the CPU its driver 
 run on the packed arguments (the cpu backend's per-hook read), so the packing is checked here
 against the float64 oracle, bit for bit; a hook's C++ core (HookCore) with a launcher bound reads
 a call's tensors in the same call. What it declines, it leaves untouched for Python's general
-path; a launcher that fails is unbound and its tensors handed back.
+path; a launcher that fails says so once (its answer, then its disabled reason) and declines from then on.
 
 The CUDA driver (cuLaunchKernel) needs a GPU: its predicate and packing are the same code
 (test_triton_list.py reads the predicate with the benchmark's counting driver, and the per-hook
@@ -15,6 +15,7 @@ import torch
 
 from oracle import ALL_DTYPES, assert_stats_equal, random_bits, special_values
 from overflow_fast.stats import StatsBatch, cpu_backend
+from overflow_fast.hooks.hook_core import LAUNCH_FAILED, LAUNCHED, READ_BY_CALLER
 
 C = cpu_backend.extension()
 pytestmark = pytest.mark.skipif(C is None, reason=f"the C++ extension is unavailable ({cpu_backend.unavailable_reason()})")
@@ -123,26 +124,28 @@ def _bound(capacity=16, defer_bytes=0):
 
 
 def test_a_bound_core_reads_a_call_in_the_same_call():
-    """Once bound, the core hands no tensor back: it read them into its rows of the buffer itself,
-    reused rows included; what the launcher declines comes back to the caller as before."""
+    """Once bound, the core reads a call's tensors into its rows of the buffer itself, reused rows
+    included, and its answer says so (LAUNCHED); what the launcher declines is the caller's to read
+    (READ_BY_CALLER), as without a launcher."""
     core, key, buffer = _bound()
     core.bind(key, cpu_backend.launcher(), buffer)
     gen = torch.Generator().manual_seed(3)
     a, b = random_bits(torch.float32, (50,), gen), special_values(torch.bfloat16)
-    key, rows, first, to_read, changed = core.add([a, b], -1, False)
-    assert (rows, first, to_read, changed) == ((0, 1), 0, [], [])
+    key, rows, first, to_read, changed, read = core.add([a, b], -1, False)
+    assert (rows, first, to_read, changed, read) == ((0, 1), 0, [a, b], [], LAUNCHED)
     c = random_bits(torch.int64, (9,), gen)
-    assert core.add([b, c], -1, False)[1:] == ((1, 2), 2, [], [])  # b keeps its row
+    assert core.add([b, c], -1, False)[1:] == ((1, 2), 2, [c], [], LAUNCHED)  # b keeps its row
     assert_stats_equal(_dicts(buffer[:3], [a, b, c]), [a, b, c], "bound")
 
     class Sub(torch.Tensor):
         pass
 
     d = torch.ones(2).as_subclass(Sub)
-    assert core.add([d, a], -1, False)[1:] == ((3, 0), 3, [d], [])  # declined: the caller reads it
+    assert core.add([d, a], -1, False)[1:] == ((3, 0), 3, [d], [], READ_BY_CALLER)  # declined
     assert (buffer[3] == -1).all()
     core.bind(key, None, buffer)
-    assert core.add([torch.ones(3)], -1, False)[3] != []  # unbound: handed back again
+    e = torch.ones(3)
+    assert core.add([e], -1, False)[3:] == ([e], [], READ_BY_CALLER)  # unbound: the caller's again
 
 
 def test_a_bound_core_reads_what_waited_and_what_changed():
@@ -155,17 +158,19 @@ def test_a_bound_core_reads_what_waited_and_what_changed():
         core.add([w, x], 5, True)
         core.pending()
         core.reset()
-    assert core.add([w, x], 5, True)[3] == []
+    assert core.add([w, x], 5, True)[3] == []  # both wait
     x.add_(1)  # after its hook, before its read
-    assert core.pending() == [(key, 0, [], [1])]
+    ((pending_key, first, to_read, changed, read),) = core.pending()
+    assert (pending_key, first, to_read[0], changed, read) == (key, 0, w, [1], LAUNCHED)
+    assert to_read[1].numel() == 0  # the stand-in
     assert_stats_equal(_dicts(buffer[:1], [w]), [w], "deferred")
     assert buffer[1].tolist() == [0] * 8  # the stand-in: an empty tensor's row
 
 
-def test_a_launcher_that_fails_is_unbound_and_its_tensors_handed_back():
+def test_a_launcher_that_fails_says_so_once_and_declines_from_then_on():
     """A launch that raises (here Triton's ordinary launch, the callback) disables the launcher with
-    its reason and unbinds it: this call's tensors and the next calls' come back to the caller. An
-    interrupt is not a failure: it goes through."""
+    its reason: that call's answer says LAUNCH_FAILED (once), and the next calls' tensors are the
+    caller's to read, as the launcher declines them. An interrupt is not a failure: it goes through."""
     from overflow_fast.stats import triton_backend as tb
     from overflow_fast.stats import triton_common, triton_launch
 
@@ -185,10 +190,11 @@ def test_a_launcher_that_fails_is_unbound_and_its_tensors_handed_back():
     broken = launcher(failing)
     core.bind(key, broken, buffer)
     x, y = torch.ones(2), torch.ones(3)
-    assert core.add([x], -1, False)[3] == [x]
+    assert core.add([x], -1, False)[3:] == ([x], [], LAUNCH_FAILED)
     assert broken.disabled == "RuntimeError: compiler exploded"
+    assert core.add([y], -1, False)[3:] == ([y], [], READ_BY_CALLER)  # said once; declined from now on
     assert broken.read([y], torch.empty(1, 8, dtype=torch.int64)) is False  # disabled
-    core.bind(key, launcher(failing), buffer)  # a new one binds; the old one stays unbound
+    core.bind(key, launcher(failing), buffer)  # a new one binds in its place
     core, key, buffer = _bound()
     core.bind(key, launcher(interrupted), buffer)
     with pytest.raises(KeyboardInterrupt):

@@ -242,6 +242,33 @@ def test_a_bound_launcher_reads_what_the_core_hands_out(path):
     assert per_forward == [2, 3, 3]  # the first hook's read binds it
 
 
+@pytest.mark.skipif(cpu_backend.extension() is None, reason="the C++ extension is unavailable")
+def test_a_launcher_that_fails_is_said_once_and_the_detector_reads_on(path, monkeypatch):
+    """A bound launcher whose launch raises: one warning with its reason, that call's tensors and
+    every later one's read by the detector itself, and the report the same as the reference's."""
+    import warnings
+
+    from overflow_fast.stats import triton_backend as tb
+    from overflow_fast.stats import triton_common, triton_launch
+
+    def failing(*args):
+        raise RuntimeError("compiler exploded")
+
+    pool = torch.tensor(triton_launch._IDENTITY_ROW).repeat(tb.STREAM_GROUPS * tb.MAX_SLOTS, 1)
+    broken = cpu_backend.extension().Launcher(
+        "ordinary", torch.device("cpu"), triton_common._PLAIN_TYPES, triton_common._FORMAT_WORD,
+        triton_common._ALIGNED_BIT, tb.BLOCK_SIZE * tb.BLOCKS_PER_CHUNK, tb.MAX_READ_LAUNCHES,
+        triton_common.MAX_FORMATS, pool, tb.STREAM_GROUPS, None, None, True, failing)
+    monkeypatch.setattr(reads_module, "rows_launcher", lambda backend, device: broken)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out, outcomes, _ = assert_identical(seeded(FixesUpOnTheBadStep), big(5, 3), steps=train, check="batch")
+    said = [str(w.message) for w in caught if "per-hook read" in str(w.message)]
+    assert len(said) == 1 and "compiler exploded" in said[0], said
+    assert broken.disabled == "RuntimeError: compiler exploded"
+    assert outcomes[3] is not None and "inf" in out
+
+
 def test_defer_reads_a_forward_in_one_engine_call_after_the_first(engine_calls, monkeypatch):
     monkeypatch.setattr(kinds, "CPU_AS_DEVICE", True)
     model = seeded(nn.Sequential, nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))

@@ -27,6 +27,11 @@ from .text import TENSOR
 HOOK_FULL = -1  # not enough free rows: read what is pending, then add again
 HOOK_MIXED_DEVICES = -2  # the tensors are on several devices: read them apart
 
+# Who read the tensors an answer hands out (its last element; csrc/hooks.cpp's Read): the caller
+# (no launcher bound, or it declined them; always so here), the bound launcher, or nobody: the
+# launcher failed on them (its ``disabled`` says why, once; it declines from then on).
+READ_BY_CALLER, LAUNCHED, LAUNCH_FAILED = 0, 1, 2
+
 
 def native():
     """The hook layer's C++ module, or None where the extension cannot be loaded. It is built into
@@ -277,8 +282,8 @@ class HookCore:
         self._watched_bytes = 0
 
     def add(self, tensors, site, defer):
-        """``(device key, rows, first, to_read, changed)``; not added: ``(HOOK_FULL or
-        HOOK_MIXED_DEVICES, None, None, None, None)``. See csrc/hooks.cpp."""
+        """``(device key, rows, first, to_read, changed, read)``; not added: ``(HOOK_FULL or
+        HOOK_MIXED_DEVICES, None, None, None, None, None)``. See csrc/hooks.cpp."""
         tensors = list(tensors)
         if not tensors:
             raise RuntimeError("HookCore.add: no tensors")
@@ -294,12 +299,12 @@ class HookCore:
         device = tensors[0].device
         for tensor in tensors:
             if tensor.device != device:
-                return (HOOK_MIXED_DEVICES, None, None, None, None)
+                return (HOOK_MIXED_DEVICES, None, None, None, None, None)
         key = self._device_key(device)
         rows = self._devices[key]
         count = len(tensors)
         if rows.used + count > self._capacity:
-            return (HOOK_FULL, None, None, None, None)
+            return (HOOK_FULL, None, None, None, None, None)
         seen = self._seen
         if len(seen) + count > self._max_remembered:
             seen.clear()
@@ -348,14 +353,14 @@ class HookCore:
         if self._watched_bytes > self._defer_bytes:
             self._learn()
         first, to_read, changed = self._take(rows) if read_now else (rows.launched, [], [])
-        return key, tuple(row_of), first, to_read, changed
+        return key, tuple(row_of), first, to_read, changed, READ_BY_CALLER
 
     def pending(self):
-        """Every row still waiting: ``[(device key, first, to_read, changed)]``, as ``add`` gives them."""
+        """Every row still waiting: ``[(device key, first, to_read, changed, read)]``, as ``add`` gives them."""
         out = []
         for key, rows in enumerate(self._devices):
             if rows.launched < rows.used:
-                out.append((key, *self._take(rows)))
+                out.append((key, *self._take(rows), READ_BY_CALLER))
         return out
 
     def reset(self):
@@ -370,7 +375,7 @@ class HookCore:
 
     def bind(self, key, launcher, buffer):
         """The C++ core reads a device's tensors itself once a launcher is bound; there is no
-        launcher without the extension, so this core hands every tensor to read to the caller."""
+        launcher without the extension, so this core's caller reads every tensor (READ_BY_CALLER)."""
         self._devices[key]  # noqa: B018 - the same IndexError as the C++ core's for an unknown key
 
     def used(self, key):

@@ -20,8 +20,9 @@ the extension its Python twin (hook_core.py), which gives the same answers: the 
 and what waits are the same on both paths, and on an accelerator no hook reads to the host. Once a
 device's buffer exists, the backend's launcher (``rows_launcher``: the per-hook Triton kernel,
 or the C++ kernel on the CPU) is bound to the C++ core, which then reads a hook's tensors itself:
-the hook's classification, reuse check, packing and launch are one C++ call, and only what the
-launcher declines comes back here.
+the hook's classification, reuse check, packing and launch are one C++ call. Its answer says who
+read them (``_taken``): the launcher, or this class, which reads what the launcher declined, and
+what it failed on after one warning (the launcher then declines every read).
 """
 
 import sys
@@ -30,7 +31,7 @@ import warnings
 import torch
 
 from .. import distributed
-from .hook_core import HOOK_FULL, new_core
+from .hook_core import HOOK_FULL, LAUNCH_FAILED, LAUNCHED, new_core
 from .frames import FORWARD, graph_task_id
 from ..stats import tensor_stats
 from ..stats.dispatch import rows_launcher, rows_reader
@@ -68,6 +69,7 @@ class Reads:
         self._buffers = {}  # device key -> [capacity, 8] int64 rows on that device
         self._host = {}  # device key -> (host rows [capacity, 8], the same memory as a flat int64 memoryview)
         self._readers = {}  # device key -> the backend's per-hook read there (None: tensor_stats)
+        self._launchers = {}  # device key -> the launcher bound to the core there
         self._read_rows = {}  # device key -> rows brought to the host since the last reset
         self._marks = {}  # (device key, row) -> why that row's tensor could not be read
         self._shards = {}  # device key -> {row: ShardInfo} of DTensor and ZeRO-3 rows
@@ -104,15 +106,12 @@ class Reads:
 
     def added(self, tensors, answer):
         """The sources of ``tensors`` from the core's answer to their ``add`` (``add``'s result)."""
-        key, rows, first, to_read, changed = answer
+        key, rows, first, to_read, changed, read = answer
         if key < 0:
             if key == HOOK_FULL and len(tensors) <= self.capacity:
                 return None
             return self.read_apart(tensors)  # several devices, or more tensors than the buffer holds
-        if to_read:
-            self._launch(key, first, to_read, changed)
-        elif changed:  # read by the core's launcher: only the marks are left
-            self._marks.update(((key, row), CHANGED_AFTER_HOOK) for row in changed)
+        self._taken(key, first, to_read, changed, read)
         return key, rows, None
 
     def read(self):
@@ -120,11 +119,8 @@ class Reads:
         for its work; CPU rows are written in host memory already); DTensor and ZeRO-3 rows are
         combined across ranks (one collective). True when a row counts a nan or an inf."""
         core = self._core
-        for key, first, to_read, changed in core.pending():
-            if to_read:
-                self._launch(key, first, to_read, changed)
-            else:
-                self._marks.update(((key, row), CHANGED_AFTER_HOOK) for row in changed)
+        for key, first, to_read, changed, read in core.pending():
+            self._taken(key, first, to_read, changed, read)
         nonfinite = self._apart_nonfinite
         for key, buffer in self._buffers.items():
             # only the rows added since the last read: check="module" reads at every hook
@@ -203,6 +199,7 @@ class Reads:
             launcher = rows_launcher(self.backend, device)
             if launcher is not None:
                 self._core.bind(key, launcher, buffer)
+                self._launchers[key] = launcher
         return buffer
 
     def _host_rows(self, key):
@@ -212,7 +209,20 @@ class Reads:
             host = self._host[key] = (rows, host_bytes(rows).cast("q"))
         return host
 
-    def _launch(self, key, first, tensors, changed):
+    def _taken(self, key, first, to_read, changed, read):
+        """The tensors the core handed out for rows [first, first + len) of a device's buffer: read
+        here unless its launcher read them (``read``: hook_core's READ_BY_CALLER, LAUNCHED or
+        LAUNCH_FAILED); ``changed``: the rows whose tensor changed after its hook."""
+        if read == LAUNCH_FAILED:
+            warnings.warn(f"overflow_fast: the per-hook read on {self._core.device(key)} failed "
+                          f"({self._launchers[key].disabled}); the detector reads there through tensor_stats "
+                          "from now on", RuntimeWarning, stacklevel=2)
+        if to_read and read != LAUNCHED:
+            self._launch(key, first, to_read)
+        if changed:
+            self._marks.update(((key, row), CHANGED_AFTER_HOOK) for row in changed)
+
+    def _launch(self, key, first, tensors):
         """Enqueue the statistics of ``tensors`` into rows [first, first + len) of a device's buffer."""
         out = self._buffer(key)[first:first + len(tensors)]
         result = self._stats(tensors, out, key)
@@ -220,8 +230,6 @@ class Reads:
             rows, reasons = result
             out.copy_(torch.tensor(rows, dtype=torch.int64))
             self._marks.update(((key, first + index), reason) for index, reason in reasons.items())
-        if changed:
-            self._marks.update(((key, row), CHANGED_AFTER_HOOK) for row in changed)
         infos = _shard_infos(tensors)
         if infos is not None:
             shards = self._shards.setdefault(key, {})
