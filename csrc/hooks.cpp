@@ -701,19 +701,14 @@ class OutputGradients {
 
 // Each input tensor's version counter, in order: the positional values, then the keyword ones
 // (one level deep), inference tensors left out (they have none): hooks/culprit.py's versions_of,
-// its specification. A subclass is asked through Python, as its attributes may be its own.
+// its specification. A subclass's are its TensorImpl's, as torch's own getters read them.
 py::tuple versions_of(const py::handle& args, const py::handle& kwargs) {
   std::vector<py::object> versions;
   const auto add = [&versions](PyObject* value) {
-    if (THPVariable_CheckExact(value)) {
+    if (THPVariable_Check(value)) {
       const at::Tensor& tensor = THPVariable_Unpack(value);
       if (!tensor.is_inference()) {
         versions.push_back(py::int_(static_cast<int64_t>(tensor.unsafeGetTensorImpl()->version_counter().current_version())));
-      }
-    } else if (THPVariable_Check(value)) {
-      const py::handle object(value);
-      if (!object.attr("is_inference")().cast<bool>()) {
-        versions.push_back(object.attr("_version"));
       }
     }
   };
@@ -727,8 +722,12 @@ py::tuple versions_of(const py::handle& args, const py::handle& kwargs) {
     while (PyDict_Next(kwargs.ptr(), &position, &key, &value)) {
       add(value);
     }
-  } else if (PyObject_IsTrue(kwargs.ptr()) == 1) {
-    for (const auto& value : kwargs.attr("values")()) {
+  } else if (PyObject_IsTrue(kwargs.ptr()) == 1) {  // a mapping of another type
+    const py::object values = py::reinterpret_steal<py::object>(PyMapping_Values(kwargs.ptr()));
+    if (!values) {
+      throw py::error_already_set();
+    }
+    for (const auto& value : values) {
       add(value.ptr());
     }
   }
@@ -752,9 +751,10 @@ class EntriesOf {
   enum Kind : int64_t { kTensor = 0, kNone = 1, kNotATensor = 2, kUnreadable = 3 };
 
   EntriesOf(const py::iterable& supported_dtypes, py::object unreadable_reason, py::object own_parameters,
-            py::object leaves, bool containers)
+            py::object listed_as_torch, py::object leaves, bool containers)
       : unreadable_reason_(std::move(unreadable_reason)),
         own_parameters_(std::move(own_parameters)),
+        listed_as_torch_(std::move(listed_as_torch)),
         leaves_(std::move(leaves)),
         containers_(containers) {
     supported_.fill(false);
@@ -840,14 +840,19 @@ class EntriesOf {
     Py_VISIT(unreadable_reason_.ptr());
     Py_VISIT(own_parameters_.ptr());
     Py_VISIT(leaves_.ptr());
-    Py_VISIT(module_named_parameters_.ptr());
+    Py_VISIT(listed_as_torch_.ptr());
+    for (const auto& [type, known] : listed_) {
+      Py_VISIT(known.first.ptr());
+    }
     return 0;
   }
 
   void clear() {
     unreadable_reason_ = py::none();
     own_parameters_ = py::none();
+    listed_as_torch_ = py::none();
     leaves_ = py::none();
+    listed_.clear();
   }
 
  private:
@@ -875,11 +880,21 @@ class EntriesOf {
     }
   }
 
+  // Whether modules of `type` list their own parameters as torch.nn.Module does (asked of Python
+  // once per type: named_parameters not overridden).
+  bool listed_as_torch(PyTypeObject* type) const {
+    const auto found = listed_.find(type);
+    if (found != listed_.end()) {
+      return found->second.second;
+    }
+    auto object = py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(type));
+    const bool listed = listed_as_torch_(object).cast<bool>();
+    listed_.emplace(type, std::make_pair(std::move(object), listed));
+    return listed;
+  }
+
   bool parameters_of(const py::handle& module, std::vector<std::pair<PyObject*, PyObject*>>& pairs) const {
-    PyObject* method = PyObject_GetAttr(reinterpret_cast<PyObject*>(Py_TYPE(module.ptr())), named_parameters_.ptr());
-    const bool overridden = method != module_named_parameters_.ptr();
-    Py_XDECREF(method);
-    PyObject* dict = overridden ? nullptr : PyObject_GenericGetDict(module.ptr(), nullptr);
+    PyObject* dict = listed_as_torch(Py_TYPE(module.ptr())) ? PyObject_GenericGetDict(module.ptr(), nullptr) : nullptr;
     PyObject* parameters = dict == nullptr ? nullptr : PyDict_GetItemWithError(dict, parameters_.ptr());
     Py_XDECREF(dict);  // (the module keeps its __dict__, which keeps the borrowed parameters)
     if (parameters == nullptr || !PyDict_CheckExact(parameters)) {
@@ -956,8 +971,10 @@ class EntriesOf {
   std::array<bool, static_cast<size_t>(c10::ScalarType::NumOptions)> supported_{};
   py::object unreadable_reason_;
   py::object own_parameters_;
-  const py::object module_named_parameters_ = py::module_::import("torch.nn").attr("Module").attr("named_parameters");
-  const py::str named_parameters_{"named_parameters"};
+  py::object listed_as_torch_;
+  // per module type, whether it lists its parameters as torch.nn.Module does (the type held: its
+  // address is not reused while it is a key)
+  mutable std::unordered_map<const PyTypeObject*, std::pair<py::object, bool>> listed_;
   const py::str parameters_{"_parameters"};
   py::object leaves_;
   bool containers_;
@@ -1325,8 +1342,9 @@ void add_hook_layer(py::module& m) {
   m.attr("LAUNCH_FAILED") = static_cast<int64_t>(kLaunchFailed);
   py::class_<EntriesOf> entries_of(m, "EntriesOf", "frames.py's entries of a hook call in one C++ pass (csrc/hooks.cpp)",
                                    collected<EntriesOf>());
-  entries_of.def(py::init<const py::iterable&, py::object, py::object, py::object, bool>(), py::arg("supported_dtypes"),
-           py::arg("unreadable_reason"), py::arg("own_parameters"), py::arg("leaves"), py::arg("containers"))
+  entries_of.def(py::init<const py::iterable&, py::object, py::object, py::object, py::object, bool>(),
+                 py::arg("supported_dtypes"), py::arg("unreadable_reason"), py::arg("own_parameters"),
+                 py::arg("listed_as_torch"), py::arg("leaves"), py::arg("containers"))
       .def("of", &EntriesOf::of, py::arg("items"))
       .def("forward", &EntriesOf::forward, py::arg("module"), py::arg("input"), py::arg("output"),
            py::arg("kwargs"));

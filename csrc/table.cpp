@@ -509,21 +509,13 @@ bool Launcher::read(PyObject* const* items, int64_t count, int64_t out, int64_t 
     if (packed == Packed::kFlat) {
       flat.push_back(index);  // a fresh copy: nothing to overlap
     } else if (slot.numel == 0) {
-      // a released ZeRO-3 parameter is an empty placeholder: the general path reads its partitions
+      // an empty tensor may be a released ZeRO-3 parameter, whose values live in its partitions:
+      // where DeepSpeed is loaded, the general path decides (stats.kinds.is_zero3_released)
       if (zero3 < 0) {
         zero3 = PyDict_GetItemString(PyImport_GetModuleDict(), "deepspeed") != nullptr;
       }
       if (zero3 > 0) {
-        PyObject* partition = PyObject_GetAttrString(items[index], "ds_tensor");
-        if (partition == nullptr) {
-          PyErr_Clear();
-        } else {
-          const bool released = partition != Py_None;
-          Py_DECREF(partition);
-          if (released) {
-            return false;
-          }
-        }
+        return false;
       }
     } else {
       const int64_t extent = slot.numel * static_cast<int64_t>(c10::elementSize(dtype));

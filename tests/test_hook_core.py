@@ -634,7 +634,7 @@ def test_the_cpp_versions_are_culprit_versions_of():
 def test_the_cpp_tuples_of_plain_values_leave_the_collector_nothing_to_traverse():
     import gc
 
-    from overflow_fast.hooks.frames import container_leaves, own_parameters
+    from overflow_fast.hooks.frames import container_leaves, own_parameters, parameters_listed_as_torch
     from overflow_fast.stats import unreadable_reason
     from overflow_fast.stats.kinds import SUPPORTED_DTYPES
 
@@ -652,7 +652,8 @@ def test_the_cpp_tuples_of_plain_values_leave_the_collector_nothing_to_traverse(
         reason = unreadable_reason(tensor)
         return None if reason is None else [reason]
 
-    reader = C.EntriesOf(SUPPORTED_DTYPES, reason_as_a_list, own_parameters, container_leaves, False)
+    reader = C.EntriesOf(SUPPORTED_DTYPES, reason_as_a_list, own_parameters, parameters_listed_as_torch,
+                         container_leaves, False)
     (entry,), _, _ = reader.of([(torch.ones(2, device="meta"), "output")])
     assert isinstance(entry[2], list) and gc.is_tracked(entry)
 
@@ -661,7 +662,7 @@ def test_the_cpp_tuples_of_plain_values_leave_the_collector_nothing_to_traverse(
 def test_the_cpp_objects_that_hold_python_objects_take_part_in_garbage_collection():
     """HookCore (the tensors a read waits for) and EntriesOf (the callables it asks): a cycle
     through either is collected, as one through OutputGradients is (above)."""
-    from overflow_fast.hooks.frames import container_leaves, own_parameters
+    from overflow_fast.hooks.frames import container_leaves, own_parameters, parameters_listed_as_torch
     from overflow_fast.stats import unreadable_reason
     from overflow_fast.stats.kinds import SUPPORTED_DTYPES
 
@@ -680,7 +681,8 @@ def test_the_cpp_objects_that_hold_python_objects_take_part_in_garbage_collectio
     def own(module):  # a callable that leads back to the EntriesOf holding it
         return own_parameters(module) if entries_holder else []
 
-    entries_holder.reader = C.EntriesOf(SUPPORTED_DTYPES, unreadable_reason, own, container_leaves, False)
+    entries_holder.reader = C.EntriesOf(SUPPORTED_DTYPES, unreadable_reason, own, parameters_listed_as_torch,
+                                        container_leaves, False)
     assert gc.is_tracked(core_holder.core) and gc.is_tracked(entries_holder.reader)
     alive = weakref.ref(core_holder), weakref.ref(entries_holder)
     del core_holder, entries_holder, own

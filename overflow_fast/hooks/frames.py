@@ -109,6 +109,12 @@ def class_name(module):
 _named_parameters = torch.nn.Module.named_parameters
 
 
+def parameters_listed_as_torch(module_type):
+    """Whether modules of ``module_type`` list their own parameters as ``torch.nn.Module`` does (its
+    ``named_parameters``): their ``_parameters`` are then the list (``own_parameters``)."""
+    return getattr(module_type, "named_parameters", None) is _named_parameters
+
+
 def own_parameters(module):
     """``(parameter, name)`` for ``module.named_parameters(recurse=False)``, as the reference lists
     them; without the generator machinery when the module does not override it (it runs per hook)."""

@@ -21,7 +21,7 @@ import torch
 from ..stats import unreadable_reason
 from ..stats.kinds import PLAIN_TYPES, SUPPORTED_DTYPES
 from ..replay.culprit import KeptCall, KeptCallMethods
-from .frames import container_leaves, entries_of, forward_items, own_parameters
+from .frames import container_leaves, entries_of, forward_items, own_parameters, parameters_listed_as_torch
 from .text import TENSOR
 
 HOOK_FULL = -1  # not enough free rows: read what is pending, then add again
@@ -132,7 +132,8 @@ def entries_reader(containers):
     module = native()
     if module is None:
         return EntriesOf(containers)
-    return module.EntriesOf(SUPPORTED_DTYPES, unreadable_reason, own_parameters, container_leaves, containers)
+    return module.EntriesOf(SUPPORTED_DTYPES, unreadable_reason, own_parameters, parameters_listed_as_torch,
+                            container_leaves, containers)
 
 
 def forward_call_function():
