@@ -478,21 +478,55 @@ struct GradientTarget {
   }
 };
 
+// Who a hooked output's gradient belongs to: the module (a weak reference) and "<ctx>.grad" it is
+// named after, the modules that consume it (weak references) and id(tensor). Plain C++ until its
+// gradient arrives, when the callback receives it as a list: a hook adds no object to what the
+// collector tracks. Touched with the GIL held only.
+struct Owner {
+  py::object module;
+  py::object ctx;
+  std::vector<py::object> consumers;
+  py::object id;
+
+  // [module, ctx, [consumers], id], the owner the callback receives; null with the error set.
+  PyObject* as_list() const {
+    PyObject* listed = PyList_New(static_cast<Py_ssize_t>(consumers.size()));
+    if (listed == nullptr) {
+      return nullptr;
+    }
+    for (size_t index = 0; index < consumers.size(); ++index) {
+      PyList_SET_ITEM(listed, static_cast<Py_ssize_t>(index), Py_NewRef(consumers[index].ptr()));
+    }
+    PyObject* owner = PyList_New(4);
+    if (owner == nullptr) {
+      Py_DECREF(listed);
+      return nullptr;
+    }
+    PyList_SET_ITEM(owner, 0, Py_NewRef(module.ptr()));
+    PyList_SET_ITEM(owner, 1, Py_NewRef(ctx.ptr()));
+    PyList_SET_ITEM(owner, 2, listed);
+    PyList_SET_ITEM(owner, 3, Py_NewRef(id.ptr()));
+    return owner;
+  }
+};
+
 // What an output-gradient hook registered from C++ calls: `callback(owner, grad)` while its target
 // holds one, with the GIL held, as a Python hook on the tensor would be called. Its owner is dropped
 // with the GIL held, wherever autograd frees the graph (a worker thread included); after Python's
 // end it is left.
 class GradientCallback {
  public:
-  GradientCallback(std::shared_ptr<GradientTarget> target, py::object owner)
-      : target_(std::move(target)), owner_(owner.release().ptr()) {}
+  GradientCallback(std::shared_ptr<GradientTarget> target, std::shared_ptr<Owner> owner)
+      : target_(std::move(target)), owner_(std::move(owner)) {}
   GradientCallback(const GradientCallback&) = delete;
   GradientCallback& operator=(const GradientCallback&) = delete;
 
   ~GradientCallback() {
     if (Py_IsInitialized()) {
       py::gil_scoped_acquire gil;
-      Py_DECREF(owner_);
+      owner_.reset();
+    } else {
+      new std::shared_ptr<Owner>(std::move(owner_));  // left: its objects cannot be released now
     }
   }
 
@@ -513,16 +547,21 @@ class GradientCallback {
     if (target_->callback == nullptr) {
       return true;  // its OutputGradients was cleared: the gradient flows on unchanged
     }
+    PyObject* owner = owner_->as_list();
+    if (owner == nullptr) {
+      return false;
+    }
     PyObject* callback = Py_NewRef(target_->callback);  // (the call may clear the target)
-    PyObject* result = PyObject_CallFunctionObjArgs(callback, owner_, grad, nullptr);
+    PyObject* result = PyObject_CallFunctionObjArgs(callback, owner, grad, nullptr);
     Py_DECREF(callback);
+    Py_DECREF(owner);
     Py_XDECREF(result);
     return result != nullptr;
   }
 
  private:
   std::shared_ptr<GradientTarget> target_;
-  PyObject* owner_;
+  std::shared_ptr<Owner> owner_;
 };
 
 // A weak reference to a module (the shared one Python gives it), as an owner holds its modules.
@@ -613,7 +652,10 @@ class OutputGradients {
     Py_VISIT(target_->callback);
     Py_VISIT(hook_apart_.ptr());
     for (const auto& [impl, known] : owners_) {
-      Py_VISIT(known.owner.ptr());
+      Py_VISIT(known.owner->module.ptr());
+      for (const auto& consumer : known.owner->consumers) {
+        Py_VISIT(consumer.ptr());
+      }
     }
     return 0;
   }
@@ -644,12 +686,18 @@ class OutputGradients {
     }
     if (is_input) {
       if (found != owners_.end()) {
-        PyObject* consumers = PyList_GET_ITEM(found->second.owner.ptr(), 2);
-        const py::object consumer = weak_module(module);
-        const int contained = PySequence_Contains(consumers, consumer.ptr());
-        if (contained < 0 || (contained == 0 && PyList_Append(consumers, consumer.ptr()) < 0)) {
-          throw py::error_already_set();
+        std::vector<py::object>& consumers = found->second.owner->consumers;
+        py::object consumer = weak_module(module);
+        for (const auto& known : consumers) {
+          const int same = PyObject_RichCompareBool(known.ptr(), consumer.ptr(), Py_EQ);
+          if (same < 0) {
+            throw py::error_already_set();
+          }
+          if (same == 1) {
+            return;
+          }
         }
+        consumers.push_back(std::move(consumer));
       }
       return;
     }
@@ -659,16 +707,15 @@ class OutputGradients {
       throw py::error_already_set();
     }
     if (found != owners_.end()) {
-      PyObject* owner = found->second.owner.ptr();
-      PyList_SetItem(owner, 0, weak_module(module).release().ptr());
-      PyList_SetItem(owner, 1, gradient_ctx.release().ptr());
+      found->second.owner->module = weak_module(module);
+      found->second.owner->ctx = std::move(gradient_ctx);
       return;
     }
-    py::list owner(4);
-    PyList_SET_ITEM(owner.ptr(), 0, weak_module(module).release().ptr());
-    PyList_SET_ITEM(owner.ptr(), 1, gradient_ctx.release().ptr());
-    PyList_SET_ITEM(owner.ptr(), 2, PyList_New(0));
-    PyList_SET_ITEM(owner.ptr(), 3, PyLong_FromVoidPtr(object.ptr()));  // id(tensor)
+    auto owner = std::make_shared<Owner>(Owner{weak_module(module), std::move(gradient_ctx), {},
+                                               py::reinterpret_steal<py::object>(PyLong_FromVoidPtr(object.ptr()))});
+    if (!owner->id) {
+      throw py::error_already_set();
+    }
     auto call = std::make_shared<GradientCallback>(target_, owner);
     if (THPVariable_CheckExact(object.ptr())) {
       tensor.register_hook([call](const at::TensorBase& grad) { (*call)(grad); });
@@ -687,7 +734,7 @@ class OutputGradients {
 
   struct Known {
     c10::weak_intrusive_ptr<c10::TensorImpl> impl;  // keeps the address from being reused
-    py::object owner;
+    std::shared_ptr<Owner> owner;
   };
 
   std::shared_ptr<GradientTarget> target_;

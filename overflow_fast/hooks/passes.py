@@ -337,7 +337,7 @@ class Passes(PassEnds):
         entries, tensors, dtypes, answer = self.forward_call(self.entries_of, module, input, output, kwargs, outputs,
                                                              kept, reads.hook_core(), site, reads.waits_on_cpu)
         if kept is not None and kept.grad_enabled and self.gradients is not None:
-            self.keep_call(kept)  # the backward's replay (a reentrant checkpoint's recompute's too)
+            self.kept_forward.append(kept)  # keep_call: the backward's replay (a reentrant checkpoint's recompute's too)
         if not tensors:
             sources = NO_ROWS
         else:

@@ -111,7 +111,8 @@ class Reads:
             if key == HOOK_FULL and len(tensors) <= self.capacity:
                 return None
             return self.read_apart(tensors)  # several devices, or more tensors than the buffer holds
-        self._taken(key, first, to_read, changed, read)
+        if changed or (to_read and read != LAUNCHED):  # (not the common case: this runs at every hook)
+            self._taken(key, first, to_read, changed, read)
         return key, rows, None
 
     def read(self):
