@@ -302,8 +302,7 @@ class DebugUnderflowOverflow(ReferenceFace, StepMode):
         if current.state is _STOPPING:
             return  # this rank reported; it stops with the others when the pass ends
         call = self.decisions.state.count(module is self._model, recomputed)  # (the attribute: this runs at every hook)
-        if not transformed:
-            # with find_op, the run's output, which a replay compares with its own
+        if not transformed:  # (find_op's kept call takes the run's output: a replay compares its own with it)
             outputs = self._gradients.output_hooks() if self._gradients is not None else None
             run.add_forward(current, call, module, input, output, kwargs, inputs, outputs)
         else:  # torch.func takes gradients functionally: no output hooks

@@ -324,7 +324,9 @@ class Passes(PassEnds):
             reads = current.reads
             site = (id(module) if self.may_defer and reads.may_wait(not now, phase, call.trace_mode, tensors)
                     else -1)
-            sources = self._rows(current, tensors, site, reads.add(tensors, site))
+            sources = reads.add(tensors, site)
+            if sources is None:
+                sources = self._after_full(current, tensors, site)
         self._queue_call(current, now, call, module, entries, dtypes, sources, phase, consumers, inputs, tensors)
 
     def add_forward(self, current, call, module, input, output, kwargs, kept, outputs):
@@ -337,23 +339,22 @@ class Passes(PassEnds):
         entries, tensors, dtypes, answer = self.forward_call(self.entries_of, module, input, output, kwargs, outputs,
                                                              kept, reads.hook_core(), site, reads.waits_on_cpu)
         if kept is not None and kept.grad_enabled and self.gradients is not None:
-            self.kept_forward.append(kept)  # keep_call: the backward's replay (a reentrant checkpoint's recompute's too)
+            self.kept_forward.append(kept)  # (keep_call) the backward's replay, a reentrant recompute's too
         if not tensors:
             sources = NO_ROWS
         else:
             if site >= 0 and not reads.waits_on_cpu and tensors[0].is_cpu:
                 site = -1  # (as forward_call decided)
-            sources = self._rows(current, tensors, site, reads.add(tensors, site) if answer is None
-                                 else reads.added(tensors, answer))
+            sources = reads.add(tensors, site) if answer is None else reads.added(tensors, answer)
+            if sources is None:
+                sources = self._after_full(current, tensors, site)
         self._queue_call(current, now, call, module, entries, dtypes, sources, FORWARD, None, kept, tensors)
 
-    def _rows(self, current, tensors, site, sources):
-        """A call's sources, once the buffer had room (None: full, what waits is decided now)."""
-        if sources is None:
-            self.flush(current)
-            current.reads.reset()
-            sources = current.reads.add(tensors, site)
-        return sources
+    def _after_full(self, current, tensors, site):
+        """A call's sources where the buffer had no room: what waits is decided now, then added."""
+        self.flush(current)
+        current.reads.reset()
+        return current.reads.add(tensors, site)
 
     def _queue_call(self, current, now, call, module, entries, dtypes, sources, phase, consumers, inputs, tensors):
         # decided now: its tensors stay referenced until then, for a detection's Where line
