@@ -1037,8 +1037,7 @@ class EntriesOf {
 // call, so it is one C call here: the inputs' versions, the grad mode, its root and its ordinal
 // under the root. What only the root of a pass needs (the RNG states, whether it is a data-parallel
 // wrapper) comes from the `root_state` it is handed, called once per pass. A plain type with member
-// slots: Python reads its fields as fast as a class's __slots__, and a Python subclass adds the
-// methods (hooks/hook_core.py).
+// slots (Python reads its fields as fast as a class's __slots__) and culprit.KeptCall's methods.
 struct KeptCallObject {
   PyObject_HEAD
   PyObject* module;
@@ -1093,7 +1092,6 @@ int kept_call_clear(PyObject* self) {
 }
 
 void kept_call_dealloc(PyObject* self) {
-  // (a Python subclass's own dealloc releases its type after this)
   PyObject_GC_UnTrack(self);
   kept_call_clear(self);
   Py_TYPE(self)->tp_free(self);
@@ -1215,6 +1213,70 @@ PyObject* kept_call_returned(PyObject* self, PyObject* output) {
   Py_RETURN_NONE;
 }
 
+// call.release(): lets go of the inputs and output (a replay runs the nearest enclosing call that kept them).
+PyObject* kept_call_release(PyObject* self, PyObject* /*unused*/) {
+  auto* call = reinterpret_cast<KeptCallObject*>(self);
+  Py_XSETREF(call->args, Py_NewRef(Py_None));
+  Py_XSETREF(call->kwargs, Py_NewRef(Py_None));
+  Py_XSETREF(call->output, Py_NewRef(Py_None));
+  Py_XSETREF(call->output_versions, Py_NewRef(Py_None));
+  Py_XSETREF(call->kept, Py_NewRef(Py_False));
+  Py_RETURN_NONE;
+}
+
+// Whether `versions` (a field) differ from versions_of(args, kwargs) now; null with the error set.
+PyObject* versions_differ(PyObject* args, PyObject* kwargs, PyObject* versions) {
+  PyObject* now = versions_or_null(args, kwargs);
+  if (now == nullptr) {
+    return nullptr;
+  }
+  const int differ = PyObject_RichCompareBool(now, versions == nullptr ? Py_None : versions, Py_NE);
+  Py_DECREF(now);
+  return differ < 0 ? nullptr : PyBool_FromLong(differ);
+}
+
+// call.changed(): whether an input changed in place since the call started.
+PyObject* kept_call_changed(PyObject* self, PyObject* /*unused*/) {
+  auto* call = reinterpret_cast<KeptCallObject*>(self);
+  return versions_differ(call->args, call->kwargs, call->versions);
+}
+
+// call.output_changed(): whether the output changed in place since the call returned.
+PyObject* kept_call_output_changed(PyObject* self, PyObject* /*unused*/) {
+  auto* call = reinterpret_cast<KeptCallObject*>(self);
+  PyObject* output = call->output == nullptr ? Py_None : call->output;
+  PyObject* items = THPVariable_Check(output) ? PyTuple_Pack(1, output)
+                    : PyTuple_Check(output) || PyList_Check(output) ? Py_NewRef(output)
+                                                                    : PyTuple_New(0);
+  if (items == nullptr) {
+    return nullptr;
+  }
+  PyObject* differ = versions_differ(items, Py_None, call->output_versions);
+  Py_DECREF(items);
+  return differ;
+}
+
+// call.call_state(): what the replay runs under ({"grad_enabled", "autocast"}).
+PyObject* kept_call_state(PyObject* self, PyObject* /*unused*/) {
+  auto* call = reinterpret_cast<KeptCallObject*>(self);
+  return Py_BuildValue("{sOsO}", "grad_enabled", call->grad_enabled, "autocast", call->autocast);
+}
+
+// call.root: the outermost call of its pass (itself for a root); call.output: its output or None.
+PyObject* kept_call_root(PyObject* self, void* /*unused*/) {
+  auto* call = reinterpret_cast<KeptCallObject*>(self);
+  return Py_NewRef(call->root == nullptr || call->root == Py_None ? self : call->root);
+}
+
+PyObject* kept_call_output(PyObject* self, void* /*unused*/) {
+  auto* call = reinterpret_cast<KeptCallObject*>(self);
+  return Py_NewRef(call->output == nullptr ? Py_None : call->output);
+}
+
+PyGetSetDef kept_call_getset[] = {{"root", kept_call_root, nullptr, "The outermost call of its pass", nullptr},
+                                  {"output", kept_call_output, nullptr, "Its output as it returned", nullptr},
+                                  {nullptr, nullptr, nullptr, nullptr, nullptr}};
+
 #define KEPT_CALL_MEMBER(field, name) {name, T_OBJECT, offsetof(KeptCallObject, field), 0, nullptr},
 PyMemberDef kept_call_members[] = {
     KEPT_CALL_MEMBER(module, "module") KEPT_CALL_MEMBER(args, "args") KEPT_CALL_MEMBER(kwargs, "kwargs")
@@ -1228,12 +1290,16 @@ PyMemberDef kept_call_members[] = {
 
 PyMethodDef kept_call_methods[] = {
     {"returned", kept_call_returned, METH_O, "The call's output as it returned, and its tensors' versions then"},
+    {"release", kept_call_release, METH_NOARGS, "Let go of the inputs and output"},
+    {"changed", kept_call_changed, METH_NOARGS, "Whether an input changed in place since the call started"},
+    {"output_changed", kept_call_output_changed, METH_NOARGS, "Whether the output changed in place since it returned"},
+    {"call_state", kept_call_state, METH_NOARGS, "What the replay runs under"},
     {nullptr, nullptr, 0, nullptr}};
 
 void add_kept_call(py::module& m) {
   kept_call_type.tp_name = "overflow_fast._C.hooks.KeptCall";
   kept_call_type.tp_basicsize = sizeof(KeptCallObject);
-  kept_call_type.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC;
+  kept_call_type.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC;
   kept_call_type.tp_doc = "find_op's record of one hooked call (hooks/culprit.py's KeptCall; csrc/hooks.cpp)";
   kept_call_type.tp_new = kept_call_new;
   kept_call_type.tp_dealloc = kept_call_dealloc;
@@ -1241,6 +1307,7 @@ void add_kept_call(py::module& m) {
   kept_call_type.tp_clear = kept_call_clear;
   kept_call_type.tp_members = kept_call_members;
   kept_call_type.tp_methods = kept_call_methods;
+  kept_call_type.tp_getset = kept_call_getset;
   if (PyType_Ready(&kept_call_type) < 0) {
     throw py::error_already_set();
   }

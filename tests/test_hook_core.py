@@ -704,7 +704,7 @@ def test_the_cpp_kept_call_is_culprit_s_field_for_field():
     from overflow_fast.replay.culprit import KeptCall, root_state, root_state_at_end
 
     native = hook_core.kept_call_class()
-    assert native is not KeptCall and issubclass(native, C.KeptCall)
+    assert native is C.KeptCall and native is not KeptCall
     rng = random.Random(11)
     modules = [torch.nn.Linear(2, 2) for _ in range(4)] + [torch.nn.parallel.DataParallel(torch.nn.Linear(2, 2))]
     seen = set()  # the rules the calls went through
@@ -735,6 +735,13 @@ def test_the_cpp_kept_call_is_culprit_s_field_for_field():
             assert _kept_fields(cpp_call, ids[1]) == _kept_fields(python_call, ids[0])
             assert cpp_call.root is not None and cpp_call.call_state() == python_call.call_state()
             assert cpp_call.changed() is python_call.changed() is False
+            never_returned = python_call.output_versions is None
+            assert cpp_call.output_changed() is python_call.output_changed() is never_returned
+            if python_call.output is not None and isinstance(python_call.output, torch.Tensor) \
+                    and python_call.output.dtype == torch.float32 and not python_call.output.is_inference():
+                with torch.no_grad():
+                    python_call.output.mul_(1)  # (the same tensor: both see it changed)
+                assert cpp_call.output_changed() is python_call.output_changed() is True
             cpp_call.release()
             assert cpp_call.kept is False and cpp_call.args is None and cpp_call.output is None
     assert seen == {"wrapper", "under a wrapper", "hooked twice", "called again", "first"}

@@ -20,7 +20,7 @@ import torch
 
 from ..stats import unreadable_reason
 from ..stats.kinds import PLAIN_TYPES, SUPPORTED_DTYPES
-from ..replay.culprit import KeptCall, KeptCallMethods
+from ..replay.culprit import KeptCall
 from .frames import container_leaves, entries_of, forward_items, own_parameters, parameters_listed_as_torch
 from .text import TENSOR
 
@@ -163,17 +163,11 @@ def forward_call(entries_of, module, input, output, kwargs, outputs, kept, core,
 
 
 def kept_call_class():
-    """find_op's record of a hooked call: a class with the extension's C++ construction and fields
-    where it loads (``_native_kept_call``), else ``culprit.KeptCall``, their specification (the
-    same fields by the same rules, and the same methods)."""
+    """find_op's record of a hooked call: the extension's ``KeptCall`` where it loads (its C++
+    construction, fields and methods), else ``culprit.KeptCall``, its specification (the same
+    fields by the same rules, and the same methods)."""
     module = native()
-    return KeptCall if module is None else _native_kept_call(module.KeptCall)
-
-
-@functools.lru_cache(maxsize=None)
-def _native_kept_call(base):
-    return type("KeptCall", (base, KeptCallMethods), {"__slots__": (), "__module__": __name__,
-                                                       "__doc__": KeptCall.__doc__})
+    return KeptCall if module is None else module.KeptCall
 
 
 class EntriesOf:

@@ -42,39 +42,7 @@ _AUTOCAST_DEVICES = ("cpu", "cuda")
 CHANGED = "not reproduced on replay (the module's inputs changed in place after its hook)"
 
 
-class KeptCallMethods:
-    """What a kept call does beyond its fields: the methods of both ``KeptCall`` (the
-    specification) and the extension's (``hook_core.kept_call_class``)."""
-
-    __slots__ = ()
-
-    @property
-    def root(self):
-        return self if self._root is None else self._root
-
-    @property
-    def output(self):
-        return self._output
-
-    def release(self):
-        """Let go of the inputs and output: a replay runs the nearest enclosing call that kept them."""
-        self.args = self.kwargs = self._output = self.output_versions = None
-        self.kept = False
-
-    def changed(self):
-        """Whether an input changed in place since the call started."""
-        return versions_of(self.args, self.kwargs) != self.versions
-
-    def output_changed(self):
-        """Whether the output changed in place since the call returned."""
-        return versions_of(_items(self._output), None) != self.output_versions
-
-    def call_state(self):
-        """What the replay runs under (``op_replay.call_state``'s form)."""
-        return {"grad_enabled": self.grad_enabled, "autocast": self.autocast}
-
-
-class KeptCall(KeptCallMethods):
+class KeptCall:
     """One hooked call as its replay needs it: the module, its positional and keyword inputs
     (references), their versions when it started (``versions_of``), the call it ran in, its grad
     mode, the autocast of its forward (``autocast_state``, taken once per forward) and its output.
@@ -85,7 +53,7 @@ class KeptCall(KeptCallMethods):
     root (a replay from the root finds this one by it).
 
     The specification of csrc/hooks.cpp's KeptCall, which the hooks use where the extension loads
-    (``hook_core.kept_call_class``): the same fields by the same rules."""
+    (``hook_core.kept_call_class``): the same fields by the same rules, and the same methods."""
 
     __slots__ = ("module", "args", "kwargs", "versions", "parent", "grad_enabled", "autocast", "_output",
                  "output_versions", "_root", "rng", "counts", "ordinal", "wraps", "kept")
@@ -118,6 +86,31 @@ class KeptCall(KeptCallMethods):
         """The call's output, as it returned, and its tensors' versions then (one level deep)."""
         self._output = output
         self.output_versions = versions_of(_items(output), None)
+
+    @property
+    def root(self):
+        return self if self._root is None else self._root
+
+    @property
+    def output(self):
+        return self._output
+
+    def release(self):
+        """Let go of the inputs and output: a replay runs the nearest enclosing call that kept them."""
+        self.args = self.kwargs = self._output = self.output_versions = None
+        self.kept = False
+
+    def changed(self):
+        """Whether an input changed in place since the call started."""
+        return versions_of(self.args, self.kwargs) != self.versions
+
+    def output_changed(self):
+        """Whether the output changed in place since the call returned."""
+        return versions_of(_items(self._output), None) != self.output_versions
+
+    def call_state(self):
+        """What the replay runs under (``op_replay.call_state``'s form)."""
+        return {"grad_enabled": self.grad_enabled, "autocast": self.autocast}
 
 
 def root_state(module, outermost):
