@@ -40,7 +40,7 @@ from ..replay.culprit import autocast_state, root_state, root_state_at_end
 from .compiled import Traced
 from .decisions import NO_ROWS, Pending
 from .frames import FORWARD, graph_task_id, recomputing, transform_level
-from .hook_core import entries_reader, forward_call_function, kept_call_class
+from .hook_core import entries_reader, kept_call_class
 from .on_detect import strategy
 from .pass_ends import PassEnds, PassState
 from .rank_agreement import RankAgreement
@@ -163,7 +163,6 @@ class Passes(PassEnds):
         self.new_reads = lambda: Reads(backend, options.buffer_rows, options.reuse_stats, options.stage_bytes)
         self.apart = None  # the Reads of calls read on their own (create_frame)
         self.entries_of = None  # the entries of hook calls outside transforms, one C++ pass where it loads
-        self.forward_call = None  # a forward hook's one call into the hook layer (hook_core.forward_call)
         self.kept_call = None  # find_op's KeptCall class (hook_core.kept_call_class), with the first call
         self.traced = Traced()  # hooks traced by torch.compile, replayed by the next eager hook
         # the last clean pass's calls, freed when the next pass begins (not between a forward's
@@ -191,7 +190,6 @@ class Passes(PassEnds):
             self.collective_writes = distributed.seen_as_writes()
         if self.entries_of is None:  # (with the first rows: the extension may be built here)
             self.entries_of = entries_reader(self.options.containers)
-            self.forward_call = forward_call_function()
         reads = self.idle_reads.pop() if self.idle_reads else self.new_reads()
         opened = Pass(reads, serial)
         if serial is not None:
@@ -332,22 +330,18 @@ class Passes(PassEnds):
     def add_forward(self, current, call, module, input, output, kwargs, kept, outputs):
         """``add`` of a forward hook call outside torch.func transforms, whose entries, hooks on its
         outputs' gradients (``outputs``: an ``OutputGradients`` or None), kept call's output
-        (``kept``: find_op's or None) and rows are the hook layer's one call (``forward_call``)."""
+        (``kept``: find_op's or None) and rows are the hook layer's one call (``Reads.add_forward``)."""
         now = self.decides_each_call or call.trace_mode or self.decisions.state.detected_overflow
         reads = current.reads
         site = id(module) if self.may_defer and reads.may_wait_in_forward(not now, call.trace_mode) else -1
-        entries, tensors, dtypes, answer = self.forward_call(self.entries_of, module, input, output, kwargs, outputs,
-                                                             kept, reads.hook_core(), site, reads.waits_on_cpu)
+        entries, tensors, dtypes, sources = reads.add_forward(self.entries_of, module, input, output, kwargs, outputs,
+                                                              kept, site)
         if kept is not None and kept.grad_enabled and self.gradients is not None:
             self.kept_forward.append(kept)  # (keep_call) the backward's replay, a reentrant recompute's too
         if not tensors:
             sources = NO_ROWS
-        else:
-            if site >= 0 and not reads.waits_on_cpu and tensors[0].is_cpu:
-                site = -1  # (as forward_call decided)
-            sources = reads.add(tensors, site) if answer is None else reads.added(tensors, answer)
-            if sources is None:
-                sources = self._after_full(current, tensors, site)
+        elif sources is None:
+            sources = self._after_full(current, tensors, reads.site_of(tensors, site))
         self._queue_call(current, now, call, module, entries, dtypes, sources, FORWARD, None, kept, tensors)
 
     def _after_full(self, current, tensors, site):

@@ -31,7 +31,7 @@ import warnings
 import torch
 
 from .. import distributed
-from .hook_core import HOOK_FULL, LAUNCH_FAILED, LAUNCHED, new_core
+from .hook_core import HOOK_FULL, LAUNCH_FAILED, LAUNCHED, forward_call_function, new_core
 from .frames import FORWARD, graph_task_id
 from ..stats import tensor_stats
 from ..stats.dispatch import rows_launcher, rows_reader
@@ -66,6 +66,7 @@ class Reads:
         self._on_accelerator = _off_cpu if "cpu" in self._host_types else _any_tensor
         self.waits_on_cpu = "cpu" not in self._host_types  # (CPU tensors on the accelerators' path)
         self._core = new_core(capacity, defer_bytes, MAX_REMEMBERED if reuse else 0)
+        self._forward_call = forward_call_function()
         self._buffers = {}  # device key -> [capacity, 8] int64 rows on that device
         self._host = {}  # device key -> (host rows [capacity, 8], the same memory as a flat int64 memoryview)
         self._readers = {}  # device key -> the backend's per-hook read there (None: tensor_stats)
@@ -85,14 +86,31 @@ class Reads:
                 and not torch.is_inference_mode_enabled() and self._on_accelerator(tensors[0]))
 
     def may_wait_in_forward(self, defer, trace_mode):
-        """``may_wait`` of a forward hook before its tensors are known; where they are is told by
-        ``waits_on_cpu`` (the hook layer's ``forward_call`` asks it of the call's first tensor)."""
+        """``may_wait`` of a forward hook before its tensors are known (``add_forward`` asks where
+        they are)."""
         return defer and not trace_mode and graph_task_id() == -1 and not torch.is_inference_mode_enabled()
 
-    def hook_core(self):
-        """The core that a forward hook's one call (``hook_core.forward_call``) adds its tensors to,
-        or None where they go through ``add``: an async collective writes some memory now."""
-        return None if _IN_FLIGHT else self._core
+    def add_forward(self, entries_of, module, input, output, kwargs, outputs, kept, site):
+        """A forward hook call outside torch.func transforms in the hook layer's one call
+        (``hook_core.forward_call``): its entries, the hooks on its outputs' gradients (``outputs``),
+        its kept call's output (``kept``) and its rows, which wait where ``site`` >= 0 (``may_wait``)
+        allows. ``(entries, tensors, dtypes, sources)``, sources as ``add`` gives them (None: no tensors,
+        or the buffer is full: then ``add`` them, with ``site_of``, once it was read)."""
+        core = None if _IN_FLIGHT else self._core  # (an async collective writes some memory now: ``add``)
+        entries, tensors, dtypes, answer = self._forward_call(entries_of, module, input, output, kwargs, outputs, kept,
+                                                              core, site, self.waits_on_cpu)
+        if not tensors:
+            return entries, tensors, dtypes, None
+        if answer is None:
+            return entries, tensors, dtypes, self.add(tensors, self.site_of(tensors, site))
+        key, rows, _, to_read, changed, read = answer
+        if key >= 0 and not changed and (read == LAUNCHED or not to_read):  # (inlined: this runs at every hook)
+            return entries, tensors, dtypes, (key, rows, None)
+        return entries, tensors, dtypes, self.added(tensors, answer)
+
+    def site_of(self, tensors, site):
+        """``site`` where ``tensors`` may wait on their device, else -1 (as ``add_forward`` decides)."""
+        return site if site < 0 or self.waits_on_cpu or not tensors[0].is_cpu else -1
 
     def add(self, tensors, site=-1):
         """Read ``tensors`` (a hook call's, at least one) now, or let them wait where ``site`` (the
