@@ -90,6 +90,31 @@ bool inside_storage(const at::Tensor& tensor, int64_t address, int64_t numel) {
   return start >= base && start - base <= storage.nbytes() && bytes <= storage.nbytes() - (start - base);
 }
 
+// stats.kinds.is_zero3_released, the test's one owner, handed over once the module is loaded
+// (set_zero3_released); unset, every empty tensor is left to the general path where DeepSpeed is
+// loaded.
+py::object& zero3_released() {
+  static auto* test = new py::object();  // never destroyed: it may outlive the interpreter
+  return *test;
+}
+
+// Whether `object` (an empty tensor, DeepSpeed loaded) may be a released ZeRO-3 parameter: its
+// answer, or true where it has none or fails.
+bool released(PyObject* object) {
+  const py::object& test = zero3_released();
+  if (!test) {
+    return true;
+  }
+  PyObject* answer = PyObject_CallOneArg(test.ptr(), object);
+  const int truth = answer == nullptr ? -1 : PyObject_IsTrue(answer);
+  Py_XDECREF(answer);
+  if (truth < 0) {
+    PyErr_Clear();
+    return true;
+  }
+  return truth == 1;
+}
+
 }  // namespace
 
 PackRules::PackRules(const py::tuple& plain_types, const py::dict& words, int64_t aligned_bit_,
@@ -509,12 +534,11 @@ bool Launcher::read(PyObject* const* items, int64_t count, int64_t out, int64_t 
     if (packed == Packed::kFlat) {
       flat.push_back(index);  // a fresh copy: nothing to overlap
     } else if (slot.numel == 0) {
-      // an empty tensor may be a released ZeRO-3 parameter, whose values live in its partitions:
-      // where DeepSpeed is loaded, the general path decides (stats.kinds.is_zero3_released)
+      // a released ZeRO-3 parameter is an empty placeholder: the general path reads its partitions
       if (zero3 < 0) {
         zero3 = PyDict_GetItemString(PyImport_GetModuleDict(), "deepspeed") != nullptr;
       }
-      if (zero3 > 0) {
+      if (zero3 > 0 && released(items[index])) {
         return false;
       }
     } else {
@@ -692,6 +716,9 @@ void Launcher::launch_ordinary(int64_t grid, const int64_t* args, int64_t slots,
 // ---- the Python face ---------------------------------------------------------------------------
 
 void add_launcher(py::module& m) {
+  m.def(
+      "set_zero3_released", [](py::object test) { zero3_released() = std::move(test); }, py::arg("test"),
+      "The test of a released ZeRO-3 parameter the launchers ask of an empty tensor (stats.kinds')");
   m.def(
       "launch_hooks_reason",
       [](const py::object& hooks) -> py::object {

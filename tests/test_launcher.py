@@ -114,6 +114,22 @@ def test_it_declines_what_it_cannot_take_and_writes_nothing():
     assert launcher.read([], torch.empty(0, 8, dtype=torch.int64))
 
 
+def test_it_declines_a_released_zero3_parameter_and_reads_other_empty_tensors(monkeypatch):
+    """Where DeepSpeed is loaded, an empty tensor is asked of stats.kinds.is_zero3_released (the
+    test's one owner): a released parameter's values live in its partitions, which the general path
+    reads; any other empty tensor is read here."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "deepspeed", sys.modules.get("deepspeed") or type(sys)("deepspeed"))
+    launcher = cpu_backend.launcher()
+    released = torch.nn.Parameter(torch.ones(0))
+    released.ds_tensor, released.ds_numel = torch.full((4,), 2.0), 4
+    rows = torch.full((2, 8), -1, dtype=torch.int64)
+    assert launcher.read([torch.ones(3), released], rows) is False and (rows == -1).all()
+    assert launcher.read([torch.ones(3), torch.ones(0)], rows)
+    assert rows[1].tolist() == [0] * 8
+
+
 def _bound(capacity=16, defer_bytes=0):
     core = C.hooks.HookCore(capacity, defer_bytes, 1 << 16)
     x = torch.ones(1)

@@ -15,12 +15,12 @@ import torch
 
 from .._compat import dtypes
 from . import cpu_build
-from .kinds import PLAIN_TYPES
+from .kinds import PLAIN_TYPES, is_zero3_released
 
 NAME = "cpu"
 
 # Must equal kAbiVersion in csrc/binding.cpp.
-ABI_VERSION = 19
+ABI_VERSION = 20
 
 SUPPORTED_DTYPES = frozenset({
     torch.float64, torch.float32, torch.float16, torch.bfloat16,
@@ -68,6 +68,7 @@ def _ensure():
                     reason = _check(module)
                 if reason is None:
                     _compute = module.compute
+                    module.set_zero3_released(is_zero3_released)  # (its one owner: the launchers ask it)
                 else:
                     # Warned here, once, whoever asked first: the rows launcher's callers and the
                     # Triton table lose their C++ loops too, not only dispatch's CPU tensors.

@@ -129,7 +129,7 @@ def _new_launcher(state, pool, block_size, blocks_per_chunk):
 
     def ordinary(grid, args, slots, formats, any_unaligned):
         known = owner()
-        if known is None:  # forget_devices() dropped it: a core that still holds this launcher unbinds it
+        if known is None:  # forget_devices() dropped it: a core that still holds this launcher disables it
             raise RuntimeError("the list read's state of this device was forgotten")
         _ordinary_launch(known, known.launcher_for(*shape), grid, args, slots, formats, any_unaligned, *shape)
 
