@@ -421,6 +421,10 @@ def test_info_names_the_cache_in_use_and_why_the_configured_one_is_not(monkeypat
         compute = None
 
         @staticmethod
+        def set_zero3_released(test):
+            pass
+
+        @staticmethod
         def capability():
             return "avx2"
 
