@@ -128,10 +128,10 @@ struct Seen {
 
 class HookCore {
  public:
-  HookCore(int64_t capacity, int64_t defer_bytes, int64_t max_remembered)
-      : capacity_(capacity), defer_bytes_(defer_bytes), max_remembered_(max_remembered) {
+  HookCore(int64_t capacity, int64_t stage_bytes, int64_t max_remembered)
+      : capacity_(capacity), stage_bytes_(stage_bytes), max_remembered_(max_remembered) {
     TORCH_CHECK(capacity > 0, "HookCore: capacity must be positive, got ", capacity);
-    TORCH_CHECK(defer_bytes >= 0, "HookCore: defer_bytes must be >= 0, got ", defer_bytes);
+    TORCH_CHECK(stage_bytes >= 0, "HookCore: stage_bytes must be >= 0, got ", stage_bytes);
   }
 
   // The rows of one hook call's tensors: (device key, rows, first, to_read, changed, read), where
@@ -218,10 +218,10 @@ class HookCore {
         }
       }
     }
-    if (rows.deferred_bytes + watched_bytes_ > defer_bytes_) {
+    if (rows.deferred_bytes + watched_bytes_ > stage_bytes_) {
       read_now = true;
     }
-    if (watched_bytes_ > defer_bytes_) {
+    if (watched_bytes_ > stage_bytes_) {
       learn();
     }
     if (!read_now) {
@@ -430,7 +430,7 @@ class HookCore {
   }
 
   const int64_t capacity_;
-  const int64_t defer_bytes_;
+  const int64_t stage_bytes_;
   const int64_t max_remembered_;
   std::vector<DeviceRows> devices_;
   std::unordered_map<const c10::TensorImpl*, Seen> seen_;
@@ -1439,7 +1439,7 @@ void add_hook_layer(py::module& m) {
   py::class_<HookCore> core(m, "HookCore",
                              "The detector's bookkeeping of when each hook's tensors are read (csrc/hooks.cpp)",
                              collected<HookCore>());
-  core.def(py::init<int64_t, int64_t, int64_t>(), py::arg("capacity"), py::arg("defer_bytes"),
+  core.def(py::init<int64_t, int64_t, int64_t>(), py::arg("capacity"), py::arg("stage_bytes"),
            py::arg("max_remembered"))
       .def("add", &HookCore::add, py::arg("tensors"), py::arg("site"), py::arg("defer"))
       .def("bind", &HookCore::bind, py::arg("key"), py::arg("launcher"), py::arg("buffer"))

@@ -101,16 +101,16 @@ def normal(answer, label):
     return (key, rows, first, [label(t) for t in to_read], changed, read)
 
 
-def both(capacity, defer_bytes, max_remembered):
-    return C.HookCore(capacity, defer_bytes, max_remembered), hook_core.HookCore(capacity, defer_bytes, max_remembered)
+def both(capacity, stage_bytes, max_remembered):
+    return C.HookCore(capacity, stage_bytes, max_remembered), hook_core.HookCore(capacity, stage_bytes, max_remembered)
 
 
 def run_sequence(seed, steps=40):
     rng = random.Random(seed)
     capacity = rng.choice([3, 6, 16, 64])
-    defer_bytes = rng.choice([0, 16, 64, 1 << 20])
+    stage_bytes = rng.choice([0, 16, 64, 1 << 20])
     max_remembered = rng.choice([0, 2, 5, 1 << 16])
-    cores = both(capacity, defer_bytes, max_remembered)
+    cores = both(capacity, stage_bytes, max_remembered)
     labels = Labels()
     pool = []  # (tensor, kind)
     count = 0
@@ -265,7 +265,7 @@ def test_bad_arguments_raise_as_the_extension_does():
     for HookCore in cores:
         with pytest.raises(RuntimeError, match="capacity must be positive"):
             HookCore(0, 0, 0)
-        with pytest.raises(RuntimeError, match="defer_bytes must be >= 0"):
+        with pytest.raises(RuntimeError, match="stage_bytes must be >= 0"):
             HookCore(1, -1, 0)
         with pytest.raises(RuntimeError, match="no tensors"):
             HookCore(1, 0, 0).add([], -1, False)

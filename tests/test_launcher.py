@@ -130,8 +130,8 @@ def test_it_declines_a_released_zero3_parameter_and_reads_other_empty_tensors(mo
     assert rows[1].tolist() == [0] * 8
 
 
-def _bound(capacity=16, defer_bytes=0):
-    core = C.hooks.HookCore(capacity, defer_bytes, 1 << 16)
+def _bound(capacity=16, stage_bytes=0):
+    core = C.hooks.HookCore(capacity, stage_bytes, 1 << 16)
     x = torch.ones(1)
     key = core.add([x], -1, False)[0]  # the device's key, as the detector's first call makes it
     buffer = torch.full((capacity, 8), -1, dtype=torch.int64)
@@ -167,7 +167,7 @@ def test_a_bound_core_reads_a_call_in_the_same_call():
 def test_a_bound_core_reads_what_waited_and_what_changed():
     """Deferred tensors are read by the bound launcher when the pass's pending rows are taken; a
     tensor changed after its hook is read as an empty stand-in and its row reported changed."""
-    core, key, buffer = _bound(defer_bytes=1 << 20)
+    core, key, buffer = _bound(stage_bytes=1 << 20)
     core.bind(key, cpu_backend.launcher(), buffer)
     w, x = torch.ones(4, requires_grad=True), torch.full((3,), 2.0)
     for _ in range(2):  # first pass: watched (read at once); then the site waits

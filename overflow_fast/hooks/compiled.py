@@ -46,5 +46,5 @@ class Traced:
                 return
             sources = current.reads.host([next(host[rows.device]) for _ in dtypes]) if rows is not None else NO_ROWS
             call = passes.decisions.state.count(module is model)
-            passes.queue(current, Pending(call, module, entries, dtypes, sources, FORWARD, None, inputs=around),
+            passes.queue(current, Pending(call, module, entries, dtypes, sources, FORWARD, None, kept_call=around),
                          passes.decides_now(call))

@@ -32,13 +32,13 @@ NO_ROWS = (None, [], None)  # the sources of a call without tensors
 # with the last clean pass's calls until the next pass begins), and under autocast the dtype it
 # computed in (``passes.computed_in``).
 Pending = collections.namedtuple("Pending", ("call", "module", "entries", "dtypes", "sources", "phase", "consumers",
-                                             "inputs", "tensors", "computed_in"), defaults=(None, None, None))
+                                             "kept_call", "tensors", "computed_in"), defaults=(None, None, None))
 
 # A detection found by the replay, for the strategy to act on.
 # ``frame``: where it was found; ``first_frame`` and ``bad``: the first frame that counted and its
 # entries; ``frames``: the ring as data; ``report_due``: whether counting wants it reported.
 Found = collections.namedtuple("Found", ("detection", "frames", "frame", "first_frame", "bad", "batch",
-                                         "shown_batch", "report_due", "inputs", "tensors", "sources"))
+                                         "shown_batch", "report_due", "kept_call", "tensors", "sources"))
 
 
 class Decisions:
@@ -82,7 +82,7 @@ class Decisions:
         state = self.state
         state.open(call)
         batch = call.batch_before  # a backward frame's call was counted with its forward's batch
-        self.save(frame, batch, pass_key(batch), pending.inputs, pending.tensors, scaling, pending.sources)
+        self.save(frame, batch, pass_key(batch), pending.kept_call, pending.tensors, scaling, pending.sources)
         if self.log is not None:
             self.log.frame(frame, batch, self.global_step, self.mode)
         if call.trace_mode:
@@ -109,9 +109,9 @@ class Decisions:
             state.save(self.frame(reads, pending))
             state.close(pending.call)
 
-    def save(self, frame, batch=None, pass_key=None, inputs=None, tensors=None, scaling=None, sources=None):
+    def save(self, frame, batch=None, pass_key=None, kept_call=None, tensors=None, scaling=None, sources=None):
         """Print the frame's nan/inf lines, keep it in the ring (with the waiting lines as its lead).
-        ``inputs`` (with find_op, the call's), ``tensors`` (a call decided in its hook) and
+        ``kept_call`` (with find_op, the call kept for its replay), ``tensors`` (a call decided in its hook) and
         ``sources`` (where its rows are) are kept on a frame that counts until its detection;
         ``scaling``: a GradScaler's backward, whose backoff this reports."""
         lines, detected = self.counting.check(frame, batch, self.step_of(batch), pass_key, scaling)
@@ -124,7 +124,7 @@ class Decisions:
             say(line)
         if detected:
             self.state.set_detected_overflow(True)
-            frame.inputs, frame.tensors, frame.sources = inputs, tensors, sources
+            frame.kept_call, frame.tensors, frame.sources = kept_call, tensors, sources
         self.state.save(frame)
 
     def backoff(self, backoff, batch):
@@ -150,10 +150,10 @@ class Decisions:
             detection["mode"] = self.mode
         self.detections.append(detection)
         frames = [text.frame_data(f) for f in self.state.frames if not isinstance(f, str)]
-        inputs, tensors, sources = first_frame.inputs, first_frame.tensors, first_frame.sources
+        kept_call, tensors, sources = first_frame.kept_call, first_frame.tensors, first_frame.sources
         for kept in (first_frame, frame):  # the ring keeps no tensors
-            kept.inputs = kept.tensors = kept.sources = None
-        return Found(detection, frames, frame, first_frame, bad, batch, shown_batch, report_due, inputs, tensors,
+            kept.kept_call = kept.tensors = kept.sources = None
+        return Found(detection, frames, frame, first_frame, bad, batch, shown_batch, report_due, kept_call, tensors,
                      sources)
 
     def log_detection(self, found):

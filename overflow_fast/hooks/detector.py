@@ -262,7 +262,7 @@ class DebugUnderflowOverflow(ReferenceFace, StepMode):
             run = self._passes
             if is_compiling():
                 return run.traced.record(module, input, output, kwargs, self.containers, self.backend)
-            ambient, inputs, outermost = run.call_returns(module, input, kwargs)
+            ambient, kept_call, outermost = run.call_returns(module, input, kwargs)
             error = sys.exc_info()[1]
             raised = error is not None and error is not ambient  # run by torch because the call raised
             if graph_task_id() != -1 and recomputing():
@@ -270,7 +270,7 @@ class DebugUnderflowOverflow(ReferenceFace, StepMode):
                 if not raised:
                     with run.lock, _functorch_off() as transformed:
                         self._forward_call(run.backward_pass(), module, input, output, kwargs, True, transformed,
-                                           inputs)
+                                           kept_call)
                 return
             # _functorch_off() without a Python context manager outside transforms (this runs at every hook)
             guard = None if transform_level() is None else _FunctorchOff()
@@ -280,41 +280,41 @@ class DebugUnderflowOverflow(ReferenceFace, StepMode):
                     current = run.forward_pass()
                     try:
                         if not raised:
-                            self._forward_call(current, module, input, output, kwargs, False, transformed, inputs)
+                            self._forward_call(current, module, input, output, kwargs, False, transformed, kept_call)
                     except BaseException as failure:
                         if outermost:
                             run.end(current, FORWARD, failure)
                         raise
                     if outermost:
                         run.end(current, FORWARD, error if raised else None)
-                        if inputs is not None and not inputs.grad_enabled:
-                            inputs.release()  # decided: an evaluation keeps nothing
+                        if kept_call is not None and not kept_call.grad_enabled:
+                            kept_call.release()  # decided: an evaluation keeps nothing
             finally:
                 if transformed:
                     guard.__exit__(None, None, None)
         except OverflowDetected as error:
             raise error.with_traceback(None)  # (the report's traceback starts here: the frames below help no reader)
 
-    def _forward_call(self, current, module, input, output, kwargs, recomputed, transformed, inputs=None):
+    def _forward_call(self, current, module, input, output, kwargs, recomputed, transformed, kept_call=None):
         run = self._passes
         if run.traced.records:
-            run.traced.absorb(run, current, self.model, inputs)  # a compiled region ran before this call
+            run.traced.absorb(run, current, self.model, kept_call)  # a compiled region ran before this call
         if current.state is _STOPPING:
             return  # this rank reported; it stops with the others when the pass ends
         call = self.decisions.state.count(module is self._model, recomputed)  # (the attribute: this runs at every hook)
         if not transformed:  # (find_op's kept call takes the run's output: a replay compares its own with it)
             outputs = self._gradients.output_hooks() if self._gradients is not None else None
-            run.add_forward(current, call, module, input, output, kwargs, inputs, outputs)
+            run.add_forward(current, call, module, input, output, kwargs, kept_call, outputs)
         else:  # torch.func takes gradients functionally: no output hooks
             entries, tensors, dtypes = entries_of(forward_items(module, input, output, kwargs, self.options.containers),
                                                   True)
-            if inputs is not None:
-                inputs.returned(output)
-                if inputs.grad_enabled and self._gradients is not None:
-                    run.keep_call(inputs)
-            run.add(current, call, module, entries, dtypes, tensors, FORWARD, inputs=inputs)
-        if inputs is not None and not inputs.grad_enabled and run.calls_running():
-            inputs.release()  # autograd keeps nothing here: neither does a call that returned (culprit)
+            if kept_call is not None:
+                kept_call.returned(output)
+                if kept_call.grad_enabled and self._gradients is not None:
+                    run.keep_call(kept_call)
+            run.add(current, call, module, entries, dtypes, tensors, FORWARD, kept_call=kept_call)
+        if kept_call is not None and not kept_call.grad_enabled and run.calls_running():
+            kept_call.release()  # autograd keeps nothing here: neither does a call that returned (culprit)
         if recomputed:
             run.decide_when_backward_ends()
         if self._abort_after is not None and self.batch_number > self._abort_after:

@@ -44,7 +44,7 @@ def beyond_the_reference(passes, current, found):
                      lambda tensor, index: reads.unchanged(sources, index, tensor))
         found.detection["where"] = where.facts(
             found.first_frame, source.source_entry(found.first_frame, found.bad),
-            where.Held(found.tensors, found.inputs, passes.kept_forward, passes.kept_gradients,
+            where.Held(found.tensors, found.kept_call, passes.kept_forward, passes.kept_gradients,
                        decisions.modules_by_name(), options.kwargs, options.containers, decisions.samples,
                        unchanged))
     scaler = current.scaling.unrecoverable() if current.scaling is not None else None

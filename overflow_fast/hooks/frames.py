@@ -47,7 +47,7 @@ class Frame:
     """One hook call: the module, its entries, and their statistics rows (raw, not text)."""
 
     __slots__ = ("lead", "module_name", "class_name", "entries", "dtypes", "rows", "phase", "consumers",
-                 "bad_shards", "inputs", "tensors", "sources", "incoming_read", "computed_in")
+                 "bad_shards", "kept_call", "tensors", "sources", "incoming_read", "computed_in")
 
     def __init__(self, module_name, class_name, entries, dtypes, phase=FORWARD, consumers=None):
         self.lead = ()  # lines the reference had waiting in `self.frame` (batch markers)
@@ -59,7 +59,7 @@ class Frame:
         self.phase = phase
         self.consumers = consumers  # an output gradient's frame: the modules whose backward produced it
         self.bad_shards = None  # row index -> ranks whose DTensor shard of it holds a nan/inf
-        self.inputs = None  # find_op: the call's inputs (culprit.KeptCall), for its replay
+        self.kept_call = None  # find_op: the call's inputs (culprit.KeptCall), for its replay
         self.tensors = None  # a call decided in its hook that detects: its tensors, for the Where line
         self.sources = None  # a call that detects: where its rows are (reads.Reads.unchanged asks there)
         # a detection in parameters' gradients: whether the gradient arriving at the module's

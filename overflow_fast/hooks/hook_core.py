@@ -43,11 +43,11 @@ def native():
     return None if module is None else module.hooks
 
 
-def new_core(capacity, defer_bytes, max_remembered):
+def new_core(capacity, stage_bytes, max_remembered):
     """The hook layer's bookkeeping: the C++ ``HookCore`` where the extension loads, else this
     module's twin (the same answers)."""
     module = native()
-    return (module.HookCore if module is not None else HookCore)(capacity, defer_bytes, max_remembered)
+    return (module.HookCore if module is not None else HookCore)(capacity, stage_bytes, max_remembered)
 
 
 def output_gradients(callback, hook_apart):
@@ -257,13 +257,13 @@ class _DeviceRows:
 class HookCore:
     """The detector's bookkeeping of when each hook's tensors are read (csrc/hooks.cpp's twin)."""
 
-    def __init__(self, capacity, defer_bytes, max_remembered):
+    def __init__(self, capacity, stage_bytes, max_remembered):
         if capacity <= 0:
             raise RuntimeError(f"HookCore: capacity must be positive, got {capacity}")
-        if defer_bytes < 0:
-            raise RuntimeError(f"HookCore: defer_bytes must be >= 0, got {defer_bytes}")
+        if stage_bytes < 0:
+            raise RuntimeError(f"HookCore: stage_bytes must be >= 0, got {stage_bytes}")
         self._capacity = int(capacity)
-        self._defer_bytes = int(defer_bytes)
+        self._stage_bytes = int(stage_bytes)
         self._max_remembered = int(max_remembered)
         self._devices = []
         # its TensorImpl's address (tensor._cdata, as the C++ core keys it: a dead tensor's entry
@@ -343,9 +343,9 @@ class HookCore:
                 read_now = True
                 if mode == _UNKNOWN and modes is not None:
                     self._watch(tensor, version, data, size, requires_grad, site, position)
-        if rows.deferred_bytes + self._watched_bytes > self._defer_bytes:
+        if rows.deferred_bytes + self._watched_bytes > self._stage_bytes:
             read_now = True
-        if self._watched_bytes > self._defer_bytes:
+        if self._watched_bytes > self._stage_bytes:
             self._learn()
         first, to_read, changed = self._take(rows) if read_now else (rows.launched, [], [])
         return key, tuple(row_of), first, to_read, changed, READ_BY_CALLER

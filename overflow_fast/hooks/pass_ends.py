@@ -108,8 +108,8 @@ class PassEnds:
     def _let_go_of_the_forward(self):
         """find_op: the backward that the last forward's calls were kept for ended. Autograd lets go
         of their activations now; so do they (a pass's finished calls wait until the next begins)."""
-        for inputs in self.kept_forward:
-            inputs.release()
+        for kept_call in self.kept_forward:
+            kept_call.release()
         self.kept_forward = []
         self.kept_gradients = {}
 

@@ -311,7 +311,7 @@ class Passes(PassEnds):
         """Whether a call is decided at once: with check="module", in a traced batch, after a detection."""
         return self.decides_each_call or call.trace_mode or self.decisions.state.detected_overflow
 
-    def add(self, current, call, module, entries, dtypes, tensors, phase, consumers=None, inputs=None):
+    def add(self, current, call, module, entries, dtypes, tensors, phase, consumers=None, kept_call=None):
         """Read a call's tensors (or let them wait, see ``reads``) and queue the call; decide now
         with check="module", in a traced batch and after a detection (``decides_now``, inlined:
         this runs at every hook)."""
@@ -325,7 +325,7 @@ class Passes(PassEnds):
             sources = reads.add(tensors, site)
             if sources is None:
                 sources = self._after_full(current, tensors, site)
-        self._queue_call(current, now, call, module, entries, dtypes, sources, phase, consumers, inputs, tensors)
+        self._queue_call(current, now, call, module, entries, dtypes, sources, phase, consumers, kept_call, tensors)
 
     def add_forward(self, current, call, module, input, output, kwargs, kept, outputs):
         """``add`` of a forward hook call outside torch.func transforms, whose entries, hooks on its
@@ -350,10 +350,10 @@ class Passes(PassEnds):
         current.reads.reset()
         return current.reads.add(tensors, site)
 
-    def _queue_call(self, current, now, call, module, entries, dtypes, sources, phase, consumers, inputs, tensors):
+    def _queue_call(self, current, now, call, module, entries, dtypes, sources, phase, consumers, kept_call, tensors):
         # decided now: its tensors stay referenced until then, for a detection's Where line
         queue = current.queue
-        queue.append(_pending((call, module, entries, dtypes, sources, phase, consumers, inputs,
+        queue.append(_pending((call, module, entries, dtypes, sources, phase, consumers, kept_call,
                                tensors if now else None,
                                None if current.autocast is None or not tensors else computed_in(entries, dtypes,
                                                                                                tensors[0]))))

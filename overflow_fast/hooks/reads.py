@@ -58,14 +58,14 @@ class Reads:
     returns its sources; ``read`` brings every row to the host; ``resolve`` gives a frame its rows;
     ``reset`` frees every row (after the calls that use them are replayed)."""
 
-    def __init__(self, backend, capacity, reuse, defer_bytes):
+    def __init__(self, backend, capacity, reuse, stage_bytes):
         self.backend = backend
         self.capacity = capacity
         # which devices' rows are host memory, and whose tensors may wait (``may_wait``): decided here
         self._host_types = host_device_types()
         self._on_accelerator = _off_cpu if "cpu" in self._host_types else _any_tensor
         self.waits_on_cpu = "cpu" not in self._host_types  # (CPU tensors on the accelerators' path)
-        self._core = new_core(capacity, defer_bytes, MAX_REMEMBERED if reuse else 0)
+        self._core = new_core(capacity, stage_bytes, MAX_REMEMBERED if reuse else 0)
         self._forward_call = forward_call_function()
         self._buffers = {}  # device key -> [capacity, 8] int64 rows on that device
         self._host = {}  # device key -> (host rows [capacity, 8], the same memory as a flat int64 memoryview)

@@ -36,18 +36,18 @@ _SEQUENCE_INPUTS = ("input_ids", "inputs_embeds", "attention_mask", "decoder_inp
 
 class Held:
     """What a detection holds to find its tensor: the tensors of a call decided in its hook
-    (``tensors``, by row), ``find_op``'s kept calls (``inputs``: the detecting call's;
+    (``tensors``, by row), ``find_op``'s kept calls (``kept_call``: the detecting call's;
     ``kept_forward``, ``kept_gradients``: the forward's calls and the gradients at their outputs),
     the model's modules by name, whether frames hold keyword inputs and containers, the batch's
     sample ids (``set_batch``), and ``unchanged(tensor, index)``: whether a tensor is unchanged
     since the hook read it as the call's ``index``-th (True, False, or None: not known)."""
 
-    __slots__ = ("tensors", "inputs", "kept_forward", "kept_gradients", "modules_by_name", "kwargs", "containers",
+    __slots__ = ("tensors", "kept_call", "kept_forward", "kept_gradients", "modules_by_name", "kwargs", "containers",
                  "samples", "unchanged")
 
-    def __init__(self, tensors=None, inputs=None, kept_forward=(), kept_gradients=None, modules_by_name=None,
+    def __init__(self, tensors=None, kept_call=None, kept_forward=(), kept_gradients=None, modules_by_name=None,
                  kwargs=False, containers=False, samples=None, unchanged=None):
-        self.tensors, self.inputs = tensors, inputs
+        self.tensors, self.kept_call = tensors, kept_call
         self.kept_forward, self.kept_gradients = kept_forward, kept_gradients or {}
         self.modules_by_name = modules_by_name or {}
         self.kwargs, self.containers, self.samples = kwargs, containers, samples
@@ -138,7 +138,7 @@ def _tensor(frame, ctx, held):
         return (grad, None, _HELD) if grad is not None else (None, "the output's gradient is not kept", None)
     if ctx in parameters:
         return parameters[ctx], None, _HELD
-    call = held.inputs
+    call = held.kept_call
     if call is None or call.module is not module:
         return None, "the call's tensors are not kept: find_op=True keeps them until the pass is decided", None
     if not call.kept:  # let go of when it returned (no_grad, inference mode)
@@ -264,7 +264,7 @@ def _transformers_batch(held):
     model = held.modules_by_name.get("")
     if model is None or not any(cls.__module__.startswith("transformers.") for cls in type(model).__mro__):
         return None
-    root = held.inputs
+    root = held.kept_call
     while root is not None and root.parent is not None:
         root = root.parent
     if root is None or root.module is not model:

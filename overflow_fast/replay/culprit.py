@@ -220,9 +220,9 @@ def op_of(found, kind, kept_forward, kept_gradients, modules_by_name, class_name
     frame = found.first_frame
     culprit = _Culprit(replay, kept_forward, kept_gradients, modules_by_name, class_name)
     if kind == "forward":
-        return culprit.forward(frame, found.inputs)
+        return culprit.forward(frame, found.kept_call)
     if kind == "before":
-        return culprit.before(frame, found.inputs)
+        return culprit.before(frame, found.kept_call)
     if kind in ("backward", "gradient"):
         return culprit.backward(frame, kind)
     return None
@@ -239,12 +239,12 @@ class _Culprit:
 
     # -- the cases --------------------------------------------------------------------------------
 
-    def forward(self, frame, inputs):
+    def forward(self, frame, kept_call):
         """Born in the forward of the frame's module, from finite inputs and weights."""
         module = self.modules_by_name.get(frame.module_name)
-        own = inputs if inputs is not None and inputs.module is module else None
+        own = kept_call if kept_call is not None and kept_call.module is module else None
         if own is None:  # a compiled region: no call of its own was seen
-            return self._inside(self._enclosing(frame.module_name, inputs), (module, "output"), "forward")
+            return self._inside(self._enclosing(frame.module_name, kept_call), (module, "output"), "forward")
         if not own.kept:  # let go of when it returned (no_grad): the nearest enclosing call that kept its inputs
             outer = _holding(own.parent)
             return self._inside([outer] if outer is not None else [], (module, "output"), "forward")
@@ -271,15 +271,15 @@ class _Culprit:
             result = _why("forward", self.replay.NOT_THE_RUN)
         return Explained(result, None, own, *replayed)
 
-    def before(self, frame, inputs):
+    def before(self, frame, kept_call):
         """Born in the code between modules: the enclosing call, up to the frame's module's call
         (None when it came into that call from outside it: the Source line says so)."""
         module = self.modules_by_name.get(frame.module_name)
-        if inputs is not None and inputs.module is module:
-            outer = _holding(inputs.parent)
+        if kept_call is not None and kept_call.module is module:
+            outer = _holding(kept_call.parent)
             calls = [outer] if outer is not None else []
         else:
-            calls = self._enclosing(frame.module_name, inputs)
+            calls = self._enclosing(frame.module_name, kept_call)
         if not calls:
             return None
         explained = self._inside(calls, (module, "input"), "forward")
@@ -387,7 +387,7 @@ class _Culprit:
 
     def _calls_of(self, name):
         module = self.modules_by_name.get(name)
-        return [inputs for inputs in self.kept_forward if inputs.module is module and module is not None]
+        return [kept_call for kept_call in self.kept_forward if kept_call.module is module and module is not None]
 
     def _enclosing(self, name, around=None):
         """The calls enclosing the module named ``name`` (its hooks were traced, so it kept none):
