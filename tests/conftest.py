@@ -5,6 +5,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+# Under `pytest -n 2` each worker runs its kernels and torch ops on one thread (the processes it
+# starts too): two workers' OpenMP threads on two cores crowded each other out, the kernel tests
+# taking half as long again. The tests of thread counts set their own.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+
 # Without CUDA the Triton kernels run through Triton's interpreter on CPU tensors; it is chosen when
 # the backend module is imported, so before any test imports it.
 if not torch.cuda.is_available():
