@@ -343,6 +343,7 @@ def _three_ranks_worker(rank):
     assert stopped == (1, [2]), stopped
 
 
+@pytest.mark.slow  # three ranks (two: the tests above); .ci/run runs it
 def test_three_ranks_stop_together():
     run_ranks(_three_ranks_worker, timeout=90, world=3)
 

@@ -432,6 +432,7 @@ print("trained")
 """
 
 
+@pytest.mark.slow  # a training script and its replay, each a fresh process; .ci/run runs it
 def test_a_reproducer_of_classes_defined_in_the_training_script_replays_in_a_fresh_process(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)

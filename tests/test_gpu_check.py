@@ -141,6 +141,7 @@ gpu_check.RUNNERS["bandwidth"] = records("bandwidth")
     assert "Traceback" in _read(tmp_path / "gpu_check.log")
 
 
+@pytest.mark.slow  # waits out time boxes in child processes; .ci/run runs it
 def test_a_phase_past_its_time_box_is_a_row_and_the_watchdog_ends_a_hang(tmp_path):
     # self-check sleeps past its box (stopped there); sweep swallows even that: the watchdog ends
     # the run at the budget, with the table written
@@ -214,6 +215,7 @@ child("raise MemoryError('CUDA out of memory')")
     assert rows["second run"] == "python3 benchmarks/gpu_check.py --phases direct-launch,bandwidth --dry-run", rows
 
 
+@pytest.mark.slow  # waits out time boxes in child processes; .ci/run runs it
 def test_a_direct_launch_child_that_hangs_is_killed_at_its_time_box_and_not_measured(tmp_path):
     started = time.monotonic()
     # compiled-gpu-bound's large share leaves it time after the child's box
@@ -379,6 +381,7 @@ gpu_check.training_step = training_step
 """
 
 
+@pytest.mark.slow  # waits out time boxes in child processes; .ci/run runs it
 def test_a_step_phase_writes_each_variant_s_row_as_soon_as_it_has_a_median(tmp_path):
     # watch() hangs in its third step (the second timed round): the first round's rows are there
     process = launch(["--dry-run", "--phases", "step-gpu-bound,compiled-gpu-bound", "--out", str(tmp_path), "--budget",
@@ -393,6 +396,7 @@ def test_a_step_phase_writes_each_variant_s_row_as_soon_as_it_has_a_median(tmp_p
         assert rows[f"step gpu-bound {variant}"].endswith("%)"), rows
 
 
+@pytest.mark.slow  # waits out time boxes in child processes; .ci/run runs it
 def test_a_warm_up_past_the_deadline_leaves_the_variants_after_it_cold_and_says_so(tmp_path):
     # the reference's first step (its warm-up) takes the whole box: the variants after it are not timed
     process = launch(["--dry-run", "--phases", "step-gpu-bound,compiled-gpu-bound", "--out", str(tmp_path), "--budget",

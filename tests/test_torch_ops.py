@@ -288,6 +288,7 @@ print("TRITON OPS OK")
 '''
 
 
+@pytest.mark.slow  # every op through Triton's interpreter; .ci/run runs it
 def test_triton_ops_under_the_interpreter():
     from overflow_fast.stats import triton_common
 
