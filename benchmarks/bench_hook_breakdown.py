@@ -5,10 +5,11 @@ stubbed: the GPU path's host work without a GPU).
 Two measurements, each side by side in one process (this machine's speed drifts ~2x between
 runs minutes apart, so only figures from the same process compare):
 
-- **pieces:** timers around the detector's post hook (the whole hook), the call's entries and
-  tensors (one C++ pass, ``hook_core.EntriesOf.forward``), ``Passes.add`` (the call queued, and
-  within it ``Reads.add``: the C++ bookkeeping and, in the same call, the launch by the device's
-  bound launcher), the Python engine call for what the launcher hands back
+- **pieces:** timers around the detector's post hook (the whole hook), ``Passes.add_forward``
+  (the call queued, and within it ``Reads.add_forward``: the hook layer's one C++ call, which makes
+  the call's entries, its rows and, by the device's bound launcher, the launch), ``Reads.add``
+  (what the one call hands back to be added again: a full buffer), the Python engine call for what
+  the launcher hands back
   (``tensor_stats``: the device's first read, declined calls), ``flush`` and the pre hook,
   medians over forwards (each timer adds about 0.1 us to what it wraps);
 - **garbage collection:** the detector with the collector on and off, with the no-hook replay and
@@ -33,7 +34,6 @@ import _shared  # noqa: E402
 import bench_host_path as host  # noqa: E402
 
 from overflow_fast import DebugUnderflowOverflow  # noqa: E402
-from overflow_fast.hooks import passes as passes_module  # noqa: E402
 from overflow_fast.hooks import reads as reads_module  # noqa: E402
 from overflow_fast.hooks.passes import Passes  # noqa: E402
 
@@ -54,18 +54,6 @@ def hook_sequence(layers, batch, seq):
     return model, lambda: host.replay(model, events), hooks
 
 
-class _TimedEntries:
-    """A pass's entries reader (``hook_core.entries_reader``: one C++ pass where the extension
-    loads) with its ``forward`` timed as ``timer`` says."""
-
-    def __init__(self, reader, timer):
-        self._reader = reader
-        self.forward = timer(reader.forward)
-
-    def __getattr__(self, name):
-        return getattr(self._reader, name)
-
-
 def pieces(model, run, hooks, forwards):
     """us per hook in each timed piece, medians over ``forwards`` forwards."""
     spent = {}
@@ -82,16 +70,12 @@ def pieces(model, run, hooks, forwards):
     def timed(owner, name, label):
         return host.patched(owner, name, timer(getattr(owner, name), label))
 
-    real_reader = passes_module.entries_reader
-
-    def entries_reader(*args, **kwargs):
-        return _TimedEntries(real_reader(*args, **kwargs), lambda real: timer(real, "entries"))
-
     Detector = DebugUnderflowOverflow
     samples = []
-    labels = ("whole hook", "entries", "Passes.add", "Reads.add", "tensor_stats", "flush", "pre hook")
-    with timed(Detector, "_after", "whole hook"), host.patched(passes_module, "entries_reader", entries_reader), \
-            timed(Passes, "add", "Passes.add"), timed(reads_module.Reads, "add", "Reads.add"), \
+    labels = ("whole hook", "Passes.add_forward", "Reads.add_forward", "Reads.add", "tensor_stats", "flush",
+              "pre hook")
+    with timed(Detector, "_after", "whole hook"), timed(Passes, "add_forward", "Passes.add_forward"), \
+            timed(reads_module.Reads, "add_forward", "Reads.add_forward"), timed(reads_module.Reads, "add", "Reads.add"), \
             timed(reads_module.Reads, "_stats", "tensor_stats"), timed(Passes, "flush", "flush"), \
             timed(Detector, "_before", "pre hook"):
         detector = Detector(model, check="batch")
@@ -158,8 +142,8 @@ def main(argv=None):
     print("|---|---|")
     for label, value in split.items():
         print(f"| {label} | {value:.2f} |")
-    inside = split["entries"] + split["Passes.add"] + split["flush"]
-    print(f"| whole hook less entries, Passes.add and flush | {split['whole hook'] - inside:.2f} |")
+    inside = split["Passes.add_forward"] + split["flush"]
+    print(f"| whole hook less Passes.add_forward and flush | {split['whole hook'] - inside:.2f} |")
     print(f"| gen-0 collections (collector on - off) | {collector['collector on'] - collector['collector off']:.2f} |")
     print(f"floor hook {collector['floor']:.2f}; detector {collector['collector on']:.2f} with the collector on, "
           f"{collector['collector off']:.2f} off")

@@ -43,36 +43,43 @@ class Counter:
         self.extra_launches = 0  # hooks that would read only because an output is read again
         self._launched = None
         counter = self
-        launch, apart, add = reads.Reads._launch, reads.Reads.read_apart, passes.Passes.add
+        launch, apart = reads.Reads._launch, reads.Reads.read_apart
+        add, add_forward, queue_call = passes.Passes.add, passes.Passes.add_forward, passes.Passes._queue_call
 
-        def counted_launch(self, key, first, tensors, changed):
+        def counted_launch(self, key, first, tensors):
             counter.read_bytes += sum(t.numel() * t.element_size() for t in tensors)
             counter.launches += 1
             if counter._launched is not None:
                 counter._launched.update(id(t) for t in tensors)
-            return launch(self, key, first, tensors, changed)
+            return launch(self, key, first, tensors)
 
         def counted_apart(self, tensors):
             counter.read_bytes += sum(t.numel() * t.element_size() for t in tensors)
             counter.launches += 1
             return apart(self, tensors)
 
-        def counted_add(self, current, call, module, entries, dtypes, tensors, phase, *args, **kwargs):
-            counter._launched = set()
-            try:
-                return add(self, current, call, module, entries, dtypes, tensors, phase, *args, **kwargs)
-            finally:
-                fresh = counter._launched
-                counter._launched = None
+        def counting(real):  # a hook call's reads (add, or a forward's one call) start a count
+            def counted(self, *args, **kwargs):
+                counter._launched = set()
+                return real(self, *args, **kwargs)
+            return counted
+
+        def counted_queue_call(self, current, now, call, module, entries, dtypes, sources, phase, consumers,
+                               kept_call, tensors):
+            fresh, counter._launched = counter._launched, None
+            if fresh is not None:
                 again = [tensors[payload] for kind, ctx, payload in entries
                          if kind == TENSOR and ctx.startswith("output") and id(tensors[payload]) not in fresh]
                 # their rows came from an earlier hook
                 counter.reused_output_bytes += sum(t.numel() * t.element_size() for t in again)
                 counter.extra_launches += bool(again) and not fresh
+            return queue_call(self, current, now, call, module, entries, dtypes, sources, phase, consumers,
+                              kept_call, tensors)
 
         reads.Reads._launch = counted_launch
         reads.Reads.read_apart = counted_apart
-        passes.Passes.add = counted_add
+        passes.Passes.add, passes.Passes.add_forward = counting(add), counting(add_forward)
+        passes.Passes._queue_call = counted_queue_call
         # no launcher bound to the core: what it decides to read comes back to Reads._launch, counted
         # there (a bound launcher reads the same tensors inside the core's call, uncounted)
         reads.rows_launcher = lambda backend, device: None
