@@ -462,7 +462,7 @@ def replays_in_one_fresh_process(paths):
 
 
 @pytest.mark.one_path  # the replay in a fresh process; the detection on each path: the tests above
-@pytest.mark.parametrize("check", CHECKS)
+@pytest.mark.parametrize("check", [c if c == "module" else pytest.param(c, marks=pytest.mark.slow) for c in CHECKS])
 def test_a_reproducer_replays_the_same_op_line_in_a_fresh_process(check, tmp_path):
     cases = [("forward", nn.Sequential(nn.Linear(4, 4), SoftplusByHand()).half(),
               lambda model: run(model, torch.full((2, 4), 7.5, dtype=torch.float16))),

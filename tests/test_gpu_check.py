@@ -411,6 +411,7 @@ def test_a_warm_up_past_the_deadline_leaves_the_variants_after_it_cold_and_says_
     assert "not measured: the time box was spent in the warm-up" in table_text(tmp_path)
 
 
+@pytest.mark.slow  # every setting compiled and run through Triton's interpreter; .ci/run runs it
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), reason="the interpreter records the launches")
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
 def test_the_sweep_launches_each_setting_as_a_kernel_of_its_own(monkeypatch):
