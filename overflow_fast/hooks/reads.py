@@ -45,14 +45,6 @@ CHANGED_AFTER_HOOK = ("changed after this hook (in place, or its memory freed or
                       "read; read in its hook from now on")
 
 
-def _off_cpu(tensor):
-    return not tensor.is_cpu
-
-
-def _any_tensor(tensor):
-    return True
-
-
 class Reads:
     """The rows of one detector's hook calls. ``add`` reads a call's tensors (or lets them wait) and
     returns its sources; ``read`` brings every row to the host; ``resolve`` gives a frame its rows;
@@ -63,7 +55,6 @@ class Reads:
         self.capacity = capacity
         # which devices' rows are host memory, and whose tensors may wait (``may_wait``): decided here
         self._host_types = host_device_types()
-        self._on_accelerator = _off_cpu if "cpu" in self._host_types else _any_tensor
         self.waits_on_cpu = "cpu" not in self._host_types  # (CPU tensors on the accelerators' path)
         self._core = new_core(capacity, stage_bytes, MAX_REMEMBERED if reuse else 0)
         self._forward_call = forward_call_function()
@@ -82,8 +73,7 @@ class Reads:
         """Whether a hook's tensors may be read later than in the hook: only with ``defer``, in a forward
         hook outside backward and inference mode (tensors without version counters can never be shown
         unchanged), on an accelerator. The core then lets wait only the call sites seen unchanged."""
-        return (defer and phase == FORWARD and not trace_mode and graph_task_id() == -1
-                and not torch.is_inference_mode_enabled() and self._on_accelerator(tensors[0]))
+        return phase == FORWARD and self.may_wait_in_forward(defer, trace_mode) and self._may_wait_on(tensors)
 
     def may_wait_in_forward(self, defer, trace_mode):
         """``may_wait`` of a forward hook before its tensors are known (``add_forward`` asks where
@@ -110,7 +100,12 @@ class Reads:
 
     def site_of(self, tensors, site):
         """``site`` where ``tensors`` may wait on their device, else -1 (as ``add_forward`` decides)."""
-        return site if site < 0 or self.waits_on_cpu or not tensors[0].is_cpu else -1
+        return site if site < 0 or self._may_wait_on(tensors) else -1
+
+    def _may_wait_on(self, tensors):
+        """Whether a call's tensors may wait where they are: off the CPU, or on it where its rows are
+        not host memory (the accelerators' path run on CPU tensors)."""
+        return self.waits_on_cpu or not tensors[0].is_cpu
 
     def add(self, tensors, site=-1):
         """Read ``tensors`` (a hook call's, at least one) now, or let them wait where ``site`` (the
