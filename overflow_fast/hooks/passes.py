@@ -337,7 +337,7 @@ class Passes(PassEnds):
         entries, tensors, dtypes, sources = reads.add_forward(self.entries_of, module, input, output, kwargs, outputs,
                                                               kept, site)
         if kept is not None and kept.grad_enabled and self.gradients is not None:
-            self.kept_forward.append(kept)  # (keep_call) the backward's replay, a reentrant recompute's too
+            self.keep_call(kept)  # the backward's replay, a reentrant recompute's too
         if not tensors:
             sources = NO_ROWS
         elif sources is None:
