@@ -444,6 +444,17 @@ class HookCore {
 // gradient is hooked, an input's consumer noted, a parameter's left to its own hook).
 enum class Side : uint8_t { kParameter, kInput, kOutput };
 
+// What a call keeps until its pass is decided as a tuple, untracked where its items are: (kind,
+// ctx, payload) entries and dtypes, in no reference cycle, are then nothing the collector
+// traverses or moves into an older generation, however many calls a pass holds.
+py::tuple kept_as_tuple(const py::list& list) {
+  PyObject* tuple = PyList_AsTuple(list.ptr());
+  if (tuple == nullptr) {
+    throw py::error_already_set();
+  }
+  return untracked_if_atomic(py::reinterpret_steal<py::tuple>(tuple));
+}
+
 // What EntriesOf makes of a hook call: the entries, the tensors it reads (in row order) and their
 // dtypes, as Python receives them; and per tensor its side and ctx (borrowed from its entry), so
 // that the output-gradient hooks need not parse the entries again.
@@ -454,7 +465,7 @@ struct Entries {
   std::vector<Side> sides;
   std::vector<PyObject*> ctxs;
 
-  py::tuple result() { return py::make_tuple(entries, tensors, dtypes); }
+  py::tuple result() const { return py::make_tuple(kept_as_tuple(entries), tensors, kept_as_tuple(dtypes)); }
 };
 
 // What the gradient hooks of one OutputGradients share with it: the callback, held while that
@@ -596,7 +607,7 @@ class OutputGradients {
 
   // `entries` and `tensors` as frames.entries_of gives them: inputs and outputs told apart by
   // their ctx (the specification's rule; the hook's own call passes its sides instead).
-  void watch(const py::handle& module, const py::list& entries, const py::list& tensors) {
+  void watch(const py::handle& module, const py::tuple& entries, const py::list& tensors) {
     if (!watching()) {
       return;
     }
@@ -1401,7 +1412,7 @@ py::tuple forward_call(PyObject* const* args) {
     }
     added = core->add(entries.tensors, site, site >= 0);
   }
-  return py::make_tuple(std::move(entries.entries), std::move(entries.tensors), std::move(entries.dtypes),
+  return py::make_tuple(kept_as_tuple(entries.entries), std::move(entries.tensors), kept_as_tuple(entries.dtypes),
                         std::move(added));
 }
 

@@ -644,9 +644,11 @@ def test_the_cpp_tuples_of_plain_values_leave_the_collector_nothing_to_traverse(
     versions = C.versions_of((x, x * 2), {"k": x})
     assert versions == (0, 0, 0) and not gc.is_tracked(versions)
     module = torch.nn.Linear(2, 2)
-    entries, _, _ = hook_core.entries_reader(False).forward(module, (x, None, 3), torch.ones(2, device="meta"), None)
+    entries, _, dtypes = hook_core.entries_reader(False).forward(module, (x, None, 3), torch.ones(2, device="meta"),
+                                                                 None)
     assert [kind for kind, _, _ in entries] == [0, 0, 0, 1, 2, 3]
     assert not any(gc.is_tracked(entry) for entry in entries)
+    assert type(entries) is tuple and type(dtypes) is tuple and not gc.is_tracked(entries) and not gc.is_tracked(dtypes)
 
     def reason_as_a_list(tensor):
         reason = unreadable_reason(tensor)
@@ -654,8 +656,9 @@ def test_the_cpp_tuples_of_plain_values_leave_the_collector_nothing_to_traverse(
 
     reader = C.EntriesOf(SUPPORTED_DTYPES, reason_as_a_list, own_parameters, parameters_listed_as_torch,
                          container_leaves, False)
-    (entry,), _, _ = reader.of([(torch.ones(2, device="meta"), "output")])
-    assert isinstance(entry[2], list) and gc.is_tracked(entry)
+    entries, _, _ = reader.of([(torch.ones(2, device="meta"), "output")])
+    (entry,) = entries
+    assert isinstance(entry[2], list) and gc.is_tracked(entry) and gc.is_tracked(entries)
 
 
 @needs_extension

@@ -255,7 +255,9 @@ def untransformed(tensor):
 def entries_of(items, transformed=False):
     """The entries of ``(value, ctx)`` items, the tensors among them that the engine reads (in row
     order) and their dtypes. A tensor the engine cannot read gets an UNREADABLE entry (its reason
-    as payload) and no row. ``transformed``: inside a torch.func transform (``untransformed``)."""
+    as payload) and no row. ``transformed``: inside a torch.func transform (``untransformed``).
+    Entries and dtypes are tuples: a call keeps them until its pass is decided, and tuples of
+    atomic items are nothing the collector traverses (it untracks them), where lists would be."""
     entries = []
     tensors = []
     dtypes = []
@@ -283,4 +285,4 @@ def entries_of(items, transformed=False):
             entry((NONE, ctx, None))
         else:
             entry((NOT_A_TENSOR, ctx, None))
-    return entries, tensors, dtypes
+    return tuple(entries), tensors, tuple(dtypes)
