@@ -247,10 +247,11 @@ class DebugUnderflowOverflow(ReferenceFace, StepMode):
 
     # -- the hooks ----------------------------------------------------------------------------
 
+
     def _before(self, module, args, kwargs=None):
         if is_compiling():
             return
-        self._passes.call_starts(module, sys._getframe(1), args, kwargs)
+        self._passes.call_starts(module, args, kwargs, depth=2)
 
     def _after_model(self, module, input, kwargs, output):
         self._after(module, input, kwargs, output)
@@ -263,7 +264,7 @@ class DebugUnderflowOverflow(ReferenceFace, StepMode):
             if is_compiling():
                 return run.traced.record(module, input, output, kwargs, self.containers, self.backend)
             ambient, kept_call, outermost = run.call_returns(module, input, kwargs)
-            error = sys.exc_info()[1]
+            error = sys.exception()
             raised = error is not None and error is not ambient  # run by torch because the call raised
             if graph_task_id() != -1 and recomputing():
                 # recomputed in backward (activation checkpointing): the backward pass decides it

@@ -226,17 +226,19 @@ class Passes(PassEnds):
 
     # -- the hooked calls on this thread -------------------------------------------------------------
 
-    def call_starts(self, module, caller, args, kwargs):
-        """A hooked call starts (its pre hook; ``caller``: torch's frame running it): the first of a
-        forward pass begins it; a call of the outermost module (or the model) while the frame that
-        called it is no longer running abandons the calls before it (see the module)."""
+    def call_starts(self, module, args, kwargs=None, depth=1):
+        """A hooked call starts (its pre hook). ``depth``: where the frame that runs the call is on
+        the stack (1: this method's caller; read only for the first call of a forward: this runs at
+        every call). The first call of a forward pass begins it; a call of the outermost module (or
+        the model) while the frame that called it is no longer running abandons the calls before it
+        (see the module)."""
         thread = self.thread
         calls = thread.calls
         if calls and (module is calls[0][0] or module is self.model) and not on_stack(thread.outer):
             with self.lock:
                 self.abandon_forward()
         if not calls:
-            thread.outer = caller  # on the stack until that call returns
+            thread.outer = sys._getframe(depth)  # on the stack until that call returns
             if self.kept_call is None and self.keeps_calls:  # (the extension may be built here)
                 self.kept_call = kept_call_class()
             if graph_task_id() == -1 or not recomputing():  # (a forward a backward hook runs begins too)
@@ -246,7 +248,7 @@ class Passes(PassEnds):
                         explain.read_model_inputs(self, args, kwargs)  # (inside torch.func: its own tensors)
         kept = self.kept_call(module, args, kwargs, calls[-1][2] if calls else None, self.autocast, root_state) \
             if self.keeps_calls else None
-        calls.append((module, sys.exc_info()[1], kept))
+        calls.append((module, sys.exception(), kept))
 
     def _forward_begins(self, by_the_model):
         task = graph_task_id()  # -1, or the backward whose hook runs this forward

@@ -78,14 +78,14 @@ class StepGuard:
         if is_compiling() or graph_task_id() != -1 and recomputing():
             return  # traced (its end keeps the call), or activation checkpointing's recompute in a backward
         calls = self._calls()
-        ambient = sys.exc_info()[1]
+        ambient = sys.exception()
         if calls:
             calls.append((ambient, None))  # the root called inside its own forward
             return
         with self.lock:
             self._forward_begins()
             if self.full is not None:
-                self.full[0]._passes.call_starts(module, sys._getframe(1), args, kwargs)
+                self.full[0]._passes.call_starts(module, args, kwargs, depth=2)
                 calls.append((ambient, None))
                 return
         calls.append((ambient, KeptForward(args, kwargs or {}, rng_now(), call_state(),
@@ -98,7 +98,7 @@ class StepGuard:
         ambient, kept = calls.pop() if calls else (None, None)
         if calls:
             return  # the outermost call decides
-        error = sys.exc_info()[1]
+        error = sys.exception()
         raised = error is not None and error is not ambient  # run by torch because the forward raised
         with self.lock:
             if self.full is not None:
