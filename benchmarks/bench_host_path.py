@@ -140,6 +140,7 @@ class Counters:
         self.described = []  # lists of tensors the triton tables describe, summed by settle()
         self.calls = []  # per read of the hook layer: the counters before and after it
         self.device_s = 0.0  # the modeled GPU time of the detector's kernels (settle())
+        self.reading = False  # inside a read noted by _per_read
 
     def settle(self):
         """Add the described tensors to ``tensors`` and ``bytes``, and each read's kernels to
@@ -162,12 +163,18 @@ class Counters:
 
 
 def _per_read(real):
-    """A read of the hook layer (``Reads.add``, ``Reads.read``) noting the counters around it."""
+    """A read of the hook layer (``Reads.add_forward``, ``Reads.add``, ``Reads.read``) noting the
+    counters around it; one inside another (``add_forward`` falling back on ``add``) is the outer
+    one's."""
     def call(self, *args, **kwargs):
+        if COUNT.reading:
+            return real(self, *args, **kwargs)
         before = COUNT.mark()
+        COUNT.reading = True
         try:
             return real(self, *args, **kwargs)
         finally:
+            COUNT.reading = False
             COUNT.calls.append((before, COUNT.mark()))
     return call
 
@@ -379,8 +386,8 @@ def instrumented():
             patched(triton_backend, "read_into", read_into), \
             patched(triton_backend, "compute_scanned", compute_scanned), patched(Passes, "flush", flush), \
             patched(triton_table, "scan", own_scan), patched(triton_table, "compute_scanned", own_compute_scanned), \
-            patched(torch.Tensor, "cpu", cpu), patched(reads, "add", _per_read(reads.add)), \
-            patched(reads, "read", _per_read(reads.read)):
+            patched(torch.Tensor, "cpu", cpu), patched(reads, "add_forward", _per_read(reads.add_forward)), \
+            patched(reads, "add", _per_read(reads.add)), patched(reads, "read", _per_read(reads.read)):
         try:
             yield
         finally:
