@@ -52,6 +52,9 @@ time - no-hook replay time) / hooks. An instrumented extra replay per variant co
 (direct: the launcher's; ordinary: through Triton, 0 unless a launch hook is set), uploads,
 programs, tensors and bytes read, copies, Python-side engine calls and their time, and the
 end-of-forward ``flush``. ``--profile [VARIANT]`` adds cProfile's top functions of a variant (check="batch" by default).
+``--collector N``: the cyclic collector's collections and their time over N forwards in a row of
+check="batch" and ``watch()`` (what a hook leaves alive until its pass ends can make the collector
+run a full collection every few thousand forwards, which the short timed rounds never meet).
 
 The CPU backend's host figures (``--no-cpu`` skips them): the same model on CPU, fp32, real
 weights, one real forward of batch 1 x 8 tokens (``--cpu-seq``) recorded and replayed on its real
@@ -65,13 +68,14 @@ The last line is, for check="batch" in the GPU-bound regime:
     host us/hook: X; launches/forward: Y; uploads/forward: Z; projected H200 step overhead: W%
 
     .venv/bin/python benchmarks/bench_host_path.py [--quick] [--layers N] [--repeats R]
-        [--profile [VARIANT]] [--no-cpu] [--no-backward] [--csv PATH]
+        [--profile [VARIANT]] [--collector N] [--no-cpu] [--no-backward] [--csv PATH]
 """
 
 import argparse
 import contextlib
 import ctypes
 import cProfile
+import gc
 import io
 import os
 import pstats
@@ -606,6 +610,35 @@ def counted(model, run, variant, passes=7):
     return snapshot
 
 
+def collector(model, run, variant, forwards):
+    """The cyclic collector's work during ``forwards`` replays of ``variant`` in a row, as a long
+    training meets it (the timed rounds are too short to see a full collection): per generation,
+    collections and their wall time, from ``gc.callbacks``."""
+    per_generation = {}
+    started = []
+
+    def callback(phase, info):
+        if phase == "start":
+            started.append(time.perf_counter())
+            return
+        count, seconds = per_generation.get(info["generation"], (0, 0.0))
+        per_generation[info["generation"]] = (count + 1, seconds + time.perf_counter() - started.pop())
+
+    detach = attach(variant, model)
+    try:
+        run()
+        gc.collect()
+        gc.callbacks.append(callback)
+        try:
+            for _ in range(forwards):
+                run()
+        finally:
+            gc.callbacks.remove(callback)
+    finally:
+        detach()
+    return per_generation
+
+
 def profile(model, run, variant, forwards, top):
     detach = attach(variant, model)
     try:
@@ -974,6 +1007,7 @@ def host_path(args, csv_rows):
         times = measure(model, run, VARIANTS, args.repeats, args.inner, clock=time.thread_time)
         counts = {v: counted(model, run, v) for v in DETECTORS}
         prof = profile(model, run, args.profile, args.inner, args.top) if args.profile else None
+        collections = {v: collector(model, run, v, args.collector) for v in ("batch", "watch")} if args.collector else None
     none = times["none"]
     per_hook = {v: (times[v] - none) / hooks * 1e6 for v in VARIANTS}
     print(f"{hooks} hooks and {ops} ATen ops per forward; medians of {args.repeats} round-robin rounds of "
@@ -998,6 +1032,20 @@ def host_path(args, csv_rows):
         csv_rows.append((f"triton host {v}: bytes read", c["bytes"] / 1e6, "MB per forward"))
         csv_rows.append((f"triton host {v}: flush", c["flush_s"] * 1e3, "ms"))
     csv_rows.append(("triton host: hooks", hooks, "per forward"))
+    if collections is not None:
+        print()
+        print(f"== The cyclic collector during {args.collector} forwards in a row (objects the collector tracks in "
+              f"this process: {len(gc.get_objects())}); per generation: collections, ms per forward in them")
+        print("| variant | generation 0 | generation 1 | generation 2 (full) | ms per forward in all |")
+        print("|---|---|---|---|---|")
+        for v, generations in collections.items():
+            cells = [f"{generations.get(g, (0, 0.0))[0]}, {generations.get(g, (0, 0.0))[1] / args.collector * 1e3:.3f}"
+                     for g in range(3)]
+            total = sum(seconds for _, seconds in generations.values()) / args.collector * 1e3
+            print(f"| {v} | {' | '.join(cells)} | {total:.3f} |")
+            csv_rows.append((f"triton host {v}: collector", total, "ms per forward"))
+            csv_rows.append((f"triton host {v}: full collections", generations.get(2, (0, 0.0))[0],
+                             f"per {args.collector} forwards"))
     if prof is not None:
         print()
         print(f"== cProfile of {args.profile}, {args.inner} forwards ({hooks} hooks each), top {args.top} by tottime")
@@ -1155,6 +1203,9 @@ def main(argv=None):
     parser.add_argument("--profile", nargs="?", const="batch", choices=DETECTORS, metavar="VARIANT",
                         help="cProfile a variant (default: batch) and print the top costs")
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--collector", type=int, default=None,
+                        help="forwards in a row for the cyclic collector's figures of check='batch' and watch() "
+                             "(default 2000, 20 with --quick; 0 skips)")
     parser.add_argument("--no-cpu", action="store_true", help="skip the CPU-backend run")
     parser.add_argument("--no-backward", action="store_true", help="skip watch()'s backward (not projected then)")
     parser.add_argument("--no-step", action="store_true", help="skip check=\"step\" (not projected then)")
@@ -1172,6 +1223,7 @@ def main(argv=None):
     args.seq = args.seq or (64 if quick else 1024)
     args.repeats = args.repeats or (3 if quick else 7)
     args.inner = args.inner or (1 if quick else 3)
+    args.collector = (20 if quick else 2000) if args.collector is None else args.collector
     if triton_common.triton is None:
         raise SystemExit(f"triton is needed for its kernels' constexpr types: {triton_common._IMPORT_ERROR}")
     if triton_common._EXTENSION is None:

@@ -43,6 +43,12 @@ def test_bench_host_path_quick_last_line(tmp_path, activations):
     assert LAST_LINE.match(lines[-1]), lines[-1]
     launches = int(re.search(r"launches/forward: (\d+)", lines[-1]).group(1))
     assert launches > 0  # the triton backend's host path ran (its launches were counted)
+    # the projection gives every mode's reads their kernels' GPU time (the hooks' reads are counted
+    # where they are made, the one-call forward hook's included)
+    for mode in ("module", "batch", "watch", "defer"):
+        gpu_ms = re.search(rf"^\| GPU-bound [^|]* \| {mode} \| [\d.]+ \| [\d.]+ \| ([\d.]+) \|", result.stdout, re.M)
+        assert gpu_ms and float(gpu_ms.group(1)) > 0, mode
+    assert re.search(r"^\| watch \| \d+, [\d.]+ \| \d+, [\d.]+ \| \d+, [\d.]+ \| [\d.]+ \|$", result.stdout, re.M)
     with open(out, newline="") as f:
         rows = list(csv.DictReader(f))
     assert rows and all(r["benchmark"] == "host_path" for r in rows)
