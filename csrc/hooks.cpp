@@ -796,24 +796,62 @@ py::tuple versions_of(const py::handle& args, const py::handle& kwargs) {
   return untracked_if_atomic(std::move(out));
 }
 
+// A Python predicate on types, asked once per type and its answer kept: with a reference to the
+// type, whose address is then never another type's. The collector sees the predicate and the types.
+class TypeAnswers {
+ public:
+  explicit TypeAnswers(py::object predicate) : predicate_(std::move(predicate)) {}
+
+  bool operator()(PyTypeObject* type) const {
+    const auto found = answers_.find(type);
+    if (found != answers_.end()) {
+      return found->second.second;
+    }
+    auto object = py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(type));
+    const bool answer = predicate_(object).cast<bool>();
+    answers_.emplace(type, std::make_pair(std::move(object), answer));
+    return answer;
+  }
+
+  int traverse(visitproc visit, void* arg) const {
+    Py_VISIT(predicate_.ptr());
+    for (const auto& [type, known] : answers_) {
+      Py_VISIT(known.first.ptr());
+    }
+    return 0;
+  }
+
+  void clear() {
+    predicate_ = py::none();
+    answers_.clear();
+  }
+
+ private:
+  py::object predicate_;
+  mutable std::unordered_map<const PyTypeObject*, std::pair<py::object, bool>> answers_;
+};
+
 // The entries of a hook call outside torch.func transforms, as hooks/frames.py gives them (its
 // specification; tests hold the two equal): `forward` is entries_of(forward_items(...)), `of` is
 // entries_of(items), each one pass in C++ where the common case (a plain strided tensor of a
 // supported dtype) needs no Python. What it does not decide itself it asks of frames.py:
 // `own_parameters(module)`, `leaves(value, ctx, keyword)` (the items of a value that is neither a
 // tensor, None nor a plain scalar, with containers), `unreadable_reason(tensor)` (every tensor
-// but the common case; a str: why the engine cannot read it).
+// but the common case; a str: why the engine cannot read it); and once per type
+// `listed_as_torch(type)` and `opens_nothing(type)` (no value of the type is a container: such
+// a value is an item as it is, and a keyword one is left out, without asking `leaves`).
 class EntriesOf {
  public:
   // The entry kinds (recording/schema.py's TENSOR, NONE, NOT_A_TENSOR, UNREADABLE).
   enum Kind : int64_t { kTensor = 0, kNone = 1, kNotATensor = 2, kUnreadable = 3 };
 
   EntriesOf(const py::iterable& supported_dtypes, py::object unreadable_reason, py::object own_parameters,
-            py::object listed_as_torch, py::object leaves, bool containers)
+            py::object listed_as_torch, py::object leaves, py::object opens_nothing, bool containers)
       : unreadable_reason_(std::move(unreadable_reason)),
         own_parameters_(std::move(own_parameters)),
         listed_as_torch_(std::move(listed_as_torch)),
         leaves_(std::move(leaves)),
+        opens_nothing_(std::move(opens_nothing)),
         containers_(containers) {
     supported_.fill(false);
     for (const auto& dtype : supported_dtypes) {
@@ -898,19 +936,16 @@ class EntriesOf {
     Py_VISIT(unreadable_reason_.ptr());
     Py_VISIT(own_parameters_.ptr());
     Py_VISIT(leaves_.ptr());
-    Py_VISIT(listed_as_torch_.ptr());
-    for (const auto& [type, known] : listed_) {
-      Py_VISIT(known.first.ptr());
-    }
-    return 0;
+    const int visited = listed_as_torch_.traverse(visit, arg);
+    return visited != 0 ? visited : opens_nothing_.traverse(visit, arg);
   }
 
   void clear() {
     unreadable_reason_ = py::none();
     own_parameters_ = py::none();
-    listed_as_torch_ = py::none();
+    listed_as_torch_.clear();
     leaves_ = py::none();
-    listed_.clear();
+    opens_nothing_.clear();
   }
 
  private:
@@ -938,21 +973,8 @@ class EntriesOf {
     }
   }
 
-  // Whether modules of `type` list their own parameters as torch.nn.Module does (asked of Python
-  // once per type: named_parameters not overridden).
-  bool listed_as_torch(PyTypeObject* type) const {
-    const auto found = listed_.find(type);
-    if (found != listed_.end()) {
-      return found->second.second;
-    }
-    auto object = py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(type));
-    const bool listed = listed_as_torch_(object).cast<bool>();
-    listed_.emplace(type, std::make_pair(std::move(object), listed));
-    return listed;
-  }
-
   bool parameters_of(const py::handle& module, std::vector<std::pair<PyObject*, PyObject*>>& pairs) const {
-    PyObject* dict = listed_as_torch(Py_TYPE(module.ptr())) ? PyObject_GenericGetDict(module.ptr(), nullptr) : nullptr;
+    PyObject* dict = listed_as_torch_(Py_TYPE(module.ptr())) ? PyObject_GenericGetDict(module.ptr(), nullptr) : nullptr;
     PyObject* parameters = dict == nullptr ? nullptr : PyDict_GetItemWithError(dict, parameters_.ptr());
     Py_XDECREF(dict);  // (the module keeps its __dict__, which keeps the borrowed parameters)
     if (parameters == nullptr || !PyDict_CheckExact(parameters)) {
@@ -986,6 +1008,12 @@ class EntriesOf {
   void add_value(Entries& out, PyObject* value, const py::object& ctx, bool keyword, Side side) const {
     if (!containers_ || value_is_a_leaf(value)) {
       add(out, value, ctx.ptr(), side);
+      return;
+    }
+    if (opens_nothing_(Py_TYPE(value))) {  // (a model's cache object, passed to every block)
+      if (!keyword) {
+        add(out, value, ctx.ptr(), side);
+      }
       return;
     }
     const py::list leaves = leaves_(py::handle(value), ctx, keyword);
@@ -1029,12 +1057,10 @@ class EntriesOf {
   std::array<bool, static_cast<size_t>(c10::ScalarType::NumOptions)> supported_{};
   py::object unreadable_reason_;
   py::object own_parameters_;
-  py::object listed_as_torch_;
-  // per module type, whether it lists its parameters as torch.nn.Module does (the type held: its
-  // address is not reused while it is a key)
-  mutable std::unordered_map<const PyTypeObject*, std::pair<py::object, bool>> listed_;
+  TypeAnswers listed_as_torch_;  // per module type: lists its parameters as torch.nn.Module does
   const py::str parameters_{"_parameters"};
   py::object leaves_;
+  TypeAnswers opens_nothing_;  // per value type: no value of it is a container
   bool containers_;
   std::array<py::object, 4> kinds_;
   std::array<py::object, 16> inputs_;
@@ -1467,9 +1493,9 @@ void add_hook_layer(py::module& m) {
   m.attr("LAUNCH_FAILED") = static_cast<int64_t>(kLaunchFailed);
   py::class_<EntriesOf> entries_of(m, "EntriesOf", "frames.py's entries of a hook call in one C++ pass (csrc/hooks.cpp)",
                                    collected<EntriesOf>());
-  entries_of.def(py::init<const py::iterable&, py::object, py::object, py::object, py::object, bool>(),
+  entries_of.def(py::init<const py::iterable&, py::object, py::object, py::object, py::object, py::object, bool>(),
                  py::arg("supported_dtypes"), py::arg("unreadable_reason"), py::arg("own_parameters"),
-                 py::arg("listed_as_torch"), py::arg("leaves"), py::arg("containers"))
+                 py::arg("listed_as_torch"), py::arg("leaves"), py::arg("opens_nothing"), py::arg("containers"))
       .def("of", &EntriesOf::of, py::arg("items"))
       .def("forward", &EntriesOf::forward, py::arg("module"), py::arg("input"), py::arg("output"),
            py::arg("kwargs"));

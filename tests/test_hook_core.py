@@ -569,6 +569,10 @@ def test_the_cpp_entries_are_frames_entries_item_for_item(containers):
         logits: object
         extra: object = None
 
+    class Opaque:
+        def __init__(self):
+            self.tensor = torch.ones(1)
+
     cpp, twin = hook_core.entries_reader(containers), hook_core.EntriesOf(containers)
     assert type(cpp) is not type(twin)
     rng = random.Random(5)
@@ -582,7 +586,9 @@ def test_the_cpp_entries_are_frames_entries_item_for_item(containers):
         if shape < 0.2:
             return Out(_values(rng), (_values(rng),))
         if shape < 0.25:
-            return rng.choice([1.5, True, 7, "s", b"b", object()])
+            # plain values, and values no container walk opens: an object holding a tensor, a
+            # dataclass's class (not an instance of it)
+            return rng.choice([1.5, True, 7, "s", b"b", object(), Opaque(), Out])
         return _values(rng)
 
     class Tied(torch.nn.Module):  # one tensor under two names
@@ -634,7 +640,7 @@ def test_the_cpp_versions_are_culprit_versions_of():
 def test_the_cpp_tuples_of_plain_values_leave_the_collector_nothing_to_traverse():
     import gc
 
-    from overflow_fast.hooks.frames import container_leaves, own_parameters, parameters_listed_as_torch
+    from overflow_fast.hooks.frames import container_leaves, opens_nothing, own_parameters, parameters_listed_as_torch
     from overflow_fast.stats import unreadable_reason
     from overflow_fast.stats.kinds import SUPPORTED_DTYPES
 
@@ -655,7 +661,7 @@ def test_the_cpp_tuples_of_plain_values_leave_the_collector_nothing_to_traverse(
         return None if reason is None else [reason]
 
     reader = C.EntriesOf(SUPPORTED_DTYPES, reason_as_a_list, own_parameters, parameters_listed_as_torch,
-                         container_leaves, False)
+                         container_leaves, opens_nothing, False)
     entries, _, _ = reader.of([(torch.ones(2, device="meta"), "output")])
     (entry,) = entries
     assert isinstance(entry[2], list) and gc.is_tracked(entry) and gc.is_tracked(entries)
@@ -665,7 +671,7 @@ def test_the_cpp_tuples_of_plain_values_leave_the_collector_nothing_to_traverse(
 def test_the_cpp_objects_that_hold_python_objects_take_part_in_garbage_collection():
     """HookCore (the tensors a read waits for) and EntriesOf (the callables it asks): a cycle
     through either is collected, as one through OutputGradients is (above)."""
-    from overflow_fast.hooks.frames import container_leaves, own_parameters, parameters_listed_as_torch
+    from overflow_fast.hooks.frames import container_leaves, opens_nothing, own_parameters, parameters_listed_as_torch
     from overflow_fast.stats import unreadable_reason
     from overflow_fast.stats.kinds import SUPPORTED_DTYPES
 
@@ -684,11 +690,15 @@ def test_the_cpp_objects_that_hold_python_objects_take_part_in_garbage_collectio
     def own(module):  # a callable that leads back to the EntriesOf holding it
         return own_parameters(module) if entries_holder else []
 
+    def opens(kind):  # so does a predicate asked once per type
+        return opens_nothing(kind) if entries_holder else True
+
     entries_holder.reader = C.EntriesOf(SUPPORTED_DTYPES, unreadable_reason, own, parameters_listed_as_torch,
-                                        container_leaves, False)
+                                        container_leaves, opens, True)
+    entries_holder.reader.forward(torch.nn.ReLU(), (object(),), torch.ones(1), {"cache": object()})
     assert gc.is_tracked(core_holder.core) and gc.is_tracked(entries_holder.reader)
     alive = weakref.ref(core_holder), weakref.ref(entries_holder)
-    del core_holder, entries_holder, own
+    del core_holder, entries_holder, own, opens
     gc.collect()
     assert [ref() for ref in alive] == [None, None]
 

@@ -213,6 +213,16 @@ def _children(value):
     return None
 
 
+def opens_nothing(kind):
+    """Whether ``_children`` is None for every value of the type ``kind`` (it asks nothing of a value
+    but its type): such values are never opened. The C++ entries ask it once per type."""
+    if issubclass(kind, (torch.Tensor, str, bytes)):
+        return True
+    if issubclass(kind, (dict, list, tuple)):
+        return False
+    return issubclass(kind, type) or getattr(kind, "__dataclass_fields__", None) is None
+
+
 def _holds_tensors(value, depth=0):
     if isinstance(value, torch.Tensor):
         return True

@@ -21,7 +21,8 @@ import torch
 from ..stats import unreadable_reason
 from ..stats.kinds import PLAIN_TYPES, SUPPORTED_DTYPES
 from ..replay.culprit import KeptCall
-from .frames import container_leaves, entries_of, forward_items, own_parameters, parameters_listed_as_torch
+from .frames import (container_leaves, entries_of, forward_items, opens_nothing, own_parameters,
+                     parameters_listed_as_torch)
 from .text import TENSOR
 
 HOOK_FULL = -1  # not enough free rows: read what is pending, then add again
@@ -133,7 +134,7 @@ def entries_reader(containers):
     if module is None:
         return EntriesOf(containers)
     return module.EntriesOf(SUPPORTED_DTYPES, unreadable_reason, own_parameters, parameters_listed_as_torch,
-                            container_leaves, containers)
+                            container_leaves, opens_nothing, containers)
 
 
 def forward_call_function():
