@@ -52,7 +52,8 @@ time - no-hook replay time) / hooks. An instrumented extra replay per variant co
 (direct: the launcher's; ordinary: through Triton, 0 unless a launch hook is set), uploads,
 programs, tensors and bytes read, copies, Python-side engine calls and their time, and the
 end-of-forward ``flush``. ``--profile [VARIANT]`` adds cProfile's top functions of a variant (check="batch" by default).
-``--collector N``: the cyclic collector's collections and their time over N forwards in a row of
+``--targets``: the floor, check="batch" and ``watch()`` timed alone and their ratios to the floor
+(what the host targets are held to). ``--collector N``: the cyclic collector's collections and their time over N forwards in a row of
 check="batch" and ``watch()`` (what a hook leaves alive until its pass ends can make the collector
 run a full collection every few thousand forwards, which the short timed rounds never meet).
 
@@ -68,7 +69,7 @@ The last line is, for check="batch" in the GPU-bound regime:
     host us/hook: X; launches/forward: Y; uploads/forward: Z; projected H200 step overhead: W%
 
     .venv/bin/python benchmarks/bench_host_path.py [--quick] [--layers N] [--repeats R]
-        [--profile [VARIANT]] [--collector N] [--no-cpu] [--no-backward] [--csv PATH]
+        [--profile [VARIANT]] [--targets] [--collector N] [--no-cpu] [--no-backward] [--csv PATH]
 """
 
 import argparse
@@ -119,6 +120,7 @@ CLOCK = [time.thread_time]
 
 VARIANTS = ("none", "noop", "floor", "module", "batch", "watch", "defer")
 DETECTORS = VARIANTS[3:]
+TARGETS = ("none", "floor", "batch", "watch")  # --targets: the issue's ratios, timed alone
 
 
 # -- stubs: the GPU-only steps of the Triton path -----------------------------------------------------
@@ -1003,6 +1005,15 @@ def host_path(args, csv_rows):
     def run():
         replay(model, fresh_activations(events) if args.fresh_activations else events, grad=grad)
 
+    if args.targets:
+        with triton_on_cpu():
+            times = measure(model, run, TARGETS, args.repeats, args.inner, clock=time.thread_time)
+        per_hook = {v: (times[v] - times["none"]) / hooks * 1e6 for v in TARGETS}
+        floor = per_hook["floor"]
+        print(f"targets ({args.repeats} rounds of {args.inner} forwards): floor {floor:.2f} us/hook; "
+              f"check='batch' {per_hook['batch']:.2f} us = {per_hook['batch'] / floor:.2f}x; "
+              f"watch() {per_hook['watch']:.2f} us = {per_hook['watch'] / floor:.2f}x")
+        return None
     with triton_on_cpu():
         times = measure(model, run, VARIANTS, args.repeats, args.inner, clock=time.thread_time)
         counts = {v: counted(model, run, v) for v in DETECTORS}
@@ -1203,6 +1214,9 @@ def main(argv=None):
     parser.add_argument("--profile", nargs="?", const="batch", choices=DETECTORS, metavar="VARIANT",
                         help="cProfile a variant (default: batch) and print the top costs")
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--targets", action="store_true",
+                        help="time only the floor, check='batch' and watch() (15 rounds of 20 forwards unless "
+                             "--repeats/--inner say otherwise) and print their ratios to the floor")
     parser.add_argument("--collector", type=int, default=None,
                         help="forwards in a row for the cyclic collector's figures of check='batch' and watch() "
                              "(default 2000, 20 with --quick; 0 skips)")
@@ -1221,8 +1235,8 @@ def main(argv=None):
     args.layers = args.layers or (1 if quick else 12)
     args.batch = args.batch or (1 if quick else 8)
     args.seq = args.seq or (64 if quick else 1024)
-    args.repeats = args.repeats or (3 if quick else 7)
-    args.inner = args.inner or (1 if quick else 3)
+    args.repeats = args.repeats or (3 if quick else 15 if args.targets else 7)
+    args.inner = args.inner or (1 if quick else 20 if args.targets else 3)
     args.collector = (20 if quick else 2000) if args.collector is None else args.collector
     if triton_common.triton is None:
         raise SystemExit(f"triton is needed for its kernels' constexpr types: {triton_common._IMPORT_ERROR}")
@@ -1230,7 +1244,10 @@ def main(argv=None):
         print("the C++ extension is unavailable: the per-hook reads take the Python path (counted launches)")
     print(_results.machine_line(), flush=True)
     csv_rows = []
-    per_hook, counts, overhead = host_path(args, csv_rows)
+    measured = host_path(args, csv_rows)
+    if measured is None:
+        return 0  # --targets
+    per_hook, counts, overhead = measured
     if args.no_cpu:
         pass
     elif cpu_backend.unavailable_reason() is not None:

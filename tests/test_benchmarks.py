@@ -55,6 +55,15 @@ def test_bench_host_path_quick_last_line(tmp_path, activations):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="the host-path benchmark needs triton")
+def test_bench_host_path_targets_prints_the_ratios():
+    result = _run([os.path.join(BENCH, "bench_host_path.py"), "--quick", "--targets"])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert re.search(r"^targets \(3 rounds of 1 forwards\): floor [\d.]+ us/hook; check='batch' [\d.]+ us = [\d.]+x; "
+                     r"watch\(\) [\d.]+ us = [\d.]+x$", result.stdout, re.M), result.stdout[-2000:]
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="the hook breakdown needs triton")
 def test_bench_hook_breakdown_prints_its_table():
     result = _run([os.path.join(BENCH, "bench_hook_breakdown.py"), "--layers", "1", "--batch", "1", "--seq", "8",
