@@ -247,7 +247,6 @@ class DebugUnderflowOverflow(ReferenceFace, StepMode):
 
     # -- the hooks ----------------------------------------------------------------------------
 
-
     def _before(self, module, args, kwargs=None):
         if is_compiling():
             return
