@@ -48,7 +48,7 @@ namespace overflow_fast {
 namespace {
 
 // Bumped whenever the Python side must change with the module (cpu_backend.py checks it).
-constexpr int kAbiVersion = 22;
+constexpr int kAbiVersion = 23;
 
 // Columns of a row (overflow_fast/stats/layout.py).
 enum Column : int64_t { ABS_MIN, ABS_MAX, NAN_COUNT, POSINF, NEGINF, ZERO, SUBNORMAL, NUMEL, NUM_COLUMNS };

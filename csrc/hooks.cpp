@@ -1401,12 +1401,20 @@ T* object_of(PyObject* object, PyTypeObject* type, bool optional, const char* wh
   return value;
 }
 
+// Whether HookCore.add's answer leaves its caller nothing to do: added, no row changed after its
+// hook, and its rows read by the launcher or waiting (hook_core.py's settled is its specification).
+bool settled(const py::tuple& answer) {
+  return answer[0].cast<int64_t>() >= 0 && py::len(answer[4]) == 0 &&
+         (answer[5].cast<int64_t>() == kLaunched || py::len(answer[3]) == 0);
+}
+
 // One forward hook call outside torch.func transforms, in one crossing (hooks/hook_core.py's
 // forward_call is its specification): its entries (EntriesOf), the hooks on its outputs'
 // gradients (`outputs`, or None without gradient checks), its kept call's output (`kept`, or None
 // without find_op) and its rows (`core`'s add, which launches where a launcher is bound; None:
 // the caller adds them). `site` >= 0: the call may wait, where its tensors are off the CPU or
-// `waits_on_cpu`. (entries, tensors, dtypes, the add's answer or None where nothing was added.)
+// `waits_on_cpu`. (entries, tensors, dtypes, sources, answer): the call's sources (key, rows,
+// None) where the add's answer is `settled`, else None and that answer (None: nothing added).
 py::tuple forward_call(PyObject* const* args) {
   const auto& entries_of = *object_of<EntriesOf>(args[0], entries_of_type, false, "entries_of");
   const py::handle module(args[1]);
@@ -1431,15 +1439,21 @@ py::tuple forward_call(PyObject* const* args) {
       throw py::error_already_set();
     }
   }
+  py::object sources = py::none();
   py::object added = py::none();
   if (core != nullptr && !entries.tensors.empty()) {
     if (site >= 0 && waits_on_cpu == 0 && tensor_of(PyList_GET_ITEM(entries.tensors.ptr(), 0)).is_cpu()) {
       site = -1;
     }
-    added = core->add(entries.tensors, site, site >= 0);
+    py::tuple answer = core->add(entries.tensors, site, site >= 0);
+    if (settled(answer)) {
+      sources = py::make_tuple(answer[0], answer[1], py::none());
+    } else {
+      added = std::move(answer);
+    }
   }
   return py::make_tuple(kept_as_tuple(entries.entries), std::move(entries.tensors), kept_as_tuple(entries.dtypes),
-                        std::move(added));
+                        std::move(sources), std::move(added));
 }
 
 // forward_call(entries_of, module, input, output, kwargs, outputs, kept, core, site, waits_on_cpu)

@@ -787,17 +787,22 @@ def test_the_cpp_forward_call_is_its_twin_s_call_for_call(containers):
     rng = random.Random(13 + containers)
     modules = [torch.nn.Linear(3, 3), torch.nn.ReLU(), torch.nn.LayerNorm(3)]
     base = torch.randn(3, 3, requires_grad=True)
+    settled_in_all = 0
     for _ in range(30):
         plan = []
+        made = []  # tensors of the calls before: a call may take or return one again (its rows then reused)
         for _ in range(rng.randint(1, 6)):
-            args = tuple(_values(rng) if rng.random() < 0.5 else base * rng.random() for _ in range(rng.randint(0, 2)))
-            outputs = tuple(base * rng.random() if rng.random() < 0.6 else _values(rng)
-                            for _ in range(rng.randint(1, 3)))
+            args = tuple(_values(rng) if rng.random() < 0.3 else rng.choice(made) if made and rng.random() < 0.5
+                         else base * rng.random() for _ in range(rng.randint(0, 2)))
+            outputs = tuple(rng.choice(made) if made and rng.random() < 0.3 else base * rng.random()
+                            if rng.random() < 0.6 else _values(rng) for _ in range(rng.randint(1, 3)))
+            made.extend(value for value in outputs if type(value) is torch.Tensor)
             output = outputs if rng.random() < 0.5 else outputs[0]
             kwargs = rng.choice([None, {"k": base * 2}])
             plan.append((rng.choice(modules), args, output, kwargs, rng.choice([-1, 3]), rng.random() < 0.5,
                          rng.random() < 0.5, rng.random() < 0.8))
         answers, seen_by = [], []
+        settled_calls = 0
         labels = Labels()
         for native in (True, False):
             seen = []
@@ -805,11 +810,16 @@ def test_the_cpp_forward_call_is_its_twin_s_call_for_call(containers):
             got = []
             for module, args, output, kwargs, site, waits_on_cpu, keep, hook in plan:
                 kept = kept_class(module, args, kwargs, None, {}, root_state) if keep else None
-                entries, tensors, dtypes, answer = call(entries_of, module, args, output, kwargs,
-                                                        outputs if hook else None, kept, core, site, waits_on_cpu)
+                entries, tensors, dtypes, sources, answer = call(entries_of, module, args, output, kwargs,
+                                                                 outputs if hook else None, kept, core, site,
+                                                                 waits_on_cpu)
                 for tensor in tensors:
                     labels.name(tensor, id(tensor))
-                got.append((entries, [id(t) for t in tensors], dtypes,
+                # settled: the sources alone; else the answer for the caller (both None: nothing added)
+                assert sources is None or answer is None
+                assert sources is None or (type(sources) is tuple and type(sources[1]) is tuple), sources
+                settled_calls += sources is not None
+                got.append((entries, [id(t) for t in tensors], dtypes, sources,
                             None if answer is None else normal(answer, labels),
                             None if kept is None else (kept.output is output, kept.output_versions)))
             answers.append(got)
@@ -819,9 +829,11 @@ def test_the_cpp_forward_call_is_its_twin_s_call_for_call(containers):
             outputs.clear()  # (the next implementation's backward runs these hooks again)
             seen_by.append(seen)
         assert answers[0] == answers[1]
+        settled_in_all += settled_calls
         assert [(m, ctx, consumers) for m, ctx, consumers, _ in seen_by[0]] == \
             [(m, ctx, consumers) for m, ctx, consumers, _ in seen_by[1]]
         assert all(torch.equal(a[3], b[3]) for a, b in zip(*seen_by))
+    assert settled_in_all > 0  # (the common answer was drawn)
 
 
 def _tensors_of(output):

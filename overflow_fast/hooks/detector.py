@@ -26,7 +26,7 @@ from .counting import Counting
 from .decisions import Decisions
 from .early_warnings import EarlyWarnings
 from .errors import OverflowDetected, OverflowDetectedOnRanks, say  # noqa: F401 - the package's names
-from .frames import BACKWARD, FORWARD, entries_of, forward_items, graph_task_id, recomputing, transform_level
+from .frames import BACKWARD, FORWARD, entries_of, graph_task_id, recomputing, transform_level
 from .gradients import GradientHooks
 from .on_detect import kind as on_detect_kind
 from .options import (WATCH_DEFAULTS, Backend, BatchNumbers, Check, Folder, LogTargets, OnDetect,  # noqa: F401
@@ -87,7 +87,6 @@ class DebugUnderflowOverflow(ReferenceFace, StepMode):
         self.abort_after_batch_num = options.abort_after_batch_num
         self.prefix = text.PREFIX
         self.backend = _usable_backend(options.backend)  # the backend the hooks ask for (None: each device's)
-        self._abort_after = None if options.abort_after_batch_num is None else int(options.abort_after_batch_num)
         self._reads_kwargs = options.kwargs  # (the post hook asks at every call)
         self._handles = []
         self._inner = module_names is not None
@@ -250,7 +249,7 @@ class DebugUnderflowOverflow(ReferenceFace, StepMode):
     def _before(self, module, args, kwargs=None):
         if is_compiling():
             return
-        self._passes.call_starts(module, args, kwargs, depth=2)
+        self._passes.call_starts(module, args, kwargs, 2)
 
     def _after_model(self, module, input, kwargs, output):
         self._after(module, input, kwargs, output)
@@ -269,8 +268,8 @@ class DebugUnderflowOverflow(ReferenceFace, StepMode):
                 # recomputed in backward (activation checkpointing): the backward pass decides it
                 if not raised:
                     with run.lock, _functorch_off() as transformed:
-                        self._forward_call(run.backward_pass(), module, input, output, kwargs, True, transformed,
-                                           kept_call)
+                        run.forward_returned(run.backward_pass(), module, input, output, kwargs, True, transformed,
+                                             kept_call)
                 return
             # _functorch_off() without a Python context manager outside transforms (this runs at every hook)
             guard = None if transform_level() is None else _FunctorchOff()
@@ -280,7 +279,7 @@ class DebugUnderflowOverflow(ReferenceFace, StepMode):
                     current = run.forward_pass()
                     try:
                         if not raised:
-                            self._forward_call(current, module, input, output, kwargs, False, transformed, kept_call)
+                            run.forward_returned(current, module, input, output, kwargs, False, transformed, kept_call)
                     except BaseException as failure:
                         if outermost:
                             run.end(current, FORWARD, failure)
@@ -294,32 +293,6 @@ class DebugUnderflowOverflow(ReferenceFace, StepMode):
                     guard.__exit__(None, None, None)
         except OverflowDetected as error:
             raise error.with_traceback(None)  # (the report's traceback starts here: the frames below help no reader)
-
-    def _forward_call(self, current, module, input, output, kwargs, recomputed, transformed, kept_call=None):
-        run = self._passes
-        if run.traced.records:
-            run.traced.absorb(run, current, self.model, kept_call)  # a compiled region ran before this call
-        if current.state is _STOPPING:
-            return  # this rank reported; it stops with the others when the pass ends
-        call = self.decisions.state.count(module is self._model, recomputed)  # (the attribute: this runs at every hook)
-        if not transformed:  # (find_op's kept call takes the run's output: a replay compares its own with it)
-            outputs = self._gradients.output_hooks() if self._gradients is not None else None
-            run.add_forward(current, call, module, input, output, kwargs, kept_call, outputs)
-        else:  # torch.func takes gradients functionally: no output hooks
-            entries, tensors, dtypes = entries_of(forward_items(module, input, output, kwargs, self.options.containers),
-                                                  True)
-            if kept_call is not None:
-                kept_call.returned(output)
-                if kept_call.grad_enabled and self._gradients is not None:
-                    run.keep_call(kept_call)
-            run.add(current, call, module, entries, dtypes, tensors, FORWARD, kept_call=kept_call)
-        if kept_call is not None and not kept_call.grad_enabled and run.calls_running():
-            kept_call.release()  # autograd keeps nothing here: neither does a call that returned (culprit)
-        if recomputed:
-            run.decide_when_backward_ends()
-        if self._abort_after is not None and self.batch_number > self._abort_after:
-            run.flush(current)
-            raise ValueError(text.abort_error(self.batch_number, self.abort_after_batch_num))
 
     def _kept_gradient(self, tensor_id, grad):
         """find_op: the gradient arriving at a forward output (its id), kept for the backward's replay."""

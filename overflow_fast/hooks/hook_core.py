@@ -148,8 +148,9 @@ def forward_call(entries_of, module, input, output, kwargs, outputs, kept, core,
     crossing; this is its specification): its entries, the hooks on its outputs' gradients
     (``outputs``: an ``OutputGradients`` or None), its kept call's output (``kept``: a KeptCall or
     None) and its rows (``core``'s ``add``; None: the caller adds them). ``site`` >= 0: the call may
-    wait, where its tensors are off the CPU or ``waits_on_cpu``. ``(entries, tensors, dtypes, the
-    add's answer or None where nothing was added)``."""
+    wait, where its tensors are off the CPU or ``waits_on_cpu``. ``(entries, tensors, dtypes, sources,
+    answer)``: the call's sources ``(key, rows, None)`` where the add's answer is ``settled``, else None
+    and that answer (None where nothing was added)."""
     entries, tensors, dtypes = entries_of.forward(module, input, output, kwargs)
     if outputs is not None:
         outputs.watch(module, entries, tensors)
@@ -160,7 +161,16 @@ def forward_call(entries_of, module, input, output, kwargs, outputs, kept, core,
         if site >= 0 and not waits_on_cpu and tensors[0].is_cpu:
             site = -1
         added = core.add(tensors, site, site >= 0)
-    return entries, tensors, dtypes, added
+        if settled(added):
+            return entries, tensors, dtypes, (added[0], added[1], None), None
+    return entries, tensors, dtypes, None, added
+
+
+def settled(answer):
+    """Whether ``HookCore.add``'s answer leaves its caller nothing to do: added, no row changed
+    after its hook, and its rows read by the launcher or waiting."""
+    key, _, _, to_read, changed, read = answer
+    return key >= 0 and not changed and (read == LAUNCHED or not to_read)
 
 
 def kept_call_class():

@@ -1,9 +1,11 @@
-"""How a pass ends (``passes``): its calls decided and a detection acted on, its rows freed, the
-ranks agreed, and a pass that never ends on its own (a ``KeyboardInterrupt`` in a forward, an
-exception in a backward: see ``passes``) abandoned at the next forward's first hook. A base of
-``Passes``, whose state it uses."""
+"""How a pass ends (``passes``): its calls decided (``flush``: the rows brought to the host, the
+calls replayed) and a detection acted on, its rows freed, the ranks agreed, and a pass that never
+ends on its own (a ``KeyboardInterrupt`` in a forward, an exception in a backward: see ``passes``)
+abandoned at the next forward's first hook. A base of ``Passes``, whose state it uses."""
 
 import enum
+import itertools
+import weakref
 
 import torch
 
@@ -16,6 +18,14 @@ try:  # how non-reentrant activation checkpointing stops a recompute early: cont
     from torch.utils.checkpoint import _StopRecomputationError as _STOP_RECOMPUTATION
 except ImportError:
     _STOP_RECOMPUTATION = ()
+
+
+# Every live detector's passes, by the order they were made. On a module that two detectors watch
+# (one on a model, one on its block), torch runs the hooks of the one made first first: with the
+# reference, and with check="module", that one reports a nan/inf there first. A later one about to
+# report (its pass ended sooner: the block's) lets the earlier ones decide first (``flush``).
+_made = itertools.count()
+_live = weakref.WeakValueDictionary()  # when made -> Passes
 
 
 class PassState(enum.Enum):
@@ -37,6 +47,62 @@ class PassEnds:
     """The end of the detector's passes (its ``Passes``)."""
 
     # -- the end of a pass -------------------------------------------------------------------------
+
+    def _live_from_now(self):
+        """This detector's passes among the live ones (``_earlier_detectors_decide``); returns when
+        they were made."""
+        made = next(_made)
+        _live[made] = self
+        return made
+
+    def _live_no_more(self):
+        _live.pop(self.made, None)
+
+    def flush(self, current):
+        """Read a pass's pending statistics (one host read per device) and replay its calls in
+        order; raises the reference's ValueError at the first that holds a nan/inf (with "raise")."""
+        queue, current.queue = current.queue, []
+        if not queue:
+            return
+        nonfinite = current.reads.read()
+        decisions = self.decisions
+        if not nonfinite and decisions.quiet(queue):
+            decisions.replay_finite(current.reads, queue)
+            # a call decided in its hook holds its tensors (for a Where line): let them go now
+            self.spent = queue if queue[-1].tensors is None else None
+            return
+        if nonfinite and len(_live) > 1:
+            try:
+                _earlier_detectors_decide(self)
+            except BaseException:
+                current.queue[:0] = queue  # (its end finds them reported, or decides them)
+                raise
+        scaling = self._scaling(current)
+        for pending in queue:
+            if current.stopping:
+                break  # this rank reported; the calls after the detection never happened
+            found = decisions.replay(current.key, current.reads, pending, scaling)
+            if found is not None:
+                self._act(current, found)  # raises at the first bad call: those after it never happened
+                if current.state is PassState.ABANDONED:
+                    break
+
+    def _scaling(self, current):
+        """The GradScaler's view of a backward pass (``scaling.Scaling``) or None: not scaled, not a
+        backward, no gradient checks. Asked of the graph task running now (check="module" decides
+        inside the backward), else of the one the pass was to end with."""
+        if self.backoffs is None or current.serial is not None:
+            return None
+        task = graph_task_id()
+        if task == -1:
+            task = current.task
+        if current.scaling is None or current.scaling.task != task:
+            current.scaling = self.backoffs.scaling(task)
+        return current.scaling
+
+    def flush_all(self):
+        for open_pass in list(self.open):
+            self.flush(open_pass)
 
     def end(self, ended, phase, error=None):
         """A pass ended (its outermost call returned or raised ``error``; its backward finished):
@@ -149,3 +215,17 @@ class PassEnds:
         ``stop``: this rank's detection, (detection, frames), or None."""
         self.ranks.end_of_pass(stop, BACKWARD_END if phase == BACKWARD else FORWARD_END, self.decisions.state)
 
+
+def _earlier_detectors_decide(passes):
+    """Before ``passes``' detector reports a nan/inf, each detector made before it decides the calls
+    of its forward pass running on this thread: where both watch a module, the earlier one's hooks
+    ran first there, so it reports first (and raises: the later one never does), as it would with
+    check="module" and as the reference does."""
+    for made in sorted(_live.keys()):
+        if made >= passes.made:
+            break
+        other = _live.get(made)
+        running = other.thread.forward if other is not None else None
+        if running is not None and running.state is PassState.RUNNING and running.queue:
+            with other.lock:
+                other.flush(running)

@@ -30,7 +30,6 @@ import functools
 import itertools
 import sys
 import threading
-import weakref
 
 import torch
 
@@ -39,24 +38,19 @@ from .. import distributed
 from ..replay.culprit import autocast_state, root_state, root_state_at_end
 from .compiled import Traced
 from .decisions import NO_ROWS, Pending
-from .frames import FORWARD, graph_task_id, recomputing, transform_level
+from .frames import FORWARD, entries_of, forward_items, graph_task_id, recomputing, transform_level
 from .hook_core import entries_reader, kept_call_class
 from .on_detect import strategy
 from .pass_ends import PassEnds, PassState
 from .rank_agreement import RankAgreement
 from .reads import Reads
 from .scaling import Backoffs
-from .text import TENSOR
+from .text import TENSOR, abort_error
 
 # tuple.__new__ in C: namedtuple's own __new__ and _make are Python calls (this runs at every hook)
 _pending = functools.partial(tuple.__new__, Pending)
-
-# Every live detector's passes, by the order they were made. On a module that two detectors watch
-# (one on a model, one on its block), torch runs the hooks of the one made first first: with the
-# reference, and with check="module", that one reports a nan/inf there first. A later one about to
-# report (its pass ended sooner: the block's) lets the earlier ones decide first (``flush``).
-_made = itertools.count()
-_live = weakref.WeakValueDictionary()  # when made -> Passes
+# (an enum member read on its class is a lookup through the metaclass, about 70 ns: these are read at every hook)
+_CLOSED, _STOPPING = PassState.CLOSED, PassState.STOPPING
 
 
 class Pass:
@@ -152,6 +146,8 @@ class Passes(PassEnds):
         self.keeps_calls = options.keeps_calls
         self.decides_each_call = options.check == "module"
         self.may_defer = options.defer and options.check == "batch"
+        self.abort_after = None if options.abort_after_batch_num is None else int(options.abort_after_batch_num)
+        self.buffer_rows = options.buffer_rows  # a pass's calls waiting at most: then they are decided
         self.sync_timeout = options.sync_timeout
         self.strategy = strategy(options.on_detect, model, options.max_skips)
         self.lock = threading.RLock()  # hooks may run on several threads
@@ -163,6 +159,7 @@ class Passes(PassEnds):
         self.new_reads = lambda: Reads(backend, options.buffer_rows, options.reuse_stats, options.stage_bytes)
         self.apart = None  # the Reads of calls read on their own (create_frame)
         self.entries_of = None  # the entries of hook calls outside transforms, one C++ pass where it loads
+        self.outputs = None  # watch(): the gradients' OutputGradients (GradientHooks.output_hooks), with it
         self.kept_call = None  # find_op's KeptCall class (hook_core.kept_call_class), with the first call
         self.traced = Traced()  # hooks traced by torch.compile, replayed by the next eager hook
         # the last clean pass's calls, freed when the next pass begins (not between a forward's
@@ -178,8 +175,7 @@ class Passes(PassEnds):
         # gradient checks: which backwards a GradScaler scaled, and when its backoff is a detection
         self.backoffs = Backoffs(options.min_loss_scale, options.max_backoffs) if options.backward else None
         self.ranks = RankAgreement(options.sync, options.sync_timeout, self.strategy)
-        self.made = next(_made)
-        _live[self.made] = self
+        self.made = self._live_from_now()
 
     # -- which pass ------------------------------------------------------------------------------
 
@@ -190,6 +186,7 @@ class Passes(PassEnds):
             self.collective_writes = distributed.seen_as_writes()
         if self.entries_of is None:  # (with the first rows: the extension may be built here)
             self.entries_of = entries_reader(self.options.containers)
+            self.outputs = self.gradients.output_hooks() if self.gradients is not None else None
         reads = self.idle_reads.pop() if self.idle_reads else self.new_reads()
         opened = Pass(reads, serial)
         if serial is not None:
@@ -200,7 +197,7 @@ class Passes(PassEnds):
     def forward_pass(self):
         """This thread's forward pass (opened by its first call)."""
         current = self.thread.forward
-        if current is None or current.state is PassState.CLOSED:
+        if current is None or current.state is _CLOSED:
             current = self.thread.forward = self._open_pass(next(self.serials))
         return current
 
@@ -280,15 +277,6 @@ class Passes(PassEnds):
             self.thread.outer = None  # (it holds the call's inputs and result)
         return ambient, kept, not calls
 
-    def calls_running(self):
-        """Whether a hooked call is running on this thread."""
-        return bool(self.thread.calls)
-
-    def keep_call(self, kept):
-        """find_op: a forward call with autograd on, kept until its backward pass ends (that
-        backward's replay runs it again)."""
-        self.kept_forward.append(kept)
-
     def keep_gradient(self, tensor_id, grad):
         """find_op: the gradient arriving at a forward output (its id), kept for the backward's replay."""
         self.kept_gradients[tensor_id] = grad
@@ -329,22 +317,54 @@ class Passes(PassEnds):
                 sources = self._after_full(current, tensors, site)
         self._queue_call(current, now, call, module, entries, dtypes, sources, phase, consumers, kept_call, tensors)
 
-    def add_forward(self, current, call, module, input, output, kwargs, kept, outputs):
-        """``add`` of a forward hook call outside torch.func transforms, whose entries, hooks on its
-        outputs' gradients (``outputs``: an ``OutputGradients`` or None), kept call's output
-        (``kept``: find_op's or None) and rows are the hook layer's one call (``Reads.add_forward``)."""
-        now = self.decides_each_call or call.trace_mode or self.decisions.state.detected_overflow
+    def forward_returned(self, current, module, input, output, kwargs, recomputed, transformed, kept):
+        """A forward hook call returned (not raised): count it, read its tensors (or let them wait, see
+        ``reads``), hook its outputs' gradients (``watch``), give find_op's kept call (``kept``, or
+        None) its output, and queue it in ``current``. Outside torch.func (``transformed``: it takes
+        gradients functionally, no output hooks) all but the count and the queue are the hook layer's
+        one C++ call (``Reads.add_forward``). ``recomputed``: run in a backward (activation
+        checkpointing): the backward pass decides it. Decided now as ``add`` says (inlined, as the
+        rest: this runs at every hook)."""
+        if self.traced.records:
+            self.traced.absorb(self, current, self.model, kept)  # a compiled region ran before this call
+        if current.state is _STOPPING:
+            return  # this rank reported; it stops with the others when the pass ends
+        state = self.decisions.state
+        call = state.count(module is self.model, recomputed)
+        now = self.decides_each_call or call.trace_mode or state.detected_overflow
         reads = current.reads
-        site = id(module) if self.may_defer and reads.may_wait_in_forward(not now, call.trace_mode) else -1
-        entries, tensors, dtypes, sources = reads.add_forward(self.entries_of, module, input, output, kwargs, outputs,
-                                                              kept, site)
+        if transformed:
+            entries, tensors, dtypes = entries_of(forward_items(module, input, output, kwargs, self.options.containers),
+                                                  True)
+            if kept is not None:
+                kept.returned(output)
+            site = id(module) if self.may_defer and reads.may_wait(not now, FORWARD, call.trace_mode, tensors) else -1
+            sources = reads.add(tensors, site) if tensors else NO_ROWS
+        else:
+            site = id(module) if self.may_defer and reads.may_wait_in_forward(not now, call.trace_mode) else -1
+            entries, tensors, dtypes, sources = reads.add_forward(self.entries_of, module, input, output, kwargs,
+                                                                  self.outputs, kept, site)
+            if not tensors:
+                sources = NO_ROWS
+            elif sources is None:
+                site = reads.site_of(tensors, site)
+        if sources is None:
+            sources = self._after_full(current, tensors, site)
         if kept is not None and kept.grad_enabled and self.gradients is not None:
-            self.keep_call(kept)  # the backward's replay, a reentrant recompute's too
-        if not tensors:
-            sources = NO_ROWS
-        elif sources is None:
-            sources = self._after_full(current, tensors, reads.site_of(tensors, site))
-        self._queue_call(current, now, call, module, entries, dtypes, sources, FORWARD, None, kept, tensors)
+            self.kept_forward.append(kept)  # until its backward pass ends: that backward's replay runs it again
+        queue = current.queue  # (``_queue_call``)
+        queue.append(_pending((call, module, entries, dtypes, sources, FORWARD, None, kept, tensors if now else None,
+                               None if current.autocast is None or not tensors else computed_in(entries, dtypes,
+                                                                                               tensors[0]))))
+        if now or len(queue) >= self.buffer_rows:
+            self.flush(current)
+        if kept is not None and not kept.grad_enabled and self.thread.calls:
+            kept.release()  # autograd keeps nothing here: neither does a call that returned (culprit)
+        if recomputed:
+            self.decide_when_backward_ends()
+        if self.abort_after is not None and state.batch_number > self.abort_after:
+            self.flush(current)
+            raise ValueError(abort_error(state.batch_number, self.options.abort_after_batch_num))
 
     def _after_full(self, current, tensors, site):
         """A call's sources where the buffer had no room: what waits is decided now, then added."""
@@ -359,64 +379,18 @@ class Passes(PassEnds):
                                tensors if now else None,
                                None if current.autocast is None or not tensors else computed_in(entries, dtypes,
                                                                                                tensors[0]))))
-        if now or len(queue) >= self.options.buffer_rows:
+        if now or len(queue) >= self.buffer_rows:
             self.flush(current)
 
     def queue(self, current, pending, now=False):
         current.queue.append(pending)
-        if now or len(current.queue) >= self.options.buffer_rows:
+        if now or len(current.queue) >= self.buffer_rows:
             self.flush(current)
-
-    def flush(self, current):
-        """Read a pass's pending statistics (one host read per device) and replay its calls in
-        order; raises the reference's ValueError at the first that holds a nan/inf (with "raise")."""
-        queue, current.queue = current.queue, []
-        if not queue:
-            return
-        nonfinite = current.reads.read()
-        decisions = self.decisions
-        if not nonfinite and decisions.quiet(queue):
-            decisions.replay_finite(current.reads, queue)
-            # a call decided in its hook holds its tensors (for a Where line): let them go now
-            self.spent = queue if queue[-1].tensors is None else None
-            return
-        if nonfinite and len(_live) > 1:
-            try:
-                _earlier_detectors_decide(self)
-            except BaseException:
-                current.queue[:0] = queue  # (its end finds them reported, or decides them)
-                raise
-        scaling = self._scaling(current)
-        for pending in queue:
-            if current.stopping:
-                break  # this rank reported; the calls after the detection never happened
-            found = decisions.replay(current.key, current.reads, pending, scaling)
-            if found is not None:
-                self._act(current, found)  # raises at the first bad call: those after it never happened
-                if current.state is PassState.ABANDONED:
-                    break
-
-    def _scaling(self, current):
-        """The GradScaler's view of a backward pass (``scaling.Scaling``) or None: not scaled, not a
-        backward, no gradient checks. Asked of the graph task running now (check="module" decides
-        inside the backward), else of the one the pass was to end with."""
-        if self.backoffs is None or current.serial is not None:
-            return None
-        task = graph_task_id()
-        if task == -1:
-            task = current.task
-        if current.scaling is None or current.scaling.task != task:
-            current.scaling = self.backoffs.scaling(task)
-        return current.scaling
-
-    def flush_all(self):
-        for open_pass in list(self.open):
-            self.flush(open_pass)
 
     def close(self):
         """The hooks are off: decide what waits (its records and detection still reach the log),
         free every row, let go of the strategy's own hooks and of every call kept."""
-        _live.pop(self.made, None)
+        self._live_no_more()
         self.strategy.close()
         if self.collective_writes is not None:
             self.collective_writes.release()
@@ -431,22 +405,8 @@ class Passes(PassEnds):
                 self._close(open_pass)
             # nothing of the model stays reachable from a removed detector
             self.spent = None
-            self.model = self.gradients = self.apart = None
+            self.model = self.gradients = self.outputs = self.apart = None
             self.idle_reads = []
             self.traced = Traced()
             self._let_go_of_the_forward()  # its outputs' graph holds the gradient hooks, and they the model
 
-
-def _earlier_detectors_decide(passes):
-    """Before ``passes``' detector reports a nan/inf, each detector made before it decides the calls
-    of its forward pass running on this thread: where both watch a module, the earlier one's hooks
-    ran first there, so it reports first (and raises: the later one never does), as it would with
-    check="module" and as the reference does."""
-    for made in sorted(_live.keys()):
-        if made >= passes.made:
-            break
-        other = _live.get(made)
-        running = other.thread.forward if other is not None else None
-        if running is not None and running.state is PassState.RUNNING and running.queue:
-            with other.lock:
-                other.flush(running)

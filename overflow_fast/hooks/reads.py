@@ -87,16 +87,11 @@ class Reads:
         allows. ``(entries, tensors, dtypes, sources)``, sources as ``add`` gives them (None: no tensors,
         or the buffer is full: then ``add`` them, with ``site_of``, once it was read)."""
         core = None if _IN_FLIGHT else self._core  # (an async collective writes some memory now: ``add``)
-        entries, tensors, dtypes, answer = self._forward_call(entries_of, module, input, output, kwargs, outputs, kept,
-                                                              core, site, self.waits_on_cpu)
-        if not tensors:
-            return entries, tensors, dtypes, None
-        if answer is None:
-            return entries, tensors, dtypes, self.add(tensors, self.site_of(tensors, site))
-        key, rows, _, to_read, changed, read = answer
-        if key >= 0 and not changed and (read == LAUNCHED or not to_read):  # (inlined: this runs at every hook)
-            return entries, tensors, dtypes, (key, rows, None)
-        return entries, tensors, dtypes, self.added(tensors, answer)
+        entries, tensors, dtypes, sources, answer = self._forward_call(entries_of, module, input, output, kwargs, outputs,
+                                                                       kept, core, site, self.waits_on_cpu)
+        if sources is None and tensors:
+            sources = self.add(tensors, self.site_of(tensors, site)) if answer is None else self.added(tensors, answer)
+        return entries, tensors, dtypes, sources
 
     def site_of(self, tensors, site):
         """``site`` where ``tensors`` may wait on their device, else -1 (as ``add_forward`` decides)."""

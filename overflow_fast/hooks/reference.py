@@ -29,18 +29,14 @@ class ReferenceState:
         self.frame = []  # lines waiting for the next forward frame (batch markers)
         self.batch_number = 0
         self.total_calls = 0
-        self._detected_overflow = False
+        # the reference's flag: a nan/inf was seen, and not acted on yet (every call is decided at once
+        # until a strategy goes on). Read at every hook: a plain attribute, written by ``set_detected_overflow``
+        self.detected_overflow = False
         self.forward_batch = 0  # the batch of the last forward call (not one recomputed in backward)
-
-    @property
-    def detected_overflow(self):
-        """The reference's flag: a nan/inf was seen, and not acted on yet (every call is decided at
-        once until a strategy goes on)."""
-        return self._detected_overflow
 
     def set_detected_overflow(self, detected):
         """The one writer of the flag: a frame counted, another rank detected, a strategy went on."""
-        self._detected_overflow = detected
+        self.detected_overflow = detected
 
     def count(self, last_frame_of_batch, recomputed=False):
         """The counters of one forward hook call (``last_frame_of_batch``: the model's own).

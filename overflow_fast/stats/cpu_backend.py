@@ -20,7 +20,7 @@ from .kinds import PLAIN_TYPES, is_zero3_released
 NAME = "cpu"
 
 # Must equal kAbiVersion in csrc/binding.cpp.
-ABI_VERSION = 22
+ABI_VERSION = 23
 
 SUPPORTED_DTYPES = frozenset({
     torch.float64, torch.float32, torch.float16, torch.bfloat16,
