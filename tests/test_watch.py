@@ -518,3 +518,29 @@ def test_a_nan_in_the_input_batch_is_attributed_to_the_batch_for_any_model(check
     lines = out.splitlines()
     assert lines[-2:] == [where, f"Source: came in from outside, in the input batch: (model) "
                                  f"({type(model).__name__}) {entry}"], lines[-3:]
+
+
+@pytest.mark.parametrize("frames", [1, 3, 40])
+@pytest.mark.parametrize("finite_steps", [0, 2])
+@pytest.mark.parametrize("backward", [False, True])
+def test_a_report_is_the_same_whether_finite_passes_made_every_frame_or_only_those_kept(tmp_path, frames,
+                                                                                        finite_steps, backward):
+    """A pass without a nan/inf makes only the frames its ring keeps; with a log it makes each call's.
+    The report of a later detection (forward and gradient frames, batch lines) is the same."""
+    def run(log):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+        detector = watch(model, max_frames_to_save=frames, log=log, backward=backward)
+        x = torch.randn(3, 4)
+        bad = x.clone()
+        bad[1, 2] = INF
+        try:
+            for inputs in [x] * finite_steps + [bad]:
+                model(inputs).sum().backward()
+        except OverflowDetected as error:
+            return detector, str(error)
+
+    plain, error = capture(lambda: run(None))
+    logged, logged_error = capture(lambda: run(str(tmp_path / "run.jsonl")))
+    assert (plain, error) == (logged, logged_error)
+    assert f"Starting batch number={finite_steps}" in plain and "inf" in plain
