@@ -761,17 +761,25 @@ class OutputGradients {
 // (one level deep), inference tensors left out (they have none): hooks/culprit.py's versions_of,
 // its specification. A subclass's are its TensorImpl's, as torch's own getters read them.
 py::tuple versions_of(const py::handle& args, const py::handle& kwargs) {
-  std::vector<py::object> versions;
+  // plain integers until the tuple is made (this runs twice a hook with find_op)
+  std::vector<int64_t> versions;
   const auto add = [&versions](PyObject* value) {
     if (THPVariable_Check(value)) {
       const at::Tensor& tensor = THPVariable_Unpack(value);
       if (!tensor.is_inference()) {
-        versions.push_back(py::int_(static_cast<int64_t>(tensor.unsafeGetTensorImpl()->version_counter().current_version())));
+        versions.push_back(static_cast<int64_t>(tensor.unsafeGetTensorImpl()->version_counter().current_version()));
       }
     }
   };
-  for (const auto& value : args) {
-    add(value.ptr());
+  if (PyTuple_Check(args.ptr()) || PyList_Check(args.ptr())) {  // (add runs no Python: the items stay put)
+    PyObject** items = PySequence_Fast_ITEMS(args.ptr());
+    for (Py_ssize_t index = 0; index < PySequence_Fast_GET_SIZE(args.ptr()); ++index) {
+      add(items[index]);
+    }
+  } else {
+    for (const auto& value : args) {
+      add(value.ptr());
+    }
   }
   if (PyDict_Check(kwargs.ptr())) {
     PyObject* key = nullptr;
@@ -791,7 +799,11 @@ py::tuple versions_of(const py::handle& args, const py::handle& kwargs) {
   }
   py::tuple out(versions.size());
   for (size_t index = 0; index < versions.size(); ++index) {
-    out[index] = std::move(versions[index]);
+    PyObject* version = PyLong_FromLongLong(versions[index]);
+    if (version == nullptr) {
+      throw py::error_already_set();
+    }
+    PyTuple_SET_ITEM(out.ptr(), static_cast<Py_ssize_t>(index), version);
   }
   return untracked_if_atomic(std::move(out));
 }
