@@ -268,24 +268,22 @@ class DebugUnderflowOverflow(ReferenceFace, StepMode):
                 # recomputed in backward (activation checkpointing): the backward pass decides it
                 if not raised:
                     with run.lock, _functorch_off() as transformed:
-                        run.forward_returned(run.backward_pass(), module, input, output, kwargs, True, transformed,
-                                             kept_call)
+                        run.forward_returned(module, input, output, kwargs, True, transformed, kept_call)
                 return
             # _functorch_off() without a Python context manager outside transforms (this runs at every hook)
             guard = None if transform_level() is None else _FunctorchOff()
             transformed = guard is not None and guard.__enter__()
             try:
                 with run.lock:
-                    current = run.forward_pass()
                     try:
                         if not raised:
-                            run.forward_returned(current, module, input, output, kwargs, False, transformed, kept_call)
+                            run.forward_returned(module, input, output, kwargs, False, transformed, kept_call)
                     except BaseException as failure:
                         if outermost:
-                            run.end(current, FORWARD, failure)
+                            run.end(run.forward_pass(), FORWARD, failure)
                         raise
                     if outermost:
-                        run.end(current, FORWARD, error if raised else None)
+                        run.end(run.forward_pass(), FORWARD, error if raised else None)
                         if kept_call is not None and not kept_call.grad_enabled:
                             kept_call.release()  # decided: an evaluation keeps nothing
             finally:

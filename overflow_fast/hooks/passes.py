@@ -317,14 +317,20 @@ class Passes(PassEnds):
                 sources = self._after_full(current, tensors, site)
         self._queue_call(current, now, call, module, entries, dtypes, sources, phase, consumers, kept_call, tensors)
 
-    def forward_returned(self, current, module, input, output, kwargs, recomputed, transformed, kept):
+    def forward_returned(self, module, input, output, kwargs, recomputed, transformed, kept):
         """A forward hook call returned (not raised): count it, read its tensors (or let them wait, see
         ``reads``), hook its outputs' gradients (``watch``), give find_op's kept call (``kept``, or
-        None) its output, and queue it in ``current``. Outside torch.func (``transformed``: it takes
-        gradients functionally, no output hooks) all but the count and the queue are the hook layer's
-        one C++ call (``Reads.add_forward``). ``recomputed``: run in a backward (activation
-        checkpointing): the backward pass decides it. Decided now as ``add`` says (inlined, as the
-        rest: this runs at every hook)."""
+        None) its output, and queue it in this thread's forward pass, or with ``recomputed`` (run in
+        a backward: activation checkpointing) in the backward pass, which decides it. Outside
+        torch.func (``transformed``: it takes gradients functionally, no output hooks) all but the
+        count and the queue are the hook layer's one C++ call (``Reads.add_forward``). Decided now as
+        ``add`` says (inlined, as ``forward_pass`` is: this runs at every hook)."""
+        if recomputed:
+            current = self.backward_pass()
+        else:
+            current = self.thread.forward
+            if current is None or current.state is _CLOSED:
+                current = self.thread.forward = self._open_pass(next(self.serials))
         if self.traced.records:
             self.traced.absorb(self, current, self.model, kept)  # a compiled region ran before this call
         if current.state is _STOPPING:
