@@ -544,3 +544,38 @@ def test_a_report_is_the_same_whether_finite_passes_made_every_frame_or_only_tho
     logged, logged_error = capture(lambda: run(str(tmp_path / "run.jsonl")))
     assert (plain, error) == (logged, logged_error)
     assert f"Starting batch number={finite_steps}" in plain and "inf" in plain
+
+
+def test_calls_dropped_from_the_ring_leave_the_lines_their_frames_would_have_left():
+    """ReferenceState.drop_calls against each call's open, save and close, over random passes of
+    forward calls (the model's last), gradient frames and recomputed forward calls."""
+    import random
+
+    from overflow_fast.hooks.decisions import Pending
+    from overflow_fast.hooks.frames import BACKWARD, FORWARD, Frame
+    from overflow_fast.hooks.reference import ReferenceState
+
+    rng = random.Random(5)
+    for _ in range(200):
+        counter = ReferenceState(21, [])
+        calls = []
+        for _ in range(rng.randint(1, 4)):
+            calls += [(counter.count(False), FORWARD) for _ in range(rng.randint(0, 3))]
+            calls.append((counter.count(True), FORWARD))
+            for _ in range(rng.randint(0, 4)):
+                recomputed = rng.random() < 0.3
+                calls.append((counter.count(False, recomputed=True), FORWARD) if recomputed
+                             else (counter.count_backward(), BACKWARD))
+        start = rng.randint(0, len(calls))
+        dropped, each = ReferenceState(3, []), ReferenceState(3, [])
+        for state in (dropped, each):  # the calls before: kept the ordinary way
+            for call, phase in calls[:start]:
+                state.open(call)
+                state.save(Frame("m", "Linear", [], [], phase))
+                state.close(call)
+        dropped.drop_calls([Pending(call, None, [], [], None, phase, None) for call, phase in calls[start:]])
+        for call, phase in calls[start:]:
+            each.open(call)
+            each.save(Frame("m", "Linear", [], [], phase))
+            each.close(call)
+        assert dropped.frame == each.frame

@@ -8,6 +8,7 @@ the ring, the counters, what counting and the early warnings remember, the detec
 """
 
 import collections
+import operator
 
 from . import text
 from .errors import say
@@ -24,6 +25,7 @@ def op_line(op):
     return line(op if op.get("op") is not None else {**op, "why": op["what"]})
 
 NO_ROWS = (None, [], None)  # the sources of a call without tensors
+_TRACE_MODE = operator.attrgetter("call.trace_mode")  # (a pending call's, in C: asked of every call of a pass)
 
 # A hook call waiting for its rows: what the reference's counters said (``call``), its module,
 # entries and dtypes, where its rows are (``sources``), its phase, for an output gradient the
@@ -71,7 +73,7 @@ class Decisions:
         """Whether a queue whose rows count no nan/inf may take ``replay_finite``: nothing to trace,
         warn or log, and no detection pending."""
         return not (self.log is not None or self.early_warnings is not None or self.state.detected_overflow
-                    or any(pending.call.trace_mode for pending in queue))
+                    or any(map(_TRACE_MODE, queue)))
 
     def replay(self, pass_key, reads, pending, scaling=None):
         """The reference's bookkeeping for one call whose rows are on the host: a ``Found`` when it

@@ -299,14 +299,20 @@ class DebugUnderflowOverflow(ReferenceFace, StepMode):
     def _gradient_hook(self, module, items, consumers):
         try:
             run = self._passes
-            with run.lock, _functorch_off() as transformed:
-                current = run.backward_pass()
-                if current.state is _STOPPING:
-                    return
-                entries, tensors, dtypes = entries_of(items, True) if transformed else run.entries_of.of(items)
-                run.add(current, self.decisions.state.count_backward(), module, entries, dtypes, tensors, BACKWARD,
-                        consumers)
-                run.decide_when_backward_ends()
+            guard = None if transform_level() is None else _FunctorchOff()  # (as _after's)
+            transformed = guard is not None and guard.__enter__()
+            try:
+                with run.lock:
+                    current = run.backward_pass()
+                    if current.state is _STOPPING:
+                        return
+                    entries, tensors, dtypes = entries_of(items, True) if transformed else run.entries_of.of(items)
+                    run.add(current, self.decisions.state.count_backward(), module, entries, dtypes, tensors,
+                            BACKWARD, consumers)
+                    run.decide_when_backward_ends()
+            finally:
+                if transformed:
+                    guard.__exit__(None, None, None)
         except OverflowDetected as error:
             raise error.with_traceback(None)  # (as _after's)
 

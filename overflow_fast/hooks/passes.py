@@ -315,7 +315,14 @@ class Passes(PassEnds):
             sources = reads.add(tensors, site)
             if sources is None:
                 sources = self._after_full(current, tensors, site)
-        self._queue_call(current, now, call, module, entries, dtypes, sources, phase, consumers, kept_call, tensors)
+        # decided now: its tensors stay referenced until then, for a detection's Where line
+        queue = current.queue
+        queue.append(_pending((call, module, entries, dtypes, sources, phase, consumers, kept_call,
+                               tensors if now else None,
+                               None if current.autocast is None or not tensors else computed_in(entries, dtypes,
+                                                                                               tensors[0]))))
+        if now or len(queue) >= self.buffer_rows:
+            self.flush(current)
 
     def forward_returned(self, module, input, output, kwargs, recomputed, transformed, kept):
         """A forward hook call returned (not raised): count it, read its tensors (or let them wait, see
@@ -358,7 +365,7 @@ class Passes(PassEnds):
             sources = self._after_full(current, tensors, site)
         if kept is not None and kept.grad_enabled and self.gradients is not None:
             self.kept_forward.append(kept)  # until its backward pass ends: that backward's replay runs it again
-        queue = current.queue  # (``_queue_call``)
+        queue = current.queue  # (as ``add`` queues)
         queue.append(_pending((call, module, entries, dtypes, sources, FORWARD, None, kept, tensors if now else None,
                                None if current.autocast is None or not tensors else computed_in(entries, dtypes,
                                                                                                tensors[0]))))
@@ -377,16 +384,6 @@ class Passes(PassEnds):
         self.flush(current)
         current.reads.reset()
         return current.reads.add(tensors, site)
-
-    def _queue_call(self, current, now, call, module, entries, dtypes, sources, phase, consumers, kept_call, tensors):
-        # decided now: its tensors stay referenced until then, for a detection's Where line
-        queue = current.queue
-        queue.append(_pending((call, module, entries, dtypes, sources, phase, consumers, kept_call,
-                               tensors if now else None,
-                               None if current.autocast is None or not tensors else computed_in(entries, dtypes,
-                                                                                               tensors[0]))))
-        if now or len(queue) >= self.buffer_rows:
-            self.flush(current)
 
     def queue(self, current, pending, now=False):
         current.queue.append(pending)

@@ -9,7 +9,6 @@ once the frame's rows are on the host, in hook order.
 
 import collections
 import functools
-import itertools
 
 from . import text
 from .frames import FORWARD
@@ -88,17 +87,13 @@ class ReferenceState:
 
     def drop_calls(self, pendings):
         """``open``, ``save`` and ``close`` of calls (``decisions.Pending``, none in a traced batch)
-        whose frames the ring would push out before anyone reads them: only their lead goes. Most
-        calls of a pass take this way, and the last forward call among them takes every line that
-        waits before it: the calls from it on are the ones that leave lines."""
-        last_forward = len(pendings) - 1
-        while last_forward > 0 and pendings[last_forward].phase != FORWARD:
-            last_forward -= 1
-        for pending in itertools.islice(pendings, max(last_forward, 0), None):
-            call = pending.call
-            if call.first_call:
-                self.open(call)
+        whose frames the ring would push out before anyone reads them: only their lead goes. A
+        forward call takes every line waiting before it, and a gradient frame's counters never open
+        or close a batch (``count_backward``), so only the last forward call among them leaves
+        lines. Most calls of a pass take this way."""
+        for pending in reversed(pendings):
             if pending.phase == FORWARD:
-                self.frame = []
-            if call.last_frame_of_batch:
-                self.close(call)
+                self.frame = []  # (what its open added, its lead took)
+                if pending.call.last_frame_of_batch:
+                    self.close(pending.call)
+                return
