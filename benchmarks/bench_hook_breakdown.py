@@ -5,12 +5,12 @@ stubbed: the GPU path's host work without a GPU).
 Two measurements, each side by side in one process (this machine's speed drifts ~2x between
 runs minutes apart, so only figures from the same process compare):
 
-- **pieces:** timers around the detector's post hook (the whole hook), ``Passes.add_forward``
-  (the call queued, and within it ``Reads.add_forward``: the hook layer's one C++ call, which makes
-  the call's entries, its rows and, by the device's bound launcher, the launch), ``Reads.add``
-  (what the one call hands back to be added again: a full buffer), the Python engine call for what
-  the launcher hands back
-  (``tensor_stats``: the device's first read, declined calls), ``flush`` and the pre hook,
+- **pieces:** timers around the detector's post hook (the whole hook), ``Passes.forward_returned``
+  (the call counted, read and queued, and within it ``Reads.add_forward``: the hook layer's one C++
+  call, which makes the call's entries, its rows and, by the device's bound launcher, the launch),
+  ``Reads.add`` (what the one call hands back to be added again: a full buffer), the Python engine
+  call for what the launcher hands back (``tensor_stats``: the device's first read, declined
+  calls), ``flush`` and the pre hook,
   medians over forwards (each timer adds about 0.1 us to what it wraps);
 - **garbage collection:** the detector with the collector on and off, with the no-hook replay and
   the floor hook, in round-robin rounds: the gap is what gen-0 collections cost per hook.
@@ -72,9 +72,9 @@ def pieces(model, run, hooks, forwards):
 
     Detector = DebugUnderflowOverflow
     samples = []
-    labels = ("whole hook", "Passes.add_forward", "Reads.add_forward", "Reads.add", "tensor_stats", "flush",
+    labels = ("whole hook", "Passes.forward_returned", "Reads.add_forward", "Reads.add", "tensor_stats", "flush",
               "pre hook")
-    with timed(Detector, "_after", "whole hook"), timed(Passes, "add_forward", "Passes.add_forward"), \
+    with timed(Detector, "_after", "whole hook"), timed(Passes, "forward_returned", "Passes.forward_returned"), \
             timed(reads_module.Reads, "add_forward", "Reads.add_forward"), timed(reads_module.Reads, "add", "Reads.add"), \
             timed(reads_module.Reads, "_stats", "tensor_stats"), timed(Passes, "flush", "flush"), \
             timed(Detector, "_before", "pre hook"):
@@ -142,8 +142,8 @@ def main(argv=None):
     print("|---|---|")
     for label, value in split.items():
         print(f"| {label} | {value:.2f} |")
-    inside = split["Passes.add_forward"] + split["flush"]
-    print(f"| whole hook less Passes.add_forward and flush | {split['whole hook'] - inside:.2f} |")
+    inside = split["Passes.forward_returned"] + split["flush"]
+    print(f"| whole hook less Passes.forward_returned and flush | {split['whole hook'] - inside:.2f} |")
     print(f"| gen-0 collections (collector on - off) | {collector['collector on'] - collector['collector off']:.2f} |")
     print(f"floor hook {collector['floor']:.2f}; detector {collector['collector on']:.2f} with the collector on, "
           f"{collector['collector off']:.2f} off")

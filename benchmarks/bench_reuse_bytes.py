@@ -31,10 +31,11 @@ import _shared  # noqa: E402
 
 
 class Counter:
-    """Counts what the engine is handed, by wrapping (not replacing) ``Reads``' two ways in."""
+    """Counts what the engine is handed, by wrapping (not replacing) ``Reads``' ways in: a forward
+    hook call's one call (``add_forward``), the launches it leaves to ``Reads``, reads apart."""
 
     def __init__(self):
-        from overflow_fast.hooks import passes, reads
+        from overflow_fast.hooks import reads
         from overflow_fast.hooks.text import TENSOR
 
         self.read_bytes = 0
@@ -43,8 +44,7 @@ class Counter:
         self.extra_launches = 0  # hooks that would read only because an output is read again
         self._launched = None
         counter = self
-        launch, apart = reads.Reads._launch, reads.Reads.read_apart
-        add, add_forward, queue_call = passes.Passes.add, passes.Passes.add_forward, passes.Passes._queue_call
+        launch, apart, add_forward = reads.Reads._launch, reads.Reads.read_apart, reads.Reads.add_forward
 
         def counted_launch(self, key, first, tensors):
             counter.read_bytes += sum(t.numel() * t.element_size() for t in tensors)
@@ -58,28 +58,20 @@ class Counter:
             counter.launches += 1
             return apart(self, tensors)
 
-        def counting(real):  # a hook call's reads (add, or a forward's one call) start a count
-            def counted(self, *args, **kwargs):
-                counter._launched = set()
-                return real(self, *args, **kwargs)
-            return counted
-
-        def counted_queue_call(self, current, now, call, module, entries, dtypes, sources, phase, consumers,
-                               kept_call, tensors):
+        def counted_add_forward(self, *args):  # a forward hook call's reads, then its entries
+            counter._launched = set()
+            entries, tensors, dtypes, sources = add_forward(self, *args)
             fresh, counter._launched = counter._launched, None
-            if fresh is not None:
-                again = [tensors[payload] for kind, ctx, payload in entries
-                         if kind == TENSOR and ctx.startswith("output") and id(tensors[payload]) not in fresh]
-                # their rows came from an earlier hook
-                counter.reused_output_bytes += sum(t.numel() * t.element_size() for t in again)
-                counter.extra_launches += bool(again) and not fresh
-            return queue_call(self, current, now, call, module, entries, dtypes, sources, phase, consumers,
-                              kept_call, tensors)
+            again = [tensors[payload] for kind, ctx, payload in entries
+                     if kind == TENSOR and ctx.startswith("output") and id(tensors[payload]) not in fresh]
+            # their rows came from an earlier hook
+            counter.reused_output_bytes += sum(t.numel() * t.element_size() for t in again)
+            counter.extra_launches += bool(again) and not fresh
+            return entries, tensors, dtypes, sources
 
         reads.Reads._launch = counted_launch
         reads.Reads.read_apart = counted_apart
-        passes.Passes.add, passes.Passes.add_forward = counting(add), counting(add_forward)
-        passes.Passes._queue_call = counted_queue_call
+        reads.Reads.add_forward = counted_add_forward
         # no launcher bound to the core: what it decides to read comes back to Reads._launch, counted
         # there (a bound launcher reads the same tensors inside the core's call, uncounted)
         reads.rows_launcher = lambda backend, device: None

@@ -69,8 +69,8 @@ def test_bench_hook_breakdown_prints_its_table():
     result = _run([os.path.join(BENCH, "bench_hook_breakdown.py"), "--layers", "1", "--batch", "1", "--seq", "8",
                    "--rounds", "1", "--forwards", "2"])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    for piece in ("whole hook", "Passes.add_forward", "Reads.add_forward", "Reads.add", "tensor_stats", "flush", "pre hook",
-                  "gen-0 collections (collector on - off)"):
+    for piece in ("whole hook", "Passes.forward_returned", "Reads.add_forward", "Reads.add", "tensor_stats", "flush",
+                  "pre hook", "gen-0 collections (collector on - off)"):
         assert re.search(rf"^\| {re.escape(piece)} \| -?\d+\.\d+ \|$", result.stdout, re.M), piece
     assert re.search(r"^floor hook -?\d+\.\d+; detector ", result.stdout, re.M)
 
